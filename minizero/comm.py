@@ -1,0 +1,228 @@
+"""The communication layer: the only module in minizero that calls torch.distributed collectives.
+
+Run its tests:      python -m pytest tests/test_comm.py
+See it explained:   notebooks/00_communication.ipynb
+
+Every stage talks to the other ranks through the five functions below (all_reduce, reduce_scatter,
+all_gather, broadcast, and the teaching-only ring_all_reduce). Keeping them in one place buys two things:
+
+1. A byte tally. Each call adds to a per-rank counter the bytes that a bandwidth-optimal *ring* sends per
+   rank for it. With N ranks and a tensor of S bytes (always the *full* size, before sharding):
+
+       all-reduce                 2(N-1)/N * S     (= a reduce-scatter followed by an all-gather)
+       reduce-scatter, all-gather  (N-1)/N * S
+       broadcast                   (N-1)/N * S     (pipelined ring broadcast)
+
+   That is the unit the ZeRO paper uses when it says DDP and stages 1-2 move 2Ψ per step and stage 3
+   moves 3Ψ (section 7): its Ψ counts the (N-1)/N factor as ~1. The tally does not time anything; it is
+   what the algorithm must move, independent of what the backend really does underneath.
+
+2. One switch between gloo (CPU processes on a laptop) and NCCL (one process per GPU).
+
+How a process group gets here: `minizero.launch` calls `init(rank, world_size, ...)` in each child;
+under `torchrun`, `init()` reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+# Collectives wait this long for a missing peer before raising. A dead peer is normally noticed much sooner
+# by the launcher (it kills the survivors); this bound covers torchrun and anything the launcher cannot see.
+DEFAULT_TIMEOUT_S = float(os.environ.get("MINIZERO_TIMEOUT_S", "120"))
+
+_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
+
+
+# --------------------------------------------------------------------------------------------------------
+# Process group
+# --------------------------------------------------------------------------------------------------------
+
+def init(rank: int | None = None, world_size: int | None = None, *, backend: str | None = None,
+         store: dist.Store | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Join the process group. Without arguments, read torchrun's environment variables."""
+    if dist.is_initialized():
+        return
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        # One process per GPU: LOCAL_RANK under torchrun, the global rank under minizero.launch.
+        local_rank = int(os.environ.get("LOCAL_RANK", rank if rank is not None else 0))
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank is None:  # torchrun (or any launcher that sets the env:// variables)
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, rank=rank, world_size=world_size, store=store, timeout=timeout)
+    reset_tally()
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_initialized() -> bool:
+    return dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def backend() -> str:
+    return dist.get_backend() if dist.is_initialized() else "gloo"
+
+
+def device() -> torch.device:
+    """Where this rank computes: its GPU under NCCL, the CPU under gloo."""
+    if backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()
+
+
+# --------------------------------------------------------------------------------------------------------
+# Byte tally (per rank, per kind of collective)
+# --------------------------------------------------------------------------------------------------------
+
+_tally: Counter = Counter()
+
+
+def reset_tally() -> None:
+    _tally.clear()
+
+
+def tally() -> dict[str, float]:
+    """Bytes this rank has sent since the last reset, by kind, plus their 'total'."""
+    out = dict(_tally)
+    out["total"] = sum(_tally.values())
+    return out
+
+
+def ring_bytes(kind: str, full_bytes: int, n: int) -> float:
+    """Bytes one rank sends in a bandwidth-optimal ring for a collective over a tensor of `full_bytes`."""
+    factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
+              "all_gather": (n - 1) / n, "broadcast": (n - 1) / n}[kind]
+    return factor * full_bytes
+
+
+def _count(kind: str, full: torch.Tensor) -> None:
+    _tally[kind] += ring_bytes(kind, full.numel() * full.element_size(), world_size())
+
+
+# --------------------------------------------------------------------------------------------------------
+# Collectives. Each returns an async handle (call .wait()) when async_op=True, else None.
+# With one rank they are no-ops (or a copy), so every stage also runs single-process.
+# --------------------------------------------------------------------------------------------------------
+
+class _Done:
+    """The handle returned when there was nothing to communicate."""
+    def wait(self) -> bool:
+        return True
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "avg", async_op: bool = False):
+    """In place: every rank ends with op(tensor over ranks). DDP's gradient averaging."""
+    _count("all_reduce", tensor)
+    if world_size() == 1:
+        return _Done() if async_op else None
+    return dist.all_reduce(tensor, op=_OPS[op], async_op=async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "avg", async_op: bool = False):
+    """input [N * n] on every rank -> output [n] on rank r = op over ranks of input[r*n:(r+1)*n].
+
+    `output` may be rank r's slice of `input` itself (in place): stage 1 uses that to average its own
+    partition of the gradient without a second buffer.
+    """
+    assert input.numel() == output.numel() * world_size(), "reduce_scatter: input must be N x output"
+    _count("reduce_scatter", input)
+    if world_size() == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return _Done() if async_op else None
+    return dist.reduce_scatter_single(output, input, op=_OPS[op], async_op=async_op)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+    """input [n] from every rank -> output [N * n] on every rank, rank r's input at output[r*n:(r+1)*n].
+
+    `input` may be this rank's slice of `output` (in place), which is how ZeRO rebuilds full parameters.
+    """
+    assert output.numel() == input.numel() * world_size(), "all_gather: output must be N x input"
+    _count("all_gather", output)
+    if world_size() == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return _Done() if async_op else None
+    return dist.all_gather_single(output, input, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, async_op: bool = False):
+    """In place: every rank ends with rank `src`'s tensor. Used once, to start all replicas equal."""
+    _count("broadcast", tensor)
+    if world_size() == 1:
+        return _Done() if async_op else None
+    return dist.broadcast(tensor, src=src, async_op=async_op)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Teaching: a ring all-reduce built from point-to-point sends, equal to all_reduce(op="sum").
+# --------------------------------------------------------------------------------------------------------
+
+def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum `tensor` over ranks in place with the ring algorithm, using only send/recv.
+
+    The tensor is cut into N chunks. Ranks sit on a ring; each talks only to its two neighbours.
+
+      Phase 1, reduce-scatter (N-1 steps): at step s, rank r sends chunk (r - s) to rank r+1 and adds the
+               chunk (r - s - 1) it receives from rank r-1 into its own copy. After N-1 steps rank r holds
+               the complete sum of chunk (r + 1).
+      Phase 2, all-gather (N-1 steps): the same rotation, but the received chunk *replaces* the local one,
+               so the finished sums travel once around the ring.
+
+    Each rank sends 2(N-1) chunks of S/N bytes: 2(N-1)/N * S, independent of N for large N. That is why
+    the ring is bandwidth-optimal and why the tally above uses it as the unit.
+    """
+    n, r = world_size(), rank()
+    if n == 1:
+        return tensor
+    flat = tensor.reshape(-1)                                   # a view when contiguous
+    chunk = -(-flat.numel() // n)                               # ceil(S / N)
+    padded = torch.zeros(chunk * n, dtype=flat.dtype, device=flat.device)  # [N * chunk]
+    padded[: flat.numel()].copy_(flat)
+    chunks = padded.view(n, chunk)                              # chunks[i]: [chunk]
+    incoming = torch.empty(chunk, dtype=flat.dtype, device=flat.device)
+    right, left = (r + 1) % n, (r - 1) % n
+
+    def exchange(send_idx: int) -> None:
+        # Post the send and the receive together so neither neighbour waits on the other (no deadlock).
+        ops = [dist.P2POp(dist.isend, chunks[send_idx], right), dist.P2POp(dist.irecv, incoming, left)]
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+        _tally["ring_all_reduce"] += chunk * flat.element_size()
+
+    for s in range(n - 1):                                      # phase 1: reduce-scatter
+        exchange((r - s) % n)
+        chunks[(r - s - 1) % n] += incoming
+    for s in range(n - 1):                                      # phase 2: all-gather
+        exchange((r + 1 - s) % n)
+        chunks[(r - s) % n].copy_(incoming)
+
+    flat.copy_(padded[: flat.numel()])
+    if flat.data_ptr() != tensor.data_ptr():                    # non-contiguous input: write back
+        tensor.copy_(flat.view_as(tensor))
+    return tensor

@@ -1,0 +1,171 @@
+"""What every stage shares: the user-facing engine, mixed precision, gradient clipping, measurement.
+
+    engine = minizero.wrap(model, stage, functools.partial(torch.optim.AdamW, lr=1e-3))
+    loss = loss_fn(engine(x), y)       # forward
+    engine.backward(loss)              # backward + gradient communication
+    engine.step()                      # clip, optimizer step on what this rank owns, share the result
+
+Each stage (ddp.py, zero1.py, zero2.py, zero3.py) subclasses `Engine` and fills in four steps:
+    _after_backward()   communicate gradients (unless inside no_sync())
+    _grad_parts()       the averaged gradients of what this rank steps, one tensor per bucket
+    _after_step()       share updated parameters (stages 1-2 all-gather them)
+    _zero_grad()        clear gradients for the next step
+and sets `self.layout` (flat.FlatLayout), `self.optimizer` (optim.ShardOptimizer) and `self.sharded`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from minizero import comm
+from minizero.memory import measure
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class Engine:
+    stage: int = -1
+    sharded: bool = True           # stages 1-3: the optimizer steps a partition, gradients are partitioned
+
+    def __init__(self, model: nn.Module, optimizer, *, dtype: str = "fp32",
+                 clip_grad_norm: float | None = None):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if clip_grad_norm is not None and not clip_grad_norm > 0:
+            raise ValueError(f"clip_grad_norm must be > 0, got {clip_grad_norm!r}")
+        if not callable(optimizer):
+            raise TypeError("optimizer must be a factory params -> torch.optim.Optimizer, "
+                            "e.g. functools.partial(torch.optim.AdamW, lr=1e-3)")
+        self.module = model
+        self.optimizer_factory = optimizer
+        self.dtype = DTYPES[dtype]
+        self.clip_grad_norm = clip_grad_norm
+        self.rank, self.world_size, self.device = comm.rank(), comm.world_size(), comm.device()
+        self._sync = True
+        self._peak = {"peak": 0, "peak_params": 0}
+        self.last_grad_norm: float | None = None
+
+        # Mixed precision: the model computes in self.dtype (floating params and buffers are cast; the
+        # optimizer keeps fp32 masters, see optim.py).
+        model.to(device=self.device, dtype=self.dtype)
+        self._broadcast_from_rank0()
+        params = list(model.parameters())                      # distinct: a tied weight appears once
+        self.trainable = [p for p in params if p.requires_grad]
+        self.frozen = [p for p in params if not p.requires_grad]   # replicated as-is, never stepped
+
+    def _broadcast_from_rank0(self) -> None:
+        """All replicas start from rank 0's weights and buffers, whatever each process initialised."""
+        with torch.no_grad():
+            for t in list(self.module.parameters()) + list(self.module.buffers()):
+                comm.broadcast(t.data, src=0)
+
+    # --- forward ------------------------------------------------------------------------------------
+    def __call__(self, *inputs, **kwargs):
+        return self.module(*inputs, **kwargs)
+
+    # --- backward -----------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        self._after_backward()
+        self._track_peak()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation: backward inside this block only accumulates locally (no communication).
+        The first backward outside it reduces the sum of all accumulated micro-batches."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    # --- step ---------------------------------------------------------------------------------------
+    def step(self) -> None:
+        grads = self._grad_parts()
+        if self.clip_grad_norm is not None:
+            self.last_grad_norm = self._clip(grads)
+        self.optimizer.step(grads)
+        self._after_step()
+        self._track_peak()
+        self._zero_grad()
+
+    def _clip(self, grads: list[torch.Tensor]) -> float:
+        """Clip by the *global* norm. With sharded gradients each rank only sees its partition, so the
+        squares are summed locally and then over ranks; clipping each shard by its own norm (a classic
+        mistake) would give every rank a different scale. Same formula as torch.nn.utils.clip_grad_norm_."""
+        squares = torch.zeros((), dtype=torch.float32, device=self.device)
+        for g in grads:
+            squares += g.float().pow(2).sum()
+        if self.sharded:
+            comm.all_reduce(squares, op="sum")                 # sum of squares over all partitions
+        norm = squares.sqrt()
+        scale = (self.clip_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(scale.to(g.dtype))
+        return norm.item()
+
+    # --- results ------------------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict (keys as model.state_dict()), on CPU, trainable parameters in fp32
+        from the master weights. Collective: every rank must call it; every rank gets the result."""
+        values = {}
+        for b, master in zip(self.layout.buckets, self.optimizer.master_values()):
+            full = master
+            if self.sharded:                                   # rebuild the bucket from N partitions
+                full = torch.empty(b.padded_numel, dtype=torch.float32, device=self.device)
+                comm.all_gather(full, master.contiguous())
+            for p, view in b.views(full):
+                values[id(p)] = view.detach().cpu().clone()
+        out = {}
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            value = values.get(id(t))
+            if value is None:                                  # frozen parameter or buffer: replicated
+                value = t.detach().cpu().clone()
+                if value.is_floating_point():
+                    value = value.float()
+            out[name] = value
+        return out
+
+    def memory(self) -> dict[str, int]:
+        """This rank's model-state bytes now: params, grads, optimizer (compute device), offloaded (host),
+        and the peaks seen so far (`peak`: all device model states, `peak_params`: parameters alone)."""
+        now = measure(self._memory_groups())
+        self._update_peak(now)
+        return {**now, **self._peak}
+
+    def _memory_groups(self) -> dict[str, list[torch.Tensor]]:
+        params = list(self.module.parameters())
+        return {
+            "params": params + self._extra_tensors("params"),
+            "grads": [p.grad for p in params] + self._extra_tensors("grads"),
+            "optimizer": self.optimizer.device_tensors(),
+            "offloaded": self.optimizer.host_tensors() + self._extra_tensors("offloaded"),
+        }
+
+    def _extra_tensors(self, category: str) -> list[torch.Tensor]:
+        """Stage-specific buffers (flat gradient buffers, shards, buckets in flight) of a category."""
+        return []
+
+    def _track_peak(self) -> None:
+        self._update_peak(measure(self._memory_groups()))
+
+    def _update_peak(self, now: dict[str, int]) -> None:
+        total = now["params"] + now["grads"] + now["optimizer"]
+        self._peak["peak"] = max(self._peak["peak"], total)
+        self._peak["peak_params"] = max(self._peak["peak_params"], now["params"])
+
+    # --- filled in by each stage --------------------------------------------------------------------
+    def _after_backward(self) -> None:
+        raise NotImplementedError
+
+    def _grad_parts(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def _after_step(self) -> None:
+        raise NotImplementedError
+
+    def _zero_grad(self) -> None:
+        raise NotImplementedError

@@ -1,0 +1,129 @@
+"""A small GPT: the model every stage, test, notebook and benchmark trains.
+
+    from minizero.model import GPT, GPTConfig
+    model = GPT(GPTConfig())          # ~0.2 M parameters, learns minizero.data's sorting task on a CPU
+
+Deliberately ordinary (nanoGPT-shaped) so that what is interesting is the parallelism, not the model:
+token + position embeddings, pre-LayerNorm blocks of causal self-attention and an MLP, a final LayerNorm,
+and an output head whose weight is *tied* to the token embedding (one Parameter used twice: the case
+stage 3 must not get wrong). Attention uses an explicit causal-mask buffer so every stage also has to
+carry a buffer. The blocks sit in `GPT.blocks`, the natural units for stage 3.
+
+Options that only tests need (to make the model awkward on purpose): `frozen` names parameters that get
+requires_grad=False, and `unused_param` adds a parameter that forward never touches.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 12          # minizero.data.VOCAB_SIZE: digits 0-9, separator, padding
+    block_size: int = 32          # longest sequence
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 64
+    mlp_ratio: int = 4
+    tie_weights: bool = True
+    frozen: tuple[str, ...] = field(default_factory=tuple)   # parameter names to freeze
+    unused_param: bool = False
+
+    @classmethod
+    def named(cls, name: str, **overrides) -> "GPTConfig":
+        """'default' (~0.2 M params) or 'tiny' (a few thousand, with awkward odd sizes, for tests)."""
+        presets = {
+            "default": {},
+            "tiny": dict(n_layer=2, n_head=1, n_embd=14, block_size=17, mlp_ratio=3),
+        }
+        if name not in presets:
+            raise ValueError(f"unknown model {name!r}; choose from {sorted(presets)}")
+        return cls(**{**presets[name], **overrides})
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        mask = torch.tril(torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool))
+        self.register_buffer("causal_mask", mask)                 # [T_max, T_max], a buffer, not a param
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:          # x: [B, T, C]
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(C // self.n_head)          # [B, H, T, T]
+        att = att.masked_fill(~self.causal_mask[:T, :T], float("-inf")).softmax(dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(B, T, C)
+        return self.proj(y)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, cfg.mlp_ratio * cfg.n_embd), nn.GELU(),
+                                 nn.Linear(cfg.mlp_ratio * cfg.n_embd, cfg.n_embd))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        if cfg.n_embd % cfg.n_head:
+            raise ValueError(f"n_embd ({cfg.n_embd}) must be divisible by n_head ({cfg.n_head})")
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_weights:
+            self.head.weight = self.tok_emb.weight                 # the tie: one Parameter, two uses
+        if cfg.unused_param:
+            self.unused = nn.Parameter(torch.randn(7))             # never touched by forward
+        self.apply(self._init_weights)
+        names = dict(self.named_parameters(remove_duplicate=False))
+        for name in cfg.frozen:
+            if name not in names:
+                raise ValueError(f"frozen: no parameter named {name!r}")
+            names[name].requires_grad_(False)
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def num_params(self) -> int:
+        """Ψ: distinct parameters (the tied weight once), trainable or not."""
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:       # idx: [B, T] token ids
+        B, T = idx.shape
+        pos = torch.arange(T, device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)                  # [B, T, C]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))                             # logits [B, T, vocab]
+
+
+def make_model(cfg: GPTConfig, seed: int = 0) -> GPT:
+    """The same initial weights on every rank and in the reference, from one seed."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return GPT(cfg)

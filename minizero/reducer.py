@@ -1,0 +1,71 @@
+"""Gradient buckets that start communicating while backward is still running.
+
+Used by DDP (each bucket is all-reduced) and by ZeRO stages 2 and 3 (each bucket is reduce-scattered;
+in stage 3 a bucket is a unit). The mechanism is the one PyTorch DDP's Reducer uses:
+
+  * an autograd hook on every parameter (`register_post_accumulate_grad_hook`) fires once its gradient
+    for this backward is complete (a tied weight used twice fires once, after both uses are summed);
+  * a bucket whose parameters have all fired is *ready*; ready buckets are launched strictly in bucket
+    order, because every rank must issue the same collectives in the same order (a rank that launched
+    bucket 2 before bucket 1 would pair its bucket 2 with another rank's bucket 1: wrong sums or a hang);
+  * the collectives are asynchronous, so the network works on bucket i while autograd computes the
+    gradients of bucket i+1: communication overlaps computation;
+  * at most `max_in_flight` buckets are in flight; launching one more first waits for the oldest, which
+    bounds the memory of buffers in flight (what keeps stage 2's gradient memory at ~Ψ/N);
+  * `finish()` at the end of backward launches what never became ready (parameters that got no gradient
+    this step: unused ones, which are then reduced as zeros on every rank) and waits for everything.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+from minizero.flat import Bucket
+
+
+class GradBuckets:
+    """launch(bucket) -> async handle or None (nothing to send); done(bucket) runs after its handle."""
+
+    def __init__(self, buckets: list[Bucket], launch: Callable, done: Callable | None = None,
+                 max_in_flight: int = 2):
+        self.buckets = buckets
+        self.launch, self.done = launch, done
+        self.max_in_flight = max_in_flight
+        self._bucket_of = {p: i for i, b in enumerate(buckets) for p in b.params}
+        self._in_flight: deque = deque()
+        self._reset()
+        for b in buckets:
+            for p in b.params:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _reset(self) -> None:
+        self._missing = [len(b.params) for b in self.buckets]     # gradients not yet produced, per bucket
+        self._next = 0                                            # next bucket to launch, in order
+
+    def _on_grad_ready(self, p) -> None:
+        self._missing[self._bucket_of[p]] -= 1
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self._missing[self._next] == 0:
+            if len(self._in_flight) >= self.max_in_flight:
+                self._wait_oldest()
+            b = self.buckets[self._next]
+            self._in_flight.append((b, self.launch(b)))
+            self._next += 1
+
+    def _wait_oldest(self) -> None:
+        b, handle = self._in_flight.popleft()
+        if handle is not None:
+            handle.wait()
+            if self.done is not None:
+                self.done(b)
+
+    def finish(self) -> None:
+        """Call after loss.backward(): launch the rest in order, wait for all, get ready for the next."""
+        self._missing = [0] * len(self.buckets)
+        self._launch_ready()
+        while self._in_flight:
+            self._wait_oldest()
+        self._reset()

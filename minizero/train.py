@@ -1,0 +1,126 @@
+"""One training run, as every rank executes it: the loop behind `python -m minizero.run`, the tests and
+the notebooks.
+
+    import minizero
+    from minizero.train import TrainConfig, train_worker
+    results = minizero.launch(train_worker, 4, TrainConfig(stage=2, steps=100))   # one dict per rank
+
+Each step: `grad_accum` micro-batches (all but the last inside engine.no_sync()), then engine.step().
+The global batch of `batch_size` rows is split [grad_accum][world_size][rows] (minizero.data).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from minizero import comm
+from minizero.data import IGNORE, global_batch, local_batch
+from minizero.flat import DEFAULT_BUCKET_BYTES
+from minizero.model import GPTConfig, make_model
+from minizero.wrap import wrap
+
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+
+
+@dataclass
+class TrainConfig:
+    stage: int = 2
+    world_size: int = 2
+    steps: int = 50
+    dtype: str = "fp32"                       # "fp32" or "bf16" (bf16 compute, fp32 master weights)
+    offload: bool | str = False               # False, True/"optimizer", "params" (stage 3)
+    backend: str | None = None                # None: nccl if CUDA is available, else gloo
+    batch_size: int = 16                      # global rows per optimizer step (all ranks, all micro-batches)
+    grad_accum: int = 1                       # micro-batches per step
+    clip_grad_norm: float | None = None
+    optimizer: str = "adamw"
+    lr: float = 3e-3
+    optimizer_params: dict = field(default_factory=dict)    # extra keyword arguments (betas, momentum...)
+    bucket_size: float = DEFAULT_BUCKET_BYTES               # bytes per gradient bucket (stages 0, 2)
+    prefetch: bool = True                                   # stage 3
+    model: str = "default"                                  # GPTConfig.named(...)
+    model_overrides: dict = field(default_factory=dict)
+    seed: int = 0
+    log_every: int = 0                        # rank 0 prints progress every N steps (0: quiet)
+    return_state: bool = False                # include the final full_state_dict in the result
+
+    def model_config(self) -> GPTConfig:
+        return GPTConfig.named(self.model, **self.model_overrides)
+
+    def optimizer_factory(self):
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {self.optimizer!r}")
+        return functools.partial(OPTIMIZERS[self.optimizer], lr=self.lr, **self.optimizer_params)
+
+    def engine_options(self) -> dict:
+        opts = {"dtype": self.dtype, "clip_grad_norm": self.clip_grad_norm}
+        if self.stage in (0, 2):
+            opts["bucket_size"] = self.bucket_size
+        if self.stage == 3:
+            opts["prefetch"] = self.prefetch
+        return opts
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the scored positions (in fp32 even when the model is bf16)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+
+
+def train_worker(cfg: TrainConfig) -> dict:
+    """Train on this rank; return its losses, memory, communication and timing (and state if asked)."""
+    rank, n = comm.rank(), comm.world_size()
+    mcfg = cfg.model_config()
+    model = make_model(mcfg, seed=cfg.seed)
+    engine = wrap(model, cfg.stage, cfg.optimizer_factory(), offload=cfg.offload, **cfg.engine_options())
+    device = comm.device()
+    losses, step_times, comm_per_step = [], [], []
+    memory = None
+    for step in range(cfg.steps):
+        x, y = global_batch(step, cfg.batch_size, mcfg.block_size, seed=cfg.seed)
+        comm.reset_tally()
+        start = time.perf_counter()
+        step_loss = 0.0
+        for micro in range(cfg.grad_accum):
+            xm, ym = local_batch(x, y, rank, n, micro, cfg.grad_accum)
+            last = micro == cfg.grad_accum - 1
+            with contextlib.nullcontext() if last else engine.no_sync():
+                loss = loss_fn(engine(xm.to(device)), ym.to(device)) / cfg.grad_accum
+                engine.backward(loss)
+            step_loss += loss.item()
+        if step == cfg.steps - 1:
+            memory = engine.memory()              # as held at the end of backward (optimizer state exists)
+        engine.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        step_times.append(time.perf_counter() - start)
+        comm_per_step.append(comm.tally())
+        losses.append(step_loss)
+        if cfg.log_every and rank == 0 and (step % cfg.log_every == 0 or step == cfg.steps - 1):
+            print(f"step {step + 1:>4}/{cfg.steps}  loss {step_loss:.4f}  "
+                  f"{step_times[-1] * 1e3:.1f} ms/step", flush=True)
+    result = {
+        "rank": rank,
+        "losses": losses,
+        "memory": memory,
+        "comm_bytes_per_step": comm_per_step[-1] if comm_per_step else {},
+        "step_times": step_times,
+        "num_params": model_num_params(engine),
+        "peak": engine.memory()["peak"],
+    }
+    if device.type == "cuda":
+        result["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
+    if cfg.return_state:
+        result["state_dict"] = engine.full_state_dict()
+    return result
+
+
+def model_num_params(engine) -> int:
+    """Ψ: distinct parameters of the wrapped model, counted from the layout (stage 3's params are views
+    of freed buffers, so p.numel() still works: shapes are kept)."""
+    return sum(p.numel() for p in engine.module.parameters())

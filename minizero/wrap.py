@@ -1,0 +1,44 @@
+"""`minizero.wrap(model, stage, optimizer, offload=False, ...)`: one interface for every stage.
+
+    engine = minizero.wrap(model, 3, functools.partial(torch.optim.AdamW, lr=1e-3), dtype="bf16")
+    loss = loss_fn(engine(x), y); engine.backward(loss); engine.step()
+
+Call it inside a process group (minizero.launch or torchrun); without one it runs as a single rank.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from minizero.ddp import DDP
+from minizero.engine import Engine
+from minizero.zero1 import Zero1
+from minizero.zero2 import Zero2
+from minizero.zero3 import Zero3
+
+ENGINES = {0: DDP, 1: Zero1, 2: Zero2, 3: Zero3}
+
+
+def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False, **options) -> Engine:
+    """Wrap `model` for ZeRO `stage` (0 = DDP).
+
+    optimizer: a factory params -> torch.optim.Optimizer (it is handed the parameters this rank steps).
+    offload:   stages 1-3: True/"optimizer" keeps optimizer state on the host; stage 3 also "params".
+    options:   dtype ("fp32" | "bf16"), clip_grad_norm, bucket_size (bytes; stages 0, 2),
+               units and prefetch (stage 3).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if stage not in ENGINES:
+        raise ValueError(f"stage must be one of {sorted(ENGINES)} (0 = DDP), got {stage!r}")
+    if stage == 0:
+        if offload:
+            raise ValueError("offload needs ZeRO stage 1, 2 or 3 (DDP replicates the optimizer)")
+    else:
+        options["offload"] = offload
+    allowed = {"dtype", "clip_grad_norm", "offload"} | {0: {"bucket_size"}, 1: set(), 2: {"bucket_size"},
+                                                        3: {"units", "prefetch"}}[stage]
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise TypeError(f"stage {stage} does not take option(s) {', '.join(unknown)}")
+    return ENGINES[stage](model, optimizer, **options)

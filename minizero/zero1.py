@@ -1,0 +1,90 @@
+"""ZeRO stage 1, P_os: each rank keeps optimizer states for 1/N of the parameters.
+
+    python -m minizero.run --stage 1 --world-size 4
+    engine = minizero.wrap(model, 1, functools.partial(torch.optim.AdamW, lr=1e-3))
+
+What each rank holds (paper, section 5.1): parameters 2Ψ and gradients 2Ψ still replicated, optimizer
+states KΨ/N: 4Ψ + KΨ/N bytes (16Ψ -> 4.75Ψ for Adam with N = 64). The optimizer states were the biggest
+term (K = 12 of 16), and they are only ever *used* elementwise, so each rank can own a partition.
+
+Layout (flat.py): all trainable parameters end to end in one flat buffer, padded to a multiple of N, cut
+into N equal partitions; rank r owns partition r (a parameter may straddle two ranks, as in DeepSpeed).
+
+Communication per step, 2Ψ·(N-1)/N in a ring, the same as DDP (the paper's point: P_os is free):
+  * after backward: reduce-scatter the gradients. Not an all-reduce: a rank only steps its partition, so
+    it only needs *that* partition averaged, and reduce-scatter is exactly half of an all-reduce (Ψ).
+    It runs in place: rank r's partition of its full gradient buffer receives the average.
+  * after the step: all-gather the updated partitions into every rank's full parameter buffer (Ψ).
+Stage 1 keeps it simple: one reduce-scatter after backward, no overlap; stage 2 adds the overlap.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minizero import comm
+from minizero.engine import Engine
+from minizero.flat import FlatLayout
+from minizero.offload import HostShardOptimizer
+from minizero.optim import ShardOptimizer
+
+
+class Zero1(Engine):
+    stage = 1
+    offload_choices = (False, True, "optimizer")
+
+    def __init__(self, model, optimizer, *, offload: bool | str = False, **kwargs):
+        if offload not in self.offload_choices:
+            raise ValueError(f"offload must be one of {self.offload_choices} for stage {self.stage}, "
+                             f"got {offload!r}" + (" (parameter offload needs stage 3)"
+                                                   if offload == "params" else ""))
+        super().__init__(model, optimizer, **kwargs)
+        self.offload = offload
+        self.layout = FlatLayout.build(self._param_groups(), self.world_size, self.rank)
+        self._init_parameters()
+        self._init_gradients()
+        self.optimizer = self._make_optimizer([self._my_params(b) for b in self.layout.buckets])
+
+    def _param_groups(self):
+        return [self.trainable]                          # one bucket: the whole model
+
+    # --- parameters: full and replicated, as in DDP -----------------------------------------------------
+    def _init_parameters(self) -> None:
+        self.flat_params = self.layout.flatten(self.dtype, self.device)    # [Ψ padded to N·⌈Ψ/N⌉]
+        self.layout.point_params_into(self.flat_params)
+
+    def _make_optimizer(self, parts):
+        cls = HostShardOptimizer if self.offload else ShardOptimizer
+        return cls(parts, self.optimizer_factory)        # <- the essential line: it sees Ψ/N parameters
+
+    def _my_params(self, b) -> torch.Tensor:
+        """This rank's partition of bucket b's parameters: [Ψ_b / N], a view into flat_params."""
+        return self.layout.my_partition(self.layout.full(self.flat_params, b), b)
+
+    # --- gradients: full and replicated, as in DDP ------------------------------------------------------
+    def _init_gradients(self) -> None:
+        self.flat_grads = torch.zeros_like(self.flat_params)            # [padded Ψ], p.grad are views
+        self.layout.point_grads_into(self.flat_grads)
+
+    def _after_backward(self) -> None:
+        if not self._sync:
+            return                                       # no_sync(): keep accumulating locally
+        for b in self.layout.buckets:
+            full = self.layout.full(self.flat_grads, b)
+            comm.reduce_scatter(self.layout.my_partition(full, b), full, op="avg")   # in place
+
+    def _grad_parts(self):
+        return [self.layout.my_partition(self.layout.full(self.flat_grads, b), b)
+                for b in self.layout.buckets]
+
+    def _zero_grad(self) -> None:
+        self.flat_grads.zero_()
+
+    # --- after the step: every rank needs every updated parameter ---------------------------------------
+    def _after_step(self) -> None:
+        for b in self.layout.buckets:
+            full = self.layout.full(self.flat_params, b)
+            comm.all_gather(full, self.layout.my_partition(full, b))     # in place: my partition is input
+
+    def _extra_tensors(self, category):
+        return [self.flat_grads] if category == "grads" else []

@@ -1,0 +1,81 @@
+"""ZeRO stage 2, P_os+g: stage 1, plus each rank keeps only its partition of the gradients.
+
+    python -m minizero.run --stage 2 --world-size 4
+    engine = minizero.wrap(model, 2, functools.partial(torch.optim.AdamW, lr=1e-3), bucket_size=25e6)
+
+What each rank holds (paper, section 5.2): parameters 2Ψ, gradients (2/N)Ψ, optimizer states KΨ/N:
+2Ψ + (2 + K)Ψ/N bytes (16Ψ -> 2.2Ψ for Adam with N = 64).
+
+Read zero1.py first: this file is only what stage 2 changes. Stage 1 kept a full gradient buffer and
+reduce-scattered it after backward; but a rank only ever *uses* its own partition of the gradient. So:
+  * parameters are grouped into buckets (flat.py), each padded and partitioned over the N ranks;
+  * during backward, as soon as a bucket's gradients are complete (reducer.GradBuckets, the same
+    mechanism as DDP), they are copied into a staging buffer, the full per-parameter gradients are
+    freed, and the bucket is reduce-scattered asynchronously while backward continues;
+  * when it arrives, rank r adds its partition into its gradient shard, the only gradient memory that
+    persists: [Ψ/N]. Peak gradient memory is the shard plus the buckets in flight.
+Communication is unchanged from stage 1 (reduce-scatter Ψ + all-gather Ψ = 2Ψ per step), now overlapped
+with backward. Gradient accumulation: inside no_sync() gradients accumulate in full in p.grad (no
+communication, but 2Ψ of gradient memory, as in FSDP's no_sync); outside it every micro-batch is
+reduce-scattered and summed into the shard (DeepSpeed's way: more communication, less memory).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minizero import comm
+from minizero.flat import DEFAULT_BUCKET_BYTES, split_into_buckets
+from minizero.reducer import GradBuckets
+from minizero.zero1 import Zero1
+
+
+class Zero2(Zero1):
+    stage = 2
+
+    def __init__(self, model, optimizer, *, bucket_size: float = DEFAULT_BUCKET_BYTES, **kwargs):
+        self.bucket_size = bucket_size
+        super().__init__(model, optimizer, **kwargs)
+
+    def _param_groups(self):
+        # Reverse parameter order: the order in which backward produces gradients, so buckets fill up one
+        # after the other and can be sent while the rest of backward runs.
+        return split_into_buckets(list(reversed(self.trainable)), self.bucket_size)
+
+    # --- gradients: only this rank's partition persists --------------------------------------------------
+    def _init_gradients(self) -> None:
+        self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)  # [Ψ/N]
+        self._staging: dict[int, torch.Tensor] = {}      # bucket index -> its full gradients, in flight
+        self.reducer = GradBuckets(self.layout.buckets, launch=self._reduce_scatter_bucket,
+                                   done=self._accumulate_bucket)
+
+    def _reduce_scatter_bucket(self, b):
+        """Runs inside backward when bucket b's gradients are complete."""
+        if not self._sync:
+            return None                                  # no_sync(): p.grad keeps accumulating
+        staging = torch.zeros(b.padded_numel, dtype=self.dtype, device=self.device)   # [Ψ_b padded]
+        for p, view in b.views(staging):
+            if p.grad is not None:                       # None: the parameter got no gradient (unused)
+                view.copy_(p.grad)
+        self._staging[b.index] = staging
+        self._track_peak()                               # the moment full and staged gradients coexist
+        for p in b.params:
+            p.grad = None                                # <- the essential line: full gradients freed
+        mine = self.layout.my_partition(staging, b)
+        return comm.reduce_scatter(mine, staging, op="avg", async_op=True)
+
+    def _accumulate_bucket(self, b) -> None:
+        staging = self._staging.pop(b.index)
+        self.layout.shard(self.grad_shard, b).add_(self.layout.my_partition(staging, b))
+
+    def _after_backward(self) -> None:
+        self.reducer.finish()
+
+    def _grad_parts(self):
+        return [self.layout.shard(self.grad_shard, b) for b in self.layout.buckets]
+
+    def _zero_grad(self) -> None:
+        self.grad_shard.zero_()
+
+    def _extra_tensors(self, category):
+        return [self.grad_shard, *self._staging.values()] if category == "grads" else []
