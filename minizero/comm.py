@@ -179,6 +179,15 @@ def broadcast(tensor: torch.Tensor, src: int = 0, async_op: bool = False):
     return dist.broadcast(tensor, src=src, async_op=async_op)
 
 
+def all_gather_object(obj) -> list:
+    """Every rank's `obj`, by rank. For reporting results under torchrun, not for training: not tallied."""
+    if world_size() == 1:
+        return [obj]
+    out = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 # --------------------------------------------------------------------------------------------------------
 # Teaching: a ring all-reduce built from point-to-point sends, equal to all_reduce(op="sum").
 # --------------------------------------------------------------------------------------------------------

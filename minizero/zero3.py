@@ -32,6 +32,7 @@ Limitation (as FSDP without meta-device init): the model is built in full on eac
 
 from __future__ import annotations
 
+import time
 from functools import partial
 
 import torch
@@ -58,6 +59,13 @@ class Zero3(Zero2):
             unit.register_forward_hook(partial(self._post_forward, b))
         self._forward_order: list = []       # buckets in pre-forward order, recorded on the first step
         self._finished_order: list = []      # buckets in post-forward order; reversed = backward order
+        names = {id(m): n or "<root>" for n, m in self.module.named_modules()}
+        self.unit_names = [names[id(u)] for u in self.unit_modules]     # by bucket index
+        self.timeline: list[tuple[float, str, int]] | None = None       # set to [] to record events
+
+    def _record(self, event: str, b) -> None:
+        if self.timeline is not None:   # (time, "gather" | "prefetch" | "free", bucket index)
+            self.timeline.append((time.perf_counter(), event, b.index))
 
     # --- units: which parameters each one owns ------------------------------------------------------------
     def _param_groups(self):
@@ -118,6 +126,7 @@ class Zero3(Zero2):
             if self.offload_params:
                 mine = mine.to(self.device, copy=True, non_blocking=True)      # host -> device, explicit
             handle = comm.all_gather(full, mine, async_op=True)     # <- the essential line of stage 3
+            self._record("prefetch" if async_op else "gather", b)
             if async_op:
                 self._pending[b.index] = (handle, mine)
                 self._state[b.index] = IN_FLIGHT
@@ -129,6 +138,8 @@ class Zero3(Zero2):
     def _free(self, b) -> None:
         if self._state[b.index] == IN_FLIGHT:
             self._pending.pop(b.index)[0].wait()          # never free a buffer a collective is writing
+        if self._state[b.index] != FREE:
+            self._record("free", b)
         self.full_params[b.index].untyped_storage().resize_(0)
         self._state[b.index] = FREE
 

@@ -1,0 +1,225 @@
+"""Train the small GPT with a ZeRO stage and print what it measured.
+
+    python -m minizero.run --stage 2 --world-size 4
+    python -m minizero.run --stage 3 --world-size 4 --dtype bf16 --offload params --json out.json
+    torchrun --nproc-per-node 4 -m minizero.run --stage 3        # uses torchrun's process group
+
+Ends with a per-rank table: measured parameter / gradient / optimizer / offloaded bytes next to the ZeRO
+paper's formula (minizero.memory.estimate), communicated bytes per step next to the 2Ψ / 3Ψ theory,
+the loss from first to last step, and the step time. Bad input: one line on stderr, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+from minizero import comm
+from minizero.launcher import launch
+from minizero.memory import comm_volume, estimate_breakdown
+from minizero.train import OPTIMIZERS, TrainConfig, train_worker
+
+
+class UsageError(Exception):
+    """Bad input from the command line: reported in one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):                      # one clear line instead of usage + message
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m minizero.run", description=__doc__.split("\n")[0])
+    p.add_argument("--stage", type=int, default=None, help="0 = DDP, 1, 2, 3 (default 2)")
+    p.add_argument("--world-size", type=int, default=None, help="processes (default 2; torchrun: its own)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 50)")
+    p.add_argument("--dtype", default=None, help="fp32 or bf16 (bf16 compute, fp32 master weights)")
+    p.add_argument("--offload", nargs="?", const="optimizer", default=None, metavar="WHAT",
+                   help="stages 1-3: optimizer state on the host; '--offload params' (stage 3) also "
+                        "keeps parameter shards there")
+    p.add_argument("--backend", default=None, help="gloo or nccl (default: nccl if CUDA is available)")
+    p.add_argument("--batch-size", type=int, default=None, help="global batch rows per step (default 16)")
+    p.add_argument("--grad-accum", type=int, default=None, help="micro-batches per step (default 1)")
+    p.add_argument("--clip-grad-norm", type=float, default=None, help="clip by global gradient norm")
+    p.add_argument("--optimizer", default=None, help=f"one of {', '.join(OPTIMIZERS)} (default adamw)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default 3e-3)")
+    p.add_argument("--bucket-size-mb", type=float, default=None, help="gradient bucket size (default 25)")
+    p.add_argument("--no-prefetch", action="store_true", help="stage 3: gather units only when needed")
+    p.add_argument("--model", default=None, help="default or tiny")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Flags over defaults, then validation, so a bad run fails before any process starts."""
+    cfg = TrainConfig()
+    pairs = {"stage": args.stage, "world_size": args.world_size, "steps": args.steps, "dtype": args.dtype,
+             "backend": args.backend, "batch_size": args.batch_size, "grad_accum": args.grad_accum,
+             "clip_grad_norm": args.clip_grad_norm, "optimizer": args.optimizer, "lr": args.lr,
+             "model": args.model, "seed": args.seed}
+    for name, value in pairs.items():
+        if value is not None:
+            setattr(cfg, name, value)
+    if args.offload is not None:
+        cfg.offload = args.offload
+    if args.bucket_size_mb is not None:
+        cfg.bucket_size = args.bucket_size_mb * 1e6
+    if args.no_prefetch:
+        cfg.prefetch = False
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: TrainConfig) -> None:
+    def bad(msg):
+        raise UsageError(msg)
+    if cfg.stage not in (0, 1, 2, 3):
+        bad(f"--stage must be 0, 1, 2 or 3, got {cfg.stage}")
+    if cfg.world_size < 1:
+        bad(f"--world-size must be >= 1, got {cfg.world_size}")
+    if cfg.steps < 1:
+        bad(f"--steps must be >= 1, got {cfg.steps}")
+    if cfg.dtype not in ("fp32", "bf16"):
+        bad(f"--dtype must be fp32 or bf16, got {cfg.dtype!r}")
+    if cfg.offload not in (False, "optimizer", "params"):
+        bad(f"--offload takes no value or 'params', got {cfg.offload!r}")
+    if cfg.offload and cfg.stage == 0:
+        bad("--offload needs --stage 1, 2 or 3")
+    if cfg.offload == "params" and cfg.stage != 3:
+        bad("--offload params needs --stage 3")
+    if cfg.backend not in (None, "gloo", "nccl"):
+        bad(f"--backend must be gloo or nccl, got {cfg.backend!r}")
+    if cfg.optimizer not in OPTIMIZERS:
+        bad(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {cfg.optimizer!r}")
+    if cfg.model not in ("default", "tiny"):
+        bad(f"--model must be default or tiny, got {cfg.model!r}")
+    if cfg.lr <= 0 or (cfg.clip_grad_norm is not None and cfg.clip_grad_norm <= 0):
+        bad("--lr and --clip-grad-norm must be > 0")
+    if cfg.bucket_size <= 0:
+        bad("--bucket-size-mb must be > 0")
+    if cfg.grad_accum < 1 or cfg.batch_size < 1:
+        bad("--grad-accum and --batch-size must be >= 1")
+    if cfg.batch_size % (cfg.world_size * cfg.grad_accum):
+        bad(f"--batch-size {cfg.batch_size} must be divisible by world size x grad accum = "
+            f"{cfg.world_size} x {cfg.grad_accum}")
+    if cfg.backend == "nccl":
+        import torch
+        if torch.cuda.device_count() < cfg.world_size and "RANK" not in os.environ:
+            bad(f"--backend nccl needs one GPU per rank: {torch.cuda.device_count()} GPUs, "
+                f"world size {cfg.world_size}")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Theory next to measurement
+# --------------------------------------------------------------------------------------------------------
+
+def optimizer_k(cfg: TrainConfig) -> int:
+    """K of the paper for this run: optimizer-state bytes per parameter, fp32 master included if any."""
+    state = {"adam": 8, "adamw": 8}.get(cfg.optimizer, 4 if cfg.optimizer_params.get("momentum") else 0)
+    master = 4 if (cfg.dtype == "bf16" or cfg.offload) else 0   # offload keeps its own fp32 host master
+    return state + master
+
+
+def theory(cfg: TrainConfig, num_params: int) -> dict:
+    elem = 2 if cfg.dtype == "bf16" else 4
+    b = estimate_breakdown(num_params, cfg.world_size, cfg.stage, param_bytes=elem, grad_bytes=elem,
+                           k=optimizer_k(cfg), offload=cfg.offload)
+    return {**b, "device_total": b["params"] + b["grads"] + b["optimizer"],
+            "comm_bytes_per_step": comm_volume(num_params, cfg.world_size, cfg.stage, bytes_per_elem=elem)}
+
+
+def summarize(cfg: TrainConfig, results: list[dict]) -> dict:
+    num_params = results[0]["num_params"]
+    losses = [statistics.fmean(r["losses"][i] for r in results) for i in range(cfg.steps)]
+    times = results[0]["step_times"][1:] or results[0]["step_times"]     # step 1 includes warm-up
+    return {
+        "stage": cfg.stage, "world_size": cfg.world_size, "num_params": num_params, "dtype": cfg.dtype,
+        "offload": cfg.offload, "losses": losses,
+        "ranks": [{"rank": r["rank"], "memory": r["memory"], "comm_bytes_per_step": r["comm_bytes_per_step"]}
+                  for r in results],
+        "theory": theory(cfg, num_params),
+        "step_time_s": statistics.median(times),
+    }
+
+
+def format_table(summary: dict) -> str:
+    kb = lambda x: f"{x / 1e3:9.1f}"      # noqa: E731
+    th = summary["theory"]
+    off = f", offload={summary['offload']}" if summary["offload"] else ""
+    lines = [f"stage {summary['stage']}, N = {summary['world_size']}, Ψ = {summary['num_params']:,} "
+             f"parameters, {summary['dtype']}{off}   (kB per rank; theory = ZeRO paper)",
+             f"{'rank':>4} {'params':>9} {'grads':>9} {'optim':>9} {'offload':>9} {'device':>9} "
+             f"{'peak':>9} {'comm/step':>10}"]
+    for r in summary["ranks"]:
+        m = r["memory"]
+        device = m["params"] + m["grads"] + m["optimizer"]
+        lines.append(f"{r['rank']:>4} {kb(m['params'])} {kb(m['grads'])} {kb(m['optimizer'])} "
+                     f"{kb(m['offloaded'])} {kb(device)} {kb(m['peak'])} {kb(r['comm_bytes_per_step']['total'])} ")
+    lines.append(f"{'th.':>4} {kb(th['params'])} {kb(th['grads'])} {kb(th['optimizer'])} {kb(th['offloaded'])} "
+                 f"{kb(th['device_total'])} {'':>9} {kb(th['comm_bytes_per_step'])} ")
+    losses = summary["losses"]
+    lines.append(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "
+                 f"median step time {summary['step_time_s'] * 1e3:.1f} ms")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        cfg = config_from_args(args)
+    except UsageError as e:
+        print(f"minizero.run: error: {e}", file=sys.stderr)
+        return 2
+    cfg.log_every = 0 if args.quiet else max(1, cfg.steps // 10)
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    try:
+        if under_torchrun:
+            results, is_reporter = _run_under_torchrun(cfg, args)
+        else:
+            results, is_reporter = launch(train_worker, cfg.world_size, cfg, backend=cfg.backend), True
+    except UsageError as e:
+        print(f"minizero.run: error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:                 # a rank failed: the launcher says which and why
+        print(f"minizero.run: {e}", file=sys.stderr)
+        return 1
+    if is_reporter:
+        summary = summarize(cfg, results)
+        print(format_table(summary))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(summary, f, indent=1)
+            print(f"wrote {args.json}")
+    return 0
+
+
+def _run_under_torchrun(cfg: TrainConfig, args) -> tuple[list[dict], bool]:
+    world = int(os.environ["WORLD_SIZE"])
+    if args.world_size is not None and args.world_size != world:
+        raise UsageError(f"--world-size {args.world_size} disagrees with torchrun's WORLD_SIZE={world}")
+    cfg.world_size = world
+    validate(cfg)
+    comm.init(backend=cfg.backend)
+    try:
+        result = train_worker(cfg)
+        result.pop("state_dict", None)
+        results = comm.all_gather_object(result)
+    finally:
+        comm.destroy()
+    return results, comm_rank_was_zero(result)
+
+
+def comm_rank_was_zero(result: dict) -> bool:
+    return result["rank"] == 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
