@@ -53,6 +53,7 @@ class Zero3(Zero2):
         self.prefetch = prefetch
         self.offload_params = kwargs.get("offload") == "params"
         self._unit_spec = units
+        self.timeline: list[tuple[float, str, int]] | None = None       # set to [] to record events
         super().__init__(model, optimizer, **kwargs)
         for b, unit in zip(self.layout.buckets, self.unit_modules):
             unit.register_forward_pre_hook(partial(self._pre_forward, b))
@@ -61,7 +62,6 @@ class Zero3(Zero2):
         self._finished_order: list = []      # buckets in post-forward order; reversed = backward order
         names = {id(m): n or "<root>" for n, m in self.module.named_modules()}
         self.unit_names = [names[id(u)] for u in self.unit_modules]     # by bucket index
-        self.timeline: list[tuple[float, str, int]] | None = None       # set to [] to record events
 
     def _record(self, event: str, b) -> None:
         if self.timeline is not None:   # (time, "gather" | "prefetch" | "free", bucket index)
