@@ -1,0 +1,136 @@
+"""Checks every stage's tests share: same parameters as the single-process reference, memory and
+communication as the ZeRO paper predicts. Each stage's test module launches once per world size and runs
+several configurations in that one process group (launches are the expensive part)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import minizero
+from minizero.memory import comm_volume
+from minizero.reference import reference_train
+from minizero.run import theory
+from minizero.train import TrainConfig
+from _workers import run_configs
+
+WORLD_SIZES = (1, 2, 3, 4)
+
+# Tied embedding/head, a frozen parameter, a parameter forward never uses, a buffer, odd sizes (n_embd 14,
+# vocab 12, block 17: no parameter count divisible by 3 or 4), several gradient buckets.
+AWKWARD = dict(model="tiny", model_overrides={"frozen": ("pos_emb.weight",), "unused_param": True},
+               bucket_size=3000)
+
+# fp32 tolerances: SGD is linear in the gradient, so 1e-6 catches any wrong scale; Adam divides by the
+# gradient's own magnitude and amplifies rounding differences of near-zero gradients to ~lr * 1e-3.
+ATOL = {"sgd_awkward_accum_clip": 1e-6, "adamw": 5e-5}
+
+
+def configs(stage: int, n: int, **stage_options) -> dict[str, TrainConfig]:
+    """The named configurations every stage is tested with at world size n."""
+    base = dict(stage=stage, world_size=n, steps=3, batch_size=24, return_state=True, **stage_options)
+    return {
+        # SGD: Adam is invariant to a constant gradient scale and would hide a wrong average.
+        "sgd_awkward_accum_clip": TrainConfig(**base, **AWKWARD, optimizer="sgd", lr=0.5, grad_accum=2,
+                                              clip_grad_norm=0.3),
+        "adamw": TrainConfig(**base, model="tiny", optimizer="adamw", lr=1e-2),
+        "bf16": TrainConfig(**base, model="tiny", optimizer="adamw", lr=1e-2, dtype="bf16"),
+        # memory is compared with the formulas on a model without frozen or unused parameters
+        "memory_bf16": TrainConfig(**{**base, "steps": 2, "return_state": False}, dtype="bf16"),
+        "memory_fp32": TrainConfig(**{**base, "steps": 2, "return_state": False}, dtype="fp32"),
+    }
+
+
+def launch_all(stage: int, world_sizes=WORLD_SIZES, **stage_options) -> dict:
+    """{(n, name): (cfg, [per-rank result])} for every world size and configuration."""
+    out = {}
+    for n in world_sizes:
+        cfgs = configs(stage, n, **stage_options)
+        per_rank = minizero.launch(run_configs, n, list(cfgs.values()))
+        for i, (name, cfg) in enumerate(cfgs.items()):
+            out[(n, name)] = (cfg, [rank_results[i] for rank_results in per_rank])
+    return out
+
+
+_reference_cache: dict = {}
+
+
+def reference(cfg: TrainConfig) -> dict:
+    key = repr(dataclasses.replace(cfg, world_size=1, backend=None))
+    if key not in _reference_cache:
+        _reference_cache[key] = reference_train(cfg)
+    return _reference_cache[key]
+
+
+def assert_matches_reference(cfg: TrainConfig, results: list[dict], atol: float) -> None:
+    ref = reference(cfg)["state_dict"]
+    for res in results:
+        sd = res["state_dict"]
+        assert sd.keys() == ref.keys(), f"rank {res['rank']}: state dict keys differ"
+        for name, expected in ref.items():
+            got = sd[name]
+            assert got.shape == expected.shape, f"rank {res['rank']} {name}: shape {got.shape}"
+            diff = (got.double() - expected.double()).abs().max().item() if got.numel() else 0.0
+            assert diff <= atol, (f"rank {res['rank']}, {name}: max |minizero - reference| = {diff:.3g} "
+                                  f"> {atol:g} ({cfg.stage=}, N={cfg.world_size})")
+
+
+def assert_losses_track_reference(cfg: TrainConfig, results: list[dict], rtol: float) -> None:
+    ref = reference(dataclasses.replace(cfg, dtype="fp32"))["losses"]
+    mean = [sum(r["losses"][i] for r in results) / len(results) for i in range(cfg.steps)]
+    for i, (a, b) in enumerate(zip(mean, ref)):
+        assert abs(a - b) <= rtol * b, f"step {i}: loss {a:.5f} vs fp32 reference {b:.5f}"
+
+
+def assert_memory_matches_formula(cfg: TrainConfig, results: list[dict]) -> None:
+    """Measured bytes per category = the paper's formula, up to padding (< N elements per bucket)."""
+    n, psi = cfg.world_size, results[0]["num_params"]
+    th = theory(cfg, psi)
+    elem = 2 if cfg.dtype == "bf16" else 4
+    for res in results:
+        m = res["memory"]
+        for cat, per_elem in (("params", elem), ("grads", elem), ("optimizer", 16), ("offloaded", 16)):
+            slack = 8 * n * per_elem                      # at most 8 buckets, < N padding elements each
+            assert th[cat] - 1e-6 <= m[cat] <= th[cat] + slack, (
+                f"rank {res['rank']}, {cat}: measured {m[cat]} bytes, formula {th[cat]:.0f} "
+                f"(stage {cfg.stage}, N={n}, {cfg.dtype}, offload={cfg.offload})")
+
+
+def assert_comm_matches_formula(cfg: TrainConfig, results: list[dict]) -> None:
+    """Bytes per step = 2Ψ (stages 0-2) or 3Ψ (stage 3) ring volume, up to padding."""
+    n, psi = cfg.world_size, results[0]["num_params"]
+    elem = 2 if cfg.dtype == "bf16" else 4
+    expected = comm_volume(psi, n, cfg.stage, bytes_per_elem=elem)
+    for res in results:
+        got = res["comm_bytes_per_step"]["total"]
+        assert expected - 1e-6 <= got <= expected + 3 * 8 * n * elem, (
+            f"rank {res['rank']}: {got:.0f} bytes per step, ring theory {expected:.0f} (stage {cfg.stage}, N={n})")
+
+
+class StageSuite:
+    """The tests every stage passes; a stage's module subclasses it (class TestZero2(StageSuite): stage = 2)
+    and adds what is specific to that stage."""
+    stage: int
+    options: dict = {}
+
+    @pytest.fixture(scope="class")
+    def runs(self, request):
+        return launch_all(request.cls.stage, **request.cls.options)
+
+    @pytest.mark.parametrize("n", WORLD_SIZES)
+    @pytest.mark.parametrize("name", list(ATOL))
+    def test_matches_single_process_reference(self, runs, n, name):
+        assert_matches_reference(*runs[(n, name)], atol=ATOL[name])
+
+    @pytest.mark.parametrize("n", WORLD_SIZES)
+    def test_bf16_tracks_fp32_reference(self, runs, n):
+        cfg, results = runs[(n, "bf16")]
+        assert_matches_reference(cfg, results, atol=3e-2)
+        assert_losses_track_reference(cfg, results, rtol=2e-2)
+
+    @pytest.mark.parametrize("n", WORLD_SIZES)
+    @pytest.mark.parametrize("name", ["memory_bf16", "memory_fp32"])
+    def test_memory_and_comm_match_the_paper(self, runs, n, name):
+        assert_memory_matches_formula(*runs[(n, name)])
+        assert_comm_matches_formula(*runs[(n, name)])

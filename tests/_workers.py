@@ -1,0 +1,75 @@
+"""Worker functions for tests: importable by the launched processes (pytest puts tests/ on sys.path)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from minizero import comm
+from minizero.train import TrainConfig, train_worker
+
+
+def run_configs(cfgs: list[TrainConfig]) -> list[dict]:
+    """Several training runs, one after another, in the same process group (one launch, many checks)."""
+    return [train_worker(cfg) for cfg in cfgs]
+
+
+def collectives() -> dict:
+    """Every collective of minizero.comm on rank-dependent data, with the tally after each."""
+    r, n = comm.rank(), comm.world_size()
+    out = {}
+    comm.reset_tally()
+    x = torch.arange(10, dtype=torch.float32) + 100 * r            # 10: not divisible by 3 or 4
+    comm.all_reduce(x, op="sum")
+    out["all_reduce"], out["tally_all_reduce"] = x, comm.tally()["all_reduce"]
+    inp = torch.arange(4 * n, dtype=torch.float32) * (r + 1)
+    mine = torch.empty(4)
+    comm.reduce_scatter(mine, inp, op="avg")
+    out["reduce_scatter"], out["tally_reduce_scatter"] = mine, comm.tally()["reduce_scatter"]
+    full = torch.zeros(3 * n)
+    full[3 * r: 3 * r + 3] = r + 1
+    comm.all_gather(full, full[3 * r: 3 * r + 3])                  # in place
+    out["all_gather"], out["tally_all_gather"] = full, comm.tally()["all_gather"]
+    b = torch.full((5,), float(r))
+    comm.broadcast(b, src=n - 1)
+    out["broadcast"] = b
+    torch.manual_seed(r)
+    y = torch.randn(3, 7)                                          # 21 elements, non-contiguous below
+    expected = y.clone()
+    comm.all_reduce(expected, op="sum")
+    comm.reset_tally()
+    comm.ring_all_reduce(y.t())
+    out["ring_matches"] = torch.allclose(y, expected, atol=1e-6)
+    out["tally_ring"] = comm.tally()["ring_all_reduce"]
+    return out
+
+
+def raise_on(rank_to_fail: int, pid_dir: str) -> int:
+    with open(os.path.join(pid_dir, f"{comm.rank()}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    if comm.rank() == rank_to_fail:
+        raise ValueError("boom from the test")
+    comm.barrier()                    # the survivors block here, waiting for the dead rank
+    return comm.rank()
+
+
+def rank_and_size() -> tuple[int, int]:
+    return comm.rank(), comm.world_size()
+
+
+def zero3_timeline():
+    """One recorded stage-3 step after a warm-up step (prefetch order is learnt on the first)."""
+    import functools
+    import minizero
+    from minizero.data import global_batch
+    from minizero.model import GPTConfig, make_model
+    from minizero.train import loss_fn
+    engine = minizero.wrap(make_model(GPTConfig()), 3, functools.partial(torch.optim.SGD, lr=0.1))
+    for step in range(2):
+        if step == 1:
+            engine.timeline = []
+        x, y = global_batch(step, 4, 32)
+        engine.backward(loss_fn(engine(x), y))
+        engine.step()
+    return engine.timeline, engine.unit_names
