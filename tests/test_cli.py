@@ -1,0 +1,58 @@
+"""python -m minizero.run: trains end to end, prints the table, writes --json, works under torchrun,
+and rejects bad input with one line and exit code 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from minizero.run import main
+
+JSON_KEYS = {"stage", "world_size", "num_params", "dtype", "offload", "losses", "ranks"}
+
+
+def _check_summary(data, stage, n, steps):
+    assert JSON_KEYS <= data.keys()
+    assert (data["stage"], data["world_size"], len(data["losses"])) == (stage, n, steps)
+    assert [r["rank"] for r in data["ranks"]] == list(range(n))
+    for r in data["ranks"]:
+        assert {"params", "grads", "optimizer", "offloaded", "peak"} <= r["memory"].keys()
+        assert r["comm_bytes_per_step"]["total"] > 0
+
+
+def test_run_prints_table_and_writes_json(tmp_path):
+    out = tmp_path / "run.json"
+    p = subprocess.run([sys.executable, "-m", "minizero.run", "--stage", "2", "--world-size", "3", "--steps", "4",
+                        "--batch-size", "12", "--model", "tiny", "--json", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "step    1/4" in p.stdout and "th." in p.stdout and "loss" in p.stdout
+    _check_summary(json.loads(out.read_text()), 2, 3, 4)
+
+
+def test_run_under_torchrun_uses_its_process_group(tmp_path):
+    out = tmp_path / "run.json"
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "minizero.run", "--stage", "3", "--offload", "--steps", "2",
+                        "--model", "tiny", "--quiet", "--json", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.count("stage 3, N = 2") == 1            # rank 0 reports, once
+    _check_summary(json.loads(out.read_text()), 3, 2, 2)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--stage", "7"], "--stage must be 0, 1, 2 or 3"),
+    (["--world-size", "0"], "--world-size must be >= 1"),
+    (["--dtype", "fp16"], "--dtype must be fp32 or bf16"),
+    (["--stage", "0", "--offload"], "--offload needs --stage 1, 2 or 3"),
+    (["--stage", "2", "--offload", "params"], "--offload params needs --stage 3"),
+    (["--world-size", "3", "--batch-size", "16"], "must be divisible"),
+    (["--steps", "many"], "invalid int value"),
+    (["--frobnicate"], "unrecognized arguments"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
