@@ -116,7 +116,7 @@ class Engine:
             full = master
             if self.sharded:                                   # rebuild the bucket from N partitions
                 full = torch.empty(b.padded_numel, dtype=torch.float32, device=self.device)
-                comm.all_gather(full, master.contiguous())
+                comm.all_gather(full, master.to(self.device).contiguous())   # host masters: offload
             for p, view in b.views(full):
                 values[id(p)] = view.detach().cpu().clone()
         out = {}

@@ -70,5 +70,5 @@ class ShardOptimizer:
         return []
 
     def master_values(self) -> list[torch.Tensor]:
-        """The fp32 values of the owned parameters, on the compute device (for full_state_dict)."""
-        return [m.detach().to(p.device) for m, p in zip(self.masters, self.param_parts)]
+        """The fp32 values of the owned parameters, one per part, wherever they live (for full_state_dict)."""
+        return [m.detach() for m in self.masters]

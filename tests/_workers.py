@@ -73,3 +73,21 @@ def zero3_timeline():
         engine.backward(loss_fn(engine(x), y))
         engine.step()
     return engine.timeline, engine.unit_names
+
+
+def zero3_with_tied_units(steps: int) -> dict:
+    """Stage 3 where the embedding and the head it is tied to are separate units: the shared weight must
+    belong to their common ancestor (the root), be gathered whenever either runs, and get both gradients."""
+    import functools
+    import minizero
+    from minizero.data import global_batch, local_batch
+    from minizero.model import GPTConfig, make_model
+    from minizero.train import loss_fn
+    model = make_model(GPTConfig.named("tiny"))
+    units = [model.tok_emb, *model.blocks, model.head]
+    engine = minizero.wrap(model, 3, functools.partial(torch.optim.SGD, lr=0.5), units=units)
+    for step in range(steps):
+        x, y = local_batch(*global_batch(step, 12, 17), comm.rank(), comm.world_size())
+        engine.backward(loss_fn(engine(x), y))
+        engine.step()
+    return {"state_dict": engine.full_state_dict(), "rank": comm.rank(), "unit_names": engine.unit_names}

@@ -3,7 +3,7 @@
 import minizero
 from minizero.train import TrainConfig
 from _checks import StageSuite, assert_matches_reference
-from _workers import run_configs, zero3_timeline
+from _workers import run_configs, zero3_timeline, zero3_with_tied_units
 
 
 class TestZero3(StageSuite):
@@ -34,3 +34,11 @@ def test_each_unit_is_gathered_for_forward_and_backward_then_freed():
         gathers = [e for e, u in step if u == b and e in ("gather", "prefetch")]
         frees = [e for e, u in step if u == b and e == "free"]
         assert len(gathers) == 2 and len(frees) == 2, f"unit {names[b]}: {gathers} {frees}"
+
+
+def test_tied_weight_split_across_units_trains_like_the_reference():
+    results = minizero.launch(zero3_with_tied_units, 3, 3)
+    cfg = TrainConfig(stage=3, world_size=3, steps=3, batch_size=12, model="tiny", optimizer="sgd", lr=0.5)
+    # the root owns the tied weight; the head unit owns nothing of its own and is not a unit at all
+    assert "head" not in results[0]["unit_names"] and "<root>" in results[0]["unit_names"]
+    assert_matches_reference(cfg, results, atol=1e-6)
