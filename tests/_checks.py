@@ -10,6 +10,7 @@ import pytest
 
 import minizero
 from minizero.memory import comm_volume
+from minizero.peers import PEER_OF_STAGE, peer_worker
 from minizero.reference import reference_train
 from minizero.run import theory
 from minizero.train import TrainConfig
@@ -122,6 +123,18 @@ class StageSuite:
     @pytest.mark.parametrize("name", list(ATOL))
     def test_matches_single_process_reference(self, runs, n, name):
         assert_matches_reference(*runs[(n, name)], atol=ATOL[name])
+
+    def test_matches_pytorch_peer(self):
+        """Same end point as PyTorch's own implementation (DDP, ZeroRedundancyOptimizer, FSDP2)."""
+        cfg = TrainConfig(stage=self.stage, world_size=3, steps=3, batch_size=12, grad_accum=2, model="tiny",
+                          optimizer="sgd", lr=0.5, clip_grad_norm=0.3, return_state=True, **self.options)
+        ours = minizero.launch(run_configs, 3, [cfg])
+        theirs = minizero.launch(peer_worker, 3, cfg, PEER_OF_STAGE[self.stage])
+        for mine, peer in zip(ours, theirs):
+            for name, expected in peer["state_dict"].items():
+                diff = (mine[0]["state_dict"][name].double() - expected.double()).abs().max().item()
+                assert diff <= 1e-6, (f"rank {peer['rank']}, {name}: max |minizero - "
+                                      f"{PEER_OF_STAGE[self.stage]}| = {diff:.3g}")
 
     @pytest.mark.parametrize("n", WORLD_SIZES)
     def test_bf16_tracks_fp32_reference(self, runs, n):

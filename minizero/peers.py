@@ -1,0 +1,123 @@
+"""PyTorch's own implementation of each stage, trained exactly as minizero.train trains minizero's.
+
+    results = minizero.launch(peer_worker, 2, TrainConfig(stage=3), "fsdp2")
+
+The tests check that minizero ends where PyTorch ends, and the benchmark times both:
+    stage 0  <->  torch.nn.parallel.DistributedDataParallel                     ("ddp")
+    stage 1  <->  DDP + torch.distributed.optim.ZeroRedundancyOptimizer        ("zero_redundancy")
+    stage 2  <->  FSDP2 fully_shard(reshard_after_forward=False)               ("fsdp2_no_reshard")
+    stage 3  <->  FSDP2 fully_shard per block and at the root                  ("fsdp2")
+(FSDP2 shards gradients as stage 2 does; without resharding after forward it keeps full parameters from
+forward to backward, the closest PyTorch has to stage 2.) Same model, initial weights, data, optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from minizero import comm
+from minizero.data import global_batch, local_batch
+from minizero.memory import measure
+from minizero.model import make_model
+from minizero.train import OPTIMIZERS, TrainConfig, loss_fn
+
+PEER_OF_STAGE = {0: "ddp", 1: "zero_redundancy", 2: "fsdp2_no_reshard", 3: "fsdp2"}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def build_peer(cfg: TrainConfig, peer: str):
+    """(module to call, optimizer, no_sync context factory) for one of PyTorch's implementations."""
+    device = comm.device()
+    model = make_model(cfg.model_config(), seed=cfg.seed).to(device)
+    if cfg.dtype == "bf16":
+        raise ValueError("peers are compared in fp32")
+    opt_cls = OPTIMIZERS[cfg.optimizer]
+    opt_kwargs = {"lr": cfg.lr, **cfg.optimizer_params}
+    if peer in ("ddp", "zero_redundancy"):
+        ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_size / 1e6,
+                                      device_ids=[device.index] if device.type == "cuda" else None)
+        params = [p for p in ddp.parameters() if p.requires_grad]
+        if peer == "ddp":
+            optimizer = opt_cls(params, **opt_kwargs)
+        else:
+            optimizer = ZeroRedundancyOptimizer(params, optimizer_class=opt_cls, **opt_kwargs)
+        return ddp, optimizer, ddp.no_sync
+    if peer in ("fsdp2", "fsdp2_no_reshard"):
+        reshard = peer == "fsdp2"
+        for block in model.blocks:
+            fully_shard(block, reshard_after_forward=reshard)
+        fully_shard(model, reshard_after_forward=reshard)
+
+        @contextlib.contextmanager
+        def no_sync():
+            model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
+        optimizer = opt_cls([p for p in model.parameters() if p.requires_grad], **opt_kwargs)
+        return model, optimizer, no_sync
+    raise ValueError(f"unknown peer {peer!r}; choose from {sorted(PEER_OF_STAGE.values())}")
+
+
+def peer_worker(cfg: TrainConfig, peer: str) -> dict:
+    """The loop of minizero.train.train_worker, with PyTorch's implementation instead of an engine."""
+    rank, n, device = comm.rank(), comm.world_size(), comm.device()
+    module, optimizer, no_sync = build_peer(cfg, peer)
+    params = [p for p in module.parameters() if p.requires_grad]
+    mcfg = cfg.model_config()
+    losses, step_times, memory = [], [], None
+    for step in range(cfg.steps):
+        x, y = global_batch(step, cfg.batch_size, mcfg.block_size, seed=cfg.seed)
+        start = time.perf_counter()
+        step_loss = 0.0
+        for micro in range(cfg.grad_accum):
+            xm, ym = local_batch(x, y, rank, n, micro, cfg.grad_accum)
+            last = micro == cfg.grad_accum - 1
+            with contextlib.nullcontext() if last else no_sync():
+                loss = loss_fn(module(xm.to(device)), ym.to(device)) / cfg.grad_accum
+                loss.backward()
+            step_loss += loss.item()
+        if step == cfg.steps - 1:
+            memory = _memory(module, optimizer)
+        if cfg.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, cfg.clip_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        step_times.append(time.perf_counter() - start)
+        losses.append(step_loss)
+    result = {"rank": rank, "losses": losses, "step_times": step_times, "memory": memory}
+    if cfg.return_state:
+        result["state_dict"] = full_state_dict(module)
+    return result
+
+
+def full_state_dict(module) -> dict[str, torch.Tensor]:
+    """Plain CPU tensors with the unwrapped model's keys (DDP's 'module.' prefix dropped, DTensors gathered)."""
+    inner = module.module if isinstance(module, DistributedDataParallel) else module
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
+            for k, v in inner.state_dict().items()}
+
+
+def _memory(module, optimizer) -> dict[str, int]:
+    """This rank's resident bytes, counted the way minizero counts its own (each storage once)."""
+    params = list(module.parameters())
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        state = optimizer.optim.state.values()
+    else:
+        state = optimizer.state.values()
+    return measure({"params": [_local(p) for p in params],
+                    "grads": [_local(p.grad) for p in params if p.grad is not None],
+                    "optimizer": [_local(v) for s in state for v in s.values() if torch.is_tensor(v)]})
