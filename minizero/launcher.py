@@ -16,8 +16,8 @@ How the processes start, and why not plain `fork`:
   torch once and never runs an op; every worker is forked from *it*, so starts are fork-fast after the
   first and never inherit a used thread pool. CUDA is safe for the same reason (the server never touches
   the GPU). `fn` must be importable, as with spawn: defined in a module or in the script being run (the
-server imports the main script as `__mp_main__`, so keep its top level behind `if __name__ == "__main__"`),
-not in a notebook cell or a REPL.
+  server imports the main script as `__mp_main__`, so keep its top level behind `if __name__ == "__main__"`),
+  not in a notebook cell or a REPL.
 
 Failure handling: if any rank raises or dies, `launch` kills the others at once (they may be blocked in
 a collective waiting for the dead one) and raises RuntimeError naming the rank and its exception.
