@@ -61,8 +61,13 @@ def init(rank: int | None = None, world_size: int | None = None, *, backend: str
     reset_tally()
 
 
-def destroy() -> None:
+def destroy(wait_for_peers: bool = False) -> None:
+    """Leave the process group. wait_for_peers: first a barrier, so no rank closes its connections while
+    another is still finishing a collective with it (gloo can abort the slower process at exit otherwise).
+    Only on success: after a failure the peers may never arrive."""
     if dist.is_initialized():
+        if wait_for_peers:
+            barrier()
         dist.destroy_process_group()
 
 

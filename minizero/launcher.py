@@ -71,6 +71,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str | None, payload:
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=datetime.timedelta(seconds=60))
         comm.init(rank, world_size, backend=backend, store=store)
         result = fn(*args)
+        comm.destroy(wait_for_peers=True)
         conn.send(("ok", _dumps(result)))
     except BaseException as exc:  # noqa: BLE001 - everything must reach the parent, even SystemExit
         hint = ""
