@@ -208,17 +208,11 @@ def _run_under_torchrun(cfg: TrainConfig, args) -> tuple[list[dict], bool]:
     cfg.world_size = world
     validate(cfg)
     comm.init(backend=cfg.backend)
-    try:
-        result = train_worker(cfg)
-        result.pop("state_dict", None)
-        results = comm.all_gather_object(result)
-    finally:
-        comm.destroy()
-    return results, comm_rank_was_zero(result)
-
-
-def comm_rank_was_zero(result: dict) -> bool:
-    return result["rank"] == 0
+    result = train_worker(cfg)
+    result.pop("state_dict", None)
+    results = comm.all_gather_object(result)      # every rank's numbers; rank 0 reports them
+    comm.destroy(wait_for_peers=True)
+    return results, result["rank"] == 0
 
 
 if __name__ == "__main__":
