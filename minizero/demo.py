@@ -1,0 +1,265 @@
+"""The experiments behind notebooks/: the functions the launched ranks run, and the helpers that collect
+what they return into the numbers a notebook both plots and checks (one source for the figure and the test).
+
+    from minizero.demo import measure_stage
+    runs = measure_stage(2, world_sizes=(1, 2, 4))     # {N: record}, one minizero.launch per N
+    runs[4]["max_abs_diff"], runs[4]["ranks"][0]["memory"], runs[4]["theory"]
+
+Worker functions live here, not in notebook cells, because every launched rank imports the function it
+runs by module name, and a notebook's cells are not a module the children can import.
+
+Set MINIZERO_NOTEBOOK_DATA=DIR and `export(name, data)` also writes DIR/name.json: tests/test_notebooks.py
+reads those files and checks them against minizero.memory's formulas on its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from minizero import comm
+from minizero.data import global_batch, local_batch
+from minizero.launcher import launch
+from minizero.memory import CATEGORIES
+from minizero.model import make_model
+from minizero.reference import reference_train
+from minizero.run import summarize, validate
+from minizero.train import TrainConfig, loss_fn, train_worker
+from minizero.wrap import wrap
+
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+
+
+def backend_and_world_sizes() -> tuple[str, tuple[int, ...]]:
+    """gloo processes on the CPU with N = 1, 2, 4; with two or more GPUs, NCCL with N up to min(4, GPUs).
+    Always explicit: with one GPU, comm.init would otherwise pick NCCL for ranks that have no GPU."""
+    gpus = torch.cuda.device_count()
+    if gpus >= 2:
+        return "nccl", tuple(sorted({1, 2, min(4, gpus)}))
+    return "gloo", (1, 2, 4)
+
+
+def tolerance(cfg: TrainConfig) -> float:
+    """How far from the fp32 single-process reference a correct run may end. fp32: rounding only (Adam
+    divides by the gradient's own size, which amplifies it to ~1e-5 for near-zero gradients); bf16:
+    the model computes in 8-bit mantissas, only the fp32 masters stay close."""
+    return 1e-4 if cfg.dtype == "fp32" else 5e-2
+
+
+# --------------------------------------------------------------------------------------------------------
+# Training runs: memory, communication, time and correctness of one or more configurations
+# --------------------------------------------------------------------------------------------------------
+
+def train_several(cfgs: list[TrainConfig]) -> list[dict]:
+    """Worker: several training runs one after another in one process group (one launch, many runs)."""
+    return [train_worker(cfg) for cfg in cfgs]
+
+
+def measure(variants: dict[str, TrainConfig], world_sizes, backend: str | None = None) -> dict:
+    """{name: {N: record}}: every variant trained at every world size, one launch per world size.
+
+    A record is minizero.run.summarize's (per-rank memory and comm tally, the paper's formulas as
+    `theory`, losses, step time) plus `max_abs_diff`, the largest |parameter - reference| over all
+    ranks and parameters, `tolerance`, and the reference's losses.
+    """
+    backend = backend or backend_and_world_sizes()[0]
+    references = {name: reference_train(dataclasses.replace(cfg, world_size=1))
+                  for name, cfg in variants.items()}          # a reference does not depend on N
+    out: dict = {name: {} for name in variants}
+    for n in world_sizes:
+        cfgs = [dataclasses.replace(cfg, world_size=n, backend=backend, return_state=True)
+                for cfg in variants.values()]
+        for cfg in cfgs:
+            validate(cfg)                                     # a bad setting fails here, in one line
+        per_rank = launch(train_several, n, cfgs, backend=backend)
+        for i, (name, cfg) in enumerate(zip(variants, cfgs)):
+            results = [rank_results[i] for rank_results in per_rank]
+            ref = references[name]
+            record = summarize(cfg, results)
+            record["max_abs_diff"] = max(_max_abs_diff(r.pop("state_dict"), ref["state_dict"]) for r in results)
+            record["tolerance"] = tolerance(cfg)
+            record["reference_losses"] = ref["losses"]
+            record["optimizer"] = cfg.optimizer
+            out[name][n] = record
+    return out
+
+
+def measure_stage(stage: int, world_sizes=None, dtype: str = "fp32", *, offload: bool | str = False,
+                  steps: int = 10, model: str = "default", backend: str | None = None) -> dict:
+    """{N: record} for one stage (see `measure`); world sizes and backend default to this machine's."""
+    default_backend, default_sizes = backend_and_world_sizes()
+    cfg = TrainConfig(stage=stage, dtype=dtype, offload=offload, steps=steps, model=model, batch_size=24)
+    return measure({"run": cfg}, world_sizes or default_sizes, backend or default_backend)["run"]
+
+
+def _max_abs_diff(state: dict, reference: dict) -> float:
+    return max((state[k].double() - v.double()).abs().max().item() for k, v in reference.items() if v.numel())
+
+
+def memory_table(records: dict) -> list[dict]:
+    """Rank 0's measured bytes next to the formula, per world size and category: what the plots draw."""
+    rows = []
+    for n, rec in sorted(records.items()):
+        measured = rec["ranks"][0]["memory"]
+        for cat in CATEGORIES:
+            rows.append({"world_size": n, "category": cat, "measured": measured[cat],
+                         "formula": rec["theory"][cat]})
+    return rows
+
+
+def check(records: dict) -> None:
+    """Raise if any record strays from the reference or from the paper's formulas (up to padding: each
+    bucket is padded by fewer than N elements, at most 16 bytes each, counted generously for 8 buckets)."""
+    for n, rec in records.items():
+        assert rec["max_abs_diff"] <= rec["tolerance"], (
+            f"N={n}: max |param - reference| = {rec['max_abs_diff']:.3g} > {rec['tolerance']}")
+        slack = 8 * n * 16
+        for r in rec["ranks"]:
+            for cat in CATEGORIES:
+                got, want = r["memory"][cat], rec["theory"][cat]
+                assert want - 1e-6 <= got <= want + slack, (
+                    f"N={n}, rank {r['rank']}, {cat}: measured {got} bytes, formula {want:.0f}")
+            sent, want = r["comm_bytes_per_step"]["total"], rec["theory"]["comm_bytes_per_step"]
+            assert want - 1e-6 <= sent <= want + 3 * slack, f"N={n}: {sent:.0f} bytes sent, ring theory {want:.0f}"
+
+
+def export(name: str, data) -> str | None:
+    """Write `data` as JSON to $MINIZERO_NOTEBOOK_DATA/name.json when that variable is set (tests)."""
+    folder = os.environ.get("MINIZERO_NOTEBOOK_DATA")
+    if not folder:
+        return None
+    path = os.path.join(folder, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(data, f)
+    return path
+
+
+# --------------------------------------------------------------------------------------------------------
+# 00_communication: what each collective does, and the bytes it moves per rank
+# --------------------------------------------------------------------------------------------------------
+
+def collectives_worker(numel: int, repeats: int = 3) -> dict:
+    """Worker: every collective on a small rank-dependent tensor (to see what it does), then on `numel`
+    fp32 elements (rounded up to a multiple of N) for the byte tally and the time; and the teaching ring
+    all-reduce (minizero.comm.ring_all_reduce) against all_reduce on the same data."""
+    r, n, dev = comm.rank(), comm.world_size(), comm.device()
+    small = 10.0 * r + torch.arange(n, dtype=torch.float32, device=dev)   # rank 2 of 4: [20, 21, 22, 23]
+    shown = {"input": small.tolist()}
+    t = small.clone()
+    comm.all_reduce(t, op="sum")
+    shown["all_reduce"] = t.tolist()
+    mine = torch.empty(1, device=dev)
+    comm.reduce_scatter(mine, small, op="sum")
+    shown["reduce_scatter"] = mine.tolist()
+    gathered = torch.empty(n, device=dev)
+    comm.all_gather(gathered, small[:1])
+    shown["all_gather"] = gathered.tolist()
+    t = small.clone()
+    comm.broadcast(t, src=0)
+    shown["broadcast"] = t.tolist()
+
+    numel = -(-numel // n) * n
+    big = torch.randn(numel, generator=torch.Generator().manual_seed(r)).to(dev)
+    ops = {
+        "all_reduce": lambda: comm.all_reduce(big.clone(), op="sum"),
+        "reduce_scatter": lambda: comm.reduce_scatter(torch.empty(numel // n, device=dev), big, op="sum"),
+        "all_gather": lambda: comm.all_gather(torch.empty(numel, device=dev), big[: numel // n]),
+        "broadcast": lambda: comm.broadcast(big.clone(), src=0),
+        "ring_all_reduce": lambda: comm.ring_all_reduce(big.clone()),
+    }
+    sent, seconds = {}, {}
+    for kind, op in ops.items():
+        times = []
+        for _ in range(repeats):
+            comm.barrier()
+            comm.reset_tally()
+            start = time.perf_counter()
+            op()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            sent[kind] = comm.tally()[kind]
+        seconds[kind] = statistics.median(times)
+    expected, ring = big.clone(), big.clone()
+    comm.all_reduce(expected, op="sum")
+    comm.ring_all_reduce(ring)
+    return {"rank": r, "world_size": n, "shown": shown, "numel": numel, "full_bytes": numel * 4,
+            "sent": sent, "seconds": seconds,
+            "ring_max_abs_diff": (ring - expected).abs().max().item()}
+
+
+def measure_collectives(world_sizes=(2, 3, 4), numel: int = 1_000_000, backend: str | None = None) -> dict:
+    """{N: rank 0's collectives_worker result, plus "shown_all": every rank's small example}."""
+    backend = backend or backend_and_world_sizes()[0]
+    if backend == "nccl":
+        world_sizes = [n for n in world_sizes if n <= torch.cuda.device_count()]
+    out = {}
+    for n in world_sizes:
+        per_rank = launch(collectives_worker, n, numel, backend=backend)
+        out[n] = {**per_rank[0], "shown_all": [p["shown"] for p in per_rank],
+                  "ring_max_abs_diff": max(p["ring_max_abs_diff"] for p in per_rank)}
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------
+# 04_zero3: when each unit is gathered and freed, with and without prefetch
+# --------------------------------------------------------------------------------------------------------
+
+def zero3_timeline_worker(cfgs: list[TrainConfig]) -> list[dict]:
+    """Worker: for each stage-3 configuration, one warm-up step (it records the unit order prefetch
+    follows), then one step with `engine.timeline` recording every gather / prefetch / free."""
+    out = []
+    for cfg in cfgs:
+        model = make_model(cfg.model_config(), seed=cfg.seed)
+        engine = wrap(model, 3, cfg.optimizer_factory(), offload=cfg.offload, **cfg.engine_options())
+        marks = {}
+        for step in range(2):
+            x, y = local_batch(*global_batch(step, cfg.batch_size, cfg.model_config().block_size, cfg.seed),
+                               comm.rank(), comm.world_size())
+            if step == 1:
+                comm.barrier()
+                engine.timeline = []
+                marks["start"] = time.perf_counter()
+            loss = loss_fn(engine(x.to(engine.device)), y.to(engine.device))
+            marks["backward"] = time.perf_counter()
+            engine.backward(loss)
+            marks["step"] = time.perf_counter()
+            engine.step()
+            marks["end"] = time.perf_counter()
+        t0 = marks["start"]
+        out.append({"prefetch": cfg.prefetch, "unit_names": engine.unit_names,
+                    "events": [(t - t0, event, b) for t, event, b in engine.timeline],
+                    "marks": {k: v - t0 for k, v in marks.items()},
+                    "peak_params": engine.memory()["peak_params"], "num_params": sum(
+                        p.numel() for p in model.parameters())})
+    return out
+
+
+def zero3_timelines(world_size: int, model: str = "default", backend: str | None = None) -> dict:
+    """{prefetch (bool): rank 0's timeline record} for one stage-3 step, one launch for both."""
+    backend = backend or backend_and_world_sizes()[0]
+    cfgs = [TrainConfig(stage=3, world_size=world_size, model=model, batch_size=24, prefetch=p)
+            for p in (False, True)]
+    records = launch(zero3_timeline_worker, world_size, cfgs, backend=backend)[0]
+    return {rec["prefetch"]: rec for rec in records}
+
+
+def unit_intervals(record: dict) -> list[dict]:
+    """Turn a timeline into intervals: each gather or prefetch of a unit until its next free. The first
+    interval of a unit is its forward use, the second its backward use."""
+    open_at, uses, out = {}, {}, []
+    for t, event, b in record["events"]:
+        if event in ("gather", "prefetch"):
+            open_at[b] = (t, event)
+        elif event == "free" and b in open_at:
+            start, how = open_at.pop(b)
+            phase = "forward" if uses.get(b, 0) == 0 else "backward"
+            uses[b] = uses.get(b, 0) + 1
+            out.append({"unit": b, "name": record["unit_names"][b], "start": start, "end": t,
+                        "how": how, "phase": phase})
+    return out
