@@ -18,11 +18,12 @@ the fp32 parameters are the master). Activations, buffers and temporary buffers 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Iterable
 
 import torch
+
+from minizero.cli import OneLineParser, UsageError, fail
 
 STAGES = (0, 1, 2, 3)
 CATEGORIES = ("params", "grads", "optimizer", "offloaded")
@@ -109,20 +110,23 @@ def _table(num_params: int, world_size: int, param_bytes: int, grad_bytes: int, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m minizero.memory",
-                                 description="Per-rank model-state memory for each ZeRO stage.")
+    ap = OneLineParser(prog="python -m minizero.memory",
+                       description="Per-rank model-state memory for each ZeRO stage.")
     what = ap.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=float, help="number of parameters Ψ, e.g. 7.5e9")
     what.add_argument("--model", choices=["default", "tiny"], help="a built-in model's real parameter count")
     ap.add_argument("--world-size", type=int, required=True, help="data-parallel ranks N")
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
                     help="bf16: 2+2 bytes, K=12 (paper); fp32: 4+4 bytes, K=8")
-    args = ap.parse_args(argv)
-    if args.world_size < 1:
-        ap.error("--world-size must be >= 1")
+    try:
+        args = ap.parse_args(argv)
+        if args.world_size < 1:
+            raise UsageError("--world-size must be >= 1")
+        if args.params is not None and not args.params >= 1:
+            raise UsageError("--params must be >= 1")
+    except UsageError as e:
+        return fail(ap.prog, str(e))
     if args.params is not None:
-        if not args.params >= 1:
-            ap.error("--params must be >= 1")
         psi = int(args.params)
     else:
         from minizero.model import GPT, GPTConfig

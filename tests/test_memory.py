@@ -56,4 +56,5 @@ def test_cli_builtin_model(capsys):
                                   ["--world-size", "2"], ["--params", "x", "--world-size", "2"]])
 def test_cli_bad_input_exits_2(args):
     p = subprocess.run([sys.executable, "-m", "minizero.memory", *args], capture_output=True, text=True)
-    assert p.returncode == 2 and "error" in p.stderr
+    assert p.returncode == 2 and p.stderr.startswith("python -m minizero.memory: error:")
+    assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr

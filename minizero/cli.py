@@ -1,0 +1,23 @@
+"""What every `python -m minizero.*` command shares: bad input is one line on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+class UsageError(Exception):
+    """Bad input from the command line."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but an error raises UsageError instead of printing the usage block and exiting."""
+
+    def error(self, message):
+        raise UsageError(message)
+
+
+def fail(prog: str, message: str) -> int:
+    """Report bad input the one way all minizero commands do; returns the exit code (2)."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return 2
