@@ -8,16 +8,9 @@ Reading order: comm.py -> flat.py -> reducer.py -> optim.py -> ddp.py -> zero1.p
 -> offload.py. Entry points: python -m minizero.run | minizero.bench | minizero.memory | minizero.grade.
 """
 
+# launcher and wrap import neither memory.py nor run.py, so `python -m minizero.memory` / `.run` do not
+# find their own module already imported by the package (runpy warns about that).
+from minizero.launcher import launch
+from minizero.wrap import wrap
+
 __all__ = ["launch", "wrap"]
-
-
-def __getattr__(name):
-    # Imported on first use, so that `python -m minizero.memory` (or .run, .bench) does not find its own
-    # module already imported by the package (runpy warns about that) and `import minizero` stays cheap.
-    if name == "launch":
-        from minizero.launcher import launch
-        return launch
-    if name == "wrap":
-        from minizero.wrap import wrap
-        return wrap
-    raise AttributeError(f"module 'minizero' has no attribute {name!r}")

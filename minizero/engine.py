@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from minizero import comm
-from minizero.memory import measure
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -132,7 +131,7 @@ class Engine:
     def memory(self) -> dict[str, int]:
         """This rank's model-state bytes now: params, grads, optimizer (compute device), offloaded (host),
         and the peaks seen so far (`peak`: all device model states, `peak_params`: parameters alone)."""
-        now = measure(self._memory_groups())
+        now = self._measure()
         self._update_peak(now)
         return {**now, **self._peak}
 
@@ -149,8 +148,12 @@ class Engine:
         """Stage-specific buffers (flat gradient buffers, shards, buckets in flight) of a category."""
         return []
 
+    def _measure(self) -> dict[str, int]:
+        from minizero.memory import measure   # not at import time: see minizero/__init__.py
+        return measure(self._memory_groups())
+
     def _track_peak(self) -> None:
-        self._update_peak(measure(self._memory_groups()))
+        self._update_peak(self._measure())
 
     def _update_peak(self, now: dict[str, int]) -> None:
         total = now["params"] + now["grads"] + now["optimizer"]

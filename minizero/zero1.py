@@ -11,11 +11,13 @@ Layout (flat.py): all trainable parameters end to end in one flat buffer, padded
 into N equal partitions; rank r owns partition r (a parameter may straddle two ranks, as in DeepSpeed).
 
 Communication per step, 2Ψ·(N-1)/N in a ring, the same as DDP (the paper's point: P_os is free):
-  * after backward: reduce-scatter the gradients. Not an all-reduce: a rank only steps its partition, so
-    it only needs *that* partition averaged, and reduce-scatter is exactly half of an all-reduce (Ψ).
+  * in step(): reduce-scatter the gradients. Not an all-reduce: a rank only steps its partition, so it
+    only needs *that* partition averaged, and reduce-scatter is exactly half of an all-reduce (Ψ).
     It runs in place: rank r's partition of its full gradient buffer receives the average.
-  * after the step: all-gather the updated partitions into every rank's full parameter buffer (Ψ).
-Stage 1 keeps it simple: one reduce-scatter after backward, no overlap; stage 2 adds the overlap.
+  * after the optimizer step: all-gather the updated partitions into every rank's parameters (Ψ).
+Stage 1 keeps it simple: one reduce-scatter per step, no overlap with backward (stage 2 adds that).
+Gradient accumulation is free: backward only adds into the full gradient buffer, so any number of
+micro-batches (inside no_sync() or not) are reduced together, once, at the step.
 """
 
 from __future__ import annotations
@@ -67,15 +69,17 @@ class Zero1(Engine):
         self.layout.point_grads_into(self.flat_grads)
 
     def _after_backward(self) -> None:
-        if not self._sync:
-            return                                       # no_sync(): keep accumulating locally
-        for b in self.layout.buckets:
-            full = self.layout.full(self.flat_grads, b)
-            comm.reduce_scatter(self.layout.my_partition(full, b), full, op="avg")   # in place
+        pass                         # gradients just accumulate in flat_grads: any number of backwards
 
     def _grad_parts(self):
-        return [self.layout.my_partition(self.layout.full(self.flat_grads, b), b)
-                for b in self.layout.buckets]
+        """At the start of step(): average this rank's partition over ranks, the only part it steps."""
+        parts = []
+        for b in self.layout.buckets:
+            full = self.layout.full(self.flat_grads, b)
+            mine = self.layout.my_partition(full, b)
+            comm.reduce_scatter(mine, full, op="avg")    # in place: my partition receives the average
+            parts.append(mine)
+        return parts
 
     def _zero_grad(self) -> None:
         self.flat_grads.zero_()

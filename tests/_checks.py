@@ -14,7 +14,7 @@ from minizero.peers import PEER_OF_STAGE, peer_worker
 from minizero.reference import reference_train
 from minizero.run import theory
 from minizero.train import TrainConfig
-from _workers import run_configs
+from _workers import accumulate_without_no_sync, run_configs
 
 WORLD_SIZES = (1, 2, 3, 4)
 
@@ -137,6 +137,12 @@ class StageSuite:
                 diff = (mine[0]["state_dict"][name].double() - expected.double()).abs().max().item()
                 assert diff <= 1e-6, (f"rank {peer['rank']}, {name}: max |minizero - "
                                       f"{PEER_OF_STAGE[self.stage]}| = {diff:.3g}")
+
+    def test_accumulation_without_no_sync(self):
+        results = minizero.launch(accumulate_without_no_sync, 3, self.stage, self.options)
+        cfg = TrainConfig(stage=self.stage, world_size=3, steps=2, batch_size=12, model="tiny",
+                          optimizer="sgd", lr=0.5)
+        assert_matches_reference(cfg, results, atol=1e-6)
 
     @pytest.mark.parametrize("n", WORLD_SIZES)
     def test_bf16_tracks_fp32_reference(self, runs, n):

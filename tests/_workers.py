@@ -91,3 +91,23 @@ def zero3_with_tied_units(steps: int) -> dict:
         engine.backward(loss_fn(engine(x), y))
         engine.step()
     return {"state_dict": engine.full_state_dict(), "rank": comm.rank(), "unit_names": engine.unit_names}
+
+
+def accumulate_without_no_sync(stage: int, options: dict, steps: int = 2) -> dict:
+    """Two micro-batches per step, both backwards *outside* no_sync(): every stage must still average
+    the sum of both exactly once (DDP all-reduces twice, stage 1 reduces at the step, stages 2-3 add
+    reduce-scattered buckets into the shard)."""
+    import functools
+    import minizero
+    from minizero.data import global_batch, local_batch
+    from minizero.model import GPTConfig, make_model
+    from minizero.train import loss_fn
+    engine = minizero.wrap(make_model(GPTConfig.named("tiny")), stage,
+                           functools.partial(torch.optim.SGD, lr=0.5), **options)
+    for step in range(steps):
+        x, y = global_batch(step, 12, 17)
+        for micro in range(2):
+            xm, ym = local_batch(x, y, comm.rank(), comm.world_size(), micro, 2)
+            engine.backward(loss_fn(engine(xm), ym) / 2)
+        engine.step()
+    return {"rank": comm.rank(), "state_dict": engine.full_state_dict()}
