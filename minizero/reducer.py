@@ -34,6 +34,7 @@ class GradBuckets:
         self.max_in_flight = max_in_flight
         self._bucket_of = {p: i for i, b in enumerate(buckets) for p in b.params}
         self._in_flight: deque = deque()
+        self.overlapped = 0          # buckets the last backward launched before it ended (observability)
         self._reset()
         for b in buckets:
             for p in b.params:
@@ -64,6 +65,7 @@ class GradBuckets:
 
     def finish(self) -> None:
         """Call after loss.backward(): launch the rest in order, wait for all, get ready for the next."""
+        self.overlapped = self._next
         self._missing = [0] * len(self.buckets)
         self._launch_ready()
         while self._in_flight:

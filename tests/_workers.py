@@ -111,3 +111,17 @@ def accumulate_without_no_sync(stage: int, options: dict, steps: int = 2) -> dic
             engine.backward(loss_fn(engine(xm), ym) / 2)
         engine.step()
     return {"rank": comm.rank(), "state_dict": engine.full_state_dict()}
+
+
+def buckets_launched_during_backward(stage: int) -> tuple[int, int]:
+    """(buckets, how many the reducer launched while backward was still running) for a small bucket size."""
+    import functools
+    import minizero
+    from minizero.data import global_batch, local_batch
+    from minizero.model import GPTConfig, make_model
+    from minizero.train import loss_fn
+    engine = minizero.wrap(make_model(GPTConfig()), stage, functools.partial(torch.optim.SGD, lr=0.1),
+                           bucket_size=100_000)
+    x, y = local_batch(*global_batch(0, 8, 32), comm.rank(), comm.world_size())
+    engine.backward(loss_fn(engine(x), y))
+    return len(engine.layout.buckets), engine.reducer.overlapped

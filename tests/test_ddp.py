@@ -12,3 +12,11 @@ class TestDDP(StageSuite):
             tally = results[0]["comm_bytes_per_step"]
             assert set(tally) == {"all_reduce", "total"}
             assert tally["all_reduce"] == 2 * (n - 1) / n * results[0]["num_params"] * 4
+
+
+def test_buckets_are_reduced_while_backward_runs():
+    import minizero
+    from _workers import buckets_launched_during_backward
+    buckets, overlapped = minizero.launch(buckets_launched_during_backward, 2, 0)[0]
+    # every bucket is sent from an autograd hook before backward returns (none is left for finish())
+    assert buckets >= 4 and overlapped == buckets

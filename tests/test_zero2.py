@@ -16,3 +16,10 @@ def test_stage2_keeps_less_gradient_memory_than_stage1():
     # stage 2 frees full gradients bucket by bucket: even its peak stays below stage 1's full buffer
     assert s2["memory"]["grads"] * 2 <= s1["memory"]["grads"] + 64
     assert s2["peak"] < s1["peak"]
+
+
+def test_buckets_are_reduce_scattered_while_backward_runs():
+    import minizero
+    from _workers import buckets_launched_during_backward
+    buckets, overlapped = minizero.launch(buckets_launched_during_backward, 2, 2)[0]
+    assert buckets >= 4 and overlapped == buckets
