@@ -1,0 +1,132 @@
+"""What every grader shares: run a learner's module on several ranks, train with it, compare, explain.
+
+The graders (test_exNN_*.py) call the learner's code only through thin adapters: a subclass of one of
+minizero's engines that overrides the one method the exercise is about and calls the learner's function
+there. Everything else (model, data, loop, the single-process oracle) is minizero's, so a learner may
+organise helpers any way they like. Failures are AssertionErrors whose message names the rank, the
+tensor, what was expected and what came back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import sys
+
+import minizero
+from minizero.grade import call_in
+from minizero.reference import reference_train
+from minizero.train import TrainConfig, train_worker
+from minizero.wrap import ENGINES
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LAUNCH_TIMEOUT_S = 90        # a learner's rank waiting in a collective the others never call must not hang CI
+
+
+def learner(module_name: str):
+    """The implementation under test: 'ex02_ddp_bucket', 'solutions.ex02_ddp_bucket', 'mutants....'."""
+    return importlib.import_module(module_name)
+
+
+def call(fn, *args):
+    """Call a learner's function in the grader's own process; NotImplementedError fails, it does not error."""
+    __tracebackhide__ = True                                  # pytest: show the message, not this frame
+    try:
+        return fn(*args)
+    except NotImplementedError as exc:
+        raise AssertionError(f"{fn.__name__} is not implemented yet ({exc})") from None
+
+
+def launch(worker, world_size: int, *args) -> list:
+    """worker(*args) on `world_size` gloo ranks; a failing rank becomes a readable AssertionError.
+
+    `worker` is a function of a grader file; the children import that file by name from this folder
+    (minizero.grade.call_in), however pytest imported it here."""
+    __tracebackhide__ = True
+    module = os.path.splitext(os.path.basename(sys.modules[worker.__module__].__file__))[0]
+    try:
+        return minizero.launch(call_in, world_size, HERE, module, worker.__name__, *args, backend="gloo",
+                               timeout=LAUNCH_TIMEOUT_S)
+    except RuntimeError as exc:
+        first, _, trace = str(exc).partition("\n")
+        if "timed out" in first:
+            raise AssertionError(f"{first}. A rank is probably waiting in a collective that the others never "
+                                 "called: every rank must issue the same collectives in the same order.") from None
+        if "AssertionError: " in first:                       # a grader's check: it names the rank itself
+            raise AssertionError(first.partition("AssertionError: ")[2]) from None
+        if "NotImplementedError" in first:
+            raise AssertionError(f"not implemented yet: {first}") from None
+        raise AssertionError(f"{first}\n{trace}") from None   # the learner's own bug: keep its traceback
+
+
+def config(stage: int, world_size: int, **overrides) -> TrainConfig:
+    """A run small enough to launch in about a second and awkward enough to catch the usual mistakes.
+
+    SGD, not Adam: Adam is invariant to a constant gradient scale, so it cannot see a sum where an
+    average belongs. Odd sizes (no parameter count divisible by 2 or 3), a frozen parameter, one that
+    forward never uses, several buckets, two accumulated micro-batches. No clipping: it would also hide
+    a wrong scale.
+    """
+    base = dict(stage=stage, world_size=world_size, steps=3, batch_size=12, grad_accum=2, model="tiny",
+                model_overrides={"frozen": ("pos_emb.weight",), "unused_param": True}, bucket_size=3000,
+                optimizer="sgd", lr=0.5, return_state=True, backend="gloo")
+    return TrainConfig(**{**base, **overrides})
+
+
+def train_with(engine_factory, cfg: TrainConfig) -> dict:
+    """minizero.train.train_worker(cfg) with `engine_factory` in place of the engine of cfg.stage.
+
+    Patching minizero.wrap.ENGINES only affects this rank's process (graders run it under launch).
+    Returns the trained state (from the optimizer's fp32 masters) and, for stages 0-2, the model's own
+    parameters on this rank: what its next forward would use.
+    """
+    engines = []
+
+    def build(*args, **kwargs):
+        engines.append(engine_factory(*args, **kwargs))
+        return engines[-1]
+
+    ENGINES[cfg.stage] = build
+    result = train_worker(cfg)
+    live = None
+    if cfg.stage < 3:                                        # stage 3's full parameters are freed
+        live = {k: v.detach().float().cpu().clone() for k, v in engines[-1].module.state_dict().items()}
+    return {"rank": result["rank"], "state_dict": result["state_dict"], "live": live}
+
+
+_references: dict[str, tuple[dict, dict]] = {}
+
+
+def reference(cfg: TrainConfig) -> tuple[dict, dict]:
+    """(initial, trained) state dicts of the single-process oracle for cfg."""
+    key = repr(dataclasses.replace(cfg, world_size=1))
+    if key not in _references:
+        start = reference_train(dataclasses.replace(cfg, steps=0))["state_dict"]
+        _references[key] = (start, reference_train(cfg)["state_dict"])
+    return _references[key]
+
+
+def assert_matches_reference(cfg: TrainConfig, results: list[dict], atol: float = 1e-6, hint: str = "") -> None:
+    """Every rank ends where one process training on the whole batch ends: its optimizer's parameters
+    (`state_dict`) and, where they exist, the model's own parameters (`live`)."""
+    __tracebackhide__ = True
+    start, expected_state = reference(cfg)
+    for res in results:
+        for what, state in (("parameters held by the optimizer", res["state_dict"]),
+                            ("model's parameters (what the next forward uses)", res["live"])):
+            if state is None:
+                continue
+            for name, expected in expected_state.items():
+                got = state[name].double()
+                diff = (got - expected.double()).abs()
+                if diff.numel() == 0 or diff.max() <= atol:
+                    continue
+                i = int(diff.reshape(-1).argmax())
+                update = expected.double() - start[name].double()
+                ratio = ((got - start[name].double()) * update).sum() / update.pow(2).sum().clamp_min(1e-30)
+                raise AssertionError(
+                    f"rank {res['rank']}, {name} ({what}) after {cfg.steps} SGD steps on N={cfg.world_size} "
+                    f"ranks: element {i} expected {expected.reshape(-1)[i].item():.6g}, got "
+                    f"{got.reshape(-1)[i].item():.6g} (max |difference| {diff.max().item():.3g} > {atol:g}); "
+                    f"your total update of this tensor is {ratio.item():.3g} x the reference's. {hint}".strip())

@@ -1,0 +1,60 @@
+"""Exercise 5: ZeRO stage 3, the four hooks: gather before forward, free after, gather before backward,
+reduce-scatter and free after backward.
+
+    Grade it:    pytest exercises -k ex05            (or: python -m minizero.grade -k ex05)
+    Notebook:    notebooks/04_zero3.ipynb
+    Compare:     minizero/zero3.py (_gather, _free, _pre_forward, _post_forward, _pre_backward)
+
+Stage 3 (P_os+g+p) partitions the parameters too: (2 + 2 + K)Ψ/N bytes per rank, plus the few *units*
+(here: each transformer block, and the rest of the model as one more unit) that are materialized at any
+moment. A unit's parameters live in one flat buffer `unit.full` [Ψ_u padded]; the model's parameters are
+views into it. Between uses its storage is released (0 bytes, shape kept), and all that persists is this
+rank's partition `unit.shard` [Ψ_u / N], which the optimizer updates in place.
+
+minizero calls your four hooks for every unit, with a `unit` that has:
+    unit.name                    e.g. "blocks.0" ("<root>" is the model minus its blocks)
+    unit.full                    the unit's flat parameter buffer; freed: full.untyped_storage().nbytes() == 0
+    unit.shard                   this rank's partition of it, [full.numel() / N]
+    unit.reduce_scatter_grads()  exercise 4 for this unit: stage its gradients, free p.grad, start the
+                                 averaging reduce-scatter into the gradient shard; returns the async
+                                 handle (None inside no_sync(), where gradients only accumulate)
+
+Write the hooks:
+  pre_forward(unit)    the unit is about to run: materialize its full parameters from the N shards
+  post_forward(unit)   it has run: release its full parameters
+  pre_backward(unit)   its backward is about to run and needs the parameters again: materialize them
+  post_backward(unit)  its gradients are complete: reduce-scatter them, release the parameters, and
+                       return the handle reduce_scatter_grads() gave you
+
+Materializing means: give `unit.full` its storage back, then all-gather every rank's shard into it.
+Write it in place (the model's parameters are views of unit.full, and autograd saved some of them for
+backward): never replace unit.full with a new tensor. Releasing means resizing its storage to 0 bytes.
+
+What the grader checks: after each hook, that the unit is materialized (pre_*) or released (post_*);
+and three ranks training a small GPT for 3 SGD steps with minizero's stage 3 driven by your hooks end
+where one process training on the whole batch ends.
+
+Hints:
+  * t.untyped_storage().resize_(nbytes) re-allocates (or, with 0, frees) a tensor's memory in place.
+    A tensor of t.numel() elements needs t.numel() * t.element_size() bytes.
+  * comm.all_gather(output, input): rank r's input lands at output[r*n:(r+1)*n], n = input.numel().
+  * Two small helpers, gather(unit) and free(unit), make the four hooks one or two lines each.
+"""
+
+from minizero import comm
+
+
+def pre_forward(unit) -> None:
+    raise NotImplementedError("ex05: write pre_forward")
+
+
+def post_forward(unit) -> None:
+    raise NotImplementedError("ex05: write post_forward")
+
+
+def pre_backward(unit) -> None:
+    raise NotImplementedError("ex05: write pre_backward")
+
+
+def post_backward(unit):
+    raise NotImplementedError("ex05: write post_backward")

@@ -1,0 +1,67 @@
+"""Grader for exercise 2 (DDP buckets and the averaging hook):  pytest exercises -k ex02
+
+Your buckets are compared with minizero's on a few parameter lists; your hook then replaces the
+all-reduce of minizero's DDP (a thin subclass) while two ranks train, and the result is compared with
+one process training on the whole batch.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+import _grading as g
+from minizero.ddp import DDP
+from minizero.flat import split_into_buckets
+
+CFG = g.config(stage=0, world_size=2)             # bucket_size 3000 bytes: several buckets
+
+# (parameter sizes in elements, dtype, bucket_bytes): where ">= bucket_bytes" and "> bucket_bytes" differ,
+# bf16 (2 bytes an element), a cap larger than everything, a cap smaller than any parameter.
+BUCKET_CASES = [([5, 3, 8, 1, 7], torch.float32, 32), ([2, 2, 2], torch.float32, 16),
+                ([5, 3, 8, 1, 7], torch.bfloat16, 32), ([5, 3, 8, 1, 7], torch.float32, 1e9),
+                ([4, 9, 2], torch.float32, 1)]
+
+
+class LearnerDDP(DDP):
+    """minizero's DDP with the learner's hook in place of its all-reduce of a finished bucket."""
+    answer = None                                   # the learner's module, set by the worker
+
+    def _all_reduce_bucket(self, b):
+        if not self._sync:
+            return None                             # inside no_sync(): gradients only accumulate
+        return self.answer.all_reduce_bucket(self._bucket_grads(b))
+
+
+def worker(module_name: str) -> dict:
+    LearnerDDP.answer = g.learner(module_name)
+    return g.train_with(LearnerDDP, CFG)
+
+
+def check_buckets(impl: str) -> None:
+    answer = g.learner(impl)
+    for sizes, dtype, cap in BUCKET_CASES:
+        params = [nn.Parameter(torch.zeros(n, dtype=dtype)) for n in sizes]
+        index = {id(p): i for i, p in enumerate(params)}
+        expected = [[index[id(p)] for p in bucket] for bucket in split_into_buckets(params, cap)]
+        buckets = g.call(answer.split_into_buckets, params, cap)
+        got = [[index.get(id(p), "?") for p in bucket] for bucket in buckets]
+        if got != expected:
+            raise AssertionError(
+                f"split_into_buckets(parameters of {sizes} elements in {dtype}, bucket_bytes={cap:g}): "
+                f"expected buckets {expected}, got {got} (parameter indices; '?' is not one of the "
+                "parameters given). A bucket closes as soon as it holds at least bucket_bytes.")
+
+
+def check_training(impl: str) -> None:
+    g.assert_matches_reference(CFG, g.launch(worker, CFG.world_size, impl),
+                               hint="Is every bucket averaged over the ranks, not summed?")
+
+
+@pytest.mark.points(1)
+def test_buckets_follow_the_size_rule(impl):
+    check_buckets(impl)
+
+
+@pytest.mark.points(2)
+def test_ddp_with_your_hook_trains_like_one_process(impl):
+    check_training(impl)

@@ -1,0 +1,86 @@
+"""The graders can fail: each rejects plausible wrong answers (exercises/mutants/) with a message that says
+what is wrong; the solutions score full marks and the untouched skeletons zero (via minizero.grade)."""
+
+import importlib
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from minizero.grade import EXERCISES
+
+sys.path.insert(0, str(EXERCISES))            # graders, answers and mutants are imported by name from there
+
+EXERCISE_NAMES = sorted(p.stem for p in EXERCISES.glob("ex[0-9][0-9]_*.py"))
+
+# (grader, its check, mutant, what the failure message must say)
+MUTANTS = [
+    ("test_ex01_ring_allreduce", "check", "ex01_no_allgather_phase", r"rank 0, .* expected the sum over ranks"),
+    ("test_ex01_ring_allreduce", "check", "ex01_whole_tensor", r"sent 80 bytes; a ring sends .* 64 bytes"),
+    ("test_ex02_ddp_bucket", "check_buckets", "ex02_bucket_overflow", r"expected buckets \[\[0, 1\], \[2\]"),
+    ("test_ex02_ddp_bucket", "check_training", "ex02_sum_not_average", r"rank 0, .*averaged over the ranks"),
+    ("test_ex03_zero1_partition", "check_partitions", "ex03_no_padding", r"padded_numel\(1, 2\) = 1, expected 2"),
+    ("test_ex03_zero1_partition", "check_partitions", "ex03_floor_plus_one", r"padded_numel\(1, 1\) = 2"),
+    ("test_ex03_zero1_partition", "check_training", "ex03_no_all_gather", r"rank \d, .* after 3 SGD steps"),
+    ("test_ex04_zero2_reduce_scatter", "check_training", "ex04_sum_not_average", r"update .* x the reference"),
+    ("test_ex04_zero2_reduce_scatter", "check_training", "ex04_grads_not_freed", r"p\.grad of .* still set"),
+    ("test_ex05_zero3_hooks", "check_training", "ex05_no_free_after_forward", r"after post_forward: .* holds"),
+    ("test_ex05_zero3_hooks", "check_training", "ex05_no_gather_before_backward",
+     r"after pre_backward: its parameters are not materialized"),
+    ("test_ex06_offload_step", "check_training", "ex06_no_copy_back", r"differ from the updated masters"),
+    ("test_ex06_offload_step", "check_training", "ex06_device_grads", r"host_grads\[0\] does not hold"),
+]
+
+
+@pytest.mark.parametrize("grader, check, mutant, message", MUTANTS, ids=[m[2] for m in MUTANTS])
+def test_grader_rejects_a_plausible_wrong_answer(grader, check, mutant, message):
+    with warnings.catch_warnings():           # @pytest.mark.points is registered by exercises/conftest.py only
+        warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
+        module = importlib.import_module(grader)
+    with pytest.raises(AssertionError, match=message):
+        getattr(module, check)(f"mutants.{mutant}")
+
+
+def test_every_mutant_is_used_and_every_exercise_has_one():
+    on_disk = {p.stem for p in (EXERCISES / "mutants").glob("ex*.py")}
+    assert on_disk == {m[2] for m in MUTANTS}
+    assert {m[2][:4] for m in MUTANTS} == {name[:4] for name in EXERCISE_NAMES}
+    assert len(EXERCISE_NAMES) == 6
+
+
+def grade(tmp_path, *flags) -> tuple[subprocess.CompletedProcess, dict | None]:
+    out = tmp_path / "score.json"
+    proc = subprocess.run([sys.executable, "-m", "minizero.grade", *flags, "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    return proc, json.loads(out.read_text()) if out.exists() else None
+
+
+def test_solutions_score_full_marks(tmp_path):
+    proc, score = grade(tmp_path, "--solutions", "--expect-full")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert [row["exercise"] for row in score["exercises"]] == EXERCISE_NAMES     # every exercise is graded
+    assert score["points"] == score["max_points"] >= len(EXERCISE_NAMES)
+    assert "total" in proc.stdout and f"{score['points']}/{score['max_points']}" in proc.stdout
+
+
+def test_untouched_skeletons_score_zero(tmp_path):
+    proc, score = grade(tmp_path, "--expect-zero")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert [row["exercise"] for row in score["exercises"]] == EXERCISE_NAMES
+    assert score["points"] == 0 and score["max_points"] > 0
+    for test in score["tests"]:      # failing for the right reason, not because a grader is broken
+        assert "not implemented yet" in test["message"], test
+
+
+def test_expect_flags_fail_when_they_should(tmp_path):
+    proc, score = grade(tmp_path, "--solutions", "--expect-zero", "-k", "ex01")
+    assert proc.returncode == 1 and score["points"] > 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "ex01_ring_allreduce scored" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "minizero.grade", "--expect-zero", "--expect-full"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "not allowed with" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "minizero.grade", "--exercises", str(tmp_path)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "no graders" in proc.stderr
