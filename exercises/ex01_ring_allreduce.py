@@ -6,9 +6,9 @@
 
 Every data-parallel stage rests on all-reduce: N ranks each hold a tensor of S elements and all of them
 must end with the elementwise sum. The ring algorithm does it with the least traffic possible per rank.
-Ranks sit on a ring; rank r only ever sends to rank r+1 and receives from rank r-1 (mod N), using
-`exchange(send, recv)` below. Cut the tensor into N chunks of C = ceil(S/N) elements (zero-pad the end
-so all chunks are equal), then:
+Ranks sit on a ring; rank r only ever sends to rank r+1 and receives from rank r-1 (mod N), through
+`exchange(send, recv)` below (the grader counts the bytes you pass to it). Cut the tensor into N
+chunks of C = ceil(S/N) elements (zero-pad the end so all chunks are equal), then:
 
   Phase 1, reduce-scatter, N-1 steps: at step s, rank r sends chunk (r - s) mod N and *adds* what it
            receives into its chunk (r - s - 1) mod N. After N-1 steps rank r holds the complete sum of

@@ -77,8 +77,8 @@ def check(impl: str) -> None:
             want = 2 * (N - 1) * chunk * got.element_size()
             if res["sent"] != want:
                 raise AssertionError(
-                    f"rank {rank}, tensor of shape {shape}: sent {res['sent']} bytes; a ring sends "
-                    f"2(N-1) = {2 * (N - 1)} chunks of ceil({numel}/{N}) = {chunk} elements, {want} bytes"
+                    f"rank {rank}, tensor of shape {shape}: sent {res['sent']} bytes through exchange(); "
+                    f"a ring sends 2(N-1) = {2 * (N - 1)} chunks of ceil({numel}/{N}) = {chunk} elements, {want} bytes"
                     + (" (whole tensors instead of chunks?)" if res["sent"] > want else ""))
 
 

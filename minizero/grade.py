@@ -20,12 +20,13 @@ first, so workers can live next to the exercises whatever sys.path the launcher'
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+from minizero.cli import OneLineParser, UsageError, fail
 
 EXERCISES = Path(__file__).resolve().parent.parent / "exercises"
 
@@ -86,8 +87,19 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def verdict(rows: list[dict], *, expect_zero: bool = False, expect_full: bool = False) -> tuple[int, str]:
+    """(exit code, reason): 1 when an --expect flag is not met, else 0."""
+    if expect_zero and any(r["points"] for r in rows):
+        return 1, ("expected every exercise to score zero: "
+                   + ", ".join(r["exercise"] for r in rows if r["points"]) + " scored")
+    if expect_full and any(r["passed"] < r["tests"] for r in rows):
+        return 1, ("expected every test to pass: "
+                   + ", ".join(r["exercise"] for r in rows if r["passed"] < r["tests"]) + " did not")
+    return 0, ""
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minizero.grade", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m minizero.grade", description=__doc__.splitlines()[0])
     parser.add_argument("--solutions", action="store_true", help="grade exercises/solutions/ instead")
     parser.add_argument("-k", dest="keyword", help="only exercises/tests matching this pytest -k expression")
     parser.add_argument("--json", metavar="PATH", help="also write the score table to PATH as JSON")
@@ -95,15 +107,16 @@ def main(argv: list[str] | None = None) -> int:
     expect = parser.add_mutually_exclusive_group()
     expect.add_argument("--expect-zero", action="store_true", help="exit 1 unless every exercise scores 0")
     expect.add_argument("--expect-full", action="store_true", help="exit 1 unless every test passes")
-    args = parser.parse_args(argv)
-    if not Path(args.exercises, "conftest.py").is_file():
-        print(f"minizero.grade: no graders in {args.exercises} (conftest.py not found)", file=sys.stderr)
-        return 2
     try:
-        import pytest
-    except ImportError:
-        print("minizero.grade: needs pytest (pip install -e '.[dev]')", file=sys.stderr)
-        return 2
+        args = parser.parse_args(argv)
+        if not Path(args.exercises, "conftest.py").is_file():
+            raise UsageError(f"no graders in {args.exercises} (it has no conftest.py)")
+        try:
+            import pytest
+        except ImportError:
+            raise UsageError("grading needs pytest: pip install -e '.[dev]'") from None
+    except UsageError as exc:
+        return fail(parser.prog, str(exc))
 
     pytest_args = [args.exercises, "-q", "--tb=short", "-p", "no:cacheprovider"]
     pytest_args += ["--solutions"] if args.solutions else []
@@ -111,8 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     collector = _Collector()
     code = pytest.main(pytest_args, plugins=[collector])
     if code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED) or not collector.tests:
-        print(f"minizero.grade: the graders did not run (pytest exit code {int(code)})", file=sys.stderr)
-        return 2
+        return fail(parser.prog, f"the graders did not run (pytest exit code {int(code)})")
 
     rows = score(collector.tests)
     print("\n" + ("solutions in exercises/solutions/\n" if args.solutions else "") + format_table(rows))
@@ -122,17 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         except OSError as exc:
-            print(f"minizero.grade: cannot write {args.json}: {exc.strerror}", file=sys.stderr)
-            return 2
-    if args.expect_zero and any(r["points"] for r in rows):
-        print("expected every exercise to score zero: " +
-              ", ".join(r["exercise"] for r in rows if r["points"]) + " scored", file=sys.stderr)
-        return 1
-    if args.expect_full and any(r["passed"] < r["tests"] for r in rows):
-        print("expected every test to pass: " +
-              ", ".join(r["exercise"] for r in rows if r["passed"] < r["tests"]) + " did not", file=sys.stderr)
-        return 1
-    return 0
+            return fail(parser.prog, f"cannot write {args.json}: {exc.strerror}")
+    code, reason = verdict(rows, expect_zero=args.expect_zero, expect_full=args.expect_full)
+    if reason:
+        print(reason, file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":
