@@ -78,7 +78,8 @@ def check(impl: str) -> None:
             if res["sent"] != want:
                 raise AssertionError(
                     f"rank {rank}, tensor of shape {shape}: sent {res['sent']} bytes through exchange(); "
-                    f"a ring sends 2(N-1) = {2 * (N - 1)} chunks of ceil({numel}/{N}) = {chunk} elements, {want} bytes"
+                    f"a ring sends 2(N-1) = {2 * (N - 1)} chunks of ceil({numel}/{N}) = {chunk} elements, "
+                    f"{want} bytes"
                     + (" (whole tensors instead of chunks?)" if res["sent"] > want else ""))
 
 

@@ -77,13 +77,14 @@ def score(tests: dict[str, dict]) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
+    """exercise | points earned/possible | tests passed/run, and the total."""
     width = max([len("exercise")] + [len(r["exercise"]) for r in rows])
     lines = [f"{'exercise':<{width}}  {'points':>7}  {'tests passed':>12}"]
     for r in rows:
         lines.append(f"{r['exercise']:<{width}}  {r['points']:>3}/{r['max_points']:<3}  "
-                     f"{r['passed']:>7}/{r['tests']:<4}")
+                     f"{r['passed']:>8}/{r['tests']}")
     total, most = sum(r["points"] for r in rows), sum(r["max_points"] for r in rows)
-    lines.append(f"{'total':<{width}}  {total:>3}/{most:<3}")
+    lines.append(f"{'total':<{width}}  {total:>3}/{most}")
     return "\n".join(lines)
 
 
@@ -130,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + ("solutions in exercises/solutions/\n" if args.solutions else "") + format_table(rows))
     if args.json:
         total = {"points": sum(r["points"] for r in rows), "max_points": sum(r["max_points"] for r in rows)}
-        report = {"solutions": args.solutions, "exercises": rows, **total, "tests": list(collector.tests.values())}
+        report = {"solutions": args.solutions, "exercises": rows, **total,
+                  "tests": list(collector.tests.values())}
         try:
             Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         except OSError as exc:

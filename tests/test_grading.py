@@ -21,7 +21,7 @@ MUTANTS = [
     ("test_ex01_ring_allreduce", "check", "ex01_whole_tensor", r"sent 80 bytes through exchange.*, 64 bytes"),
     ("test_ex02_ddp_bucket", "check_buckets", "ex02_bucket_overflow", r"expected buckets \[\[0, 1\], \[2\]"),
     ("test_ex02_ddp_bucket", "check_training", "ex02_sum_not_average", r"rank 0, .*averaged over the ranks"),
-    ("test_ex03_zero1_partition", "check_partitions", "ex03_no_padding", r"padded_numel\(1, 2\) = 1, expected 2"),
+    ("test_ex03_zero1_partition", "check_partitions", "ex03_no_padding", r"padded_numel\(1, 2\) = 1, expected"),
     ("test_ex03_zero1_partition", "check_partitions", "ex03_floor_plus_one", r"padded_numel\(1, 1\) = 2"),
     ("test_ex03_zero1_partition", "check_training", "ex03_no_all_gather", r"rank \d, .* after 3 SGD steps"),
     ("test_ex04_zero2_reduce_scatter", "check_training", "ex04_sum_not_average", r"update .* x the reference"),
@@ -84,7 +84,7 @@ def test_expect_flags_decide_the_exit_code():
 
 
 @pytest.mark.parametrize("argv, message", [(["--expect-zero", "--expect-full"], "not allowed with"),
-                                           (["--exercises", "/nonexistent/exercises"], "no graders in /nonexistent")])
+                                           (["--exercises", "/nonexistent"], "no graders in /nonexistent")])
 def test_bad_input_is_one_line_and_exit_code_2(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
