@@ -15,9 +15,10 @@ minizero calls your four hooks for every unit, with a `unit` that has:
     unit.name                    e.g. "blocks.0" ("<root>" is the model minus its blocks)
     unit.full                    the unit's flat parameter buffer; freed: full.untyped_storage().nbytes() == 0
     unit.shard                   this rank's partition of it, [full.numel() / N]
-    unit.reduce_scatter_grads()  exercise 4 for this unit: stage its gradients, free p.grad, start the
-                                 averaging reduce-scatter into the gradient shard; returns the async
-                                 handle (None inside no_sync(), where gradients only accumulate)
+    unit.reduce_scatter_grads()  what you wrote in exercise 4 (minizero's own version), for this unit:
+                                 stage its gradients, free p.grad, start the averaging reduce-scatter
+                                 into the gradient shard; returns the async handle (None inside
+                                 no_sync(), where gradients only accumulate)
 
 Write the hooks:
   pre_forward(unit)    the unit is about to run: materialize its full parameters from the N shards
