@@ -60,11 +60,12 @@ class _Collector:
         if report.failed:                                 # a setup or teardown error fails the test too
             test["passed"] = False
             crash = getattr(report.longrepr, "reprcrash", None)
-            test.setdefault("message", crash.message if crash else str(report.longrepr).splitlines()[-1])
+            lines = str(report.longrepr).splitlines() or [""]
+            test.setdefault("message", crash.message if crash else lines[-1])
 
 
 def score(tests: dict[str, dict]) -> list[dict]:
-    """One row per exercise, in file order: points earned and possible, tests passed and run."""
+    """One row per exercise, in exercise order: points earned and possible, tests passed and run."""
     rows: dict[str, dict] = defaultdict(lambda: {"points": 0, "max_points": 0, "passed": 0, "tests": 0})
     for test in tests.values():
         row = rows[test["exercise"]]
