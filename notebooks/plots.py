@@ -1,0 +1,244 @@
+"""The figures the notebooks draw, shared so that every notebook draws the same thing the same way.
+
+    import plots                               # from a notebook in this folder
+    plots.memory_by_category(runs, "ZeRO stage 2")
+
+Every function takes the records minizero.demo returns (measured numbers next to the paper's formulas)
+or the formulas of minizero.memory, and returns the matplotlib figure. Units are in the axis labels:
+kB for the small GPT's model states, MB for the collectives' tensors, GB for paper-sized models.
+"""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.patches import Patch
+
+from minizero.memory import comm_volume, estimate, estimate_breakdown
+from minizero.run import optimizer_k
+from minizero.train import TrainConfig
+
+COLORS = {"params": "tab:blue", "grads": "tab:orange", "optimizer": "tab:green", "offloaded": "tab:purple"}
+STAGE_NAMES = {0: "DDP", 1: "stage 1 (P_os)", 2: "stage 2 (P_os+g)", 3: "stage 3 (P_os+g+p)"}
+KB, MB, GB = 1e3, 1e6, 1e9
+
+
+def _formula_ticks(ax, xs, ys, width, label="formula (ZeRO paper)"):
+    """A black bar across the top of each bar, where the formula says it should end."""
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        ax.hlines(y, x - width / 2, x + width / 2, colors="black", linewidth=2.5,
+                  label=label if i == 0 else None)
+
+
+def loss_curves(runs: dict, title: str):
+    """Mean loss over ranks per step for each N, on top of the single-process reference."""
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    any_run = next(iter(runs.values()))
+    steps = np.arange(1, len(any_run["reference_losses"]) + 1)
+    ax.plot(steps, any_run["reference_losses"], "k-", linewidth=5, alpha=0.3, label="reference (1 process)")
+    for n, rec in sorted(runs.items()):
+        ax.plot(steps, rec["losses"], "--", marker=".", label=f"N = {n}")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set(xlabel="optimizer step", ylabel="loss (cross-entropy, nats)", title=title)
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def memory_by_category(runs: dict, title: str):
+    """Grouped bars: rank 0's measured bytes per category for each world size, formula as black ticks."""
+    cats = [c for c in COLORS if any(rec["theory"][c] or rec["ranks"][0]["memory"][c] for rec in runs.values())]
+    sizes = sorted(runs)
+    width = 0.8 / len(cats)
+    fig, ax = plt.subplots(figsize=(8.5, 4))
+    for j, cat in enumerate(cats):
+        xs = np.arange(len(sizes)) + (j - (len(cats) - 1) / 2) * width
+        measured = [runs[n]["ranks"][0]["memory"][cat] / KB for n in sizes]
+        ax.bar(xs, measured, width * 0.9, color=COLORS[cat],
+               label=f"{cat} (measured)" + (", host" if cat == "offloaded" else ""))
+        _formula_ticks(ax, xs, [runs[n]["theory"][cat] / KB for n in sizes], width * 0.9,
+                       label="formula (ZeRO paper)" if j == 0 else None)
+    for i, n in enumerate(sizes):           # the device total above each group
+        total = _device_bytes(runs[n]["ranks"][0]["memory"]) / KB
+        ax.annotate(f"device total\n{total:.1f} kB", (i, ax.get_ylim()[1]), ha="center", va="top", fontsize=8)
+    ax.set_ylim(top=ax.get_ylim()[1] * 1.15)
+    rec = runs[sizes[0]]
+    ax.set_xticks(np.arange(len(sizes)), [f"N = {n}" for n in sizes])
+    ax.set(ylabel="bytes per rank (kB)",
+           title=f"{title}: model states per rank, Ψ = {rec['num_params']:,}, {rec['dtype']}")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.tight_layout()
+    return fig
+
+
+def collective_bytes(results: dict):
+    """Left: bytes one rank sent per collective at the largest N, tally vs ring formula. Right: the same
+    divided by the tensor's size S, against N: all-reduce approaches 2, the others 1."""
+    formulas = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+                "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: (n - 1) / n,
+                "ring_all_reduce": lambda n: 2 * (n - 1) / n}
+    n_max = max(results)
+    top = results[n_max]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    kinds = list(formulas)
+    xs = np.arange(len(kinds))
+    left.bar(xs, [top["sent"][k] / MB for k in kinds], 0.6, color="tab:blue", label="sent (comm.tally)")
+    _formula_ticks(left, xs, [formulas[k](n_max) * top["full_bytes"] / MB for k in kinds], 0.6,
+                   label="ring formula")
+    left.set_xticks(xs, [k.replace("_", "\n") for k in kinds])
+    left.set(ylabel="bytes sent per rank (MB)",
+             title=f"N = {n_max}, tensor S = {top['full_bytes'] / MB:.3g} MB (fp32)")
+    left.legend(fontsize=8)
+    ns = np.arange(2, 17)
+    for label, f, style in (("all-reduce: 2(N-1)/N", formulas["all_reduce"], "-"),
+                            ("reduce-scatter, all-gather, broadcast: (N-1)/N", formulas["all_gather"], "--")):
+        right.plot(ns, [f(n) for n in ns], "k" + style, label=label)
+    sizes = sorted(results)
+    for kind, marker in zip(kinds, "os^vx"):
+        right.plot(sizes, [results[n]["sent"][kind] / results[n]["full_bytes"] for n in sizes], marker,
+                   linestyle="none", markersize=8, fillstyle="none", label=f"{kind} (measured)")
+    right.set(xlabel="world size N", ylabel="bytes sent per rank / S", ylim=(0, 2.1),
+              title="Per-rank traffic hardly grows with N")
+    right.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def device_vs_host(variants: dict, title: str):
+    """Two panels, device and host bytes per rank, for each variant and world size; formula ticks."""
+    names = list(variants)
+    sizes = sorted(next(iter(variants.values())))
+    width = 0.8 / len(names)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, where in zip(axes, ("device", "host")):
+        for j, name in enumerate(names):
+            xs = np.arange(len(sizes)) + (j - (len(names) - 1) / 2) * width
+            recs = [variants[name][n] for n in sizes]
+            measured = [_device_bytes(r["ranks"][0]["memory"]) if where == "device"
+                        else r["ranks"][0]["memory"]["offloaded"] for r in recs]
+            formula = [r["theory"]["device_total"] if where == "device" else r["theory"]["offloaded"]
+                       for r in recs]
+            ax.bar(xs, np.array(measured) / KB, width * 0.9, label=name, color=f"C{j}")
+            _formula_ticks(ax, xs, np.array(formula) / KB, width * 0.9,
+                           label="formula" if j == 0 else None)
+        ax.set_xticks(np.arange(len(sizes)), [f"N = {n}" for n in sizes])
+        ax.set(ylabel="bytes per rank (kB)", title=f"{where} memory per rank")
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def _device_bytes(memory: dict) -> float:
+    return memory["params"] + memory["grads"] + memory["optimizer"]
+
+
+def unit_timeline(timelines: dict, intervals: dict):
+    """One row per stage-3 unit: when its full parameters exist, forward then backward, prefetch off
+    (left) and on (right). A hatched bar was started by a prefetch (gathered ahead of its use)."""
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8), sharey=True)
+    for ax, prefetch in zip(axes, (False, True)):
+        rec = timelines[prefetch]
+        names = rec["unit_names"]
+        for iv in intervals[prefetch]:
+            color = "tab:blue" if iv["phase"] == "forward" else "tab:red"
+            ax.barh(iv["unit"], (iv["end"] - iv["start"]) * 1e3, left=iv["start"] * 1e3, height=0.6,
+                    color=color, alpha=0.75, hatch="//" if iv["how"] == "prefetch" else None,
+                    edgecolor="black", linewidth=0.5)
+        for mark, style in (("backward", "--"), ("step", ":")):
+            ax.axvline(rec["marks"][mark] * 1e3, color="gray", linestyle=style, label=f"{mark} starts")
+        ax.set_yticks(range(len(names)), names)
+        ax.set(xlabel="time in the step (ms)", title=f"prefetch {'on' if prefetch else 'off'}: peak "
+               f"parameters {rec['peak_params'] / KB:.0f} kB (full model {rec['num_params'] * 4 / KB:.0f} kB)")
+        ax.invert_yaxis()
+    axes[0].set_ylabel("unit (rank 0)")
+    handles = axes[1].get_legend_handles_labels()[0] + [
+        Patch(color="tab:blue", alpha=0.75, label="gathered for forward"),
+        Patch(color="tab:red", alpha=0.75, label="gathered for backward"),
+        Patch(facecolor="white", hatch="//", edgecolor="black", label="started by a prefetch")]
+    axes[1].legend(handles=handles, fontsize=7, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+# --------------------------------------------------------------------------------------------------------
+# 06_compare: all stages, measured and from the estimator
+# --------------------------------------------------------------------------------------------------------
+
+def compare_measured(stages: dict):
+    """Three panels from the same runs: device memory per rank vs N on the formula curves, bytes sent per
+    step at the largest N vs 2Ψ / 3Ψ, and the median step time."""
+    fig, (mem, com, tim) = plt.subplots(1, 3, figsize=(15, 4))
+    sizes = sorted(next(iter(stages.values())))
+    ns = np.arange(1, max(sizes) * 2 + 1)
+    for stage, runs in stages.items():
+        rec = runs[sizes[0]]
+        elem = 2 if rec["dtype"] == "bf16" else 4
+        k = optimizer_k(TrainConfig(optimizer=rec["optimizer"], dtype=rec["dtype"]))
+        curve = [estimate(rec["num_params"], n, stage, param_bytes=elem, grad_bytes=elem, k=k) for n in ns]
+        mem.plot(ns, np.array(curve) / KB, color=f"C{stage}", label=f"{STAGE_NAMES[stage]} formula")
+        mem.plot(sizes, [_device_bytes(runs[n]["ranks"][0]["memory"]) / KB for n in sizes], "o",
+                 color=f"C{stage}", markersize=8, markeredgecolor="black")
+    mem.plot([], [], "ko", label="measured (rank 0)")
+    mem.set(xlabel="world size N", ylabel="model states per rank (kB)", title="Memory per rank vs N")
+    mem.legend(fontsize=7)
+
+    n_max = max(sizes)
+    xs = np.arange(len(stages))
+    recs = [runs[n_max] for runs in stages.values()]
+    com.bar(xs, [r["ranks"][0]["comm_bytes_per_step"]["total"] / KB for r in recs], 0.6,
+            color=[f"C{s}" for s in stages], label="sent (comm.tally)")
+    _formula_ticks(com, xs, [r["theory"]["comm_bytes_per_step"] / KB for r in recs], 0.6,
+                   label="2Ψ (stages 0-2), 3Ψ (stage 3) × (N-1)/N")
+    com.set_xticks(xs, [STAGE_NAMES[s].replace(" (", "\n(") for s in stages], fontsize=8)
+    com.set(ylabel="bytes sent per rank per step (kB)", title=f"Communication per step, N = {n_max}")
+    com.legend(fontsize=7, loc="upper left")
+
+    width = 0.8 / len(sizes)
+    for j, n in enumerate(sizes):
+        tim.bar(xs + (j - (len(sizes) - 1) / 2) * width, [runs[n]["step_time_s"] * 1e3 for runs in stages.values()],
+                width * 0.9, label=f"N = {n}", color=plt.cm.Greys(0.35 + 0.6 * j / max(1, len(sizes) - 1)))
+    tim.set_xticks(xs, [STAGE_NAMES[s].replace(" (", "\n(") for s in stages], fontsize=8)
+    tim.set(ylabel="median step time (ms)", title="Step time (CPU processes: a rough guide)")
+    tim.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def largest_model(budget_bytes: float, dtype: str = "bf16", max_world_size: int = 1024):
+    """The largest Ψ whose model states fit `budget_bytes` per rank, per stage, against N (estimator)."""
+    pb, k = (2, 12) if dtype == "bf16" else (4, 8)
+    ns = 2 ** np.arange(0, int(np.log2(max_world_size)) + 1)
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for stage in STAGE_NAMES:
+        psi = [budget_bytes / estimate(1, int(n), stage, param_bytes=pb, grad_bytes=pb, k=k) for n in ns]
+        ax.loglog(ns, np.array(psi) / 1e9, marker="o", color=f"C{stage}", label=STAGE_NAMES[stage], base=2)
+    ax.set_yscale("log", base=10)
+    ax.set(xlabel="world size N", ylabel="largest model (billion parameters)",
+           title=f"What fits in {budget_bytes / GB:.0f} GB per rank ({dtype}, Adam; model states only)")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def estimator_view(world_size: int, params_billion: float, dtype: str, budget_gb: float):
+    """Per-rank GB by category for each stage, for a model of `params_billion`, against a budget line."""
+    pb, k = (2, 12) if dtype == "bf16" else (4, 8)
+    psi = params_billion * 1e9
+    fig, (bars, comm) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [2, 1]})
+    bottom = np.zeros(len(STAGE_NAMES))
+    for cat in ("params", "grads", "optimizer"):
+        values = np.array([estimate_breakdown(psi, world_size, s, param_bytes=pb, grad_bytes=pb, k=k)[cat]
+                           for s in STAGE_NAMES]) / GB
+        bars.bar(list(STAGE_NAMES.values()), values, bottom=bottom, color=COLORS[cat], label=cat)
+        bottom += values
+    bars.axhline(budget_gb, color="red", linestyle="--", label=f"budget {budget_gb:g} GB")
+    bars.set(ylabel="model states per rank (GB)",
+             title=f"Ψ = {params_billion:g} B parameters, N = {world_size}, {dtype} + Adam (K = {k})")
+    bars.legend(fontsize=8)
+    volumes = [comm_volume(psi, world_size, s, bytes_per_elem=pb) / GB for s in STAGE_NAMES]
+    comm.bar([f"{s}" for s in STAGE_NAMES], volumes, color=[f"C{s}" for s in STAGE_NAMES])
+    comm.set(xlabel="stage (0 = DDP)", ylabel="bytes sent per rank per step (GB)", title="Communication")
+    fig.tight_layout()
+    plt.show()

@@ -1,0 +1,121 @@
+"""Every notebook runs headless, and the numbers its plots draw agree with the ZeRO paper's formulas.
+
+    python -m pytest tests/test_notebooks.py -q        # all notebooks with MINIZERO_SMALL=1
+
+Each notebook is executed by nbclient (a timeout per cell; the kernel starts in notebooks/, where
+plots.py is); a cell that raises fails the test with its traceback. A notebook hands the data behind its
+figures to `minizero.demo.export`, which writes $MINIZERO_NOTEBOOK_DATA/<name>.json; the checks below
+recompute every formula from minizero.memory themselves instead of trusting what the notebook computed.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from minizero.memory import CATEGORIES, comm_volume, estimate, estimate_breakdown
+from minizero.run import optimizer_k
+from minizero.train import TrainConfig
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
+CELL_TIMEOUT_S = 300
+
+# notebook -> the files it exports
+EXPORTS = {
+    "00_communication": ["00_communication"],
+    "01_ddp": ["stage_0"],
+    "02_zero1": ["stage_1"],
+    "03_zero2": ["stage_2"],
+    "04_zero3": ["stage_3", "timeline_3"],
+    "05_offload": ["offload_5"],
+    "06_compare": ["compare_6"],
+}
+
+
+def test_every_notebook_is_tested():
+    assert sorted(p.stem for p in NOTEBOOKS.glob("*.ipynb")) == sorted(EXPORTS)
+
+
+def test_notebooks_are_committed_without_outputs():
+    for path in NOTEBOOKS.glob("*.ipynb"):
+        nb = nbformat.read(path, as_version=4)
+        for cell in nb.cells:
+            assert not cell.get("outputs") and not cell.get("execution_count"), f"{path.name} has outputs"
+
+
+@pytest.mark.parametrize("name", sorted(EXPORTS))
+def test_notebook_runs_and_its_plots_match_the_formulas(name, tmp_path, monkeypatch):
+    monkeypatch.setenv("MINIZERO_SMALL", "1")
+    monkeypatch.setenv("MINIZERO_NOTEBOOK_DATA", str(tmp_path))       # the kernel inherits the environment
+    nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+    nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                            resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+    for export in EXPORTS[name]:
+        data = json.loads((tmp_path / f"{export}.json").read_text())
+        if "runs" in data:
+            check_training_runs(data["runs"])
+        if "collectives" in data:
+            check_collectives(data["collectives"])
+        if "intervals" in data:
+            check_timeline(data)
+
+
+def check_training_runs(records: list[dict]) -> None:
+    assert len({r["world_size"] for r in records}) >= 2, "a plot over N needs at least two world sizes"
+    for rec in records:
+        n, psi, stage, offload = rec["world_size"], rec["num_params"], rec["stage"], rec["offload"]
+        where = f"stage {stage}, N={n}, offload={offload}"
+        elem = 2 if rec["dtype"] == "bf16" else 4
+        k = optimizer_k(TrainConfig(optimizer=rec["optimizer"], dtype=rec["dtype"], offload=offload))
+        formula = estimate_breakdown(psi, n, stage, param_bytes=elem, grad_bytes=elem, k=k, offload=offload)
+        device = estimate(psi, n, stage, param_bytes=elem, grad_bytes=elem, k=k, offload=offload)
+        # the formula the plot draws is the paper's
+        assert rec["theory"]["device_total"] == pytest.approx(device), where
+        slack = 8 * n * 16                 # padding: < N elements per bucket, <= 16 bytes each, <= 8 buckets
+        for cat in CATEGORIES:
+            assert rec["theory"][cat] == pytest.approx(formula[cat]), f"{where}, {cat}: plotted formula"
+            for r in rec["ranks"]:
+                got = r["memory"][cat]
+                assert formula[cat] - 1e-6 <= got <= formula[cat] + slack, (
+                    f"{where}, rank {r['rank']}, {cat}: measured {got} bytes, formula {formula[cat]:.0f}")
+        sent_formula = comm_volume(psi, n, stage, bytes_per_elem=elem)
+        for r in rec["ranks"]:
+            sent = r["comm_bytes_per_step"]["total"]
+            assert sent_formula - 1e-6 <= sent <= sent_formula + 3 * slack, f"{where}: {sent} bytes per step"
+        tolerance = 1e-4 if rec["dtype"] == "fp32" else 5e-2
+        assert rec["max_abs_diff"] <= tolerance, f"{where}: {rec['max_abs_diff']} from the reference"
+        assert rec["losses"] == pytest.approx(rec["reference_losses"], rel=tolerance), where
+
+
+def check_collectives(results: list[dict]) -> None:
+    factors = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1, "ring_all_reduce": 2}
+    for res in results:
+        n, size = res["world_size"], res["full_bytes"]
+        for kind, factor in factors.items():
+            formula = factor * (n - 1) / n * size
+            assert formula - 1e-6 <= res["sent"][kind] <= formula + 8 * n, f"N={n} {kind}: {res['sent'][kind]}"
+        assert res["ring_max_abs_diff"] < 1e-4
+        shown = res["shown_all"]
+        inputs = [s["input"] for s in shown]
+        sums = [sum(col) for col in zip(*inputs)]
+        for r, s in enumerate(shown):
+            assert s["all_reduce"] == pytest.approx(sums)
+            assert s["reduce_scatter"] == pytest.approx([sums[r]])
+            assert s["all_gather"] == pytest.approx([x[0] for x in inputs])
+            assert s["broadcast"] == pytest.approx(inputs[0])
+
+
+def check_timeline(data: dict) -> None:
+    names = data["unit_names"]
+    for prefetch, intervals in data["intervals"].items():
+        for b, name in enumerate(names):
+            mine = [iv for iv in intervals if iv["unit"] == b]
+            assert [iv["phase"] for iv in mine] == ["forward", "backward"], f"prefetch={prefetch}, {name}"
+            assert all(iv["start"] <= iv["end"] for iv in mine)
+        prefetched = any(iv["how"] == "prefetch" for iv in intervals)
+        assert prefetched == (prefetch == "True"), f"prefetch={prefetch}: prefetch events {prefetched}"
