@@ -32,8 +32,6 @@ from minizero.run import summarize, validate
 from minizero.train import TrainConfig, loss_fn, train_worker
 from minizero.wrap import wrap
 
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
-
 
 def backend_and_world_sizes() -> tuple[str, tuple[int, ...]]:
     """gloo processes on the CPU with N = 1, 2, 4; with two or more GPUs, NCCL with N up to min(4, GPUs).

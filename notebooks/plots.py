@@ -59,9 +59,11 @@ def memory_by_category(runs: dict, title: str):
         _formula_ticks(ax, xs, [runs[n]["theory"][cat] / KB for n in sizes], width * 0.9,
                        label="formula (ZeRO paper)" if j == 0 else None)
     for i, n in enumerate(sizes):           # the device total above each group
+        top = max(max(runs[n]["ranks"][0]["memory"][c], runs[n]["theory"][c]) for c in cats) / KB
         total = _device_bytes(runs[n]["ranks"][0]["memory"]) / KB
-        ax.annotate(f"device total\n{total:.1f} kB", (i, ax.get_ylim()[1]), ha="center", va="top", fontsize=8)
-    ax.set_ylim(top=ax.get_ylim()[1] * 1.15)
+        ax.annotate(f"device total\n{total:.1f} kB", (i, top), xytext=(0, 4), textcoords="offset points",
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_ylim(top=ax.get_ylim()[1] * 1.2)
     rec = runs[sizes[0]]
     ax.set_xticks(np.arange(len(sizes)), [f"N = {n}" for n in sizes])
     ax.set(ylabel="bytes per rank (kB)",
