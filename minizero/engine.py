@@ -20,7 +20,7 @@ import contextlib
 import torch
 from torch import nn
 
-from minizero import comm
+from minizero import checkpoint, comm
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -46,6 +46,7 @@ class Engine:
         self._sync = True
         self._peak = {"peak": 0, "peak_params": 0}
         self.last_grad_norm: float | None = None
+        self.step_count = 0            # optimizer steps taken; a checkpoint saves and restores it
 
         # Mixed precision: the model computes in self.dtype (floating params and buffers are cast; the
         # optimizer keeps fp32 masters, see optim.py).
@@ -90,6 +91,7 @@ class Engine:
         self._after_step()
         self._track_peak()
         self._zero_grad()
+        self.step_count += 1
 
     def _clip(self, grads: list[torch.Tensor]) -> float:
         """Clip by the *global* norm. With sharded gradients each rank only sees its partition, so the
@@ -127,6 +129,16 @@ class Engine:
                     value = value.float()
             out[name] = value
         return out
+
+    # --- checkpoints: sharded, bit-exact resume (format and guarantees: minizero/checkpoint.py) -------
+    def save(self, directory: str) -> None:
+        """Collective, between steps: every rank writes its shard to `directory`, rank 0 commits it."""
+        checkpoint.save(self, directory)
+
+    def load(self, directory: str) -> None:
+        """Collective: restore a checkpoint of the same stage, world size and model; on any mismatch
+        raise checkpoint.CheckpointError (one line) on every rank, with nothing modified."""
+        checkpoint.load(self, directory)
 
     def memory(self) -> dict[str, int]:
         """This rank's model-state bytes now: params, grads, optimizer (compute device), offloaded (host),

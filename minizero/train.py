@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import signal
 import time
 from dataclasses import dataclass, field
 
@@ -49,6 +51,18 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 0                        # rank 0 prints progress every N steps (0: quiet)
     return_state: bool = False                # include the final full_state_dict in the result
+    # Checkpoints (minizero/checkpoint.py). `steps` counts from step 0 of the data stream, so resuming a
+    # run saved after k steps with steps=k+m trains the m steps an uninterrupted run would have.
+    save_dir: str | None = None               # engine.save() here after the last step
+    load_dir: str | None = None               # engine.load() before the first: same stage, N, model
+    init_state: str | None = None             # a consolidated state dict (minizero.consolidate): any N,
+    start_step: int = 0                       # ... first step's index in the data stream (fresh optimizer)
+    # Fault injection for the failure tests: rank `fail_rank` fails at the start of step `fail_step`,
+    # raising ("raise") or dying without a word ("kill": SIGKILL to itself, as the OOM killer does).
+    # MINIZERO_FAIL_RANK / MINIZERO_FAIL_STEP / MINIZERO_FAIL_MODE set the same from outside (the CLI).
+    fail_rank: int | None = None
+    fail_step: int = 0
+    fail_mode: str = "raise"
 
     def model_config(self) -> GPTConfig:
         return GPTConfig.named(self.model, **self.model_overrides)
@@ -77,11 +91,19 @@ def train_worker(cfg: TrainConfig) -> dict:
     rank, n = comm.rank(), comm.world_size()
     mcfg = cfg.model_config()
     model = make_model(mcfg, seed=cfg.seed)
+    if cfg.init_state:
+        model.load_state_dict(torch.load(cfg.init_state, map_location="cpu", weights_only=True))
     engine = wrap(model, cfg.stage, cfg.optimizer_factory(), offload=cfg.offload, **cfg.engine_options())
+    engine.step_count = cfg.start_step
+    if cfg.load_dir:
+        engine.load(cfg.load_dir)                 # also restores step_count: the data continues there
+    fault = _fault(cfg)
     device = comm.device()
     losses, step_times, comm_per_step = [], [], []
     memory = None
-    for step in range(cfg.steps):
+    for step in range(engine.step_count, cfg.steps):
+        if fault and fault[:2] == (rank, step):
+            _fail(*fault)
         x, y = global_batch(step, cfg.batch_size, mcfg.block_size, seed=cfg.seed)
         comm.reset_tally()
         start = time.perf_counter()
@@ -104,6 +126,8 @@ def train_worker(cfg: TrainConfig) -> dict:
         if cfg.log_every and rank == 0 and (step % cfg.log_every == 0 or step == cfg.steps - 1):
             print(f"step {step + 1:>4}/{cfg.steps}  loss {step_loss:.4f}  "
                   f"{step_times[-1] * 1e3:.1f} ms/step", flush=True)
+    if cfg.save_dir:
+        engine.save(cfg.save_dir)
     result = {
         "rank": rank,
         "losses": losses,
@@ -118,6 +142,23 @@ def train_worker(cfg: TrainConfig) -> dict:
     if cfg.return_state:
         result["state_dict"] = engine.full_state_dict()
     return result
+
+
+def _fault(cfg: TrainConfig) -> tuple[int, int, str] | None:
+    """(rank, step, mode) of the failure to inject, from the config or else the environment; or None."""
+    if cfg.fail_rank is not None:
+        return cfg.fail_rank, cfg.fail_step, cfg.fail_mode
+    env = os.environ
+    if "MINIZERO_FAIL_RANK" in env:
+        return (int(env["MINIZERO_FAIL_RANK"]), int(env.get("MINIZERO_FAIL_STEP", "0")),
+                env.get("MINIZERO_FAIL_MODE", "raise"))
+    return None
+
+
+def _fail(rank: int, step: int, mode: str) -> None:
+    if mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise RuntimeError(f"injected failure on rank {rank} at step {step}")
 
 
 def model_num_params(engine) -> int:

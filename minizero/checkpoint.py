@@ -1,0 +1,289 @@
+"""Sharded checkpoints: every rank saves what it owns, and a resumed run is bit-identical.
+
+    engine.save("ckpt")      # collective, between steps: one file per rank, then one manifest
+    engine.load("ckpt")      # collective, in fresh processes of the same stage and world size
+    python -m minizero.consolidate ckpt model.pt     # one plain fp32 state_dict, for any N
+    minizero.launch(train_worker, 2, TrainConfig(steps=100, load_dir="ckpt", save_dir="ckpt"))
+
+Run its tests:  python -m pytest tests/test_checkpoint.py
+
+What a rank owns is what ZeRO partitioned: the fp32 master weights and the optimizer state of its
+partition of every bucket, the K·Ψ/N of the paper (stage 0: all of Ψ, replicated, so every rank's file
+is the same). Nothing is gathered to save, as in DeepSpeed (one file per rank; its zero_to_fp32 stitches
+them together offline, like minizero.consolidate). bf16 model parameters are not saved: they are
+round(master), and load rebuilds them from the masters exactly as step() does.
+
+Format (format_version 1), one directory:
+
+    ckpt/manifest.json      what was saved, and which version directory holds it. Written last.
+    ckpt/v3/rank{r}.pt      rank r's shard, torch.save of {"step": optimizer steps taken,
+                              "masters": [fp32 tensor per bucket: [Ψ_b/N], stage 0 [Ψ_b]],
+                              "optimizer": the torch optimizer's state_dict() (moments, step, lr...),
+                              "rng": {"torch": CPU generator state, "cuda": current GPU's or None}}
+    ckpt/v3/replicated.pt   what every rank holds identically and never steps, written by rank 0:
+                              {name: tensor} of the frozen parameters and buffers, in the model's dtype
+
+manifest.json: "format", "format_version", "version" (the v3 directory), "step", "stage", "world_size",
+"dtype", "offload", "optimizer" (class name), "num_params" (Ψ), "buckets" ([{"numel", "padded_numel",
+"shard_numel" (elements per rank file), "params": [{"name", "shape", "offset"}]}]), "state_dict" (every
+key of model.state_dict() in order: {"key", "source", "shape", "trainable"}; the tied embedding/head
+weight is two keys with one source) and "files" ({"rank0.pt": {"bytes", "sha256"}, ...}).
+
+Why a crash never leaves a checkpoint that loads as valid, nor destroys the previous one:
+  1. every file is written under a temporary name, fsync'ed, then renamed (atomic on POSIX);
+  2. a save writes a *new* version directory, never over the files the current manifest names;
+  3. once every rank's files are on disk (an all-gather of their sizes and hashes), rank 0 replaces
+     manifest.json, atomically. Before that instant the old checkpoint is what loads, after it the new
+     one; only then is the old version directory removed;
+  4. load checks every file's size and sha256 against the manifest: a truncated or damaged file is
+     reported, not loaded.
+Load checks the manifest against the engine first (stage, world size, optimizer, parameter names,
+shapes and buckets) and all ranks agree on the verdict (an all-gather) before anything changes: either
+every rank loads, or every rank raises CheckpointError with a one-line message, the engine untouched.
+dtype and offload may change between save and load: the state is fp32 masters and optimizer state
+either way (stages 0 and 2 bucket by bytes, so a dtype change there shows up as different buckets).
+
+Bit-identical resume: the resumed run applies the same operations to the same values. Masters, Adam's
+moments and step counter, the bf16 parameters (= round(master)), the step count (so the data stream
+continues where it stopped) and the RNG states are all restored; gradients are zero between steps.
+To resume at another world size, go through minizero.consolidate (the optimizer state restarts there).
+Assumes a filesystem all ranks share: rank 0 writes the manifest for everyone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+
+import torch
+
+from minizero import comm
+
+FORMAT = "minizero-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+_VERSION_DIR = re.compile(r"v\d+")
+_MANIFEST_KEYS = ("version", "step", "stage", "world_size", "optimizer", "buckets", "state_dict", "files")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, damaged, or saved for another configuration (one-line message)."""
+
+
+# --------------------------------------------------------------------------------------------------------
+# Save
+# --------------------------------------------------------------------------------------------------------
+
+def save(engine, directory: str) -> None:
+    """engine.save: every rank writes its shard into a new version directory, then rank 0 commits."""
+    directory = os.fspath(directory)
+    version = _new_version_dir(directory) if engine.rank == 0 else None
+    version = comm.all_gather_object(version)[0]             # everyone writes where rank 0 decided
+    vdir = os.path.join(directory, version)
+    os.makedirs(vdir, exist_ok=True)
+    mine = f"rank{engine.rank}.pt"
+    files = {mine: _write_torch(os.path.join(vdir, mine), _shard_state(engine))}
+    if engine.rank == 0:
+        files["replicated.pt"] = _write_torch(os.path.join(vdir, "replicated.pt"), _replicated_state(engine))
+    everyone = comm.all_gather_object(files)                  # returns once every shard is on disk
+    if engine.rank == 0:
+        manifest = {**describe(engine), "version": version, "step": engine.step_count,
+                    "files": {name: info for f in everyone for name, info in f.items()}}
+        write_atomic(os.path.join(directory, MANIFEST), json.dumps(manifest, indent=1).encode())  # commit
+        for name in os.listdir(directory):                    # the old version, and any unfinished one
+            if _VERSION_DIR.fullmatch(name) and name != version:
+                shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+    comm.barrier()                                            # nobody returns before the commit
+
+
+def describe(engine) -> dict:
+    """What the manifest records about an engine, and what load compares with the running one."""
+    names = {id(t): n for n, t in [*engine.module.named_parameters(), *engine.module.named_buffers()]}
+    trainable = {id(p) for p in engine.trainable}
+    buckets = [{"numel": b.numel, "padded_numel": b.padded_numel, "shard_numel": b.shard_numel,
+                "params": [{"name": names[id(p)], "shape": list(p.shape), "offset": off}
+                           for p, off in zip(b.params, b.offsets)]}
+               for b in engine.layout.buckets]
+    entries = [{"key": k, "source": names[id(t)], "shape": list(t.shape), "trainable": id(t) in trainable}
+               for k, t in engine.module.state_dict(keep_vars=True).items()]
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "stage": engine.stage,
+            "world_size": engine.world_size, "dtype": str(engine.dtype).removeprefix("torch."),
+            "offload": getattr(engine, "offload", False),
+            "optimizer": type(engine.optimizer.optimizer).__name__,
+            "num_params": sum(p.numel() for p in engine.module.parameters()),
+            "buckets": buckets, "state_dict": entries}
+
+
+def _shard_state(engine) -> dict:
+    # to(copy=True): a master may be a view into the whole flat buffer, and torch.save would write all of
+    # the storage under a view (N times this rank's share), so each is copied to a compact CPU tensor.
+    return {"step": engine.step_count,
+            "masters": [m.to("cpu", copy=True) for m in engine.optimizer.master_values()],
+            "optimizer": engine.optimizer.optimizer.state_dict(),
+            "rng": {"torch": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}}
+
+
+def _replicated_state(engine) -> dict[str, torch.Tensor]:
+    state = engine.module.state_dict(keep_vars=True)
+    return {e["source"]: state[e["key"]].detach().to("cpu", copy=True)
+            for e in describe(engine)["state_dict"] if not e["trainable"]}
+
+
+def _new_version_dir(directory: str) -> str:
+    """A fresh vN directory, N above every version there (finished or not): nothing current is touched."""
+    os.makedirs(directory, exist_ok=True)
+    taken = [int(n[1:]) for n in os.listdir(directory) if _VERSION_DIR.fullmatch(n)]
+    version = f"v{max(taken, default=0) + 1}"
+    os.mkdir(os.path.join(directory, version))
+    return version
+
+
+def _write_torch(path: str, obj) -> dict:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    write_atomic(path, data)
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Write `data` to `path` so that `path` holds either its old content or all of the new, never a part."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())               # the bytes are on disk before the name points at them
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(fd)                           # ... and so is the rename
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Read and check (shared with minizero.consolidate)
+# --------------------------------------------------------------------------------------------------------
+
+def read_manifest(directory: str) -> dict:
+    directory = os.fspath(directory)
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{directory}: no such checkpoint directory")
+    if not os.path.exists(path):
+        raise CheckpointError(f"{directory} has no {MANIFEST}: not a checkpoint, or its first save "
+                              "did not finish")
+    try:
+        with open(path, "rb") as f:
+            manifest = json.loads(f.read())
+    except (ValueError, OSError) as e:         # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise CheckpointError(f"{path} is damaged: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a minizero checkpoint manifest")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path} has format_version {manifest.get('format_version')!r}; this "
+                              f"minizero reads version {FORMAT_VERSION}")
+    missing = [k for k in _MANIFEST_KEYS if k not in manifest]
+    if missing:
+        raise CheckpointError(f"{path} is damaged: it lacks {', '.join(missing)}")
+    return manifest
+
+
+def read_file(directory: str, manifest: dict, name: str) -> dict:
+    """One file of the checkpoint, after checking its size and sha256 against the manifest."""
+    path = os.path.join(os.fspath(directory), manifest["version"], name)
+    expected = manifest["files"].get(name)
+    if expected is None:
+        raise CheckpointError(f"{directory}: the manifest lists no {name}")
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: {e.strerror}") from None
+    if len(data) != expected["bytes"]:
+        raise CheckpointError(f"{path} is truncated or damaged: {len(data)} bytes, the manifest says "
+                              f"{expected['bytes']}")
+    if hashlib.sha256(data).hexdigest() != expected["sha256"]:
+        raise CheckpointError(f"{path} is damaged: its sha256 differs from the manifest's")
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def check_compatible(manifest: dict, engine, directory: str) -> None:
+    here = describe(engine)
+    for key, what in (("stage", "stage"), ("world_size", "world size"), ("optimizer", "optimizer")):
+        if manifest[key] != here[key]:
+            hint = (" (to change it: python -m minizero.consolidate, then start from that state)"
+                    if key == "world_size" else "")
+            raise CheckpointError(f"{directory} was saved with {what} {manifest[key]}, this engine has "
+                                  f"{what} {here[key]}{hint}")
+    difference = _model_difference(manifest, here)
+    if difference:
+        raise CheckpointError(f"{directory} holds a different model: {difference}")
+
+
+def _model_difference(saved: dict, here: dict) -> str | None:
+    """The first way the saved model differs from this one, in words; None if they fit."""
+    before = {e["key"]: e for e in saved["state_dict"]}
+    now = {e["key"]: e for e in here["state_dict"]}
+    if now.keys() - before.keys():
+        return f"this model's {min(now.keys() - before.keys())} is not in the checkpoint"
+    if before.keys() - now.keys():
+        return f"the checkpoint's {min(before.keys() - now.keys())} is not in this model"
+    for key, e in now.items():
+        if e["shape"] != before[key]["shape"]:
+            return f"{key} has shape {before[key]['shape']} there, {e['shape']} here"
+        if e["trainable"] != before[key]["trainable"]:
+            return f"{key} is {'frozen' if e['trainable'] else 'trainable'} there, not here"
+    if saved["buckets"] != here["buckets"]:
+        return "its parameters are bucketed differently (bucket_size, dtype or stage-3 units changed?)"
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------
+# Load
+# --------------------------------------------------------------------------------------------------------
+
+def load(engine, directory: str) -> None:
+    """engine.load: check everything on every rank, agree, then restore; see the module docstring."""
+    directory = os.fspath(directory)
+    try:
+        manifest = read_manifest(directory)
+        check_compatible(manifest, engine, directory)
+        shard = read_file(directory, manifest, f"rank{engine.rank}.pt")
+        replicated = read_file(directory, manifest, "replicated.pt")
+        problem = None
+    except CheckpointError as e:
+        problem = str(e)
+    problems = [p for p in comm.all_gather_object(problem) if p]   # one rank's bad file stops them all
+    if problems:
+        raise CheckpointError(problems[0])
+
+    opt = engine.optimizer
+    opt.optimizer.load_state_dict(shard["optimizer"])
+    with torch.no_grad():
+        for master, part, value in zip(opt.masters, opt.param_parts, shard["masters"]):
+            master.copy_(value)
+            if master.data_ptr() != part.data_ptr():
+                part.copy_(master)               # the model's parameters = round(master), as step() does
+        engine._after_step()                     # share them as step() does (stages 1-2 all-gather)
+        state = engine.module.state_dict(keep_vars=True)
+        for e in manifest["state_dict"]:
+            if not e["trainable"]:
+                state[e["key"]].copy_(replicated[e["source"]])
+    engine.step_count = shard["step"]
+    torch.set_rng_state(shard["rng"]["torch"])
+    if shard["rng"]["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(shard["rng"]["cuda"])

@@ -1,0 +1,218 @@
+"""Sharded checkpoints: resuming in fresh processes is bit-identical for every stage, a crash during a
+save never costs the previous checkpoint, bad checkpoints are refused in one line with nothing changed,
+and minizero.consolidate gives a plain state_dict that also continues training at another world size."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import minizero
+from minizero import checkpoint
+from minizero.checkpoint import CheckpointError
+from minizero.consolidate import consolidate, main
+from minizero.model import make_model
+from minizero.train import TrainConfig, train_worker
+from _checks import assert_matches_reference
+from _workers import run_configs
+
+K, M, N = 2, 2, 2          # save after K steps, resume for M more, at world size N
+# A frozen parameter, a parameter forward never uses, the tied weight, odd sizes, several buckets.
+BASE = dict(world_size=N, model="tiny", batch_size=12, optimizer="adamw", lr=1e-2, bucket_size=3000,
+            model_overrides={"frozen": ("pos_emb.weight",), "unused_param": True})
+VARIANTS = {
+    "stage0": dict(stage=0),
+    "stage1": dict(stage=1),
+    "stage1_offload": dict(stage=1, offload=True),
+    "stage2_accum_clip": dict(stage=2, grad_accum=2, clip_grad_norm=0.05),
+    "stage2_bf16_offload": dict(stage=2, dtype="bf16", offload=True),
+    "stage3": dict(stage=3),
+    "stage3_offload_params": dict(stage=3, offload="params"),
+    "stage3_bf16": dict(stage=3, dtype="bf16"),
+}
+# SGD has no state, so continuing from the consolidated weights at another N must track the reference.
+SGD = dict(BASE, stage=2, optimizer="sgd", lr=0.5)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Launch 1: every variant uninterrupted for K+M steps, and for K steps saving a checkpoint.
+    Launch 2, fresh processes: every variant loads its checkpoint and trains to step K+M."""
+    root = tmp_path_factory.mktemp("ckpt")
+    dirs = {name: str(root / name) for name in [*VARIANTS, "sgd"]}
+    first = []
+    for name, opts in VARIANTS.items():
+        cfg = dict(BASE, **opts, return_state=True)
+        first += [TrainConfig(**cfg, steps=K + M), TrainConfig(**cfg, steps=K, save_dir=dirs[name])]
+    first.append(TrainConfig(**SGD, steps=K, save_dir=dirs["sgd"]))
+    before = minizero.launch(run_configs, N, first)
+    resumed = minizero.launch(run_configs, N, [TrainConfig(**BASE, **opts, steps=K + M, return_state=True,
+                                                           load_dir=dirs[name])
+                                               for name, opts in VARIANTS.items()])
+    out = {}
+    for i, name in enumerate(VARIANTS):
+        out[name] = {"full": [r[2 * i] for r in before], "saved": [r[2 * i + 1] for r in before],
+                     "resumed": [r[i] for r in resumed], "dir": dirs[name]}
+    out["sgd"] = {"dir": dirs["sgd"]}
+    return out
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_resume_in_fresh_processes_is_bit_identical(runs, name):
+    run = runs[name]
+    for full, resumed in zip(run["full"], run["resumed"]):
+        assert resumed["losses"] == full["losses"][K:], f"rank {full['rank']}: losses after resuming differ"
+        for key, expected in full["state_dict"].items():
+            assert torch.equal(resumed["state_dict"][key], expected), (
+                f"{name}, rank {full['rank']}, {key}: resumed parameters are not bit-identical")
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_consolidated_state_is_the_full_state_dict_and_loads_strictly(runs, name):
+    expected = runs[name]["saved"][0]["state_dict"]       # engine.full_state_dict() at the save
+    state = consolidate(runs[name]["dir"])
+    assert list(state) == list(expected)                  # model.state_dict()'s keys, in order
+    for key, value in expected.items():
+        assert state[key].dtype == value.dtype and torch.equal(state[key], value), key
+    opts = VARIANTS[name]
+    model = make_model(TrainConfig(**BASE, **opts).model_config())
+    model.load_state_dict(state, strict=True)             # no process group, no minizero engine
+
+
+def test_consolidate_cli_then_continue_at_another_world_size(runs, tmp_path):
+    out = tmp_path / "model.pt"
+    p = subprocess.run([sys.executable, "-m", "minizero.consolidate", runs["sgd"]["dir"], str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert f"wrote {out}" in p.stdout and f"step {K}" in p.stdout
+    # saved by stage 2 at N = 2; continued by stage 3 at N = 3 from the consolidated weights
+    cfg = TrainConfig(**{**SGD, "stage": 3, "world_size": 3}, steps=K + M, init_state=str(out), start_step=K,
+                      return_state=True)
+    results = minizero.launch(train_worker, 3, cfg)
+    assert all(len(r["losses"]) == M for r in results)
+    assert_matches_reference(cfg, results, atol=1e-6)     # = K + M uninterrupted single-process steps
+
+
+# --- in the test process, one rank: crashes during a save, bad checkpoints --------------------------------
+
+ONE = dict(BASE, world_size=1, stage=2)
+
+
+def _engine(**overrides):
+    cfg = TrainConfig(**{**ONE, **overrides})
+    model = make_model(cfg.model_config())
+    return minizero.wrap(model, cfg.stage, cfg.optimizer_factory(), offload=cfg.offload, **cfg.engine_options())
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("one") / "ckpt")
+    train_worker(TrainConfig(**ONE, steps=1, save_dir=d))
+    return d
+
+
+def test_a_crash_before_the_commit_keeps_the_previous_checkpoint(saved, tmp_path, monkeypatch):
+    d = str(tmp_path / "ckpt")
+    shutil.copytree(saved, d)
+    engine = _engine()
+    engine.load(d)
+    x = torch.randint(0, 10, (4, 16))
+    engine.backward(engine(x).float().mean())
+    engine.step()
+    real_write = checkpoint.write_atomic
+
+    def crash_at_manifest(path, data):
+        if path.endswith(checkpoint.MANIFEST):
+            raise KeyboardInterrupt("simulated crash just before the commit")
+        real_write(path, data)
+
+    monkeypatch.setattr(checkpoint, "write_atomic", crash_at_manifest)
+    with pytest.raises(KeyboardInterrupt):
+        engine.save(d)
+    monkeypatch.undo()
+    assert sorted(os.listdir(d)) == ["manifest.json", "v1", "v2"]     # v2: every shard, never committed
+    fresh = _engine()
+    fresh.load(d)
+    assert fresh.step_count == 1                                       # still the old checkpoint
+    engine.save(d)                                                     # a complete save replaces it
+    assert sorted(os.listdir(d)) == ["manifest.json", "v3"]
+    fresh = _engine()
+    fresh.load(d)
+    assert fresh.step_count == 2
+    assert all(torch.equal(a, b) for a, b in zip(fresh.full_state_dict().values(),
+                                                  engine.full_state_dict().values()))
+
+
+def _damage(d, how):
+    version = checkpoint.read_manifest(d)["version"]
+    shard = os.path.join(d, version, "rank0.pt")
+    if how == "missing file":
+        os.remove(shard)
+    elif how == "truncated file":
+        with open(shard, "r+b") as f:
+            f.truncate(os.path.getsize(shard) // 2)
+    elif how == "flipped byte":
+        with open(shard, "r+b") as f:
+            f.seek(os.path.getsize(shard) // 2)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 1]))
+    elif how == "damaged manifest":
+        with open(os.path.join(d, "manifest.json"), "w") as f:
+            f.write('{"format": "minizero-chec')
+    elif how == "no manifest":
+        os.remove(os.path.join(d, "manifest.json"))
+
+
+@pytest.mark.parametrize("how, overrides, message", [
+    ("other stage", {"stage": 3}, "saved with stage 2, this engine has stage 3"),
+    ("other optimizer", {"optimizer": "sgd"}, "saved with optimizer AdamW, this engine has optimizer SGD"),
+    ("other shapes", {"model_overrides": {**BASE["model_overrides"], "n_embd": 16}}, "has shape [12, 14] there"),
+    ("other buckets", {"bucket_size": 1e6}, "bucketed differently"),
+    ("missing file", {}, "rank0.pt is missing"),
+    ("truncated file", {}, "rank0.pt is truncated or damaged"),
+    ("flipped byte", {}, "rank0.pt is damaged: its sha256 differs"),
+    ("damaged manifest", {}, "manifest.json is damaged"),
+    ("no manifest", {}, "has no manifest.json"),
+])
+def test_a_bad_checkpoint_is_refused_in_one_line_and_nothing_changes(saved, tmp_path, how, overrides, message):
+    d = str(tmp_path / "ckpt")
+    shutil.copytree(saved, d)
+    _damage(d, how)
+    engine = _engine(**overrides)
+    before = engine.full_state_dict()
+    with pytest.raises(CheckpointError, match=re.escape(message)) as info:
+        engine.load(d)
+    assert "\n" not in str(info.value)
+    assert engine.step_count == 0 and not engine.optimizer.optimizer.state
+    assert all(torch.equal(before[k], v) for k, v in engine.full_state_dict().items())
+
+
+def test_another_world_size_is_refused_with_the_way_out(runs):
+    with pytest.raises(CheckpointError, match=r"world size 2, this engine has world size 1 \(to change it: "
+                                              r"python -m minizero.consolidate"):
+        _engine().load(runs["stage2_accum_clip"]["dir"])
+
+
+@pytest.mark.parametrize("how, message", [
+    ("no manifest", "has no manifest.json"),
+    ("truncated file", "rank0.pt is truncated"),
+    ("no such directory", "no such checkpoint directory"),
+    ("one argument", "the following arguments are required: out"),
+])
+def test_consolidate_bad_input_is_one_line_exit_2_and_out_untouched(saved, tmp_path, capsys, how, message):
+    d = str(tmp_path / "ckpt")
+    shutil.copytree(saved, d)
+    _damage(d, how)
+    out = tmp_path / "out.pt"
+    out.write_bytes(b"previous content")
+    args = {"no such directory": [str(tmp_path / "nowhere"), str(out)], "one argument": [d]}.get(how, [d, str(out)])
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+    assert out.read_bytes() == b"previous content"
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "out.pt"]          # no temporary file left either
