@@ -1,0 +1,41 @@
+"""The measurements behind slides/make_figures.py, as one worker per world size (launches are the slow
+part of a small run: one process group does everything at each N).
+
+    from minizero.bench_figures import survey
+    data = survey(world_sizes=(1, 2, 4), width=64, budget_mb=4.0)
+
+At every N: each variant of minizero.scale.VARIANTS probed at one width (memory after two steps,
+bytes sent in the second), the largest width each trains within the budget (minizero.scale), and at
+N = 2 one stage-3 step's gather/free timeline with and without prefetch (minizero.demo).
+"""
+
+from __future__ import annotations
+
+from minizero.demo import zero3_timeline_worker
+from minizero.launcher import launch
+from minizero.scale import largest_worker, probe_worker, report
+from minizero.train import TrainConfig
+
+TIMELINE_N = 2
+
+
+def survey_worker(width: int, budget: float, timeline_model: str | None) -> dict:
+    out = {"probes": probe_worker(width), "largest": largest_worker(budget)}
+    if timeline_model:
+        cfgs = [TrainConfig(stage=3, model=timeline_model, batch_size=24, prefetch=p) for p in (False, True)]
+        out["timeline"] = {str(rec["prefetch"]): rec for rec in zero3_timeline_worker(cfgs)}
+    return out
+
+
+def survey(world_sizes=(1, 2, 4), *, width: int = 64, budget_mb: float = 4.0,
+           timeline_model: str = "default") -> dict:
+    """{"world_sizes", "probes": {N: [record per variant]}, "scale": minizero.scale.report(...),
+    "timeline": {"False"|"True": record}} (rank 0's records)."""
+    if TIMELINE_N not in world_sizes:
+        raise ValueError(f"world_sizes must include {TIMELINE_N} (the stage-3 timeline runs there)")
+    budget = budget_mb * 1e6
+    per_n = {n: launch(survey_worker, n, width, budget, timeline_model if n == TIMELINE_N else None,
+                       backend="gloo")[0] for n in world_sizes}
+    return {"world_sizes": list(world_sizes), "probes": {n: r["probes"] for n, r in per_n.items()},
+            "scale": report(budget, {n: r["largest"] for n, r in per_n.items()}),
+            "timeline": per_n[TIMELINE_N]["timeline"]}

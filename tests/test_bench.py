@@ -1,0 +1,66 @@
+"""minizero.bench: every stage next to PyTorch's peer in one launch (tiny model, N = 2, 2 steps), and
+its one-line usage errors. Run: python -m pytest tests/test_bench.py -q"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from minizero import bench, scale
+from minizero.memory import comm_volume
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "bench.json"
+    code = bench.main(["--world-size", "2", "--model", "tiny", "--steps", "2", "--repeats", "1",
+                       "--json", str(path)])
+    assert code == 0
+    return json.loads(path.read_text())
+
+
+def test_every_pair_is_reported(report):
+    assert [(p["world_size"], p["stage"], p["peer"]) for p in report["pairs"]] == [
+        (2, 0, "ddp"), (2, 1, "zero_redundancy"), (2, 2, "fsdp2_no_reshard"), (2, 3, "fsdp2")]
+    for p in report["pairs"]:
+        assert p["ratio"] > 0 and all(t > 0 for t in p["step_time_s"].values())
+        for impl in bench.IMPLS:
+            assert len(p["memory"][impl]) == 2 and all(set(m) == set(bench.MEMORY_KEYS) for m in p["memory"][impl])
+
+
+def test_minizero_ends_where_pytorch_ends(report):
+    for p in report["pairs"]:
+        assert p["max_param_diff"] < 1e-5, (p["stage"], p["max_param_diff"])
+        assert p["final_loss"]["minizero"] == pytest.approx(p["final_loss"]["torch"], abs=1e-5)
+
+
+def test_memory_and_comm_are_the_stages(report):
+    by_stage = {p["stage"]: p for p in report["pairs"]}
+    device = {s: sum(p["memory"]["minizero"][0].values()) for s, p in by_stage.items()}
+    assert device[0] > device[1] > device[2] > device[3]              # each stage shards one more thing
+    torch_ddp = sum(by_stage[0]["memory"]["torch"][0].values())
+    assert device[0] == pytest.approx(torch_ddp, rel=0.01)           # both replicate everything
+    psi = by_stage[0]["num_params"]
+    for s, p in by_stage.items():                                    # minizero's tally: 2Ψ or 3Ψ (+ padding)
+        assert p["comm_bytes_per_step"]["minizero"] == pytest.approx(comm_volume(psi, 2, s, bytes_per_elem=4),
+                                                                     rel=0.01)
+    # ZeroRedundancyOptimizer all-reduces, then broadcasts the stepped partitions: 3Ψ, not stage 1's 2Ψ
+    assert by_stage[1]["comm_bytes_per_step"]["torch"] == pytest.approx(1.5 * by_stage[0]["comm_bytes_per_step"]["torch"])
+
+
+@pytest.mark.parametrize("argv", [["--world-size", "1"], ["--steps", "1"], ["--model", "huge"],
+                                  ["--stages", "5"], ["--world-size", "3"], ["--bogus"],
+                                  ["--scale", "--budget-mb", "0"], ["--scale", "--world-size", "0"]])
+def test_bad_input_is_one_line_and_exit_2(argv, capsys):
+    assert bench.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "error" in err and len(err.splitlines()) == 1
+
+
+def test_scale_table_names_every_variant():
+    rows = [{"variant": v, "world_size": 1, "num_params": 100 * (i + 1), "width": 8} for i, (v, _, _) in
+            enumerate(scale.VARIANTS)]
+    text = scale.format_table({"budget_bytes": 1e6, "world_sizes": [1], "n_layer": 8, "rows": rows,
+                               "stage3_over_ddp": {1: 4.0}})
+    assert all(v in text for v, _, _ in scale.VARIANTS) and "4.00" in text
