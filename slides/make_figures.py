@@ -44,7 +44,7 @@ def measure(small: bool) -> dict:
     """Everything the figures need, as plain data (minizero.bench_figures: one launch per N)."""
     if small:
         return survey((1, 2), width=16, budget_mb=0.5, timeline_model="tiny")
-    return survey((1, 2, 4), width=64, budget_mb=4.0, timeline_model="default")
+    return survey((1, 2, 4), width=64, budget_mb=4.0, timeline_model="default")   # 64: the default GPT's width, 8 blocks
 
 
 # --------------------------------------------------------------------------------------------------------
