@@ -53,6 +53,7 @@ class Engine:
         model.to(device=self.device, dtype=self.dtype)
         self._broadcast_from_rank0()
         params = list(model.parameters())                      # distinct: a tied weight appears once
+        self._params = params             # the Parameter objects never change (stages move only p.data)
         self.trainable = [p for p in params if p.requires_grad]
         self.frozen = [p for p in params if not p.requires_grad]   # replicated as-is, never stepped
 
@@ -148,7 +149,7 @@ class Engine:
         return {**now, **self._peak}
 
     def _memory_groups(self) -> dict[str, list[torch.Tensor]]:
-        params = list(self.module.parameters())
+        params = self._params
         return {
             "params": params + self._extra_tensors("params"),
             "grads": [p.grad for p in params] + self._extra_tensors("grads"),

@@ -25,12 +25,14 @@ from minizero.flat import Bucket
 
 
 class GradBuckets:
-    """launch(bucket) -> async handle or None (nothing to send); done(bucket) runs after its handle."""
+    """launch(bucket) -> async handle or None (nothing to send); done(bucket) runs after its handle;
+    on_grad(param, bucket), if given, runs as each parameter's gradient is complete (stage 2 uses it to
+    move the gradient into the bucket's buffer at once, so full gradients never pile up)."""
 
     def __init__(self, buckets: list[Bucket], launch: Callable, done: Callable | None = None,
-                 max_in_flight: int = 2):
+                 on_grad: Callable | None = None, max_in_flight: int = 2):
         self.buckets = buckets
-        self.launch, self.done = launch, done
+        self.launch, self.done, self.on_grad = launch, done, on_grad
         self.max_in_flight = max_in_flight
         self._bucket_of = {p: i for i, b in enumerate(buckets) for p in b.params}
         self._in_flight: deque = deque()
@@ -45,7 +47,10 @@ class GradBuckets:
         self._next = 0                                            # next bucket to launch, in order
 
     def _on_grad_ready(self, p) -> None:
-        self._missing[self._bucket_of[p]] -= 1
+        i = self._bucket_of[p]
+        if self.on_grad is not None:
+            self.on_grad(p, self.buckets[i])
+        self._missing[i] -= 1
         self._launch_ready()
 
     def _launch_ready(self) -> None:

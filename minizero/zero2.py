@@ -9,9 +9,9 @@ What each rank holds (paper, section 5.2): parameters 2Ψ, gradients (2/N)Ψ, op
 Read zero1.py first: this file is only what stage 2 changes. Stage 1 kept a full gradient buffer and
 reduce-scattered it after backward; but a rank only ever *uses* its own partition of the gradient. So:
   * parameters are grouped into buckets (flat.py), each padded and partitioned over the N ranks;
-  * during backward, as soon as a bucket's gradients are complete (reducer.GradBuckets, the same
-    mechanism as DDP), they are copied into a staging buffer, the full per-parameter gradients are
-    freed, and the bucket is reduce-scattered asynchronously while backward continues;
+  * during backward, each parameter's gradient is copied into its bucket's staging buffer and freed the
+    moment it is complete; as soon as a bucket is complete (reducer.GradBuckets, the same mechanism as
+    DDP) it is reduce-scattered asynchronously while backward continues;
   * when it arrives, rank r adds its partition into its gradient shard, the only gradient memory that
     persists: [Ψ/N]. Peak gradient memory is the shard plus the buckets in flight.
 Communication is unchanged from stage 1 (reduce-scatter Ψ + all-gather Ψ = 2Ψ per step), now overlapped
@@ -47,22 +47,32 @@ class Zero2(Zero1):
         self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)  # [Ψ/N]
         self._staging: dict[int, torch.Tensor] = {}      # bucket index -> its full gradients, in flight
         self.reducer = GradBuckets(self.layout.buckets, launch=self._reduce_scatter_bucket,
-                                   done=self._accumulate_bucket)
+                                   done=self._accumulate_bucket, on_grad=self._stage_gradient)
+        self._offset = {p: off for b in self.layout.buckets for p, off in zip(b.params, b.offsets)}
+
+    def _staging_buffer(self, b) -> torch.Tensor:
+        if b.index not in self._staging:                 # zeros: unused parameters reduce as zeros
+            self._staging[b.index] = torch.zeros(b.padded_numel, dtype=self.dtype, device=self.device)
+        return self._staging[b.index]                    # [Ψ_b padded]
+
+    def _stage_gradient(self, p, b) -> None:
+        """Runs inside backward as soon as p's gradient is complete: move it into its bucket's staging
+        buffer and free it, so at most one full parameter gradient exists besides the buckets."""
+        if not self._sync:
+            return                                       # no_sync(): p.grad keeps accumulating
+        self._staging_buffer(b)[self._offset[p]:][: p.numel()].copy_(p.grad.reshape(-1))
+        p.grad = None                                    # <- the essential line: full gradient freed
 
     def _reduce_scatter_bucket(self, b):
-        """Runs inside backward when bucket b's gradients are complete."""
+        """Runs inside backward when every parameter of bucket b has its gradient staged."""
         if not self._sync:
-            return None                                  # no_sync(): p.grad keeps accumulating
-        staging = torch.zeros(b.padded_numel, dtype=self.dtype, device=self.device)   # [Ψ_b padded]
-        for p, view in b.views(staging):
-            if p.grad is not None:                       # None: the parameter got no gradient (unused)
-                view.copy_(p.grad)
-        self._staging[b.index] = staging
-        self._track_peak()                               # the moment full and staged gradients coexist
-        for p in b.params:
-            p.grad = None                                # <- the essential line: full gradients freed
-        mine = self.layout.my_partition(staging, b)
-        return comm.reduce_scatter(mine, staging, op="avg", async_op=True)
+            return None
+        for p in b.params:                               # accumulated under no_sync() but unused now
+            if p.grad is not None:
+                self._stage_gradient(p, b)
+        staging = self._staging_buffer(b)
+        self._track_peak()                               # buckets in flight: the gradient peak
+        return comm.reduce_scatter(self.layout.my_partition(staging, b), staging, op="avg", async_op=True)
 
     def _accumulate_bucket(self, b) -> None:
         staging = self._staging.pop(b.index)
