@@ -2,11 +2,13 @@
 
     python -m minizero.run --stage 2 --world-size 4
     python -m minizero.run --stage 3 --world-size 4 --dtype bf16 --offload params --json out.json
+    python -m minizero.run --config examples/ds_config_zero2_offload.json --world-size 4   # DeepSpeed JSON
     torchrun --nproc-per-node 4 -m minizero.run --stage 3        # uses torchrun's process group
 
 Ends with a per-rank table: measured parameter / gradient / optimizer / offloaded bytes next to the ZeRO
 paper's formula (minizero.memory.estimate), communicated bytes per step next to the 2Ψ / 3Ψ theory,
 the loss from first to last step, and the step time. Bad input: one line on stderr, exit code 2.
+Precedence: defaults < --config file (minizero.config) < flags given on the command line.
 """
 
 from __future__ import annotations
@@ -18,22 +20,18 @@ import statistics
 import sys
 
 from minizero import comm
+from minizero.cli import OneLineParser, UsageError
+from minizero.config import ConfigError, load_deepspeed_config
 from minizero.launcher import launch
 from minizero.memory import comm_volume, estimate_breakdown
 from minizero.train import OPTIMIZERS, TrainConfig, train_worker
 
 
-class UsageError(Exception):
-    """Bad input from the command line: reported in one line, exit code 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):                      # one clear line instead of usage + message
-        raise UsageError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m minizero.run", description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="python -m minizero.run", description=__doc__.split("\n")[0])
+    p.add_argument("--config", default=None, metavar="JSON",
+                   help="a DeepSpeed-style config (docs/deepspeed_config.md); unknown keys are errors, "
+                        "keys minizero does not implement are warnings; flags override it")
     p.add_argument("--stage", type=int, default=None, help="0 = DDP, 1, 2, 3 (default 2)")
     p.add_argument("--world-size", type=int, default=None, help="processes (default 2; torchrun: its own)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 50)")
@@ -57,8 +55,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """Flags over defaults, then validation, so a bad run fails before any process starts."""
+    """Defaults, then the --config file, then flags; validated before any process starts."""
     cfg = TrainConfig()
+    if args.world_size is not None:
+        cfg.world_size = args.world_size
+    elif "WORLD_SIZE" in os.environ:
+        cfg.world_size = int(os.environ["WORLD_SIZE"])
+    if args.config is not None:
+        try:
+            overrides, warnings = load_deepspeed_config(args.config, cfg.world_size)
+        except ConfigError as e:
+            raise UsageError(f"--config {args.config}: {e}") from None
+        for w in warnings:
+            print(f"minizero.run: warning: {w}", file=sys.stderr)
+        for name, value in overrides.items():
+            setattr(cfg, name, value)
     pairs = {"stage": args.stage, "world_size": args.world_size, "steps": args.steps, "dtype": args.dtype,
              "backend": args.backend, "batch_size": args.batch_size, "grad_accum": args.grad_accum,
              "clip_grad_norm": args.clip_grad_norm, "optimizer": args.optimizer, "lr": args.lr,
@@ -87,6 +98,8 @@ def validate(cfg: TrainConfig) -> None:
         bad(f"--steps must be >= 1, got {cfg.steps}")
     if cfg.dtype not in ("fp32", "bf16"):
         bad(f"--dtype must be fp32 or bf16, got {cfg.dtype!r}")
+    if cfg.offload is True:
+        cfg.offload = "optimizer"
     if cfg.offload not in (False, "optimizer", "params"):
         bad(f"--offload takes no value or 'params', got {cfg.offload!r}")
     if cfg.offload and cfg.stage == 0:

@@ -386,6 +386,17 @@ NOTEBOOKS["06_compare"] = [
              dtype=Dropdown(options=["bf16", "fp32"], value="bf16", description="dtype"),
              budget_gb=Dropdown(options=[16, 24, 40, 80], value=80, description="budget GB"));
     """),
+    md("""
+    ## Coming from DeepSpeed, FairScale or FSDP?
+
+    Each term of their documentation next to the minizero code that implements the same idea (the line
+    numbers are read from the code as it is now; the same table is `docs/concepts.md`).
+    """),
+    code("""
+    from IPython.display import Markdown
+    from minizero.concepts import to_markdown
+    Markdown(to_markdown(link_prefix="../").split("\\n", 5)[5])   # the table, without the page's header
+    """),
 ]
 
 

@@ -1,0 +1,148 @@
+"""From DeepSpeed, FairScale and PyTorch terms to the minizero code that implements the same idea.
+
+    python -m minizero.concepts            # the map as a Markdown table, line numbers taken from the code now
+    python -m minizero.concepts --write    # regenerate docs/concepts.md (a test checks it is up to date)
+
+The table is data (`CONCEPTS`); file and line come from `inspect` at run time, so the map cannot point
+at a line that has moved: when the code changes, regenerate the page.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+from pathlib import Path
+
+# (where the term comes from, the term, minizero symbol, how minizero's version relates)
+CONCEPTS = [
+    ("DeepSpeed", "zero_optimization.stage 0 / plain data parallelism", "minizero.ddp.DDP",
+     "stage 0: everything replicated, gradients all-reduced"),
+    ("DeepSpeed", "zero_optimization.stage 1", "minizero.zero1.Zero1", "P_os: optimizer states partitioned"),
+    ("DeepSpeed", "zero_optimization.stage 2", "minizero.zero2.Zero2", "P_os+g: + gradients partitioned"),
+    ("DeepSpeed", "zero_optimization.stage 3", "minizero.zero3.Zero3", "P_os+g+p: + parameters partitioned"),
+    ("DeepSpeed", "flat partitions (stage_1_and_2 single_partition_of_fp32_groups)",
+     "minizero.flat.FlatLayout", "flatten, pad to a multiple of N, one partition per rank"),
+    ("DeepSpeed", "fp32 master weights / bf16.enabled", "minizero.optim.ShardOptimizer",
+     "fp32 masters + optimizer state for the owned partition (K = 12)"),
+    ("DeepSpeed", "reduce_bucket_size", "minizero.flat.split_into_buckets",
+     "bucket size in bytes (DeepSpeed counts elements)"),
+    ("DeepSpeed", "overlap_comm", "minizero.reducer.GradBuckets",
+     "buckets launched from autograd hooks while backward runs"),
+    ("DeepSpeed", "reduce_scatter (stage 2 gradient reduction)", "minizero.zero2.Zero2._reduce_scatter_bucket",
+     "one async reduce-scatter per bucket"),
+    ("DeepSpeed", "contiguous_gradients", "minizero.zero2.Zero2._stage_gradient",
+     "each gradient copied into its bucket's buffer and freed at once"),
+    ("DeepSpeed", "allgather_bucket_size (stage 1-2 parameter all-gather)", "minizero.zero1.Zero1._after_step",
+     "updated partitions all-gathered per bucket"),
+    ("DeepSpeed", "partitioned_param_coordinator (stage 3 fetch/release)", "minizero.zero3.Zero3._gather",
+     "all-gather a unit before use; _free releases it"),
+    ("DeepSpeed", "stage3_prefetch_bucket_size", "minizero.zero3.Zero3._prefetch_after",
+     "the next unit in recorded order is gathered ahead"),
+    ("DeepSpeed", "offload_optimizer.device = cpu (ZeRO-Offload)", "minizero.offload.HostShardOptimizer",
+     "masters and state on the host, step on the host"),
+    ("DeepSpeed", "offload_param.device = cpu (ZeRO-Infinity)", "minizero.zero3.Zero3._init_parameters",
+     "parameter shards kept in host memory between uses"),
+    ("DeepSpeed", "gradient_clipping", "minizero.engine.Engine._clip", "global norm over all partitions"),
+    ("DeepSpeed", "gradient_accumulation_steps", "minizero.engine.Engine.no_sync",
+     "no communication until the last micro-batch"),
+    ("DeepSpeed", "zero_to_fp32.py", "minizero.consolidate.main", "sharded checkpoint -> plain fp32 state_dict"),
+    ("DeepSpeed", "ds_config.json", "minizero.config.load_deepspeed_config", "the same keys, mapped or reported"),
+    ("FairScale", "OSS (optimizer state sharding)", "minizero.zero1.Zero1",
+     "OSS gives whole parameters to ranks; minizero splits one flat buffer evenly"),
+    ("FairScale", "ShardedDDP", "minizero.zero2.Zero2", "gradients reduced to their owner only"),
+    ("FairScale", "FSDP reshard_after_forward", "minizero.zero3.Zero3._post_forward",
+     "True is stage 3 (free after forward); False keeps them, like stage 2"),
+    ("FairScale", "FSDP flatten_parameters", "minizero.flat.FlatLayout.point_params_into",
+     "parameters become views of one flat buffer"),
+    ("FairScale", "FSDP move_params_to_cpu", "minizero.zero3.Zero3._gather",
+     "offload='params': host shard copied to the device before the all-gather"),
+    ("PyTorch", "DistributedDataParallel bucket_cap_mb", "minizero.flat.DEFAULT_BUCKET_BYTES",
+     "25 MB buckets, in reverse parameter order"),
+    ("PyTorch", "DDP gradient_as_bucket_view", "minizero.flat.FlatLayout.point_grads_into",
+     "p.grad is a view of the flat gradient buffer"),
+    ("PyTorch", "DDP Reducer (autograd hooks, in-order buckets)", "minizero.reducer.GradBuckets", ""),
+    ("PyTorch", "DDP no_sync()", "minizero.engine.Engine.no_sync", ""),
+    ("PyTorch", "ZeroRedundancyOptimizer", "minizero.zero1.Zero1",
+     "stage 1; ZeroRedundancyOptimizer broadcasts partitions instead of all-gathering"),
+    ("PyTorch", "FSDP2 fully_shard", "minizero.zero3.Zero3", "one unit per fully_shard call"),
+    ("PyTorch", "FSDP2 reshard_after_forward", "minizero.zero3.Zero3._post_forward", ""),
+    ("PyTorch", "FSDP2 CPUOffloadPolicy", "minizero.offload.HostShardOptimizer",
+     "FSDP2 offloads parameters and gradients; minizero the optimizer (and parameters in stage 3)"),
+    ("PyTorch", "torch.distributed reduce_scatter_tensor / all_gather_into_tensor", "minizero.comm.reduce_scatter",
+     "and minizero.comm.all_gather: the only callers, with a byte tally"),
+]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def resolve(symbol: str):
+    """Import 'minizero.zero2.Zero2._reduce_scatter_bucket' -> the object."""
+    parts = symbol.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(symbol)
+
+
+def location(symbol: str) -> tuple[str, int]:
+    """(path relative to the repository, line) where `symbol` is defined."""
+    obj = inspect.unwrap(resolve(symbol))           # through decorators such as @contextmanager
+    if inspect.isclass(obj) or inspect.isfunction(obj) or inspect.ismethod(obj):
+        source, line = inspect.getsourcelines(obj)
+        path = inspect.getsourcefile(obj)
+        line += next(i for i, text in enumerate(source) if not text.lstrip().startswith("@"))  # past decorators
+    else:                                     # a module-level constant: find its assignment
+        module = importlib.import_module(symbol.rsplit(".", 1)[0])
+        path = inspect.getsourcefile(module)
+        name = symbol.rsplit(".", 1)[1]
+        lines = Path(path).read_text().splitlines()
+        line = next(i for i, text in enumerate(lines, 1) if text.split("=")[0].strip() == name)
+    return str(Path(path).resolve().relative_to(ROOT)), line
+
+
+def concept_rows() -> list[dict]:
+    rows = []
+    for source, term, symbol, note in CONCEPTS:
+        path, line = location(symbol)
+        rows.append({"source": source, "term": term, "symbol": symbol, "path": path, "line": line, "note": note})
+    return rows
+
+
+def to_markdown(link_prefix: str = "../") -> str:
+    out = ["# Concept map: DeepSpeed, FairScale and PyTorch terms in minizero", "",
+           "Generated by `python -m minizero.concepts --write` from `minizero/concepts.py`; line numbers are",
+           "read from the code, and `tests/test_concepts.py` fails when this page is out of date.", "",
+           "| from | term | minizero | where | note |", "|---|---|---|---|---|"]
+    for r in concept_rows():
+        short = r["symbol"].removeprefix("minizero.")
+        out.append(f"| {r['source']} | {r['term']} | `{short}` | [{r['path']}:{r['line']}]"
+                   f"({link_prefix}{r['path']}#L{r['line']}) | {r['note']} |")
+    return "\n".join(out) + "\n"
+
+
+DOC = ROOT / "docs" / "concepts.md"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv not in ([], ["--write"]):
+        print("python -m minizero.concepts: error: the only option is --write", file=sys.stderr)
+        return 2
+    text = to_markdown()
+    if argv == ["--write"]:
+        DOC.parent.mkdir(exist_ok=True)
+        DOC.write_text(text)
+        print(f"wrote {DOC.relative_to(ROOT)}")
+    else:
+        print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
