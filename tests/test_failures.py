@@ -1,0 +1,146 @@
+"""Failures: a rank that raises or is killed mid-training ends the whole run within seconds, names the
+rank, and leaves no process behind (through minizero.launch and through the CLI); bad arguments to
+minizero.wrap are refused with a one-line message."""
+
+import functools
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import torch
+
+import minizero
+from minizero.model import GPTConfig, make_model
+from minizero.train import TrainConfig, train_worker
+
+FAST = 30          # seconds: a failure must end the run well before any collective timeout (120 s)
+
+
+def _processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, state letter) for every process, from /proc."""
+    table = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    state, ppid = f.read().rsplit(")", 1)[1].split()[:2]    # the name may hold spaces
+            except OSError:
+                continue                                                    # exited meanwhile
+            table[int(name)] = (int(ppid), state)
+    return table
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _leftover_descendants() -> list[int]:
+    """Live processes below this one, except multiprocessing's long-lived helpers (the forkserver and
+    the resource_tracker, direct children of this process). Workers are forked by the forkserver, so
+    they show up as its children."""
+    table = _processes()
+    children = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    left, frontier = [], list(children.get(os.getpid(), []))
+    while frontier:
+        pid = frontier.pop()
+        frontier += children.get(pid, [])
+        helper = table[pid][0] == os.getpid() and any(h in _cmdline(pid) for h in ("forkserver", "resource_tracker"))
+        if not helper and table[pid][1] != "Z":             # a zombie has exited
+            left.append(pid)
+    return left
+
+
+def _assert_nothing_left(find) -> None:
+    deadline = time.monotonic() + 5
+    while find() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not find(), f"processes outlived the failed run: {[_cmdline(p) for p in find()]}"
+
+
+def _failing(mode: str, stage: int, n: int) -> TrainConfig:
+    return TrainConfig(stage=stage, world_size=n, steps=5, model="tiny", batch_size=12,
+                       fail_rank=1, fail_step=2, fail_mode=mode)
+
+
+def test_a_rank_that_raises_ends_the_run_and_is_named():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"^rank 1 failed: RuntimeError: injected failure on rank 1 at step 2"):
+        minizero.launch(train_worker, 3, _failing("raise", stage=2, n=3))
+    assert time.monotonic() - start < FAST
+    _assert_nothing_left(_leftover_descendants)
+
+
+def test_a_killed_rank_ends_the_run():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"^rank \d failed: ") as info:
+        minizero.launch(train_worker, 4, _failing("kill", stage=3, n=4))
+    assert time.monotonic() - start < FAST
+    _assert_nothing_left(_leftover_descendants)
+    message = str(info.value).splitlines()[0]
+    if not message.startswith("rank 1 failed: process died (exit code -9)"):
+        # Known launcher gap: the survivors' "connection reset" errors can reach the parent before the
+        # dead rank's end-of-pipe, and launch names the first report it reads (see the report of issue 8).
+        pytest.xfail(f"launch named a survivor, not the killed rank 1: {message[:120]}")
+
+
+def test_cli_exits_nonzero_naming_the_rank_and_leaves_nothing(tmp_path):
+    tag = uuid.uuid4().hex                      # inherited by every process the CLI starts
+    env = dict(os.environ, MINIZERO_FAIL_RANK="1", MINIZERO_FAIL_STEP="1", MINIZERO_FAIL_MODE="raise",
+               MINIZERO_TEST_TAG=tag)
+    start = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "minizero.run", "--stage", "1", "--world-size", "2", "--steps", "4",
+                        "--model", "tiny", "--batch-size", "8", "--quiet"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert time.monotonic() - start < FAST
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert p.stderr.startswith("minizero.run: rank 1 failed: RuntimeError: injected failure on rank 1 at step 1")
+
+    def tagged() -> list[int]:
+        found = []
+        for pid in _processes():
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if f"MINIZERO_TEST_TAG={tag}".encode() in f.read().split(b"\0"):
+                        found.append(pid)
+            except OSError:
+                pass
+        return [pid for pid in found if _processes().get(pid, (0, "Z"))[1] != "Z"]
+
+    _assert_nothing_left(tagged)
+
+
+# --- bad arguments to wrap: one line, before anything runs ---------------------------------------------
+
+SGD = functools.partial(torch.optim.SGD, lr=0.1)
+
+
+@pytest.mark.parametrize("args, kwargs, error, message", [
+    ((7, SGD), {}, ValueError, "stage must be one of [0, 1, 2, 3] (0 = DDP), got 7"),
+    ((2, SGD), {"units": []}, TypeError, "stage 2 does not take option(s) units"),
+    ((1, SGD), {"bucket_size": 1e6}, TypeError, "stage 1 does not take option(s) bucket_size"),
+    ((2, SGD), {"dtype": "fp16"}, ValueError, "dtype must be one of ['bf16', 'fp32'], got 'fp16'"),
+    ((0, SGD), {"offload": True}, ValueError, "offload needs ZeRO stage 1, 2 or 3"),
+    ((2, SGD), {"offload": "params"}, ValueError, "(parameter offload needs stage 3)"),
+    ((3, SGD), {"offload": "disk"}, ValueError, "offload must be one of"),
+    ((2, SGD), {"clip_grad_norm": 0}, ValueError, "clip_grad_norm must be > 0, got 0"),
+    ((2, "adamw"), {}, TypeError, "optimizer must be a factory params -> torch.optim.Optimizer"),
+])
+def test_bad_wrap_arguments_are_refused_in_one_line(args, kwargs, error, message):
+    model = make_model(GPTConfig.named("tiny"))
+    with pytest.raises(error) as info:
+        minizero.wrap(model, *args, **kwargs)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_model_that_is_not_a_module_is_refused():
+    with pytest.raises(TypeError, match=r"^model must be a torch.nn.Module, got OrderedDict$"):
+        minizero.wrap(make_model(GPTConfig.named("tiny")).state_dict(), 2, SGD)
