@@ -42,6 +42,7 @@ import torch.distributed as dist
 from minizero import comm
 
 _GRACE_S = 5.0          # after a failure, how long survivors get between SIGTERM and SIGKILL
+_SETTLE_S = 1.0         # after a first failure, how long to collect other reports before naming the cause
 
 
 def _dumps(obj: Any) -> bytes:
@@ -134,26 +135,38 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None
 
 
 def _collect(procs: list, conns: list, timeout: float | None) -> list:
-    """Wait for every rank's message; on the first failure raise (the caller kills the rest)."""
+    """Wait for every rank's message. On a failure, listen a moment longer before naming the culprit:
+    when a rank dies, its peers soon fail too ("connection reset by peer" in a collective), and their
+    reports can arrive before the dead rank's closed pipe. A rank that died without a word is the cause;
+    otherwise the first rank that raised. The caller then kills whoever is left."""
     deadline = None if timeout is None else time.monotonic() + timeout
     results: list = [None] * len(procs)
     pending = set(range(len(procs)))
-    while pending:
+    failures: dict[int, tuple[float, str]] = {}        # rank -> (order: died first, then by time; message)
+    settle_until = None
+    while pending and (settle_until is None or time.monotonic() < settle_until):
         if deadline is not None and time.monotonic() > deadline:
             raise RuntimeError(f"minizero.launch: timed out after {timeout} s; ranks {sorted(pending)} "
                                "had not finished")
-        multiprocessing.connection.wait([conns[r] for r in pending], timeout=1.0)
+        multiprocessing.connection.wait([conns[r] for r in pending], timeout=0.1 if failures else 1.0)
         for r in sorted(pending):
             if not conns[r].poll():
                 continue
+            pending.discard(r)
             try:
                 msg = conns[r].recv()
             except EOFError:             # the pipe closed without a message: the process died
                 procs[r].join(1.0)
-                raise RuntimeError(f"rank {r} failed: process died (exit code {procs[r].exitcode}) "
-                                   "before returning a result") from None
+                failures[r] = (float("-inf"), f"process died (exit code {procs[r].exitcode}) "
+                                              "before returning a result")
+                continue
             if msg[0] == "error":
-                raise RuntimeError(f"rank {r} failed: {msg[1]}\n--- traceback of rank {r} ---\n{msg[2]}")
-            results[r] = _loads(msg[1])
-            pending.discard(r)
+                failures[r] = (time.monotonic(), f"{msg[1]}\n--- traceback of rank {r} ---\n{msg[2]}")
+            else:
+                results[r] = _loads(msg[1])
+        if failures and settle_until is None:
+            settle_until = time.monotonic() + _SETTLE_S
+    if failures:
+        r = min(failures, key=lambda rank: failures[rank][0])
+        raise RuntimeError(f"rank {r} failed: {failures[r][1]}")
     return results
