@@ -3,6 +3,8 @@
     Grade it:    pytest exercises -k ex04            (or: python -m minizero.grade -k ex04)
     Notebook:    notebooks/03_zero2.ipynb
     Compare:     minizero/zero2.py (_reduce_scatter_bucket, _accumulate_bucket), minizero/reducer.py
+                 (minizero goes one step further: _stage_gradient copies each gradient into the bucket the
+                 moment it is complete, so the full gradients of a bucket never all exist at once)
 
 Stage 2 (P_os+g) adds gradient partitioning to stage 1: a rank only ever *uses* the averaged gradient of
 its own partition, so it need not keep the others: 2Ψ + (2 + K)Ψ/N bytes. Parameters are grouped in

@@ -16,6 +16,10 @@ class LearnerZero2(Zero2):
     """minizero's stage 2 with the learner's hook in place of Zero2._reduce_scatter_bucket."""
     answer = None                                 # the learner's module, set by the worker
 
+    def _stage_gradient(self, p, b):
+        pass    # minizero streams each gradient into the bucket as it arrives; the exercise does the
+                # whole bucket at once in its hook, so p.grad must still be there when it runs
+
     def _reduce_scatter_bucket(self, b):
         if not self._sync:
             return None                           # inside no_sync(): p.grad keeps accumulating
