@@ -118,8 +118,9 @@ class StageSuite:
     options: dict = {}
 
     @pytest.fixture(scope="class")
-    def runs(self, request):
-        return launch_all(request.cls.stage, **request.cls.options)
+    @classmethod
+    def runs(cls):
+        return launch_all(cls.stage, **cls.options)
 
     @pytest.mark.parametrize("n", WORLD_SIZES)
     @pytest.mark.parametrize("name", list(ATOL))
