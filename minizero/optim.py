@@ -35,6 +35,9 @@ class ShardOptimizer:
         self.param_parts = param_parts
         self.masters = [self._make_master(p) for p in param_parts]
         self.optimizer = optimizer_factory(self.masters)
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise TypeError(f"the optimizer factory must return a torch.optim.Optimizer, got "
+                            f"{type(self.optimizer).__name__}")
 
     def _make_master(self, part: torch.Tensor) -> nn.Parameter:
         if part.dtype == torch.float32:

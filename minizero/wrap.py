@@ -29,7 +29,7 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False, *
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if stage not in ENGINES:
+    if isinstance(stage, bool) or stage not in ENGINES:
         raise ValueError(f"stage must be one of {sorted(ENGINES)} (0 = DDP), got {stage!r}")
     if stage == 0:
         if offload:
@@ -41,4 +41,17 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False, *
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise TypeError(f"stage {stage} does not take option(s) {', '.join(unknown)}")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("model has no trainable parameters (every parameter has requires_grad=False)")
+    if "bucket_size" in options and not (isinstance(options["bucket_size"], (int, float))
+                                         and not isinstance(options["bucket_size"], bool)
+                                         and options["bucket_size"] > 0):
+        raise ValueError(f"bucket_size must be a positive number of bytes, got {options['bucket_size']!r}")
+    if "prefetch" in options and not isinstance(options["prefetch"], bool):
+        raise TypeError(f"prefetch must be True or False, got {options['prefetch']!r}")
+    if "units" in options:
+        mine = {id(m) for m in model.modules()}
+        if not (isinstance(options["units"], (list, tuple, nn.ModuleList))
+                and all(isinstance(u, nn.Module) and id(u) in mine for u in options["units"])):
+            raise TypeError("units must be a list of the model's submodules (e.g. list(model.blocks))")
     return ENGINES[stage](model, optimizer, **options)

@@ -131,12 +131,25 @@ SGD = functools.partial(torch.optim.SGD, lr=0.1)
     ((3, SGD), {"offload": "disk"}, ValueError, "offload must be one of"),
     ((2, SGD), {"clip_grad_norm": 0}, ValueError, "clip_grad_norm must be > 0, got 0"),
     ((2, "adamw"), {}, TypeError, "optimizer must be a factory params -> torch.optim.Optimizer"),
+    ((True, SGD), {}, ValueError, "stage must be one of [0, 1, 2, 3] (0 = DDP), got True"),
+    ((2, SGD), {"bucket_size": 0}, ValueError, "bucket_size must be a positive number of bytes, got 0"),
+    ((3, SGD), {"prefetch": "yes"}, TypeError, "prefetch must be True or False, got 'yes'"),
+    ((3, SGD), {"units": [1]}, TypeError, "units must be a list of the model's submodules"),
+    ((3, SGD), {"units": [torch.nn.Linear(2, 2)]}, TypeError, "units must be a list of the model's submodules"),
+    ((2, lambda params: "not an optimizer"), {}, TypeError,
+     "the optimizer factory must return a torch.optim.Optimizer, got str"),
 ])
 def test_bad_wrap_arguments_are_refused_in_one_line(args, kwargs, error, message):
     model = make_model(GPTConfig.named("tiny"))
     with pytest.raises(error) as info:
         minizero.wrap(model, *args, **kwargs)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_model_without_trainable_parameters_is_refused():
+    model = make_model(GPTConfig.named("tiny")).requires_grad_(False)
+    with pytest.raises(ValueError, match="^model has no trainable parameters"):
+        minizero.wrap(model, 2, SGD)
 
 
 def test_a_model_that_is_not_a_module_is_refused():
