@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefetch", action="store_true", help="stage 3: gather units only when needed")
     p.add_argument("--model", default=None, help="default or tiny")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--save", default=None, metavar="DIR", help="write a sharded checkpoint after the last step")
+    p.add_argument("--load", default=None, metavar="DIR",
+                   help="resume from a checkpoint of the same stage and world size (--steps counts from 0)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
@@ -83,8 +86,26 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         cfg.bucket_size = args.bucket_size_mb * 1e6
     if args.no_prefetch:
         cfg.prefetch = False
+    cfg.save_dir, cfg.load_dir = args.save, args.load
+    if args.load is not None:
+        _check_checkpoint(args.load, cfg)
     validate(cfg)
     return cfg
+
+
+def _check_checkpoint(directory: str, cfg: TrainConfig) -> None:
+    """The mismatches a user makes on the command line, caught before any process starts (load itself
+    checks everything else, on every rank)."""
+    try:
+        with open(os.path.join(directory, "manifest.json")) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        raise UsageError(f"--load {directory}: no readable checkpoint there (manifest.json)") from None
+    for key, flag in (("stage", "--stage"), ("world_size", "--world-size")):
+        if manifest.get(key) != getattr(cfg, key):
+            raise UsageError(f"--load {directory}: saved with {key.replace('_', ' ')} {manifest.get(key)}, "
+                             f"this run has {flag} {getattr(cfg, key)} (for another world size: "
+                             "python -m minizero.consolidate, see minizero/checkpoint.py)")
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -149,7 +170,7 @@ def theory(cfg: TrainConfig, num_params: int) -> dict:
 
 def summarize(cfg: TrainConfig, results: list[dict]) -> dict:
     num_params = results[0]["num_params"]
-    losses = [statistics.fmean(r["losses"][i] for r in results) for i in range(cfg.steps)]
+    losses = [statistics.fmean(r["losses"][i] for r in results) for i in range(len(results[0]["losses"]))]
     times = results[0]["step_times"][1:] or results[0]["step_times"]     # step 1 includes warm-up
     return {
         "stage": cfg.stage, "world_size": cfg.world_size, "num_params": num_params, "dtype": cfg.dtype,

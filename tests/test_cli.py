@@ -56,3 +56,15 @@ def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_save_then_load_resumes_bit_exactly(tmp_path, capsys):
+    common = ["--stage", "2", "--world-size", "2", "--model", "tiny", "--quiet"]
+    full, resumed, ckpt = tmp_path / "full.json", tmp_path / "resumed.json", str(tmp_path / "ckpt")
+    assert main(common + ["--steps", "4", "--json", str(full)]) == 0
+    assert main(common + ["--steps", "2", "--save", ckpt]) == 0
+    assert main(common + ["--steps", "4", "--load", ckpt, "--json", str(resumed)]) == 0
+    assert json.loads(resumed.read_text())["losses"] == json.loads(full.read_text())["losses"][2:]
+    capsys.readouterr()
+    assert main(["--stage", "3", "--world-size", "2", "--load", ckpt]) == 2
+    assert "saved with stage 2, this run has --stage 3" in capsys.readouterr().err
