@@ -26,14 +26,13 @@ collectives it issues: it has no tally); and the largest |parameter difference| 
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import sys
 
 import torch
 
 from minizero import comm
-from minizero.cli import OneLineParser, UsageError, fail
+from minizero.cli import OneLineParser, UsageError, emit, fail
 from minizero.launcher import launch
 from minizero.peers import PEER_OF_STAGE, peer_worker
 from minizero.train import TrainConfig, train_worker
@@ -193,11 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:                       # a rank failed: the launcher says which and why
         print(f"{prog}: {e}", file=sys.stderr)
         return 1
-    print(format_table(report))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-        print(f"wrote {args.json}")
+    emit(format_table(report), report, args.json)
     return 0
 
 

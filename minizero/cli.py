@@ -21,3 +21,13 @@ def fail(prog: str, message: str) -> int:
     """Report bad input the one way all minizero commands do; returns the exit code (2)."""
     print(f"{prog}: error: {message}", file=sys.stderr)
     return 2
+
+
+def emit(text: str, data: dict, json_path: str | None) -> None:
+    """Print a command's human-readable result, and write its machine-readable one if asked (--json)."""
+    import json
+    print(text)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(data, f, indent=1)
+        print(f"wrote {json_path}")

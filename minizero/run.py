@@ -20,7 +20,7 @@ import statistics
 import sys
 
 from minizero import comm
-from minizero.cli import OneLineParser, UsageError
+from minizero.cli import OneLineParser, UsageError, emit
 from minizero.config import ConfigError, load_deepspeed_config
 from minizero.launcher import launch
 from minizero.memory import comm_volume, estimate_breakdown
@@ -227,11 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if is_reporter:
         summary = summarize(cfg, results)
-        print(format_table(summary))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(summary, f, indent=1)
-            print(f"wrote {args.json}")
+        emit(format_table(summary), summary, args.json)
     return 0
 
 

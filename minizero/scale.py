@@ -21,13 +21,12 @@ with 4 MB: 0.84, 1.55, 2.48 at N = 1, 2, 4; the formula without c would say 1, 2
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
 
 from minizero import comm
-from minizero.cli import OneLineParser, UsageError, fail
+from minizero.cli import OneLineParser, UsageError, emit, fail
 from minizero.data import global_batch, local_batch
 from minizero.launcher import launch
 from minizero.model import GPTConfig, make_model
@@ -173,11 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 1
-    print(format_table(report))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-        print(f"wrote {args.json}")
+    emit(format_table(report), report, args.json)
     return 0
 
 

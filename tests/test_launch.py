@@ -1,6 +1,5 @@
 """minizero.launch: results by rank, a failing rank named, nobody left behind, bad input refused."""
 
-import os
 import time
 
 import pytest
