@@ -7,9 +7,11 @@
 `minizero.train.TrainConfig` fields, plus warnings. The policy (docs/deepspeed_config.md):
   * a key minizero implements is applied (`KEYS` below says to what);
   * a key DeepSpeed has but minizero does not implement gives one warning naming the key and what
-    minizero does instead (e.g. `overlap_comm: false`: minizero always overlaps where its stage can);
+    minizero does instead (`NOT_IMPLEMENTED`; `ALWAYS_ON` keys warn only when set to false);
   * an unknown key, a wrong type or an impossible value is an error (ConfigError, one line): a typo such
-    as "zero_optimisation" must never be silently ignored.
+    as "zero_optimisation" must never be silently ignored;
+  * "auto" (Hugging Face Trainer / Accelerate configs) means "not set here": minizero's default or the
+    command-line flag decides.
 Batch sizes follow DeepSpeed's rule train_batch_size = micro_batch x accumulation x world size: any two
 determine the third, and three that disagree are an error.
 """
@@ -20,6 +22,8 @@ import difflib
 import json
 import os
 from typing import Any
+
+import torch
 
 from minizero.train import OPTIMIZERS
 
@@ -38,59 +42,92 @@ KEYS = {
     "zero_optimization.stage": "stage (0 = DDP)",
     "zero_optimization.offload_optimizer.device": "offload = optimizer ('cpu') or off ('none')",
     "zero_optimization.offload_param.device": "offload = params ('cpu', stage 3 only)",
-    "zero_optimization.reduce_bucket_size": "bucket_size (DeepSpeed counts elements, minizero bytes)",
+    "zero_optimization.reduce_bucket_size": "bucket_size in bytes = elements x 2 (bf16) or 4 (fp32); "
+                                            "stages 0 and 2 (stage 1 has one bucket, stage 3 one per unit)",
     "zero_optimization.stage3_prefetch_bucket_size": "prefetch (0 = off; any other size = one unit ahead)",
-    "zero_optimization.overlap_comm": "true: what minizero does anyway",
     "zero_optimization.offload_optimizer.pin_memory": "accepted: host buffers are pinned whenever CUDA is used",
     "zero_optimization.offload_param.pin_memory": "accepted: host buffers are pinned whenever CUDA is used",
-    "optimizer.type": "optimizer (AdamW, Adam, SGD)",
-    "optimizer.params": "lr and the optimizer's keyword arguments",
+    "optimizer.type": "optimizer: AdamW, Adam (= AdamW, as in DeepSpeed, unless adam_w_mode is false), SGD",
+    "optimizer.params": "lr and the optimizer's keyword arguments (Adam/AdamW weight_decay defaults to 0, "
+                        "as in DeepSpeed)",
+}
+
+# Keys naming something minizero always does: true is accepted silently, false warns.
+ALWAYS_ON = {
+    "zero_optimization.overlap_comm": "gradient communication always overlaps backward in stages 0, 2 and 3",
+    "zero_optimization.contiguous_gradients": "gradients are always copied into contiguous flat buckets",
+    "zero_optimization.reduce_scatter": "stages 1-3 always reduce-scatter gradients",
+    "zero_optimization.allgather_partitions": "stages 1-2 always all-gather the updated partitions",
 }
 
 # Keys DeepSpeed has that minizero reads but does not implement: key -> what minizero does instead.
+# A section switched off ({"enabled": false}) or a plain false needs no warning.
 NOT_IMPLEMENTED = {
     "fp16": "no fp16 loss scaling; use bf16.enabled or fp32",
+    "amp": "no apex AMP; use bf16.enabled or fp32",
     "scheduler": "the learning rate stays constant",
     "steps_per_print": "progress is printed every steps/10 steps",
     "wall_clock_breakdown": "the CLI reports the median step time",
+    "activation_checkpointing": "activations are kept for backward",
+    "flops_profiler": "no profiler; the CLI reports memory and bytes communicated",
+    "tensorboard": "no monitor; --json writes the results",
+    "wandb": "no monitor; --json writes the results",
+    "csv_monitor": "no monitor; --json writes the results",
     "gradient_predivide_factor": "gradients are averaged with one AVG collective",
     "prescale_gradients": "gradients are averaged with one AVG collective",
     "communication_data_type": "gradients are communicated in the compute dtype",
+    "data_types": "gradients are accumulated in the compute dtype",
     "zero_allow_untested_optimizer": "any torch.optim optimizer works",
-    "zero_optimization.allgather_bucket_size": "parameters are all-gathered per reduce bucket (stage 1-2) "
+    "zero_force_ds_cpu_optimizer": "the host optimizer is torch.optim's",
+    "zero_optimization.allgather_bucket_size": "parameters are all-gathered per reduce bucket (stages 1-2) "
                                                "or per unit (stage 3)",
-    "zero_optimization.contiguous_gradients": "gradients are always contiguous (flat buckets)",
-    "zero_optimization.reduce_scatter": "stages 1-3 always reduce-scatter",
     "zero_optimization.round_robin_gradients": "partitions are contiguous ranges",
     "zero_optimization.sub_group_size": "the optimizer steps one tensor per bucket",
+    "zero_optimization.load_from_fp32_weights": "checkpoints always restore the fp32 masters",
+    "zero_optimization.elastic_checkpoint": "a checkpoint loads at its own world size; "
+                                            "python -m minizero.consolidate for another",
+    "zero_optimization.ignore_unused_parameters": "unused parameters get zero gradients",
     "zero_optimization.stage3_max_live_parameters": "units in flight: the current one and one prefetched",
     "zero_optimization.stage3_max_reuse_distance": "units are freed right after use",
     "zero_optimization.stage3_param_persistence_threshold": "every unit is sharded, however small",
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": "use engine.full_state_dict()",
+    "zero_optimization.zero_quantized_weights": "ZeRO++ is not implemented: weights travel unquantized",
+    "zero_optimization.zero_quantized_gradients": "ZeRO++ is not implemented: gradients travel unquantized",
+    "zero_optimization.zero_hpz_partition_size": "ZeRO++ is not implemented: one partition per rank",
     "zero_optimization.offload_optimizer.buffer_count": "one host buffer per bucket",
+    "zero_optimization.offload_optimizer.fast_init": "the host optimizer is built the ordinary way",
+    "zero_optimization.offload_param.buffer_count": "one device buffer per gathered unit",
+    "zero_optimization.offload_param.buffer_size": "one device buffer per gathered unit",
+    "zero_optimization.offload_param.max_in_cpu": "every parameter shard stays on the host",
 }
 
+# What each optimizer.type takes, and of which type ("number", "bool", "betas").
+_ADAM = {"lr": "number", "betas": "betas", "eps": "number", "weight_decay": "number", "amsgrad": "bool",
+         "adam_w_mode": "bool", "torch_adam": "bool"}
 OPTIMIZER_PARAMS = {
-    "adam": {"lr", "betas", "eps", "weight_decay", "amsgrad"},
-    "adamw": {"lr", "betas", "eps", "weight_decay", "amsgrad"},
-    "sgd": {"lr", "momentum", "dampening", "weight_decay", "nesterov"},
+    "adam": _ADAM, "adamw": _ADAM,
+    "sgd": {"lr": "number", "momentum": "number", "dampening": "number", "weight_decay": "number",
+            "nesterov": "bool"},
 }
 
 _SECTIONS = {"bf16", "zero_optimization", "zero_optimization.offload_optimizer",
-             "zero_optimization.offload_param", "optimizer"}
+             "zero_optimization.offload_param", "optimizer", "optimizer.params"}
+AUTO = "auto"
 
 
 def load_deepspeed_config(source: str | os.PathLike | dict, world_size: int) -> tuple[dict, list[str]]:
     """(TrainConfig field overrides, warnings) for a DeepSpeed-style config file or dict."""
-    raw = _read(source) if not isinstance(source, dict) else source
+    raw = source if isinstance(source, dict) else _read(source)
     if not isinstance(raw, dict):
         raise ConfigError("the config must be a JSON object")
     flat = _flatten(raw)
-    warnings = [f"'{key}' is not implemented: {NOT_IMPLEMENTED[key]}" for key in flat
-                if key in NOT_IMPLEMENTED and not _disabled(key, flat[key])]
     for key in flat:
-        if key not in KEYS and key not in NOT_IMPLEMENTED and not key.startswith("optimizer.params."):
+        if key not in KEYS and key not in ALWAYS_ON and key not in NOT_IMPLEMENTED \
+                and not key.startswith("optimizer.params."):
             raise ConfigError(f"unknown key '{key}'" + _did_you_mean(key))
+    flat = {k: v for k, v in flat.items() if v != AUTO}
+    warnings = [f"'{key}' is not implemented: {NOT_IMPLEMENTED[key]}" for key in flat
+                if key in NOT_IMPLEMENTED and not _disabled(flat[key])]
     out: dict[str, Any] = {}
     _batch(flat, world_size, out)
     if "gradient_clipping" in flat:
@@ -98,32 +135,7 @@ def load_deepspeed_config(source: str | os.PathLike | dict, world_size: int) -> 
         out["clip_grad_norm"] = clip or None
     if "bf16.enabled" in flat:
         out["dtype"] = "bf16" if _bool("bf16.enabled", flat["bf16.enabled"]) else "fp32"
-    stage = flat.get("zero_optimization.stage")
-    if stage is not None:
-        if _int("zero_optimization.stage", stage) not in (0, 1, 2, 3):
-            raise ConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage}")
-        out["stage"] = stage
-    offload = False
-    if _device("zero_optimization.offload_optimizer.device", flat) == "cpu":
-        offload = "optimizer"
-    if _device("zero_optimization.offload_param.device", flat) == "cpu":
-        if out.get("stage", 3) != 3:
-            raise ConfigError("zero_optimization.offload_param needs zero_optimization.stage 3")
-        offload = "params"
-    if offload:
-        out["offload"] = offload
-    if "zero_optimization.reduce_bucket_size" in flat:
-        elements = _number("zero_optimization.reduce_bucket_size", flat["zero_optimization.reduce_bucket_size"],
-                           minimum=1)
-        out["bucket_size"] = elements * (2 if out.get("dtype") == "bf16" else 4)      # elements -> bytes
-    if "zero_optimization.stage3_prefetch_bucket_size" in flat:
-        size = _number("zero_optimization.stage3_prefetch_bucket_size",
-                       flat["zero_optimization.stage3_prefetch_bucket_size"], minimum=0)
-        out["prefetch"] = size > 0
-    if "zero_optimization.overlap_comm" in flat:
-        if not _bool("zero_optimization.overlap_comm", flat["zero_optimization.overlap_comm"]):
-            warnings.append("'zero_optimization.overlap_comm: false' is not implemented: minizero always "
-                            "overlaps gradient communication with backward in stages 0, 2 and 3")
+    _zero(flat, out, warnings)
     _optimizer(flat, out)
     return out, warnings
 
@@ -147,7 +159,7 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     out = {}
     for key, value in d.items():
         path = f"{prefix}{key}"
-        if path in _SECTIONS or path == "optimizer.params":
+        if path in _SECTIONS:
             if not isinstance(value, dict):
                 raise ConfigError(f"'{path}' must be an object, got {json.dumps(value)}")
             out.update(_flatten(value, path + "."))
@@ -156,20 +168,22 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _disabled(key: str, value: Any) -> bool:
-    """A not-implemented section that is switched off ("fp16": {"enabled": false}) needs no warning."""
-    return isinstance(value, dict) and value.get("enabled") is False or value is False
+def _disabled(value: Any) -> bool:
+    """{"enabled": false} or a plain false; "enabled": "auto" too, since nothing in minizero enables it."""
+    return value is False or isinstance(value, dict) and value.get("enabled") in (False, AUTO)
 
 
 def _did_you_mean(key: str) -> str:
-    known = list(KEYS) + list(NOT_IMPLEMENTED)
+    known = list(KEYS) + list(ALWAYS_ON) + list(NOT_IMPLEMENTED) + sorted(_SECTIONS)
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
     return f" (did you mean '{close[0]}'?)" if close else " (see docs/deepspeed_config.md for the supported keys)"
 
 
-def _int(key: str, value: Any) -> int:
+def _int(key: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{key} must be an integer, got {json.dumps(value)}")
+    if value < minimum:
+        raise ConfigError(f"{key} must be >= {minimum}, got {value}")
     return value
 
 
@@ -194,14 +208,10 @@ def _device(key: str, flat: dict) -> str:
 
 
 def _batch(flat: dict, world_size: int, out: dict) -> None:
-    """DeepSpeed's rule: train_batch_size = micro x accumulation x world size."""
-    total = flat.get("train_batch_size")
-    micro = flat.get("train_micro_batch_size_per_gpu")
-    accum = flat.get("gradient_accumulation_steps")
-    for key, value in (("train_batch_size", total), ("train_micro_batch_size_per_gpu", micro),
-                       ("gradient_accumulation_steps", accum)):
-        if value is not None and _int(key, value) < 1:
-            raise ConfigError(f"{key} must be >= 1, got {value}")
+    """DeepSpeed's rule: train_batch_size = micro x accumulation x world size (N)."""
+    total, micro, accum = (_int(key, flat[key], minimum=1) if key in flat else None
+                           for key in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                       "gradient_accumulation_steps"))
     if total is None and micro is None:
         if accum is not None:
             raise ConfigError("gradient_accumulation_steps needs train_batch_size or "
@@ -226,27 +236,82 @@ def _batch(flat: dict, world_size: int, out: dict) -> None:
     out["batch_size"], out["grad_accum"] = total, accum
 
 
+def _zero(flat: dict, out: dict, warnings: list[str]) -> None:
+    """zero_optimization: stage, offload, bucket sizes, prefetch; warnings for what minizero does not do."""
+    stage = flat.get("zero_optimization.stage")
+    if stage is not None:
+        if _int("zero_optimization.stage", stage, minimum=0) > 3:
+            raise ConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage}")
+        out["stage"] = stage
+    offload = False
+    if _device("zero_optimization.offload_optimizer.device", flat) == "cpu":
+        offload = "optimizer"
+    if _device("zero_optimization.offload_param.device", flat) == "cpu":
+        if stage not in (None, 3):
+            raise ConfigError("zero_optimization.offload_param needs zero_optimization.stage 3")
+        offload = "params"
+    if offload:
+        if stage == 0:
+            raise ConfigError("offload needs zero_optimization.stage 1, 2 or 3 (stage 0 replicates the optimizer)")
+        out["offload"] = offload
+    key = "zero_optimization.reduce_bucket_size"
+    if key in flat:
+        elements = _number(key, flat[key], minimum=1)
+        out["bucket_size"] = elements * (2 if out.get("dtype") == "bf16" else 4)    # DeepSpeed counts elements
+        if stage in (1, 3):
+            warnings.append(f"'{key}' has no effect at stage {stage}: " +
+                            ("one flat gradient buffer is reduce-scattered at the step" if stage == 1
+                             else "each unit's gradients form one bucket"))
+    key = "zero_optimization.stage3_prefetch_bucket_size"
+    if key in flat:
+        out["prefetch"] = _number(key, flat[key], minimum=0) > 0
+    for key, instead in ALWAYS_ON.items():
+        if key in flat and not _bool(key, flat[key]):
+            warnings.append(f"'{key}: false' is not implemented: {instead}")
+    if flat.get("zero_optimization.overlap_comm") is True and stage == 1:
+        warnings.append("'zero_optimization.overlap_comm' is not implemented at stage 1: it reduce-scatters "
+                        "once, at the step (stage 2 overlaps)")
+
+
 def _optimizer(flat: dict, out: dict) -> None:
+    params = {k.removeprefix("optimizer.params."): v for k, v in flat.items() if k.startswith("optimizer.params.")}
     if "optimizer.type" not in flat:
-        if any(k.startswith("optimizer.params.") for k in flat):
+        if params:
             raise ConfigError("optimizer.params needs optimizer.type")
         return
     kind = flat["optimizer.type"]
-    if not isinstance(kind, str) or kind.lower() not in OPTIMIZERS:
+    if not isinstance(kind, str) or kind.lower() not in OPTIMIZER_PARAMS:
         raise ConfigError(f"optimizer.type must be one of AdamW, Adam, SGD, got {json.dumps(kind)}")
-    kind = kind.lower()
-    params = {k.removeprefix("optimizer.params."): v for k, v in flat.items()
-              if k.startswith("optimizer.params.")}
-    unknown = sorted(set(params) - OPTIMIZER_PARAMS[kind])
-    if unknown:
-        raise ConfigError(f"optimizer.params.{unknown[0]} is not a parameter of {flat['optimizer.type']} "
-                          f"(it takes {', '.join(sorted(OPTIMIZER_PARAMS[kind]))})")
-    out["optimizer"] = kind
-    if "lr" in params:
-        out["lr"] = _number("optimizer.params.lr", params.pop("lr"), minimum=0)
-    if "betas" in params:
-        betas = params["betas"]
-        if not (isinstance(betas, list) and len(betas) == 2 and all(isinstance(b, (int, float)) for b in betas)):
-            raise ConfigError(f"optimizer.params.betas must be a list of two numbers, got {json.dumps(betas)}")
-        params["betas"] = tuple(betas)
+    name, types = kind.lower(), OPTIMIZER_PARAMS[kind.lower()]
+    for key, value in params.items():
+        if key not in types:
+            raise ConfigError(f"optimizer.params.{key} is not a parameter of {kind} "
+                              f"(it takes {', '.join(sorted(types))})")
+        if types[key] == "number":
+            _number(f"optimizer.params.{key}", value, minimum=0)
+        elif types[key] == "bool":
+            _bool(f"optimizer.params.{key}", value)
+        elif not (isinstance(value, list) and len(value) == 2
+                  and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in value)):
+            raise ConfigError(f"optimizer.params.{key} must be a list of two numbers, got {json.dumps(value)}")
+    if name != "sgd":
+        # DeepSpeed's "Adam" decouples weight decay (AdamW) unless adam_w_mode is false, and its Adam
+        # optimizers default to weight_decay 0 (torch.optim.AdamW's default is 0.01).
+        if name == "adam" and params.get("adam_w_mode", True):
+            name = "adamw"
+        params.pop("adam_w_mode", None)
+        params.pop("torch_adam", None)                 # minizero always steps with torch.optim
+        params.setdefault("weight_decay", 0.0)
+        if "betas" in params:
+            params["betas"] = tuple(params["betas"])
+    lr = params.pop("lr", None)
+    if lr is not None and lr <= 0:
+        raise ConfigError(f"optimizer.params.lr must be > 0, got {lr}")
+    try:                                           # torch's own checks (betas in [0, 1), nesterov...), now
+        OPTIMIZERS[name]([torch.zeros(1, requires_grad=True)], lr=lr or 1e-3, **params)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"optimizer.params rejected by torch.optim.{OPTIMIZERS[name].__name__}: {e}") from None
+    out["optimizer"] = name
+    if lr is not None:
+        out["lr"] = lr
     out["optimizer_params"] = params

@@ -73,6 +73,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             print(f"minizero.run: warning: {w}", file=sys.stderr)
         for name, value in overrides.items():
             setattr(cfg, name, value)
+        if args.optimizer not in (None, cfg.optimizer) and cfg.optimizer_params:
+            print(f"minizero.run: warning: --optimizer {args.optimizer} replaces the file's {cfg.optimizer}: "
+                  f"its optimizer.params {', '.join(cfg.optimizer_params)} are not used", file=sys.stderr)
+            cfg.optimizer_params = {}
     pairs = {"stage": args.stage, "world_size": args.world_size, "steps": args.steps, "dtype": args.dtype,
              "backend": args.backend, "batch_size": args.batch_size, "grad_accum": args.grad_accum,
              "clip_grad_norm": args.clip_grad_norm, "optimizer": args.optimizer, "lr": args.lr,

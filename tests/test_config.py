@@ -1,18 +1,24 @@
-"""DeepSpeed-style configs: every example runs, flags override the file, bad configs are one line + exit 2."""
+"""DeepSpeed-style configs: the mapping, the warning/error policy, flags over the file, every example runs."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from minizero.config import ConfigError, load_deepspeed_config
-from minizero.run import main
+from minizero.config import ALWAYS_ON, KEYS, NOT_IMPLEMENTED, ConfigError, load_deepspeed_config
+from minizero.run import build_parser, config_from_args, main
 
-EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.json"))
+ROOT = Path(__file__).parent.parent
+EXAMPLES = sorted((ROOT / "examples").glob("ds_config_*.json"))
+ZERO2_OFFLOAD = ROOT / "examples" / "ds_config_zero2_offload.json"
 
 
 def test_the_issue_example_maps_to_stage_2_with_offload():
-    overrides, warnings = load_deepspeed_config(EXAMPLES[0].parent / "ds_config_zero2_offload.json", 4)
+    assert json.loads(ZERO2_OFFLOAD.read_text()) == {
+        "train_batch_size": 64, "gradient_accumulation_steps": 2,
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    overrides, warnings = load_deepspeed_config(ZERO2_OFFLOAD, 4)
     assert overrides == {"batch_size": 64, "grad_accum": 2, "stage": 2, "offload": "optimizer"}
     assert warnings == []
 
@@ -22,80 +28,160 @@ def test_batch_size_rule_derives_the_missing_one():
         == {"batch_size": 24, "grad_accum": 2}
     assert load_deepspeed_config({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 3}, 4)[0] \
         == {"batch_size": 24, "grad_accum": 2}
+    assert load_deepspeed_config({"train_batch_size": 24, "gradient_accumulation_steps": 3}, 4)[0] \
+        == {"batch_size": 24, "grad_accum": 3}
 
 
-def test_optimizer_precision_buckets_prefetch():
+def test_precision_buckets_prefetch_offload():
     cfg = {"bf16": {"enabled": True}, "gradient_clipping": 0.5,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.8, 0.9], "weight_decay": 0.1}},
-           "zero_optimization": {"stage": 3, "reduce_bucket_size": 1000, "stage3_prefetch_bucket_size": 0,
-                                 "offload_param": {"device": "cpu"}}}
-    overrides, _ = load_deepspeed_config(cfg, 2)
-    assert overrides == {"dtype": "bf16", "clip_grad_norm": 0.5, "stage": 3, "offload": "params",
-                         "bucket_size": 2000, "prefetch": False, "optimizer": "adamw", "lr": 1e-3,
-                         "optimizer_params": {"betas": (0.8, 0.9), "weight_decay": 0.1}}
+           "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000, "stage3_prefetch_bucket_size": 0}}
+    assert load_deepspeed_config(cfg, 2) == ({"dtype": "bf16", "clip_grad_norm": 0.5, "stage": 2,
+                                              "bucket_size": 2000, "prefetch": False}, [])
+    cfg = {"gradient_clipping": 0, "zero_optimization": {"stage": 3, "reduce_bucket_size": 1000,
+                                                         "offload_param": {"device": "cpu"}}}
+    overrides, warnings = load_deepspeed_config(cfg, 2)
+    assert overrides == {"clip_grad_norm": None, "stage": 3, "offload": "params", "bucket_size": 4000}
+    assert warnings == ["'zero_optimization.reduce_bucket_size' has no effect at stage 3: "
+                        "each unit's gradients form one bucket"]
+
+
+def test_optimizer_follows_deepspeed_semantics():
+    def opt(section):
+        out = load_deepspeed_config({"optimizer": section}, 2)[0]
+        return out["optimizer"], out.get("lr"), out["optimizer_params"]
+    # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false; its weight_decay defaults to 0
+    assert opt({"type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.1}}) == ("adamw", 1e-3, {"weight_decay": 0.1})
+    assert opt({"type": "Adam", "params": {"adam_w_mode": False}}) == ("adam", None, {"weight_decay": 0.0})
+    assert opt({"type": "AdamW", "params": {"betas": [0.8, 0.9], "torch_adam": True}}) \
+        == ("adamw", None, {"betas": (0.8, 0.9), "weight_decay": 0.0})
+    assert opt({"type": "sgd", "params": {"lr": 0.1, "momentum": 0.9}}) == ("sgd", 0.1, {"momentum": 0.9})
+
+
+def test_hugging_face_auto_means_not_set():
+    cfg = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": "auto"},
+           "fp16": {"enabled": "auto"}, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+           "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}}
+    assert load_deepspeed_config(cfg, 2) == ({"stage": 3, "optimizer": "adamw",
+                                              "optimizer_params": {"weight_decay": 0.0}}, [])
 
 
 def test_not_implemented_keys_warn_by_name():
     _, warnings = load_deepspeed_config({"fp16": {"enabled": True}, "scheduler": {"type": "WarmupLR"},
                                          "zero_optimization": {"stage": 2, "overlap_comm": False,
+                                                               "contiguous_gradients": True,
                                                                "allgather_bucket_size": 5e8}}, 2)
-    text = "\n".join(warnings)
-    for key in ("'fp16'", "'scheduler'", "overlap_comm", "allgather_bucket_size"):
-        assert key in text
-    assert load_deepspeed_config({"fp16": {"enabled": False}}, 2)[1] == []
+    assert len(warnings) == 4
+    for key, warning in zip(("'fp16'", "'scheduler'", "'zero_optimization.allgather_bucket_size'",
+                             "'zero_optimization.overlap_comm: false'"), warnings):
+        assert warning.startswith(key + " is not implemented: ")
+    assert load_deepspeed_config({"fp16": {"enabled": False}, "wall_clock_breakdown": False}, 2)[1] == []
+    assert load_deepspeed_config({"zero_optimization": {k.split(".")[1]: True for k in ALWAYS_ON}}, 2)[1] == []
 
 
 @pytest.mark.parametrize("cfg, message", [
     ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3},
-     "train_batch_size 64 != train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size"),
-    ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage must be 0, 1, 2 or 3"),
-    ({"zero_optimization": {"stage": "two"}}, "must be an integer"),
-    ({"train_batch_size": 0}, "train_batch_size must be >= 1"),
-    ({"zero_optimisation": {"stage": 2}}, "unknown key 'zero_optimisation'"),
-    ({"zero_optimization": {"stagee": 2}}, "did you mean 'zero_optimization.stage'"),
-    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "needs zero_optimization.stage 3"),
-    ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, "NVMe offload is not implemented"),
-    ({"optimizer": {"type": "Lamb"}}, "optimizer.type must be one of"),
-    ({"optimizer": {"type": "SGD", "params": {"betas": [0.9, 0.99]}}}, "not a parameter of SGD"),
+     "train_batch_size 64 != train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size "
+     "= 4 x 3 x 4"),
+    ({"train_batch_size": 64, "gradient_accumulation_steps": 3}, "not divisible"),
+    ({"gradient_accumulation_steps": 2}, "needs train_batch_size or train_micro_batch_size_per_gpu"),
+    ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage must be 0, 1, 2 or 3, got 4"),
+    ({"zero_optimization": {"stage": "two"}}, 'zero_optimization.stage must be an integer, got "two"'),
+    ({"train_batch_size": 0}, "train_batch_size must be >= 1, got 0"),
+    ({"train_micro_batch_size_per_gpu": 2.5}, "must be an integer, got 2.5"),
+    ({"gradient_clipping": "1.0"}, 'gradient_clipping must be a number >= 0, got "1.0"'),
+    ({"bf16": {"enabled": 1}}, "bf16.enabled must be true or false, got 1"),
     ({"bf16": True}, "'bf16' must be an object"),
+    ({"zero_optimisation": {"stage": 2}}, "unknown key 'zero_optimisation' (did you mean 'zero_optimization'?)"),
+    ({"zero_optimization": {"stagee": 2}}, "did you mean 'zero_optimization.stage'"),
+    ({"train_batch": 8}, "unknown key 'train_batch'"),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "needs zero_optimization.stage 3"),
+    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "offload needs"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, "NVMe offload is not implemented"),
+    ({"zero_optimization": {"overlap_comm": "yes"}}, "overlap_comm must be true or false"),
+    ({"optimizer": {"type": "Lamb"}}, "optimizer.type must be one of AdamW, Adam, SGD"),
+    ({"optimizer": {"params": {"lr": 1e-3}}}, "optimizer.params needs optimizer.type"),
+    ({"optimizer": {"type": "SGD", "params": {"betas": [0.9, 0.99]}}}, "not a parameter of SGD"),
+    ({"optimizer": {"type": "AdamW", "params": {"eps": "tiny"}}}, "optimizer.params.eps must be a number"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 0}}}, "optimizer.params.lr must be > 0"),
+    ({"optimizer": {"type": "AdamW", "params": {"betas": [1.5, 0.9]}}}, "rejected by torch.optim.AdamW: "),
 ])
 def test_bad_configs_raise_one_line(cfg, message):
-    with pytest.raises(ConfigError, match=None) as info:
+    with pytest.raises(ConfigError) as info:
         load_deepspeed_config(cfg, 4)
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
-def _write(tmp_path, text):
-    path = tmp_path / "ds.json"
-    path.write_text(text)
-    return str(path)
-
-
 @pytest.mark.parametrize("text, message", [
-    ('{"train_batch_size": 64, "gradient_accumulation_steps": 3}', "not divisible"),
+    ('{"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}',
+     "train_batch_size 64 != "),
     ('{"zero_optimization": {"stage": 4}}', "stage must be 0, 1, 2 or 3"),
-    ('{"train_batch_size": 64,}', "is not valid JSON"),
+    ('{"zero_optimization": {"stage": "two"}}', "must be an integer"),
+    ('{"zero_optimisation": {"stage": 2}}', "unknown key 'zero_optimisation' (did you mean"),
+    ('{"train_batch_size": 64,}', "is not valid JSON: "),
+    ('[1, 2]', "the config must be a JSON object"),
+    (None, "config file not found: "),
 ])
-def test_cli_bad_config_exits_2(tmp_path, capsys, text, message):
-    assert main(["--config", _write(tmp_path, text), "--world-size", "4"]) == 2
+def test_cli_bad_config_is_one_line_exit_2(tmp_path, capsys, text, message):
+    path = tmp_path / "ds.json"
+    if text is not None:
+        path.write_text(text)
+    assert main(["--config", str(path), "--world-size", "4"]) == 2
     err = capsys.readouterr().err
-    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"minizero.run: error: --config {path}: ") and message in err, err
+    assert err.count("\n") == 1
 
 
-def test_cli_missing_config_file_exits_2(capsys):
-    assert main(["--config", "/nonexistent/ds.json"]) == 2
-    assert "config file not found" in capsys.readouterr().err
+def _cfg(*argv):
+    return config_from_args(build_parser().parse_args(list(argv)))
 
 
-def test_every_example_runs_and_flags_override_the_file(tmp_path):
+def test_flags_given_override_the_file_and_only_those(tmp_path, capsys):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({
+        "train_batch_size": 32, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+        "bf16": {"enabled": True}, "scheduler": {"type": "WarmupLR"},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.8, 0.9]}},
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000, "offload_optimizer": {"device": "cpu"}}}))
+    cfg = _cfg("--config", str(path), "--world-size", "4")
+    assert (cfg.stage, cfg.world_size, cfg.batch_size, cfg.grad_accum, cfg.dtype, cfg.offload, cfg.lr,
+            cfg.clip_grad_norm, cfg.bucket_size, cfg.optimizer_params) \
+        == (2, 4, 32, 2, "bf16", "optimizer", 1e-3, 1.0, 2000, {"betas": (0.8, 0.9), "weight_decay": 0.0})
+    assert capsys.readouterr().err == ("minizero.run: warning: 'scheduler' is not implemented: "
+                                       "the learning rate stays constant\n")
+    cfg = _cfg("--config", str(path), "--world-size", "2", "--stage", "3", "--offload", "params",
+               "--batch-size", "8", "--grad-accum", "1", "--dtype", "fp32", "--lr", "0.01",
+               "--clip-grad-norm", "2", "--bucket-size-mb", "1", "--no-prefetch", "--optimizer", "sgd")
+    assert (cfg.stage, cfg.world_size, cfg.batch_size, cfg.grad_accum, cfg.dtype, cfg.offload, cfg.lr,
+            cfg.clip_grad_norm, cfg.bucket_size, cfg.prefetch, cfg.optimizer, cfg.optimizer_params) \
+        == (3, 2, 8, 1, "fp32", "params", 0.01, 2.0, 1e6, False, "sgd", {})
+    assert "--optimizer sgd replaces the file's adamw: its optimizer.params betas, weight_decay are not used" \
+        in capsys.readouterr().err
+    # the file's batch sizes are checked against the world size the flags give
+    with pytest.raises(Exception, match="not divisible by gradient_accumulation_steps x world size = 2 x 3"):
+        _cfg("--config", str(path), "--world-size", "3")
+
+
+def test_docs_name_every_key_and_example():
+    doc = (ROOT / "docs" / "deepspeed_config.md").read_text()
+    named = set(re.findall(r"`([a-z0-9_.]+)`", doc))
+    missing = [k for k in (*KEYS, *ALWAYS_ON, *NOT_IMPLEMENTED) if k not in named]
+    assert not missing, f"docs/deepspeed_config.md does not name {missing}"
     for path in EXAMPLES:
+        assert f"examples/{path.name}" in doc, path.name
+    assert "unknown keys are errors" in build_parser().format_help()
+
+
+def test_every_example_runs_and_a_flag_overrides_it(tmp_path):
+    assert len(EXAMPLES) >= 5
+    for path in EXAMPLES:
+        overrides, _ = load_deepspeed_config(path, 2)
+        extra = ["--stage", "3", "--dtype", "bf16"] if path == ZERO2_OFFLOAD else []
         out = tmp_path / f"{path.stem}.json"
-        # --stage 3 overrides the file's stage where the file allows it (offload_param needs 3 anyway)
-        assert main(["--config", str(path), "--world-size", "2", "--steps", "2", "--model", "tiny",
-                     "--quiet", "--json", str(out), "--stage", "3"]) == 0, path.name
+        assert main(["--config", str(path), "--world-size", "2", "--steps", "2", "--model", "tiny", "--quiet",
+                     "--json", str(out), *extra]) == 0, path.name
         data = json.loads(out.read_text())
-        assert data["stage"] == 3 and len(data["losses"]) == 2
-    out = tmp_path / "override.json"
-    assert main(["--config", str(EXAMPLES[0].parent / "ds_config_zero2_offload.json"), "--world-size", "2",
-                 "--steps", "1", "--model", "tiny", "--quiet", "--json", str(out)]) == 0
-    assert json.loads(out.read_text())["offload"] == "optimizer"     # from the file
+        expected = {"stage": 3, "dtype": "bf16", "offload": "optimizer"} if extra else \
+            {"stage": overrides["stage"], "dtype": overrides.get("dtype", "fp32"),
+             "offload": overrides.get("offload", False)}
+        assert {k: data[k] for k in expected} == expected, path.name
+        assert len(data["losses"]) == 2
