@@ -23,10 +23,9 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from minizero import comm
-from minizero.data import global_batch, local_batch
 from minizero.memory import measure
 from minizero.model import make_model
-from minizero.train import OPTIMIZERS, TrainConfig, loss_fn
+from minizero.train import OPTIMIZERS, TrainConfig, forward_backward
 
 PEER_OF_STAGE = {0: "ddp", 1: "zero_redundancy", 2: "fsdp2_no_reshard", 3: "fsdp2"}
 
@@ -72,22 +71,13 @@ def build_peer(cfg: TrainConfig, peer: str):
 
 def peer_worker(cfg: TrainConfig, peer: str) -> dict:
     """The loop of minizero.train.train_worker, with PyTorch's implementation instead of an engine."""
-    rank, n, device = comm.rank(), comm.world_size(), comm.device()
+    rank, device = comm.rank(), comm.device()
     module, optimizer, no_sync = build_peer(cfg, peer)
     params = [p for p in module.parameters() if p.requires_grad]
-    mcfg = cfg.model_config()
     losses, step_times, memory = [], [], None
     for step in range(cfg.steps):
-        x, y = global_batch(step, cfg.batch_size, mcfg.block_size, seed=cfg.seed)
         start = time.perf_counter()
-        step_loss = 0.0
-        for micro in range(cfg.grad_accum):
-            xm, ym = local_batch(x, y, rank, n, micro, cfg.grad_accum)
-            last = micro == cfg.grad_accum - 1
-            with contextlib.nullcontext() if last else no_sync():
-                loss = loss_fn(module(xm.to(device)), ym.to(device)) / cfg.grad_accum
-                loss.backward()
-            step_loss += loss.item()
+        step_loss = forward_backward(cfg, step, module, torch.Tensor.backward, no_sync)
         if step == cfg.steps - 1:
             memory = _memory(module, optimizer)
         if cfg.clip_grad_norm is not None:

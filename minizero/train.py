@@ -86,9 +86,25 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
 
 
+def forward_backward(cfg: TrainConfig, step: int, model, backward, no_sync) -> float:
+    """One step's forward and backward on this rank's rows: `grad_accum` micro-batches, all but the last
+    inside no_sync(). Returns the step's loss. (peers.py drives PyTorch's implementations through it.)"""
+    rank, n, device = comm.rank(), comm.world_size(), comm.device()
+    x, y = global_batch(step, cfg.batch_size, cfg.model_config().block_size, seed=cfg.seed)
+    step_loss = 0.0
+    for micro in range(cfg.grad_accum):
+        xm, ym = local_batch(x, y, rank, n, micro, cfg.grad_accum)
+        last = micro == cfg.grad_accum - 1
+        with contextlib.nullcontext() if last else no_sync():
+            loss = loss_fn(model(xm.to(device)), ym.to(device)) / cfg.grad_accum
+            backward(loss)
+        step_loss += loss.item()
+    return step_loss
+
+
 def train_worker(cfg: TrainConfig) -> dict:
     """Train on this rank; return its losses, memory, communication and timing (and state if asked)."""
-    rank, n = comm.rank(), comm.world_size()
+    rank = comm.rank()
     mcfg = cfg.model_config()
     model = make_model(mcfg, seed=cfg.seed)
     if cfg.init_state:
@@ -104,17 +120,9 @@ def train_worker(cfg: TrainConfig) -> dict:
     for step in range(engine.step_count, cfg.steps):
         if fault and fault[:2] == (rank, step):
             _fail(*fault)
-        x, y = global_batch(step, cfg.batch_size, mcfg.block_size, seed=cfg.seed)
         comm.reset_tally()
         start = time.perf_counter()
-        step_loss = 0.0
-        for micro in range(cfg.grad_accum):
-            xm, ym = local_batch(x, y, rank, n, micro, cfg.grad_accum)
-            last = micro == cfg.grad_accum - 1
-            with contextlib.nullcontext() if last else engine.no_sync():
-                loss = loss_fn(engine(xm.to(device)), ym.to(device)) / cfg.grad_accum
-                engine.backward(loss)
-            step_loss += loss.item()
+        step_loss = forward_backward(cfg, step, engine, engine.backward, engine.no_sync)
         if step == cfg.steps - 1:
             memory = engine.memory()              # as held at the end of backward (optimizer state exists)
         engine.step()
