@@ -35,6 +35,7 @@ from minizero import comm
 from minizero.cli import OneLineParser, UsageError, emit, fail
 from minizero.launcher import launch
 from minizero.peers import PEER_OF_STAGE, peer_worker
+from minizero.reference import max_abs_diff
 from minizero.train import TrainConfig, train_worker
 
 IMPLS = ("minizero", "torch")
@@ -88,12 +89,6 @@ def bench_worker(cfgs: list[TrainConfig], repeats: int) -> list[dict]:
                 record["comm"] = mz["comm_bytes_per_step"]["total"]
                 record["final_loss"] = {"minizero": mz["losses"][-1], "torch": pt["losses"][-1]}
     return out
-
-
-def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    if a.keys() != b.keys():
-        raise ValueError(f"state dict keys differ: {sorted(a.keys() ^ b.keys())}")
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].numel())
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -27,9 +27,9 @@ from minizero.data import global_batch, local_batch
 from minizero.launcher import launch
 from minizero.memory import CATEGORIES
 from minizero.model import make_model
-from minizero.reference import reference_train
+from minizero.reference import max_abs_diff, reference_train
 from minizero.run import summarize, validate
-from minizero.train import TrainConfig, loss_fn, train_worker
+from minizero.train import TrainConfig, loss_fn, train_several
 from minizero.wrap import wrap
 
 
@@ -53,11 +53,6 @@ def tolerance(cfg: TrainConfig) -> float:
 # Training runs: memory, communication, time and correctness of one or more configurations
 # --------------------------------------------------------------------------------------------------------
 
-def train_several(cfgs: list[TrainConfig]) -> list[dict]:
-    """Worker: several training runs one after another in one process group (one launch, many runs)."""
-    return [train_worker(cfg) for cfg in cfgs]
-
-
 def measure(variants: dict[str, TrainConfig], world_sizes, backend: str | None = None) -> dict:
     """{name: {N: record}}: every variant trained at every world size, one launch per world size.
 
@@ -79,7 +74,7 @@ def measure(variants: dict[str, TrainConfig], world_sizes, backend: str | None =
             results = [rank_results[i] for rank_results in per_rank]
             ref = references[name]
             record = summarize(cfg, results)
-            record["max_abs_diff"] = max(_max_abs_diff(r.pop("state_dict"), ref["state_dict"]) for r in results)
+            record["max_abs_diff"] = max(max_abs_diff(r.pop("state_dict"), ref["state_dict"]) for r in results)
             record["tolerance"] = tolerance(cfg)
             record["reference_losses"] = ref["losses"]
             record["optimizer"] = cfg.optimizer
@@ -93,10 +88,6 @@ def measure_stage(stage: int, world_sizes=None, dtype: str = "fp32", *, offload:
     default_backend, default_sizes = backend_and_world_sizes()
     cfg = TrainConfig(stage=stage, dtype=dtype, offload=offload, steps=steps, model=model, batch_size=24)
     return measure({"run": cfg}, world_sizes or default_sizes, backend or default_backend)["run"]
-
-
-def _max_abs_diff(state: dict, reference: dict) -> float:
-    return max((state[k].double() - v.double()).abs().max().item() for k, v in reference.items() if v.numel())
 
 
 def memory_table(records: dict) -> list[dict]:

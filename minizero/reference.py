@@ -33,3 +33,10 @@ def reference_train(cfg: TrainConfig) -> dict:
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return {"losses": losses, "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest |a - b| over every entry of two state dicts with the same keys."""
+    if a.keys() != b.keys():
+        raise ValueError(f"state dict keys differ: {sorted(a.keys() ^ b.keys())}")
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].numel())

@@ -152,6 +152,11 @@ def train_worker(cfg: TrainConfig) -> dict:
     return result
 
 
+def train_several(cfgs: list[TrainConfig]) -> list[dict]:
+    """Worker: several training runs one after another in one process group (one launch, many runs)."""
+    return [train_worker(cfg) for cfg in cfgs]
+
+
 def _fault(cfg: TrainConfig) -> tuple[int, int, str] | None:
     """(rank, step, mode) of the failure to inject, from the config or else the environment; or None."""
     if cfg.fail_rank is not None:

@@ -13,8 +13,8 @@ from minizero.memory import comm_volume
 from minizero.peers import PEER_OF_STAGE, peer_worker
 from minizero.reference import reference_train
 from minizero.run import theory
-from minizero.train import TrainConfig
-from _workers import accumulate_without_no_sync, run_configs
+from minizero.train import TrainConfig, train_several
+from _workers import accumulate_without_no_sync
 
 WORLD_SIZES = (1, 2, 3, 4)
 
@@ -50,7 +50,7 @@ def launch_all(stage: int, world_sizes=WORLD_SIZES, **stage_options) -> dict:
     out = {}
     for n in world_sizes:
         cfgs = configs(stage, n, **stage_options)
-        per_rank = minizero.launch(run_configs, n, list(cfgs.values()))
+        per_rank = minizero.launch(train_several, n, list(cfgs.values()))
         for i, (name, cfg) in enumerate(cfgs.items()):
             out[(n, name)] = (cfg, [rank_results[i] for rank_results in per_rank])
     return out
@@ -131,7 +131,7 @@ class StageSuite:
         """Same end point as PyTorch's own implementation (DDP, ZeroRedundancyOptimizer, FSDP2)."""
         cfg = TrainConfig(stage=self.stage, world_size=3, steps=3, batch_size=12, grad_accum=2, model="tiny",
                           optimizer="sgd", lr=0.5, return_state=True, **self.options)
-        ours = minizero.launch(run_configs, 3, [cfg])
+        ours = minizero.launch(train_several, 3, [cfg])
         theirs = minizero.launch(peer_worker, 3, cfg, PEER_OF_STAGE[self.stage])
         for mine, peer in zip(ours, theirs):
             for name, expected in peer["state_dict"].items():

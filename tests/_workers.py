@@ -7,12 +7,6 @@ import os
 import torch
 
 from minizero import comm
-from minizero.train import TrainConfig, train_worker
-
-
-def run_configs(cfgs: list[TrainConfig]) -> list[dict]:
-    """Several training runs, one after another, in the same process group (one launch, many checks)."""
-    return [train_worker(cfg) for cfg in cfgs]
 
 
 def collectives() -> dict:
@@ -56,23 +50,6 @@ def raise_on(rank_to_fail: int, pid_dir: str) -> int:
 
 def rank_and_size() -> tuple[int, int]:
     return comm.rank(), comm.world_size()
-
-
-def zero3_timeline():
-    """One recorded stage-3 step after a warm-up step (prefetch order is learnt on the first)."""
-    import functools
-    import minizero
-    from minizero.data import global_batch
-    from minizero.model import GPTConfig, make_model
-    from minizero.train import loss_fn
-    engine = minizero.wrap(make_model(GPTConfig()), 3, functools.partial(torch.optim.SGD, lr=0.1))
-    for step in range(2):
-        if step == 1:
-            engine.timeline = []
-        x, y = global_batch(step, 4, 32)
-        engine.backward(loss_fn(engine(x), y))
-        engine.step()
-    return engine.timeline, engine.unit_names
 
 
 def zero3_with_tied_units(steps: int) -> dict:

@@ -18,7 +18,7 @@ from minizero.consolidate import consolidate, main
 from minizero.model import make_model
 from minizero.train import TrainConfig, train_worker
 from _checks import assert_matches_reference
-from _workers import run_configs
+from minizero.train import train_several
 
 K, M, N = 2, 2, 2          # save after K steps, resume for M more, at world size N
 # A frozen parameter, a parameter forward never uses, the tied weight, odd sizes, several buckets.
@@ -49,8 +49,8 @@ def runs(tmp_path_factory):
         cfg = dict(BASE, **opts, return_state=True)
         first += [TrainConfig(**cfg, steps=K + M), TrainConfig(**cfg, steps=K, save_dir=dirs[name])]
     first.append(TrainConfig(**SGD, steps=K, save_dir=dirs["sgd"]))
-    before = minizero.launch(run_configs, N, first)
-    resumed = minizero.launch(run_configs, N, [TrainConfig(**BASE, **opts, steps=K + M, return_state=True,
+    before = minizero.launch(train_several, N, first)
+    resumed = minizero.launch(train_several, N, [TrainConfig(**BASE, **opts, steps=K + M, return_state=True,
                                                            load_dir=dirs[name])
                                                for name, opts in VARIANTS.items()])
     out = {}

@@ -10,9 +10,9 @@ class TestZero2(StageSuite):
 def test_stage2_keeps_less_gradient_memory_than_stage1():
     import minizero
     from minizero.train import TrainConfig
-    from _workers import run_configs
+    from minizero.train import train_several
     cfgs = [TrainConfig(stage=s, world_size=2, steps=2, bucket_size=50_000) for s in (1, 2)]
-    s1, s2 = minizero.launch(run_configs, 2, cfgs)[0]
+    s1, s2 = minizero.launch(train_several, 2, cfgs)[0]
     # stage 2 frees full gradients bucket by bucket: even its peak stays below stage 1's full buffer
     assert s2["memory"]["grads"] * 2 <= s1["memory"]["grads"] + 64
     assert s2["peak"] < s1["peak"]

@@ -1,9 +1,10 @@
 """ZeRO stage 3 (P_os+g+p): reference, memory (2+2+K)Ψ/N, traffic 3Ψ, and only units in flight gathered."""
 
 import minizero
-from minizero.train import TrainConfig
+from minizero.demo import zero3_timeline_worker
+from minizero.train import TrainConfig, train_several
 from _checks import StageSuite, assert_matches_reference
-from _workers import run_configs, zero3_timeline, zero3_with_tied_units
+from _workers import zero3_with_tied_units
 
 
 class TestZero3(StageSuite):
@@ -14,7 +15,7 @@ def test_without_prefetch_and_peak_parameters_stay_below_the_model():
     base = dict(stage=3, world_size=4, steps=3, batch_size=8, model="default", optimizer="sgd", lr=0.5,
                 return_state=True)
     cfgs = [TrainConfig(**base, prefetch=False), TrainConfig(**base, prefetch=True)]
-    no_prefetch, prefetch = minizero.launch(run_configs, 4, cfgs)[0]
+    no_prefetch, prefetch = minizero.launch(train_several, 4, cfgs)[0]
     assert_matches_reference(cfgs[0], [no_prefetch], atol=1e-6)
     assert_matches_reference(cfgs[1], [prefetch], atol=1e-6)
     model_bytes = no_prefetch["num_params"] * 4
@@ -28,8 +29,9 @@ def test_without_prefetch_and_peak_parameters_stay_below_the_model():
 
 
 def test_each_unit_is_gathered_for_forward_and_backward_then_freed():
-    events, names = minizero.launch(zero3_timeline, 2)[0]
-    step = [(e, b) for _, e, b in events]
+    cfg = TrainConfig(stage=3, world_size=2, batch_size=4, optimizer="sgd", lr=0.1)
+    record = minizero.launch(zero3_timeline_worker, 2, [cfg])[0][0]   # one step after a warm-up step
+    names, step = record["unit_names"], [(e, b) for _, e, b in record["events"]]
     for b in range(len(names)):
         gathers = [e for e, u in step if u == b and e in ("gather", "prefetch")]
         frees = [e for e, u in step if u == b and e == "free"]
