@@ -239,8 +239,7 @@ def _run_under_torchrun(cfg: TrainConfig, args) -> tuple[list[dict], bool]:
     world = int(os.environ["WORLD_SIZE"])
     if args.world_size is not None and args.world_size != world:
         raise UsageError(f"--world-size {args.world_size} disagrees with torchrun's WORLD_SIZE={world}")
-    cfg.world_size = world
-    validate(cfg)
+    # cfg.world_size already came from WORLD_SIZE (config_from_args) and was validated there
     comm.init(backend=cfg.backend)
     result = train_worker(cfg)
     result.pop("state_dict", None)

@@ -175,6 +175,6 @@ def _fail(rank: int, step: int, mode: str) -> None:
 
 
 def model_num_params(engine) -> int:
-    """Ψ: distinct parameters of the wrapped model, counted from the layout (stage 3's params are views
-    of freed buffers, so p.numel() still works: shapes are kept)."""
+    """Ψ: distinct parameters of the wrapped model (a tied weight once). Stage 3's parameters are views of
+    freed buffers, but their shapes are kept, so p.numel() still counts them."""
     return sum(p.numel() for p in engine.module.parameters())
