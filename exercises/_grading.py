@@ -15,10 +15,9 @@ import os
 import sys
 
 import minizero
-from minizero.grade import call_in
-from minizero.reference import reference_train
-from minizero.train import TrainConfig, train_worker
-from minizero.wrap import ENGINES
+from minizero.lab.grade import call_in
+from minizero.lab.reference import reference_train
+from minizero.lab.train import TrainConfig, train_worker
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAUNCH_TIMEOUT_S = 90        # a learner's rank waiting in a collective the others never call must not hang CI
@@ -42,7 +41,7 @@ def launch(worker, world_size: int, *args) -> list:
     """worker(*args) on `world_size` gloo ranks; a failing rank becomes a readable AssertionError.
 
     `worker` is a function of a grader file; the children import that file by name from this folder
-    (minizero.grade.call_in), however pytest imported it here."""
+    (minizero.lab.grade.call_in), however pytest imported it here."""
     __tracebackhide__ = True
     module = os.path.splitext(os.path.basename(sys.modules[worker.__module__].__file__))[0]
     try:
@@ -76,20 +75,17 @@ def config(stage: int, world_size: int, **overrides) -> TrainConfig:
 
 
 def train_with(engine_factory, cfg: TrainConfig) -> dict:
-    """minizero.train.train_worker(cfg) with `engine_factory` in place of the engine of cfg.stage.
-
-    Patching minizero.wrap.ENGINES only affects this rank's process (graders run it under launch).
-    Returns the trained state (from the optimizer's fp32 masters) and, for stages 0-2, the model's own
+    """minizero.lab.train.train_worker(cfg) with `engine_factory` (an engine class: the learner's subclass
+    of one of minizero's engines) in place of minizero.wrap. Returns the trained state (from the optimizer's fp32 masters) and, for stages 0-2, the model's own
     parameters on this rank: what its next forward would use.
     """
     engines = []
 
-    def build(*args, **kwargs):
-        engines.append(engine_factory(*args, **kwargs))
+    def build(model, stage, optimizer, **options):
+        engines.append(engine_factory(model, optimizer, **options))
         return engines[-1]
 
-    ENGINES[cfg.stage] = build
-    result = train_worker(cfg)
+    result = train_worker(cfg, make_engine=build)
     live = None
     if cfg.stage < 3:                                        # stage 3's full parameters are freed
         live = {k: v.detach().float().cpu().clone() for k, v in engines[-1].module.state_dict().items()}

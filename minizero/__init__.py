@@ -4,12 +4,16 @@
     engine = minizero.wrap(model, stage=2, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
     results = minizero.launch(worker_fn, world_size=4)      # run a function on 4 ranks
 
-Reading order: comm.py -> flat.py -> reducer.py -> optim.py -> ddp.py -> zero1.py -> zero2.py -> zero3.py
--> offload.py. Entry points: python -m minizero.run | minizero.bench | minizero.memory | minizero.grade.
+This folder is the ZeRO implementation, read in this order:
+    comm.py -> flat.py -> reducer.py -> optim.py -> engine.py -> ddp.py -> zero1.py -> zero2.py -> zero3.py
+    -> offload.py, then wrap.py and launcher.py (the public API), memory/ (the paper's formulas and the byte
+    counter) and checkpoint.py.
+Beside it, never imported by it (tests/test_layout.py checks): lab/ (the small GPT, the data, the training
+loop, the single-process reference, PyTorch's peers, the experiments behind the notebooks, the benchmark)
+and cli/ (the commands). The short modules run.py, bench.py, scale.py, consolidate.py and grade.py only
+give the commands their names: python -m minizero.run | bench | memory | scale | consolidate | grade.
 """
 
-# launcher and wrap import neither memory.py nor run.py, so `python -m minizero.memory` / `.run` do not
-# find their own module already imported by the package (runpy warns about that).
 from minizero.launcher import launch
 from minizero.wrap import wrap
 

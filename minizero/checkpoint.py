@@ -10,7 +10,7 @@ Run its tests:  python -m pytest tests/test_checkpoint.py
 What a rank owns is what ZeRO partitioned: the fp32 master weights and the optimizer state of its
 partition of every bucket, the K·Ψ/N of the paper (stage 0: all of Ψ, replicated, so every rank's file
 is the same). Nothing is gathered to save, as in DeepSpeed (one file per rank; its zero_to_fp32 stitches
-them together offline, like minizero.consolidate). bf16 model parameters are not saved: they are
+them together offline, like `consolidate` at the end of this file). bf16 model parameters are not saved: they are
 round(master), and load rebuilds them from the masters exactly as step() does.
 
 Format (format_version 1), one directory:
@@ -287,3 +287,32 @@ def load(engine, directory: str) -> None:
     torch.set_rng_state(shard["rng"]["torch"])
     if shard["rng"]["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(shard["rng"]["cuda"])
+
+
+def consolidate(directory: str) -> dict[str, torch.Tensor]:
+    """The whole model's fp32 state_dict from a sharded checkpoint, without a process group (DeepSpeed's
+    zero_to_fp32.py; `python -m minizero.consolidate ckpt model.pt`). Raises CheckpointError.
+
+    Concatenating a bucket's N partitions (one per rank file) rebuilds the padded bucket [N·Ψ_b/N]; the
+    manifest's offsets and shapes cut it back into parameters, exactly like flat.Bucket.views. Frozen
+    parameters and buffers come from replicated.pt. The result has the keys of model.state_dict(), in
+    order, both names of a tied weight included, floating point tensors in fp32. Loaded into a fresh
+    model and wrapped at another N, it continues the run there (the optimizer state restarts)."""
+    manifest = read_manifest(directory)
+    shards: dict[int, dict] = {}
+
+    def shard(r: int) -> dict:
+        if r not in shards:
+            shards[r] = read_file(directory, manifest, f"rank{r}.pt")
+        return shards[r]
+
+    values: dict[str, torch.Tensor] = {}
+    for i, b in enumerate(manifest["buckets"]):
+        parts = b["padded_numel"] // b["shard_numel"]        # N for stages 1-3; 1 for DDP (replicated)
+        full = torch.cat([shard(r)["masters"][i] for r in range(parts)])       # [padded_numel] fp32
+        for p in b["params"]:
+            numel = torch.Size(p["shape"]).numel()
+            values[p["name"]] = full[p["offset"]: p["offset"] + numel].view(p["shape"]).clone()
+    for name, t in read_file(directory, manifest, "replicated.pt").items():
+        values[name] = t.float() if t.is_floating_point() else t
+    return {e["key"]: values[e["source"]] for e in manifest["state_dict"]}

@@ -21,18 +21,18 @@ import torch
 from torch import nn
 
 from minizero import checkpoint, comm
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+from minizero.memory import measure
+from minizero.optim import DTYPES
 
 
 class Engine:
     stage: int = -1
     sharded: bool = True           # stages 1-3: the optimizer steps a partition, gradients are partitioned
+    offload_choices: tuple = (False,)   # what offload= may be: stages 1-3 add the optimizer, 3 the params
 
-    def __init__(self, model: nn.Module, optimizer, *, dtype: str = "fp32",
+    def __init__(self, model: nn.Module, optimizer, *, dtype: str = "fp32", offload: bool | str = False,
                  clip_grad_norm: float | None = None):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        self.check(dtype, offload)
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise ValueError(f"clip_grad_norm must be > 0, got {clip_grad_norm!r}")
         if not callable(optimizer):
@@ -41,6 +41,7 @@ class Engine:
         self.module = model
         self.optimizer_factory = optimizer
         self.dtype = DTYPES[dtype]
+        self.offload = offload
         self.clip_grad_norm = clip_grad_norm
         self.rank, self.world_size, self.device = comm.rank(), comm.world_size(), comm.device()
         self._sync = True
@@ -56,6 +57,20 @@ class Engine:
         self._params = params             # the Parameter objects never change (stages move only p.data)
         self.trainable = [p for p in params if p.requires_grad]
         self.frozen = [p for p in params if not p.requires_grad]   # replicated as-is, never stepped
+
+    @classmethod
+    def check(cls, dtype: str = "fp32", offload: bool | str = False) -> None:
+        """The rules for dtype and offload, in one place: the engine checks them when it is built, and
+        wrap.check / the CLI call this before anything is built (or any process started)."""
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        if offload in cls.offload_choices:
+            return
+        if cls.stage == 0:
+            raise ValueError("offload needs ZeRO stage 1, 2 or 3 (DDP replicates the optimizer)")
+        if offload == "params":
+            raise ValueError(f"offload='params' needs stage 3 (stage {cls.stage} keeps full parameters)")
+        raise ValueError(f"offload must be one of {cls.offload_choices} for stage {cls.stage}, got {offload!r}")
 
     def _broadcast_from_rank0(self) -> None:
         """All replicas start from rank 0's weights and buffers, whatever each process initialised."""
@@ -162,7 +177,6 @@ class Engine:
         return []
 
     def _measure(self) -> dict[str, int]:
-        from minizero.memory import measure   # not at import time: see minizero/__init__.py
         return measure(self._memory_groups())
 
     def _track_peak(self) -> None:

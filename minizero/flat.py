@@ -20,7 +20,7 @@ buffer of `shard_numel` elements: that is where ZeRO keeps what it no longer rep
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -61,7 +61,6 @@ class FlatLayout:
     buckets: list[Bucket]
     world_size: int
     rank: int
-    _bucket_of: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, groups: list[list[nn.Parameter]], world_size: int, rank: int,
@@ -78,9 +77,7 @@ class FlatLayout:
             buckets.append(b)
             start += padded
             shard_start += b.shard_numel
-        layout = cls(buckets, world_size, rank)
-        layout._bucket_of = {p: b for b in buckets for p in b.params}
-        return layout
+        return cls(buckets, world_size, rank)
 
     # sizes -----------------------------------------------------------------------------------------
     @property
@@ -94,9 +91,6 @@ class FlatLayout:
     @property
     def shard_numel(self) -> int:            # size of one rank's shard buffer, ~Ψ / N
         return sum(b.shard_numel for b in self.buckets)
-
-    def bucket_of(self, p: nn.Parameter) -> Bucket:
-        return self._bucket_of[p]
 
     # slicing ---------------------------------------------------------------------------------------
     @staticmethod

@@ -1,7 +1,7 @@
 """Run a function on N processes of one machine, each a rank of one process group: `minizero.launch`.
 
     import minizero
-    from minizero.train import TrainConfig, train_worker
+    from minizero.lab.train import TrainConfig, train_worker
     results = minizero.launch(train_worker, 4, TrainConfig(stage=2))   # list of 4 per-rank return values
 
 This is for one machine (a laptop's CPU cores, or the GPUs of one box). Across machines use torchrun,
@@ -55,12 +55,15 @@ def _loads(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _context(start_method: str | None) -> mp.context.BaseContext:
+def _context(start_method: str | None, fn: Callable) -> mp.context.BaseContext:
     method = start_method or ("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
     ctx = mp.get_context(method)
     if method == "forkserver":
-        # torch.optim's first Optimizer() imports torch._dynamo (~1.7 s of CPU per rank): do it once, here.
-        ctx.set_forkserver_preload(["__main__", "torch", "torch._dynamo", "minizero.train"])
+        # Imported once in the server instead of once per rank: torch; torch._dynamo, which torch.optim's
+        # first Optimizer() imports (~1.7 s of CPU per rank); and the module of the first launched function.
+        # (The server starts on the first launch; later launches reuse it, so later modules load per rank.)
+        module = getattr(fn, "__module__", None)
+        ctx.set_forkserver_preload(["__main__", "torch", "torch._dynamo"] + ([module] if module else []))
     return ctx
 
 
@@ -111,7 +114,7 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None
     if backend == "nccl" and world_size > torch.cuda.device_count():
         raise ValueError(f"nccl needs one GPU per rank: world_size={world_size}, "
                          f"GPUs={torch.cuda.device_count()}")
-    ctx = _context(start_method)
+    ctx = _context(start_method, fn)
     # The parent hosts the rendezvous store on a port the OS picks, so there is no race for a free port.
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))

@@ -23,6 +23,9 @@ from torch import nn
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
+# The precisions the model can compute in (wrap's dtype=...). The masters are fp32 either way.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
 
 class ShardOptimizer:
     """Steps `param_parts` (views into the model's parameter storage) with the user's optimizer.

@@ -12,11 +12,27 @@ from torch import nn
 
 from minizero.ddp import DDP
 from minizero.engine import Engine
+from minizero.memory import STAGES
 from minizero.zero1 import Zero1
 from minizero.zero2 import Zero2
 from minizero.zero3 import Zero3
 
-ENGINES = {0: DDP, 1: Zero1, 2: Zero2, 3: Zero3}
+ENGINES = dict(zip(STAGES, (DDP, Zero1, Zero2, Zero3)))
+# Options beyond dtype, offload and clip_grad_norm (which every stage takes), by stage.
+STAGE_OPTIONS = {0: {"bucket_size"}, 1: set(), 2: {"bucket_size"}, 3: {"units", "prefetch"}}
+
+
+def engine_class(stage: int) -> type[Engine]:
+    """The engine of ZeRO `stage`; the one check of a stage number (CLI, config reader and wrap use it)."""
+    if isinstance(stage, bool) or stage not in ENGINES:
+        raise ValueError(f"stage must be one of {', '.join(map(str, STAGES))} (0 = DDP), got {stage!r}")
+    return ENGINES[stage]
+
+
+def check(stage: int, dtype: str = "fp32", offload: bool | str = False) -> None:
+    """Raise ValueError (one line) if wrap would refuse this stage, dtype or offload: for callers that
+    want to know before they build a model or start processes."""
+    engine_class(stage).check(dtype, offload)
 
 
 def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False, **options) -> Engine:
@@ -29,16 +45,8 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False, *
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(stage, bool) or stage not in ENGINES:
-        raise ValueError(f"stage must be one of {sorted(ENGINES)} (0 = DDP), got {stage!r}")
-    if stage == 0:
-        if offload:
-            raise ValueError("offload needs ZeRO stage 1, 2 or 3 (DDP replicates the optimizer)")
-    else:
-        options["offload"] = offload
-    allowed = {"dtype", "clip_grad_norm", "offload"} | {0: {"bucket_size"}, 1: set(), 2: {"bucket_size"},
-                                                        3: {"units", "prefetch"}}[stage]
-    unknown = sorted(set(options) - allowed)
+    engine = engine_class(stage)
+    unknown = sorted(set(options) - {"dtype", "clip_grad_norm"} - STAGE_OPTIONS[stage])
     if unknown:
         raise TypeError(f"stage {stage} does not take option(s) {', '.join(unknown)}")
     if not any(p.requires_grad for p in model.parameters()):
@@ -54,4 +62,4 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False, *
         if not (isinstance(options["units"], (list, tuple, nn.ModuleList))
                 and all(isinstance(u, nn.Module) and id(u) in mine for u in options["units"])):
             raise TypeError("units must be a list of the model's submodules (e.g. list(model.blocks))")
-    return ENGINES[stage](model, optimizer, **options)
+    return engine(model, optimizer, offload=offload, **options)

@@ -33,15 +33,10 @@ from minizero.optim import ShardOptimizer
 
 class Zero1(Engine):
     stage = 1
-    offload_choices = (False, True, "optimizer")
+    offload_choices = (False, True, "optimizer")        # optimizer state on the host: offload.py
 
-    def __init__(self, model, optimizer, *, offload: bool | str = False, **kwargs):
-        if offload not in self.offload_choices:
-            raise ValueError(f"offload must be one of {self.offload_choices} for stage {self.stage}, "
-                             f"got {offload!r}" + (" (parameter offload needs stage 3)"
-                                                   if offload == "params" else ""))
+    def __init__(self, model, optimizer, **kwargs):
         super().__init__(model, optimizer, **kwargs)
-        self.offload = offload
         self.layout = FlatLayout.build(self._param_groups(), self.world_size, self.rank)
         self._init_parameters()
         self._init_gradients()

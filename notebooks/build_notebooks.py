@@ -3,7 +3,7 @@
     python notebooks/build_notebooks.py          # then open them: jupyter lab notebooks/
 
 Edit the cells here, not in the .ipynb files, and rerun: the .ipynb files are generated and committed.
-The experiments themselves live in minizero/demo.py (launched ranks must import their worker function)
+The experiments themselves live in minizero/lab/demo.py (launched ranks must import their worker function)
 and the figures in notebooks/plots.py, so each notebook is prose, a few calls, a check and its plots.
 """
 
@@ -35,7 +35,7 @@ def exercise(number: int, what: str):
 
 SETUP = code("""
     import os
-    from minizero import demo
+    from minizero.lab import demo
     import plots                                  # notebooks/plots.py: the figures
 
     SMALL = os.environ.get("MINIZERO_SMALL") == "1"     # CI: the tiny model, 2 steps
@@ -51,12 +51,12 @@ SETUP = code("""
 def measure_and_check(stage: int, title: str) -> list:
     """The cells every stage notebook shares: train at every N, check, plot loss and memory, export."""
     return [
-        md(f"""
+        md("""
         ## Run it
 
-        One `minizero.launch` per world size runs `minizero.train.train_worker` on every rank (the worker
-        lives in `minizero/demo.py`, because launched processes cannot import a notebook cell). Every run
-        is compared with `minizero.reference.reference_train`: one process, the whole global batch, plain
+        One `minizero.launch` per world size runs `minizero.lab.train.train_worker` on every rank (the worker
+        lives in `minizero/lab/demo.py`, because launched processes cannot import a notebook cell). Every run
+        is compared with `minizero.lab.reference.reference_train`: one process, the whole global batch, plain
         `torch.optim`. Data parallelism must not change the result, only where the bytes live.
         """),
         code(f"""
@@ -242,7 +242,7 @@ NOTEBOOKS["04_zero3"] = stage_notebook(3, "04 · ZeRO stage 3 (P_os+g+p): shard 
     ## When is each unit gathered?
 
     A Zero3 engine records `(time, "gather" | "prefetch" | "free", unit)` in `engine.timeline` when that
-    is set to a list (`minizero.demo.zero3_timeline_worker` does so for one step after a warm-up step,
+    is set to a list (`minizero.lab.demo.zero3_timeline_worker` does so for one step after a warm-up step,
     which records the order prefetch follows). Each bar is a span during which a unit's full parameters
     exist on rank 0. Without prefetch a unit is gathered when it is needed and the computation waits;
     with prefetch the next unit's all-gather is already in flight while the current one computes
@@ -291,7 +291,7 @@ NOTEBOOKS["05_offload"] = [
     exercise(5, "the host-side optimizer step: copy down, step, copy up."),
     SETUP,
     code("""
-    from minizero.train import TrainConfig
+    from minizero.lab.train import TrainConfig
     base = dict(dtype=DTYPE, steps=STEPS, model=MODEL, batch_size=24)
     variants = {"stage 2": TrainConfig(stage=2, **base),
                 "stage 2 + offload": TrainConfig(stage=2, offload="optimizer", **base),
@@ -336,7 +336,7 @@ NOTEBOOKS["06_compare"] = [
     """),
     SETUP,
     code("""
-    from minizero.train import TrainConfig
+    from minizero.lab.train import TrainConfig
     variants = {s: TrainConfig(stage=s, dtype=DTYPE, steps=STEPS, model=MODEL, batch_size=24) for s in range(4)}
     stages = demo.measure(variants, WORLD_SIZES, BACKEND)       # {stage: {N: record}}
     for s, runs in stages.items():
@@ -394,7 +394,7 @@ NOTEBOOKS["06_compare"] = [
     """),
     code("""
     from IPython.display import Markdown
-    from minizero.concepts import to_markdown
+    from minizero.lab.concepts import to_markdown
     Markdown(to_markdown(link_prefix="../").split("\\n", 5)[5])   # the table, without the page's header
     """),
 ]

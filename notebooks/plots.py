@@ -3,7 +3,7 @@
     import plots                               # from a notebook in this folder
     plots.memory_by_category(runs, "ZeRO stage 2")
 
-Every function takes the records minizero.demo returns (measured numbers next to the paper's formulas)
+Every function takes the records minizero.lab.demo returns (measured numbers next to the paper's formulas)
 or the formulas of minizero.memory, and returns the matplotlib figure. Units are in the axis labels:
 kB for the small GPT's model states, MB for the collectives' tensors, GB for paper-sized models.
 """
@@ -14,9 +14,14 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import Patch
 
-from minizero.memory import comm_volume, estimate, estimate_breakdown
-from minizero.run import optimizer_k
-from minizero.train import TrainConfig
+from minizero.lab.train import state_bytes
+from minizero.memory import (
+    comm_volume,
+    element_bytes,
+    estimate,
+    estimate_breakdown,
+    optimizer_k,
+)
 
 COLORS = {"params": "tab:blue", "grads": "tab:orange", "optimizer": "tab:green", "offloaded": "tab:purple"}
 STAGE_NAMES = {0: "DDP", 1: "stage 1 (P_os)", 2: "stage 2 (P_os+g)", 3: "stage 3 (P_os+g+p)"}
@@ -175,8 +180,8 @@ def compare_measured(stages: dict):
     ns = np.arange(1, max(sizes) * 2 + 1)
     for stage, runs in stages.items():
         rec = runs[sizes[0]]
-        elem = 2 if rec["dtype"] == "bf16" else 4
-        k = optimizer_k(TrainConfig(optimizer=rec["optimizer"], dtype=rec["dtype"]))
+        elem = element_bytes(rec["dtype"])
+        k = optimizer_k(state_bytes(rec["optimizer"]), rec["dtype"])
         curve = [estimate(rec["num_params"], n, stage, param_bytes=elem, grad_bytes=elem, k=k) for n in ns]
         mem.plot(ns, np.array(curve) / KB, color=f"C{stage}", label=f"{STAGE_NAMES[stage]} formula")
         mem.plot(sizes, [_device_bytes(runs[n]["ranks"][0]["memory"]) / KB for n in sizes], "o",
@@ -209,7 +214,7 @@ def compare_measured(stages: dict):
 
 def largest_model(budget_bytes: float, dtype: str = "bf16", max_world_size: int = 1024):
     """The largest Ψ whose model states fit `budget_bytes` per rank, per stage, against N (estimator)."""
-    pb, k = (2, 12) if dtype == "bf16" else (4, 8)
+    pb, k = element_bytes(dtype), optimizer_k(state_bytes("adamw"), dtype)       # Adam: K = 12 in bf16
     ns = 2 ** np.arange(0, int(np.log2(max_world_size)) + 1)
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for stage in STAGE_NAMES:
@@ -226,7 +231,7 @@ def largest_model(budget_bytes: float, dtype: str = "bf16", max_world_size: int 
 
 def estimator_view(world_size: int, params_billion: float, dtype: str, budget_gb: float):
     """Per-rank GB by category for each stage, for a model of `params_billion`, against a budget line."""
-    pb, k = (2, 12) if dtype == "bf16" else (4, 8)
+    pb, k = element_bytes(dtype), optimizer_k(state_bytes("adamw"), dtype)       # Adam: K = 12 in bf16
     psi = params_billion * 1e9
     fig, (bars, comm) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [2, 1]})
     bottom = np.zeros(len(STAGE_NAMES))

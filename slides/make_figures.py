@@ -6,7 +6,7 @@
 
 What is measured: every stage (and stage 3 + offload) wraps the same GPT and takes two AdamW steps at
 N = 1, 2, 4 (engine.memory() and the byte tally); the largest model each stage trains within a budget
-(minizero.scale); one stage-3 step's gather/free timeline (minizero.demo). minizero.bench_figures runs
+(minizero.scale); one stage-3 step's gather/free timeline (minizero.lab.demo). minizero.lab.figures runs
 it all, one launch per N. Only the paper-sized figure is the formula alone (minizero.memory), since nobody
 measures 7.5 B parameters on a laptop.
 """
@@ -21,13 +21,13 @@ import sys
 import matplotlib
 
 matplotlib.use("Agg")                       # a script: draw to files, never to a window
-import matplotlib.pyplot as plt             # noqa: E402
-import numpy as np                          # noqa: E402
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 
-from minizero.bench_figures import survey                        # noqa: E402
-from minizero.demo import unit_intervals                         # noqa: E402
-from minizero.memory import comm_volume, estimate_breakdown      # noqa: E402
-from minizero.scale import VARIANTS                              # noqa: E402
+from minizero.lab.demo import unit_intervals  # noqa: E402
+from minizero.lab.figures import survey  # noqa: E402
+from minizero.lab.scale import VARIANTS  # noqa: E402
+from minizero.memory import comm_volume, estimate_breakdown  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, "build", "figures")
@@ -41,7 +41,7 @@ def device_bytes(memory: dict) -> float:
 
 
 def measure(small: bool) -> dict:
-    """Everything the figures need, as plain data (minizero.bench_figures: one launch per N)."""
+    """Everything the figures need, as plain data (minizero.lab.figures: one launch per N)."""
     if small:
         return survey((1, 2), width=16, budget_mb=0.5, timeline_model="tiny")
     return survey((1, 2, 4), width=64, budget_mb=4.0, timeline_model="default")   # 64: the default GPT's width, 8 blocks

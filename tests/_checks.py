@@ -7,14 +7,14 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from _workers import accumulate_without_no_sync
 
 import minizero
-from minizero.memory import comm_volume
-from minizero.peers import PEER_OF_STAGE, peer_worker
-from minizero.reference import reference_train
-from minizero.run import theory
-from minizero.train import TrainConfig, train_several
-from _workers import accumulate_without_no_sync
+from minizero.lab.peers import PEER_OF_STAGE, peer_worker
+from minizero.lab.reference import reference_train
+from minizero.lab.report import theory
+from minizero.lab.train import TrainConfig, train_several
+from minizero.memory import CATEGORIES, comm_volume, element_bytes, within_padding
 
 WORLD_SIZES = (1, 2, 3, 4)
 
@@ -90,12 +90,10 @@ def assert_memory_matches_formula(cfg: TrainConfig, results: list[dict]) -> None
     """Measured bytes per category = the paper's formula, up to padding (< N elements per bucket)."""
     n, psi = cfg.world_size, results[0]["num_params"]
     th = theory(cfg, psi)
-    elem = 2 if cfg.dtype == "bf16" else 4
     for res in results:
         m = res["memory"]
-        for cat, per_elem in (("params", elem), ("grads", elem), ("optimizer", 16), ("offloaded", 16)):
-            slack = 8 * n * per_elem                      # at most 8 buckets, < N padding elements each
-            assert th[cat] - 1e-6 <= m[cat] <= th[cat] + slack, (
+        for cat in CATEGORIES:
+            assert within_padding(m[cat], th[cat], n), (
                 f"rank {res['rank']}, {cat}: measured {m[cat]} bytes, formula {th[cat]:.0f} "
                 f"(stage {cfg.stage}, N={n}, {cfg.dtype}, offload={cfg.offload})")
 
@@ -103,11 +101,10 @@ def assert_memory_matches_formula(cfg: TrainConfig, results: list[dict]) -> None
 def assert_comm_matches_formula(cfg: TrainConfig, results: list[dict]) -> None:
     """Bytes per step = 2Ψ (stages 0-2) or 3Ψ (stage 3) ring volume, up to padding."""
     n, psi = cfg.world_size, results[0]["num_params"]
-    elem = 2 if cfg.dtype == "bf16" else 4
-    expected = comm_volume(psi, n, cfg.stage, bytes_per_elem=elem)
+    expected = comm_volume(psi, n, cfg.stage, bytes_per_elem=element_bytes(cfg.dtype))
     for res in results:
         got = res["comm_bytes_per_step"]["total"]
-        assert expected - 1e-6 <= got <= expected + 3 * 8 * n * elem, (
+        assert within_padding(got, expected, n, times=3), (
             f"rank {res['rank']}: {got:.0f} bytes per step, ring theory {expected:.0f} (stage {cfg.stage}, N={n})")
 
 

@@ -56,10 +56,11 @@ def zero3_with_tied_units(steps: int) -> dict:
     """Stage 3 where the embedding and the head it is tied to are separate units: the shared weight must
     belong to their common ancestor (the root), be gathered whenever either runs, and get both gradients."""
     import functools
+
     import minizero
-    from minizero.data import global_batch, local_batch
-    from minizero.model import GPTConfig, make_model
-    from minizero.train import loss_fn
+    from minizero.lab.data import global_batch, local_batch
+    from minizero.lab.model import GPTConfig, make_model
+    from minizero.lab.train import loss_fn
     model = make_model(GPTConfig.named("tiny"))
     units = [model.tok_emb, *model.blocks, model.head]
     engine = minizero.wrap(model, 3, functools.partial(torch.optim.SGD, lr=0.5), units=units)
@@ -75,10 +76,11 @@ def accumulate_without_no_sync(stage: int, options: dict, steps: int = 2) -> dic
     the sum of both exactly once (DDP all-reduces twice, stage 1 reduces at the step, stages 2-3 add
     reduce-scattered buckets into the shard)."""
     import functools
+
     import minizero
-    from minizero.data import global_batch, local_batch
-    from minizero.model import GPTConfig, make_model
-    from minizero.train import loss_fn
+    from minizero.lab.data import global_batch, local_batch
+    from minizero.lab.model import GPTConfig, make_model
+    from minizero.lab.train import loss_fn
     engine = minizero.wrap(make_model(GPTConfig.named("tiny")), stage,
                            functools.partial(torch.optim.SGD, lr=0.5), **options)
     for step in range(steps):
@@ -93,10 +95,11 @@ def accumulate_without_no_sync(stage: int, options: dict, steps: int = 2) -> dic
 def buckets_launched_during_backward(stage: int) -> tuple[int, int]:
     """(buckets, how many the reducer launched while backward was still running) for a small bucket size."""
     import functools
+
     import minizero
-    from minizero.data import global_batch, local_batch
-    from minizero.model import GPTConfig, make_model
-    from minizero.train import loss_fn
+    from minizero.lab.data import global_batch, local_batch
+    from minizero.lab.model import GPTConfig, make_model
+    from minizero.lab.train import loss_fn
     engine = minizero.wrap(make_model(GPTConfig()), stage, functools.partial(torch.optim.SGD, lr=0.1),
                            bucket_size=100_000)
     x, y = local_batch(*global_batch(0, 8, 32), comm.rank(), comm.world_size())

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from minizero import bench, scale
+from minizero.lab import bench, scale
 from minizero.memory import comm_volume
 
 

@@ -10,15 +10,14 @@ import sys
 
 import pytest
 import torch
+from _checks import assert_matches_reference
 
 import minizero
 from minizero import checkpoint
-from minizero.checkpoint import CheckpointError
-from minizero.consolidate import consolidate, main
-from minizero.model import make_model
-from minizero.train import TrainConfig, train_worker
-from _checks import assert_matches_reference
-from minizero.train import train_several
+from minizero.checkpoint import CheckpointError, consolidate
+from minizero.cli.consolidate import main
+from minizero.lab.model import make_model
+from minizero.lab.train import TrainConfig, train_several, train_worker
 
 K, M, N = 2, 2, 2          # save after K steps, resume for M more, at world size N
 # A frozen parameter, a parameter forward never uses, the tied weight, odd sizes, several buckets.

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from minizero.run import main
+from minizero.cli.run import main
 
 JSON_KEYS = {"stage", "world_size", "num_params", "dtype", "offload", "losses", "ranks"}
 
@@ -43,11 +43,11 @@ def test_run_under_torchrun_uses_its_process_group(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--stage", "7"], "--stage must be 0, 1, 2 or 3"),
+    (["--stage", "7"], "stage must be one of 0, 1, 2, 3 (0 = DDP), got 7"),
     (["--world-size", "0"], "--world-size must be >= 1"),
-    (["--dtype", "fp16"], "--dtype must be fp32 or bf16"),
-    (["--stage", "0", "--offload"], "--offload needs --stage 1, 2 or 3"),
-    (["--stage", "2", "--offload", "params"], "--offload params needs --stage 3"),
+    (["--dtype", "fp16"], "dtype must be one of fp32, bf16, got 'fp16'"),
+    (["--stage", "0", "--offload"], "offload needs ZeRO stage 1, 2 or 3"),
+    (["--stage", "2", "--offload", "params"], "offload='params' needs stage 3"),
     (["--world-size", "3", "--batch-size", "16"], "must be divisible"),
     (["--steps", "many"], "invalid int value"),
     (["--frobnicate"], "unrecognized arguments"),

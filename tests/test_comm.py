@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from _workers import collectives
 
 import minizero
 from minizero import comm
-from _workers import collectives
 
 
 @pytest.fixture(scope="module", params=[3, 4])

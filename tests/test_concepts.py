@@ -2,9 +2,17 @@
 
 import pytest
 
-from minizero.concepts import CONCEPTS, DOC, ROOT, concept_rows, main, resolve, to_markdown
+from minizero.lab.concepts import (
+    CONCEPTS,
+    DOC,
+    ROOT,
+    concept_rows,
+    main,
+    resolve,
+    to_markdown,
+)
 
-REGENERATE = "run `python -m minizero.concepts --write` and commit docs/concepts.md"
+REGENERATE = "run `python -m minizero.lab.concepts --write` and commit docs/concepts.md"
 
 
 @pytest.mark.parametrize("symbol", sorted({c[2] for c in CONCEPTS}))
@@ -12,7 +20,7 @@ def test_every_symbol_exists(symbol):
     try:
         resolve(symbol)
     except (ImportError, AttributeError) as e:
-        pytest.fail(f"minizero/concepts.py names {symbol}, which no longer exists ({e}): point CONCEPTS at "
+        pytest.fail(f"minizero/lab/concepts.py names {symbol}, which no longer exists ({e}): point CONCEPTS at "
                     f"its new name, then {REGENERATE}")
 
 

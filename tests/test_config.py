@@ -6,8 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from minizero.config import ALWAYS_ON, KEYS, NOT_IMPLEMENTED, ConfigError, load_deepspeed_config
-from minizero.run import build_parser, config_from_args, main
+from minizero.cli.run import build_parser, config_from_args, main
+from minizero.lab.deepspeed_config import (
+    ALWAYS_ON,
+    KEYS,
+    NOT_IMPLEMENTED,
+    ConfigError,
+    load_deepspeed_config,
+)
 
 ROOT = Path(__file__).parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("ds_config_*.json"))
@@ -84,7 +90,7 @@ def test_not_implemented_keys_warn_by_name():
      "= 4 x 3 x 4"),
     ({"train_batch_size": 64, "gradient_accumulation_steps": 3}, "not divisible"),
     ({"gradient_accumulation_steps": 2}, "needs train_batch_size or train_micro_batch_size_per_gpu"),
-    ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage must be 0, 1, 2 or 3, got 4"),
+    ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage 4: stage must be one of 0, 1, 2, 3 (0 = DDP), got 4"),
     ({"zero_optimization": {"stage": "two"}}, 'zero_optimization.stage must be an integer, got "two"'),
     ({"train_batch_size": 0}, "train_batch_size must be >= 1, got 0"),
     ({"train_micro_batch_size_per_gpu": 2.5}, "must be an integer, got 2.5"),
@@ -94,7 +100,7 @@ def test_not_implemented_keys_warn_by_name():
     ({"zero_optimisation": {"stage": 2}}, "unknown key 'zero_optimisation' (did you mean 'zero_optimization'?)"),
     ({"zero_optimization": {"stagee": 2}}, "did you mean 'zero_optimization.stage'"),
     ({"train_batch": 8}, "unknown key 'train_batch'"),
-    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "needs zero_optimization.stage 3"),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "zero_optimization.stage 2: offload='params' needs stage 3"),
     ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "offload needs"),
     ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, "NVMe offload is not implemented"),
     ({"zero_optimization": {"overlap_comm": "yes"}}, "overlap_comm must be true or false"),
@@ -114,7 +120,7 @@ def test_bad_configs_raise_one_line(cfg, message):
 @pytest.mark.parametrize("text, message", [
     ('{"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}',
      "train_batch_size 64 != "),
-    ('{"zero_optimization": {"stage": 4}}', "stage must be 0, 1, 2 or 3"),
+    ('{"zero_optimization": {"stage": 4}}', "stage must be one of 0, 1, 2, 3"),
     ('{"zero_optimization": {"stage": "two"}}', "must be an integer"),
     ('{"zero_optimisation": {"stage": 2}}', "unknown key 'zero_optimisation' (did you mean"),
     ('{"train_batch_size": 64,}', "is not valid JSON: "),

@@ -15,8 +15,9 @@ class TestDDP(StageSuite):
 
 
 def test_buckets_are_reduced_while_backward_runs():
-    import minizero
     from _workers import buckets_launched_during_backward
+
+    import minizero
     buckets, overlapped = minizero.launch(buckets_launched_during_backward, 2, 0)[0]
     # every bucket is sent from an autograd hook before backward returns (none is left for finish())
     assert buckets >= 4 and overlapped == buckets

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import minizero
-from minizero.model import GPTConfig, make_model
-from minizero.train import TrainConfig, train_worker
+from minizero.lab.faults import Fault
+from minizero.lab.model import GPTConfig, make_model
+from minizero.lab.train import TrainConfig, train_worker
 
 FAST = 30          # seconds: a failure must end the run well before any collective timeout (120 s)
 
@@ -68,7 +69,7 @@ def _assert_nothing_left(find) -> None:
 
 def _failing(mode: str, stage: int, n: int) -> TrainConfig:
     return TrainConfig(stage=stage, world_size=n, steps=5, model="tiny", batch_size=12,
-                       fail_rank=1, fail_step=2, fail_mode=mode)
+                       fault=Fault(rank=1, step=2, mode=mode))
 
 
 def test_a_rank_that_raises_ends_the_run_and_is_named():
@@ -122,16 +123,16 @@ SGD = functools.partial(torch.optim.SGD, lr=0.1)
 
 
 @pytest.mark.parametrize("args, kwargs, error, message", [
-    ((7, SGD), {}, ValueError, "stage must be one of [0, 1, 2, 3] (0 = DDP), got 7"),
+    ((7, SGD), {}, ValueError, "stage must be one of 0, 1, 2, 3 (0 = DDP), got 7"),
     ((2, SGD), {"units": []}, TypeError, "stage 2 does not take option(s) units"),
     ((1, SGD), {"bucket_size": 1e6}, TypeError, "stage 1 does not take option(s) bucket_size"),
-    ((2, SGD), {"dtype": "fp16"}, ValueError, "dtype must be one of ['bf16', 'fp32'], got 'fp16'"),
+    ((2, SGD), {"dtype": "fp16"}, ValueError, "dtype must be one of fp32, bf16, got 'fp16'"),
     ((0, SGD), {"offload": True}, ValueError, "offload needs ZeRO stage 1, 2 or 3"),
-    ((2, SGD), {"offload": "params"}, ValueError, "(parameter offload needs stage 3)"),
+    ((2, SGD), {"offload": "params"}, ValueError, "offload='params' needs stage 3"),
     ((3, SGD), {"offload": "disk"}, ValueError, "offload must be one of"),
     ((2, SGD), {"clip_grad_norm": 0}, ValueError, "clip_grad_norm must be > 0, got 0"),
     ((2, "adamw"), {}, TypeError, "optimizer must be a factory params -> torch.optim.Optimizer"),
-    ((True, SGD), {}, ValueError, "stage must be one of [0, 1, 2, 3] (0 = DDP), got True"),
+    ((True, SGD), {}, ValueError, "stage must be one of 0, 1, 2, 3 (0 = DDP), got True"),
     ((2, SGD), {"bucket_size": 0}, ValueError, "bucket_size must be a positive number of bytes, got 0"),
     ((3, SGD), {"prefetch": "yes"}, TypeError, "prefetch must be True or False, got 'yes'"),
     ((3, SGD), {"units": [1]}, TypeError, "units must be a list of the model's submodules"),

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from minizero.grade import EXERCISES, main, verdict
+from minizero.lab.grade import EXERCISES, main, verdict
 
 sys.path.insert(0, str(EXERCISES))            # graders, answers and mutants are imported by name from there
 

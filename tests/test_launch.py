@@ -3,9 +3,9 @@
 import time
 
 import pytest
+from _workers import raise_on, rank_and_size
 
 import minizero
-from _workers import raise_on, rank_and_size
 
 
 def _alive(pid: int) -> bool:

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from minizero.memory import comm_volume, estimate, estimate_breakdown, main, measure
+from minizero.cli.memory import main
+from minizero.memory import comm_volume, estimate, estimate_breakdown, measure
 
 
 def test_paper_figure_1_numbers():

@@ -9,8 +9,7 @@ class TestZero2(StageSuite):
 
 def test_stage2_keeps_less_gradient_memory_than_stage1():
     import minizero
-    from minizero.train import TrainConfig
-    from minizero.train import train_several
+    from minizero.lab.train import TrainConfig, train_several
     cfgs = [TrainConfig(stage=s, world_size=2, steps=2, bucket_size=50_000) for s in (1, 2)]
     s1, s2 = minizero.launch(train_several, 2, cfgs)[0]
     # stage 2 frees full gradients bucket by bucket: even its peak stays below stage 1's full buffer
@@ -19,7 +18,8 @@ def test_stage2_keeps_less_gradient_memory_than_stage1():
 
 
 def test_buckets_are_reduce_scattered_while_backward_runs():
-    import minizero
     from _workers import buckets_launched_during_backward
+
+    import minizero
     buckets, overlapped = minizero.launch(buckets_launched_during_backward, 2, 2)[0]
     assert buckets >= 4 and overlapped == buckets

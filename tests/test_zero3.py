@@ -1,10 +1,11 @@
 """ZeRO stage 3 (P_os+g+p): reference, memory (2+2+K)Ψ/N, traffic 3Ψ, and only units in flight gathered."""
 
-import minizero
-from minizero.demo import zero3_timeline_worker
-from minizero.train import TrainConfig, train_several
 from _checks import StageSuite, assert_matches_reference
 from _workers import zero3_with_tied_units
+
+import minizero
+from minizero.lab.demo import zero3_timeline_worker
+from minizero.lab.train import TrainConfig, train_several
 
 
 class TestZero3(StageSuite):

@@ -1,7 +1,7 @@
 """A small GPT: the model every stage, test, notebook and benchmark trains.
 
-    from minizero.model import GPT, GPTConfig
-    model = GPT(GPTConfig())          # ~0.2 M parameters, learns minizero.data's sorting task on a CPU
+    from minizero.lab.model import GPT, GPTConfig
+    model = GPT(GPTConfig())          # ~0.2 M parameters, learns minizero.lab.data's sorting task on a CPU
 
 Deliberately ordinary (nanoGPT-shaped) so that what is interesting is the parallelism, not the model:
 token + position embeddings, pre-LayerNorm blocks of causal self-attention and an MLP, a final LayerNorm,
@@ -24,7 +24,7 @@ from torch import nn
 
 @dataclass
 class GPTConfig:
-    vocab_size: int = 12          # minizero.data.VOCAB_SIZE: digits 0-9, separator, padding
+    vocab_size: int = 12          # minizero.lab.data.VOCAB_SIZE: digits 0-9, separator, padding
     block_size: int = 32          # longest sequence
     n_layer: int = 4
     n_head: int = 4
@@ -36,14 +36,18 @@ class GPTConfig:
 
     @classmethod
     def named(cls, name: str, **overrides) -> "GPTConfig":
-        """'default' (~0.2 M params) or 'tiny' (a few thousand, with awkward odd sizes, for tests)."""
-        presets = {
-            "default": {},
-            "tiny": dict(n_layer=2, n_head=1, n_embd=14, block_size=17, mlp_ratio=3),
-        }
-        if name not in presets:
-            raise ValueError(f"unknown model {name!r}; choose from {sorted(presets)}")
-        return cls(**{**presets[name], **overrides})
+        """One of MODEL_NAMES: 'default' (~0.2 M params) or 'tiny' (a few thousand, awkward odd sizes)."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODEL_NAMES)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+
+# The models every command accepts by name (--model): the one list of them.
+PRESETS = {
+    "default": {},
+    "tiny": dict(n_layer=2, n_head=1, n_embd=14, block_size=17, mlp_ratio=3),
+}
+MODEL_NAMES = tuple(PRESETS)
 
 
 class CausalSelfAttention(nn.Module):

@@ -4,7 +4,7 @@
      "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
 
 `load_deepspeed_config(path_or_dict, world_size)` turns such a file into overrides of
-`minizero.train.TrainConfig` fields, plus warnings. The policy (docs/deepspeed_config.md):
+`minizero.lab.train.TrainConfig` fields, plus warnings. The policy (docs/deepspeed_config.md):
   * a key minizero implements is applied (`KEYS` below says to what);
   * a key DeepSpeed has but minizero does not implement gives one warning naming the key and what
     minizero does instead (`NOT_IMPLEMENTED`; `ALWAYS_ON` keys warn only when set to false);
@@ -25,7 +25,9 @@ from typing import Any
 
 import torch
 
-from minizero.train import OPTIMIZERS
+from minizero.lab.train import OPTIMIZERS
+from minizero.memory import element_bytes
+from minizero.wrap import check
 
 
 class ConfigError(ValueError):
@@ -239,25 +241,23 @@ def _batch(flat: dict, world_size: int, out: dict) -> None:
 def _zero(flat: dict, out: dict, warnings: list[str]) -> None:
     """zero_optimization: stage, offload, bucket sizes, prefetch; warnings for what minizero does not do."""
     stage = flat.get("zero_optimization.stage")
-    if stage is not None:
-        if _int("zero_optimization.stage", stage, minimum=0) > 3:
-            raise ConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage}")
-        out["stage"] = stage
     offload = False
     if _device("zero_optimization.offload_optimizer.device", flat) == "cpu":
         offload = "optimizer"
     if _device("zero_optimization.offload_param.device", flat) == "cpu":
-        if stage not in (None, 3):
-            raise ConfigError("zero_optimization.offload_param needs zero_optimization.stage 3")
         offload = "params"
+    if stage is not None:
+        try:
+            check(_int("zero_optimization.stage", stage, minimum=0), offload=offload)   # wrap's own rules
+        except ValueError as e:
+            raise ConfigError(f"zero_optimization.stage {stage}: {e}") from None
+        out["stage"] = stage
     if offload:
-        if stage == 0:
-            raise ConfigError("offload needs zero_optimization.stage 1, 2 or 3 (stage 0 replicates the optimizer)")
         out["offload"] = offload
     key = "zero_optimization.reduce_bucket_size"
     if key in flat:
         elements = _number(key, flat[key], minimum=1)
-        out["bucket_size"] = elements * (2 if out.get("dtype") == "bf16" else 4)    # DeepSpeed counts elements
+        out["bucket_size"] = elements * element_bytes(out.get("dtype", "fp32"))    # DeepSpeed counts elements
         if stage in (1, 3):
             warnings.append(f"'{key}' has no effect at stage {stage}: " +
                             ("one flat gradient buffer is reduce-scattered at the step" if stage == 1

@@ -1,20 +1,20 @@
 """The measurements behind slides/make_figures.py, as one worker per world size (launches are the slow
 part of a small run: one process group does everything at each N).
 
-    from minizero.bench_figures import survey
+    from minizero.lab.figures import survey
     data = survey(world_sizes=(1, 2, 4), width=64, budget_mb=4.0)
 
 At every N: each variant of minizero.scale.VARIANTS probed at one width (memory after two steps,
 bytes sent in the second), the largest width each trains within the budget (minizero.scale), and at
-N = 2 one stage-3 step's gather/free timeline with and without prefetch (minizero.demo).
+N = 2 one stage-3 step's gather/free timeline with and without prefetch (minizero.lab.demo).
 """
 
 from __future__ import annotations
 
-from minizero.demo import zero3_timeline_worker
+from minizero.lab.demo import zero3_timeline_worker
+from minizero.lab.scale import largest_worker, probe_worker, report
+from minizero.lab.train import TrainConfig
 from minizero.launcher import launch
-from minizero.scale import largest_worker, probe_worker, report
-from minizero.train import TrainConfig
 
 TIMELINE_N = 2
 
@@ -29,7 +29,7 @@ def survey_worker(width: int, budget: float, timeline_model: str | None) -> dict
 
 def survey(world_sizes=(1, 2, 4), *, width: int = 64, budget_mb: float = 4.0,
            timeline_model: str = "default") -> dict:
-    """{"world_sizes", "probes": {N: [record per variant]}, "scale": minizero.scale.report(...),
+    """{"world_sizes", "probes": {N: [record per variant]}, "scale": minizero.lab.scale.report(...),
     "timeline": {"False"|"True": record}} (rank 0's records)."""
     if TIMELINE_N not in world_sizes:
         raise ValueError(f"world_sizes must include {TIMELINE_N} (the stage-3 timeline runs there)")

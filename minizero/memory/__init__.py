@@ -14,19 +14,43 @@ of optimizer state, K = 12 (fp32 master weights 4 + momentum 4 + variance 4). Sh
 
 param_bytes / grad_bytes generalise the 2s: pure fp32 training has 4 + 4 and Adam's K = 8 (no master copy,
 the fp32 parameters are the master). Activations, buffers and temporary buffers are not model states.
+
+Measured bytes equal these formulas up to padding (flat.py pads each bucket to a multiple of N):
+`within_padding` is the one statement of how far that can be.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Iterable
 
 import torch
 
-from minizero.cli import OneLineParser, UsageError, fail
+from minizero.optim import DTYPES
 
-STAGES = (0, 1, 2, 3)
+STAGES = (0, 1, 2, 3)                      # 0 = DDP; minizero.wrap has one engine per stage
 CATEGORIES = ("params", "grads", "optimizer", "offloaded")
+
+
+def element_bytes(dtype: str) -> int:
+    """Bytes of one parameter (and one gradient) in the compute dtype: fp32 4, bf16 2 (the paper's 2)."""
+    return DTYPES[dtype].itemsize
+
+
+def optimizer_k(state_bytes: int, dtype: str, offload: bool | str = False) -> int:
+    """K of the paper for a run: the optimizer's own state per parameter (Adam: two fp32 moments, 8; SGD
+    with momentum 4; plain SGD 0) plus the fp32 master copy, which exists when the model computes in
+    lower precision (optim.py) or when the optimizer is offloaded (offload.py keeps a host master)."""
+    master = 4 if (dtype != "fp32" or offload) else 0
+    return state_bytes + master
+
+
+def within_padding(measured: float, formula: float, world_size: int, times: int = 1) -> bool:
+    """Whether a measured byte count equals the paper's formula up to padding, the one difference the
+    formulas leave out: each bucket is padded by fewer than N elements (flat.padded_size), and no category
+    holds more than 16 bytes per element (fp32 + Adam: 4 + 4 + 8; bf16: 2 + 2 + 12); counted generously
+    for 8 buckets. `times`: a count that touches every padded bucket several times (stage 3 sends each
+    unit three times a step)."""
+    return formula - 1e-6 <= measured <= formula + times * 8 * world_size * 16
 
 
 def estimate_breakdown(num_params: int, world_size: int, stage: int, *, param_bytes: int = 2,
@@ -38,7 +62,7 @@ def estimate_breakdown(num_params: int, world_size: int, stage: int, *, param_by
     lives on the host between uses as well (ZeRO-Infinity's parameter offload).
     """
     if stage not in STAGES:
-        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+        raise ValueError(f"stage must be one of {', '.join(map(str, STAGES))} (0 = DDP), got {stage!r}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size!r}")
     psi, n = float(num_params), world_size
@@ -89,52 +113,3 @@ def measure(groups: dict[str, Iterable[torch.Tensor]]) -> dict[str, int]:
             total += storage.nbytes()
         out[name] = total
     return out
-
-
-# --------------------------------------------------------------------------------------------------------
-# CLI: python -m minizero.memory --params 7.5e9 --world-size 64
-# --------------------------------------------------------------------------------------------------------
-
-def _table(num_params: int, world_size: int, param_bytes: int, grad_bytes: int, k: int) -> str:
-    names = {0: "DDP (baseline)", 1: "stage 1  P_os", 2: "stage 2  P_os+g", 3: "stage 3  P_os+g+p"}
-    rows = [f"Ψ = {num_params:,} parameters, N = {world_size}, bytes/param: params {param_bytes}, "
-            f"grads {grad_bytes}, optimizer K = {k}", "",
-            f"{'':20}{'params GB':>11}{'grads GB':>11}{'optim GB':>11}{'total GB':>11}{'vs DDP':>9}"]
-    base = estimate(num_params, world_size, 0, param_bytes=param_bytes, grad_bytes=grad_bytes, k=k)
-    for s in STAGES:
-        b = estimate_breakdown(num_params, world_size, s, param_bytes=param_bytes, grad_bytes=grad_bytes, k=k)
-        total = b["params"] + b["grads"] + b["optimizer"]
-        rows.append(f"{names[s]:20}{b['params'] / 1e9:11.2f}{b['grads'] / 1e9:11.2f}"
-                    f"{b['optimizer'] / 1e9:11.2f}{total / 1e9:11.2f}{base / total:8.1f}x")
-    return "\n".join(rows)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = OneLineParser(prog="python -m minizero.memory",
-                       description="Per-rank model-state memory for each ZeRO stage.")
-    what = ap.add_mutually_exclusive_group(required=True)
-    what.add_argument("--params", type=float, help="number of parameters Ψ, e.g. 7.5e9")
-    what.add_argument("--model", choices=["default", "tiny"], help="a built-in model's real parameter count")
-    ap.add_argument("--world-size", type=int, required=True, help="data-parallel ranks N")
-    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
-                    help="bf16: 2+2 bytes, K=12 (paper); fp32: 4+4 bytes, K=8")
-    try:
-        args = ap.parse_args(argv)
-        if args.world_size < 1:
-            raise UsageError("--world-size must be >= 1")
-        if args.params is not None and not args.params >= 1:
-            raise UsageError("--params must be >= 1")
-    except UsageError as e:
-        return fail(ap.prog, str(e))
-    if args.params is not None:
-        psi = int(args.params)
-    else:
-        from minizero.model import GPT, GPTConfig
-        psi = GPT(GPTConfig.named(args.model)).num_params()
-    pb, gb, k = (2, 2, 12) if args.dtype == "bf16" else (4, 4, 8)
-    print(_table(psi, args.world_size, pb, gb, k))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

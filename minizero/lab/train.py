@@ -2,32 +2,40 @@
 the notebooks.
 
     import minizero
-    from minizero.train import TrainConfig, train_worker
+    from minizero.lab.train import TrainConfig, train_worker
     results = minizero.launch(train_worker, 4, TrainConfig(stage=2, steps=100))   # one dict per rank
 
 Each step: `grad_accum` micro-batches (all but the last inside engine.no_sync()), then engine.step().
-The global batch of `batch_size` rows is split [grad_accum][world_size][rows] (minizero.data).
+The global batch of `batch_size` rows is split [grad_accum][world_size][rows] (minizero.lab.data).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import os
-import signal
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from minizero import comm
-from minizero.data import IGNORE, global_batch, local_batch
 from minizero.flat import DEFAULT_BUCKET_BYTES
-from minizero.model import GPTConfig, make_model
+from minizero.lab.data import IGNORE, global_batch, local_batch
+from minizero.lab.faults import Fault
+from minizero.lab.model import GPTConfig, make_model
 from minizero.wrap import wrap
 
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+
+
+def state_bytes(optimizer: str, params: dict | None = None) -> int:
+    """Optimizer state per parameter, in bytes, for one of OPTIMIZERS (fp32 state; the paper's K minus the
+    master copy, see minizero.memory.optimizer_k): Adam's two moments 8, SGD's momentum 4, plain SGD 0."""
+    if optimizer in ("adam", "adamw"):
+        return 8
+    return 4 if (params or {}).get("momentum") else 0
 
 
 @dataclass
@@ -57,12 +65,7 @@ class TrainConfig:
     load_dir: str | None = None               # engine.load() before the first: same stage, N, model
     init_state: str | None = None             # a consolidated state dict (minizero.consolidate): any N,
     start_step: int = 0                       # ... first step's index in the data stream (fresh optimizer)
-    # Fault injection for the failure tests: rank `fail_rank` fails at the start of step `fail_step`,
-    # raising ("raise") or dying without a word ("kill": SIGKILL to itself, as the OOM killer does).
-    # MINIZERO_FAIL_RANK / MINIZERO_FAIL_STEP / MINIZERO_FAIL_MODE set the same from outside (the CLI).
-    fail_rank: int | None = None
-    fail_step: int = 0
-    fail_mode: str = "raise"
+    fault: Fault | None = None                # a failure to inject (lab/faults.py); else MINIZERO_FAIL_*
 
     def model_config(self) -> GPTConfig:
         return GPTConfig.named(self.model, **self.model_overrides)
@@ -102,24 +105,27 @@ def forward_backward(cfg: TrainConfig, step: int, model, backward, no_sync) -> f
     return step_loss
 
 
-def train_worker(cfg: TrainConfig) -> dict:
-    """Train on this rank; return its losses, memory, communication and timing (and state if asked)."""
+def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
+    """Train on this rank; return its losses, memory, communication and timing (and state if asked).
+
+    make_engine(model, stage, optimizer, offload=..., **options) builds the engine: minizero.wrap, or
+    (the exercise graders) a factory of an engine subclass that calls a learner's code."""
     rank = comm.rank()
     mcfg = cfg.model_config()
     model = make_model(mcfg, seed=cfg.seed)
     if cfg.init_state:
         model.load_state_dict(torch.load(cfg.init_state, map_location="cpu", weights_only=True))
-    engine = wrap(model, cfg.stage, cfg.optimizer_factory(), offload=cfg.offload, **cfg.engine_options())
+    engine = make_engine(model, cfg.stage, cfg.optimizer_factory(), offload=cfg.offload, **cfg.engine_options())
     engine.step_count = cfg.start_step
     if cfg.load_dir:
         engine.load(cfg.load_dir)                 # also restores step_count: the data continues there
-    fault = _fault(cfg)
+    fault = cfg.fault or Fault.from_env()
+    if fault:
+        fault.arm(engine)
     device = comm.device()
     losses, step_times, comm_per_step = [], [], []
     memory = None
     for step in range(engine.step_count, cfg.steps):
-        if fault and fault[:2] == (rank, step):
-            _fail(*fault)
         comm.reset_tally()
         start = time.perf_counter()
         step_loss = forward_backward(cfg, step, engine, engine.backward, engine.no_sync)
@@ -155,23 +161,6 @@ def train_worker(cfg: TrainConfig) -> dict:
 def train_several(cfgs: list[TrainConfig]) -> list[dict]:
     """Worker: several training runs one after another in one process group (one launch, many runs)."""
     return [train_worker(cfg) for cfg in cfgs]
-
-
-def _fault(cfg: TrainConfig) -> tuple[int, int, str] | None:
-    """(rank, step, mode) of the failure to inject, from the config or else the environment; or None."""
-    if cfg.fail_rank is not None:
-        return cfg.fail_rank, cfg.fail_step, cfg.fail_mode
-    env = os.environ
-    if "MINIZERO_FAIL_RANK" in env:
-        return (int(env["MINIZERO_FAIL_RANK"]), int(env.get("MINIZERO_FAIL_STEP", "0")),
-                env.get("MINIZERO_FAIL_MODE", "raise"))
-    return None
-
-
-def _fail(rank: int, step: int, mode: str) -> None:
-    if mode == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    raise RuntimeError(f"injected failure on rank {rank} at step {step}")
 
 
 def model_num_params(engine) -> int:

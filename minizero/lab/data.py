@@ -1,6 +1,6 @@
 """The learning task: sort a sequence of digits. Generated, deterministic, nothing to download.
 
-    from minizero.data import global_batch, local_batch
+    from minizero.lab.data import global_batch, local_batch
     x, y = global_batch(step=0, batch_size=16, block_size=32)     # x, y: [16, 32] token ids
 
 A sequence is k random digits, a separator, then the same digits sorted:   3 1 4 1 5 | 1 1 3 4 5

@@ -1,7 +1,7 @@
 """The experiments behind notebooks/: the functions the launched ranks run, and the helpers that collect
 what they return into the numbers a notebook both plots and checks (one source for the figure and the test).
 
-    from minizero.demo import measure_stage
+    from minizero.lab.demo import measure_stage
     runs = measure_stage(2, world_sizes=(1, 2, 4))     # {N: record}, one minizero.launch per N
     runs[4]["max_abs_diff"], runs[4]["ranks"][0]["memory"], runs[4]["theory"]
 
@@ -23,13 +23,14 @@ import time
 import torch
 
 from minizero import comm
-from minizero.data import global_batch, local_batch
+from minizero.lab.data import global_batch, local_batch
+from minizero.lab.model import make_model
+from minizero.lab.reference import max_abs_diff, reference_train, tolerance
+from minizero.lab.report import summarize
+from minizero.lab.train import TrainConfig, loss_fn, train_several
 from minizero.launcher import launch
-from minizero.memory import CATEGORIES
-from minizero.model import make_model
-from minizero.reference import max_abs_diff, reference_train
-from minizero.run import summarize, validate
-from minizero.train import TrainConfig, loss_fn, train_several
+from minizero.memory import CATEGORIES, within_padding
+from minizero.wrap import check as check_settings
 from minizero.wrap import wrap
 
 
@@ -42,13 +43,6 @@ def backend_and_world_sizes() -> tuple[str, tuple[int, ...]]:
     return "gloo", (1, 2, 4)
 
 
-def tolerance(cfg: TrainConfig) -> float:
-    """How far from the fp32 single-process reference a correct run may end. fp32: rounding only (Adam
-    divides by the gradient's own size, which amplifies it to ~1e-5 for near-zero gradients); bf16:
-    the model computes in 8-bit mantissas, only the fp32 masters stay close."""
-    return 1e-4 if cfg.dtype == "fp32" else 5e-2
-
-
 # --------------------------------------------------------------------------------------------------------
 # Training runs: memory, communication, time and correctness of one or more configurations
 # --------------------------------------------------------------------------------------------------------
@@ -56,7 +50,7 @@ def tolerance(cfg: TrainConfig) -> float:
 def measure(variants: dict[str, TrainConfig], world_sizes, backend: str | None = None) -> dict:
     """{name: {N: record}}: every variant trained at every world size, one launch per world size.
 
-    A record is minizero.run.summarize's (per-rank memory and comm tally, the paper's formulas as
+    A record is minizero.lab.report.summarize's (per-rank memory and comm tally, the paper's formulas as
     `theory`, losses, step time) plus `max_abs_diff`, the largest |parameter - reference| over all
     ranks and parameters, `tolerance`, and the reference's losses.
     """
@@ -68,14 +62,14 @@ def measure(variants: dict[str, TrainConfig], world_sizes, backend: str | None =
         cfgs = [dataclasses.replace(cfg, world_size=n, backend=backend, return_state=True)
                 for cfg in variants.values()]
         for cfg in cfgs:
-            validate(cfg)                                     # a bad setting fails here, in one line
+            check_settings(cfg.stage, cfg.dtype, cfg.offload)    # a bad setting fails here, in one line
         per_rank = launch(train_several, n, cfgs, backend=backend)
         for i, (name, cfg) in enumerate(zip(variants, cfgs)):
             results = [rank_results[i] for rank_results in per_rank]
             ref = references[name]
             record = summarize(cfg, results)
             record["max_abs_diff"] = max(max_abs_diff(r.pop("state_dict"), ref["state_dict"]) for r in results)
-            record["tolerance"] = tolerance(cfg)
+            record["tolerance"] = tolerance(cfg.dtype)
             record["reference_losses"] = ref["losses"]
             record["optimizer"] = cfg.optimizer
             out[name][n] = record
@@ -102,19 +96,18 @@ def memory_table(records: dict) -> list[dict]:
 
 
 def check(records: dict) -> None:
-    """Raise if any record strays from the reference or from the paper's formulas (up to padding: each
-    bucket is padded by fewer than N elements, at most 16 bytes each, counted generously for 8 buckets)."""
+    """Raise if any record strays from the reference or from the paper's formulas (up to padding:
+    minizero.memory.within_padding)."""
     for n, rec in records.items():
         assert rec["max_abs_diff"] <= rec["tolerance"], (
             f"N={n}: max |param - reference| = {rec['max_abs_diff']:.3g} > {rec['tolerance']}")
-        slack = 8 * n * 16
         for r in rec["ranks"]:
             for cat in CATEGORIES:
                 got, want = r["memory"][cat], rec["theory"][cat]
-                assert want - 1e-6 <= got <= want + slack, (
+                assert within_padding(got, want, n), (
                     f"N={n}, rank {r['rank']}, {cat}: measured {got} bytes, formula {want:.0f}")
             sent, want = r["comm_bytes_per_step"]["total"], rec["theory"]["comm_bytes_per_step"]
-            assert want - 1e-6 <= sent <= want + 3 * slack, f"N={n}: {sent:.0f} bytes sent, ring theory {want:.0f}"
+            assert within_padding(sent, want, n, times=3), f"N={n}: {sent:.0f} bytes sent, ring theory {want:.0f}"
 
 
 def export(name: str, data) -> str | None:

@@ -1,4 +1,4 @@
-"""PyTorch's own implementation of each stage, trained exactly as minizero.train trains minizero's.
+"""PyTorch's own implementation of each stage, trained exactly as minizero.lab.train trains minizero's.
 
     results = minizero.launch(peer_worker, 2, TrainConfig(stage=3), "fsdp2")
 
@@ -23,9 +23,9 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from minizero import comm
+from minizero.lab.model import make_model
+from minizero.lab.train import OPTIMIZERS, TrainConfig, forward_backward
 from minizero.memory import measure
-from minizero.model import make_model
-from minizero.train import OPTIMIZERS, TrainConfig, forward_backward
 
 PEER_OF_STAGE = {0: "ddp", 1: "zero_redundancy", 2: "fsdp2_no_reshard", 3: "fsdp2"}
 
@@ -70,7 +70,7 @@ def build_peer(cfg: TrainConfig, peer: str):
 
 
 def peer_worker(cfg: TrainConfig, peer: str) -> dict:
-    """The loop of minizero.train.train_worker, with PyTorch's implementation instead of an engine."""
+    """The loop of minizero.lab.train.train_worker, with PyTorch's implementation instead of an engine."""
     rank, device = comm.rank(), comm.device()
     module, optimizer, no_sync = build_peer(cfg, peer)
     params = [p for p in module.parameters() if p.requires_grad]

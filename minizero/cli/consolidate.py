@@ -1,0 +1,45 @@
+"""`python -m minizero.consolidate ckpt model.pt`: a sharded checkpoint as one plain fp32 state_dict.
+
+    python -m minizero.consolidate ckpt model.pt
+    model.load_state_dict(torch.load("model.pt"), strict=True)      # no process group, no minizero
+
+How: minizero.checkpoint.consolidate. Continue at another world size with
+`TrainConfig(init_state="model.pt", start_step=k)`; Adam's moments restart from zero (as with zero_to_fp32).
+Bad input (no checkpoint, a missing, truncated or damaged file): one line on stderr, exit code 2, and
+OUT is left as it was (it is written atomically, and only once the checkpoint has been read).
+"""
+
+from __future__ import annotations
+
+import io
+
+import torch
+
+from minizero.checkpoint import (
+    CheckpointError,
+    consolidate,
+    read_manifest,
+    write_atomic,
+)
+from minizero.cli import OneLineParser, UsageError, fail
+
+PROG = "python -m minizero.consolidate"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = OneLineParser(prog=PROG, description=__doc__.split("\n")[0])
+    parser.add_argument("checkpoint", help="a directory written by engine.save()")
+    parser.add_argument("out", help="where to write the state_dict (torch.save)")
+    try:
+        args = parser.parse_args(argv)
+        state = consolidate(args.checkpoint)
+        step = read_manifest(args.checkpoint)["step"]
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        write_atomic(args.out, buf.getvalue())
+    except (UsageError, CheckpointError) as e:
+        return fail(PROG, str(e))
+    except OSError as e:                                     # OUT not writable: a directory, no parent...
+        return fail(PROG, f"cannot write {args.out}: {e.strerror}")
+    print(f"wrote {args.out}: {len(state)} tensors, step {step}")
+    return 0

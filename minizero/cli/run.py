@@ -1,0 +1,190 @@
+"""Train the small GPT with a ZeRO stage and print what it measured.
+
+    python -m minizero.run --stage 2 --world-size 4
+    python -m minizero.run --stage 3 --world-size 4 --dtype bf16 --offload params --json out.json
+    python -m minizero.run --config examples/ds_config_zero2_offload.json --world-size 4   # DeepSpeed JSON
+    torchrun --nproc-per-node 4 -m minizero.run --stage 3        # uses torchrun's process group
+
+Ends with a per-rank table: measured parameter / gradient / optimizer / offloaded bytes next to the ZeRO
+paper's formula (minizero.memory.estimate), communicated bytes per step next to the 2Ψ / 3Ψ theory,
+the loss from first to last step, and the step time. Bad input: one line on stderr, exit code 2.
+Precedence: defaults < --config file (minizero.lab.deepspeed_config) < flags given on the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from minizero import comm
+from minizero.cli import OneLineParser, UsageError, emit
+from minizero.lab.deepspeed_config import ConfigError, load_deepspeed_config
+from minizero.lab.model import MODEL_NAMES
+from minizero.lab.report import format_table, summarize
+from minizero.lab.train import OPTIMIZERS, TrainConfig, train_worker
+from minizero.launcher import launch
+from minizero.wrap import check
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="python -m minizero.run", description=__doc__.split("\n")[0])
+    p.add_argument("--config", default=None, metavar="JSON",
+                   help="a DeepSpeed-style config (docs/deepspeed_config.md); unknown keys are errors, "
+                        "keys minizero does not implement are warnings; flags override it")
+    p.add_argument("--stage", type=int, default=None, help="0 = DDP, 1, 2, 3 (default 2)")
+    p.add_argument("--world-size", type=int, default=None, help="processes (default 2; torchrun: its own)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 50)")
+    p.add_argument("--dtype", default=None, help="fp32 or bf16 (bf16 compute, fp32 master weights)")
+    p.add_argument("--offload", nargs="?", const="optimizer", default=None, metavar="WHAT",
+                   help="stages 1-3: optimizer state on the host; '--offload params' (stage 3) also "
+                        "keeps parameter shards there")
+    p.add_argument("--backend", default=None, help="gloo or nccl (default: nccl if CUDA is available)")
+    p.add_argument("--batch-size", type=int, default=None, help="global batch rows per step (default 16)")
+    p.add_argument("--grad-accum", type=int, default=None, help="micro-batches per step (default 1)")
+    p.add_argument("--clip-grad-norm", type=float, default=None, help="clip by global gradient norm")
+    p.add_argument("--optimizer", default=None, help=f"one of {', '.join(OPTIMIZERS)} (default adamw)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default 3e-3)")
+    p.add_argument("--bucket-size-mb", type=float, default=None, help="gradient bucket size (default 25)")
+    p.add_argument("--no-prefetch", action="store_true", help="stage 3: gather units only when needed")
+    p.add_argument("--model", default=None, help="default or tiny")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--save", default=None, metavar="DIR", help="write a sharded checkpoint after the last step")
+    p.add_argument("--load", default=None, metavar="DIR",
+                   help="resume from a checkpoint of the same stage and world size (--steps counts from 0)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Defaults, then the --config file, then flags; validated before any process starts."""
+    cfg = TrainConfig()
+    if args.world_size is not None:
+        cfg.world_size = args.world_size
+    elif "WORLD_SIZE" in os.environ:
+        cfg.world_size = int(os.environ["WORLD_SIZE"])
+    if args.config is not None:
+        try:
+            overrides, warnings = load_deepspeed_config(args.config, cfg.world_size)
+        except ConfigError as e:
+            raise UsageError(f"--config {args.config}: {e}") from None
+        for w in warnings:
+            print(f"minizero.run: warning: {w}", file=sys.stderr)
+        for name, value in overrides.items():
+            setattr(cfg, name, value)
+        if args.optimizer not in (None, cfg.optimizer) and cfg.optimizer_params:
+            print(f"minizero.run: warning: --optimizer {args.optimizer} replaces the file's {cfg.optimizer}: "
+                  f"its optimizer.params {', '.join(cfg.optimizer_params)} are not used", file=sys.stderr)
+            cfg.optimizer_params = {}
+    pairs = {"stage": args.stage, "world_size": args.world_size, "steps": args.steps, "dtype": args.dtype,
+             "backend": args.backend, "batch_size": args.batch_size, "grad_accum": args.grad_accum,
+             "clip_grad_norm": args.clip_grad_norm, "optimizer": args.optimizer, "lr": args.lr,
+             "model": args.model, "seed": args.seed}
+    for name, value in pairs.items():
+        if value is not None:
+            setattr(cfg, name, value)
+    if args.offload is not None:
+        cfg.offload = args.offload
+    if args.bucket_size_mb is not None:
+        cfg.bucket_size = args.bucket_size_mb * 1e6
+    if args.no_prefetch:
+        cfg.prefetch = False
+    cfg.save_dir, cfg.load_dir = args.save, args.load
+    if args.load is not None:
+        _check_checkpoint(args.load, cfg)
+    validate(cfg)
+    return cfg
+
+
+def _check_checkpoint(directory: str, cfg: TrainConfig) -> None:
+    """The mismatches a user makes on the command line, caught before any process starts (load itself
+    checks everything else, on every rank)."""
+    try:
+        with open(os.path.join(directory, "manifest.json")) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        raise UsageError(f"--load {directory}: no readable checkpoint there (manifest.json)") from None
+    for key, flag in (("stage", "--stage"), ("world_size", "--world-size")):
+        if manifest.get(key) != getattr(cfg, key):
+            raise UsageError(f"--load {directory}: saved with {key.replace('_', ' ')} {manifest.get(key)}, "
+                             f"this run has {flag} {getattr(cfg, key)} (for another world size: "
+                             "python -m minizero.consolidate, see minizero/checkpoint.py)")
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Everything wrong with a run's settings, found before any process starts (UsageError, one line)."""
+    def bad(msg):
+        raise UsageError(msg)
+    if cfg.offload is True:
+        cfg.offload = "optimizer"
+    try:
+        check(cfg.stage, cfg.dtype, cfg.offload)         # the engines' own rules (minizero.wrap)
+    except ValueError as e:
+        bad(str(e))
+    if cfg.world_size < 1:
+        bad(f"--world-size must be >= 1, got {cfg.world_size}")
+    if cfg.steps < 1:
+        bad(f"--steps must be >= 1, got {cfg.steps}")
+    if cfg.backend not in (None, "gloo", "nccl"):
+        bad(f"--backend must be gloo or nccl, got {cfg.backend!r}")
+    if cfg.optimizer not in OPTIMIZERS:
+        bad(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {cfg.optimizer!r}")
+    if cfg.model not in MODEL_NAMES:
+        bad(f"--model must be one of {', '.join(MODEL_NAMES)}, got {cfg.model!r}")
+    if cfg.lr <= 0 or (cfg.clip_grad_norm is not None and cfg.clip_grad_norm <= 0):
+        bad("--lr and --clip-grad-norm must be > 0")
+    if cfg.bucket_size <= 0:
+        bad("--bucket-size-mb must be > 0")
+    if cfg.grad_accum < 1 or cfg.batch_size < 1:
+        bad("--grad-accum and --batch-size must be >= 1")
+    if cfg.batch_size % (cfg.world_size * cfg.grad_accum):
+        bad(f"--batch-size {cfg.batch_size} must be divisible by world size x grad accum = "
+            f"{cfg.world_size} x {cfg.grad_accum}")
+    if cfg.backend == "nccl":
+        import torch
+        if torch.cuda.device_count() < cfg.world_size and "RANK" not in os.environ:
+            bad(f"--backend nccl needs one GPU per rank: {torch.cuda.device_count()} GPUs, "
+                f"world size {cfg.world_size}")
+
+
+# --------------------------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        cfg = config_from_args(args)
+    except UsageError as e:
+        print(f"minizero.run: error: {e}", file=sys.stderr)
+        return 2
+    cfg.log_every = 0 if args.quiet else max(1, cfg.steps // 10)
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    try:
+        if under_torchrun:
+            results, is_reporter = _run_under_torchrun(cfg, args)
+        else:
+            results, is_reporter = launch(train_worker, cfg.world_size, cfg, backend=cfg.backend), True
+    except UsageError as e:
+        print(f"minizero.run: error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:                 # a rank failed: the launcher says which and why
+        print(f"minizero.run: {e}", file=sys.stderr)
+        return 1
+    if is_reporter:
+        summary = summarize(cfg, results)
+        emit(format_table(summary), summary, args.json)
+    return 0
+
+
+def _run_under_torchrun(cfg: TrainConfig, args) -> tuple[list[dict], bool]:
+    world = int(os.environ["WORLD_SIZE"])
+    if args.world_size is not None and args.world_size != world:
+        raise UsageError(f"--world-size {args.world_size} disagrees with torchrun's WORLD_SIZE={world}")
+    # cfg.world_size already came from WORLD_SIZE (config_from_args) and was validated there
+    comm.init(backend=cfg.backend)
+    result = train_worker(cfg)
+    result.pop("state_dict", None)
+    results = comm.all_gather_object(result)      # every rank's numbers; rank 0 reports them
+    comm.destroy(wait_for_peers=True)
+    return results, result["rank"] == 0

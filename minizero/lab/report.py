@@ -1,0 +1,62 @@
+"""Theory next to measurement for a training run: the paper's formulas for its settings, the per-rank
+results collected into one summary, and the table `python -m minizero.run` prints.
+
+    from minizero.lab.report import summarize, format_table
+    print(format_table(summarize(cfg, minizero.launch(train_worker, cfg.world_size, cfg))))
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from minizero.lab.train import TrainConfig, state_bytes
+from minizero.memory import comm_volume, element_bytes, estimate_breakdown, optimizer_k
+
+
+def run_k(cfg: TrainConfig) -> int:
+    """K of the paper for this run (memory.optimizer_k: the optimizer's state plus any fp32 master)."""
+    return optimizer_k(state_bytes(cfg.optimizer, cfg.optimizer_params), cfg.dtype, cfg.offload)
+
+
+def theory(cfg: TrainConfig, num_params: int) -> dict:
+    """The paper's per-rank bytes and bytes sent per step for this run (minizero.memory)."""
+    elem = element_bytes(cfg.dtype)
+    b = estimate_breakdown(num_params, cfg.world_size, cfg.stage, param_bytes=elem, grad_bytes=elem,
+                           k=run_k(cfg), offload=cfg.offload)
+    return {**b, "device_total": b["params"] + b["grads"] + b["optimizer"],
+            "comm_bytes_per_step": comm_volume(num_params, cfg.world_size, cfg.stage, bytes_per_elem=elem)}
+
+
+def summarize(cfg: TrainConfig, results: list[dict]) -> dict:
+    num_params = results[0]["num_params"]
+    losses = [statistics.fmean(r["losses"][i] for r in results) for i in range(len(results[0]["losses"]))]
+    times = results[0]["step_times"][1:] or results[0]["step_times"]     # step 1 includes warm-up
+    return {
+        "stage": cfg.stage, "world_size": cfg.world_size, "num_params": num_params, "dtype": cfg.dtype,
+        "offload": cfg.offload, "losses": losses,
+        "ranks": [{"rank": r["rank"], "memory": r["memory"], "comm_bytes_per_step": r["comm_bytes_per_step"]}
+                  for r in results],
+        "theory": theory(cfg, num_params),
+        "step_time_s": statistics.median(times),
+    }
+
+
+def format_table(summary: dict) -> str:
+    kb = lambda x: f"{x / 1e3:9.1f}"      # noqa: E731
+    th = summary["theory"]
+    off = f", offload={summary['offload']}" if summary["offload"] else ""
+    lines = [f"stage {summary['stage']}, N = {summary['world_size']}, Ψ = {summary['num_params']:,} "
+             f"parameters, {summary['dtype']}{off}   (kB per rank; theory = ZeRO paper)",
+             f"{'rank':>4} {'params':>9} {'grads':>9} {'optim':>9} {'offload':>9} {'device':>9} "
+             f"{'peak':>9} {'comm/step':>10}"]
+    for r in summary["ranks"]:
+        m = r["memory"]
+        device = m["params"] + m["grads"] + m["optimizer"]
+        lines.append(f"{r['rank']:>4} {kb(m['params'])} {kb(m['grads'])} {kb(m['optimizer'])} "
+                     f"{kb(m['offloaded'])} {kb(device)} {kb(m['peak'])} {kb(r['comm_bytes_per_step']['total'])} ")
+    lines.append(f"{'th.':>4} {kb(th['params'])} {kb(th['grads'])} {kb(th['optimizer'])} {kb(th['offloaded'])} "
+                 f"{kb(th['device_total'])} {'':>9} {kb(th['comm_bytes_per_step'])} ")
+    losses = summary["losses"]
+    lines.append(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "
+                 f"median step time {summary['step_time_s'] * 1e3:.1f} ms")
+    return "\n".join(lines)
