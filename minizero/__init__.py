@@ -3,18 +3,20 @@
     import functools, torch, minizero
     engine = minizero.wrap(model, stage=2, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
     results = minizero.launch(worker_fn, world_size=4)      # run a function on 4 ranks
+    with minizero.sharded_init(): model = MyModel()         # stage 3: built partitioned, never whole
 
 This folder is the ZeRO implementation, read in this order:
     comm.py -> flat.py -> reducer.py -> optim.py -> engine.py -> ddp.py -> zero1.py -> zero2.py -> zero3.py
-    -> offload.py, then wrap.py and launcher.py (the public API), memory/ (the paper's formulas and the byte
-    counter) and checkpoint.py.
+    -> offload.py, then wrap.py, launcher.py and construct.py (the public API: wrap, launch, sharded_init),
+    memory/ (the paper's formulas and the byte counter) and checkpoint.py.
 Beside it, never imported by it (tests/test_layout.py checks): lab/ (the small GPT, the data, the training
 loop, the single-process reference, PyTorch's peers, the experiments behind the notebooks, the benchmark)
 and cli/ (the commands). The short modules run.py, bench.py, scale.py, consolidate.py and grade.py only
 give the commands their names: python -m minizero.run | bench | memory | scale | consolidate | grade.
 """
 
+from minizero.construct import sharded_init
 from minizero.launcher import launch
 from minizero.wrap import wrap
 
-__all__ = ["launch", "wrap"]
+__all__ = ["launch", "sharded_init", "wrap"]

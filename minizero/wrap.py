@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from minizero.construct import partition_of
 from minizero.ddp import DDP
 from minizero.engine import Engine
 from minizero.memory import STAGES
@@ -51,6 +52,12 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False, *
         raise TypeError(f"stage {stage} does not take option(s) {', '.join(unknown)}")
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("model has no trainable parameters (every parameter has requires_grad=False)")
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("the model's parameters are on the meta device (no values to train): build it inside "
+                         "`with minizero.sharded_init():` to create it partitioned over the ranks")
+    if stage != 3 and any(partition_of(p) is not None for p in model.parameters()):
+        raise ValueError(f"the model was built under minizero.sharded_init, which partitions parameters for "
+                         f"stage 3; stage {stage} keeps full parameters: build it normally")
     if "bucket_size" in options and not (isinstance(options["bucket_size"], (int, float))
                                          and not isinstance(options["bucket_size"], bool)
                                          and options["bucket_size"] > 0):

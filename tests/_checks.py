@@ -23,6 +23,11 @@ WORLD_SIZES = (1, 2, 3, 4)
 AWKWARD = dict(model="tiny", model_overrides={"frozen": ("pos_emb.weight",), "unused_param": True},
                bucket_size=3000)
 
+# One whole block of the default GPT frozen (a quarter of its parameters): fine-tuning's frozen base in
+# small, and in stage 3 a unit with nothing to train.
+FROZEN_BLOCK = tuple(f"blocks.1.{name}.{kind}" for name in ("ln1", "attn.qkv", "attn.proj", "ln2", "mlp.0", "mlp.2")
+                     for kind in ("weight", "bias"))
+
 # fp32 tolerances: SGD is linear in the gradient, so 1e-6 catches any wrong scale; Adam divides by the
 # gradient's own magnitude and amplifies rounding differences of near-zero gradients to ~lr * 1e-3.
 ATOL = {"sgd_awkward_accum": 1e-6, "sgd_awkward_clip": 1e-6, "adamw": 5e-5}
@@ -39,9 +44,12 @@ def configs(stage: int, n: int, **stage_options) -> dict[str, TrainConfig]:
         "sgd_awkward_clip": TrainConfig(**base, **AWKWARD, optimizer="sgd", lr=0.5, clip_grad_norm=0.3),
         "adamw": TrainConfig(**base, model="tiny", optimizer="adamw", lr=1e-2),
         "bf16": TrainConfig(**base, model="tiny", optimizer="adamw", lr=1e-2, dtype="bf16"),
-        # memory is compared with the formulas on a model without frozen or unused parameters
+        # memory is compared with the formulas on the default GPT, and with part of it frozen (Ψ_f: no
+        # gradient, no optimizer state; replicated in stages 0-2, partitioned in stage 3)
         "memory_bf16": TrainConfig(**{**base, "steps": 2, "return_state": False}, dtype="bf16"),
         "memory_fp32": TrainConfig(**{**base, "steps": 2, "return_state": False}, dtype="fp32"),
+        "memory_frozen": TrainConfig(**{**base, "steps": 2, "return_state": False}, dtype="fp32",
+                                     model_overrides={"frozen": FROZEN_BLOCK}),
     }
 
 
@@ -88,8 +96,8 @@ def assert_losses_track_reference(cfg: TrainConfig, results: list[dict], rtol: f
 
 def assert_memory_matches_formula(cfg: TrainConfig, results: list[dict]) -> None:
     """Measured bytes per category = the paper's formula, up to padding (< N elements per bucket)."""
-    n, psi = cfg.world_size, results[0]["num_params"]
-    th = theory(cfg, psi)
+    n = cfg.world_size
+    th = theory(cfg, results[0]["num_params"], results[0]["num_frozen"])
     for res in results:
         m = res["memory"]
         for cat in CATEGORIES:
@@ -99,9 +107,9 @@ def assert_memory_matches_formula(cfg: TrainConfig, results: list[dict]) -> None
 
 
 def assert_comm_matches_formula(cfg: TrainConfig, results: list[dict]) -> None:
-    """Bytes per step = 2Ψ (stages 0-2) or 3Ψ (stage 3) ring volume, up to padding."""
-    n, psi = cfg.world_size, results[0]["num_params"]
-    expected = comm_volume(psi, n, cfg.stage, bytes_per_elem=element_bytes(cfg.dtype))
+    """Bytes per step = 2Ψ (stages 0-2) or 3Ψ + 2Ψ_f (stage 3) ring volume, up to padding."""
+    n = cfg.world_size
+    expected = theory(cfg, results[0]["num_params"], results[0]["num_frozen"])["comm_bytes_per_step"]
     for res in results:
         got = res["comm_bytes_per_step"]["total"]
         assert within_padding(got, expected, n, times=3), (
@@ -149,7 +157,7 @@ class StageSuite:
         assert_losses_track_reference(cfg, results, rtol=2e-2)
 
     @pytest.mark.parametrize("n", WORLD_SIZES)
-    @pytest.mark.parametrize("name", ["memory_bf16", "memory_fp32"])
+    @pytest.mark.parametrize("name", ["memory_bf16", "memory_fp32", "memory_frozen"])
     def test_memory_and_comm_match_the_paper(self, runs, n, name):
         assert_memory_matches_formula(*runs[(n, name)])
         assert_comm_matches_formula(*runs[(n, name)])

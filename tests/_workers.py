@@ -105,3 +105,33 @@ def buckets_launched_during_backward(stage: int) -> tuple[int, int]:
     x, y = local_batch(*global_batch(0, 8, 32), comm.rank(), comm.world_size())
     engine.backward(loss_fn(engine(x), y))
     return len(engine.layout.buckets), engine.reducer.overlapped
+
+
+def build_sharded(kind: str, seed: int = 3) -> dict:
+    """Build a model normally and under minizero.sharded_init; gather every partitioned parameter back and
+    compare bit for bit; report what construction held (bytes)."""
+    from minizero.construct import full_value, partition_of, sharded_init
+    from minizero.lab.model import GPTConfig, make_model
+
+    def build():
+        if kind == "gpt":
+            return make_model(GPTConfig.named("default"), seed=seed)
+        from transformers import GPT2Config, GPT2LMHeadModel
+        torch.manual_seed(seed)
+        return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=8, n_embd=16, n_layer=3, n_head=2))
+
+    normal = build()
+    with sharded_init() as init:
+        model = build()
+    names = [n for n, _ in model.named_parameters()]
+    return {
+        "names": names,
+        "differ": [n for (n, p), (_, q) in zip(model.named_parameters(), normal.named_parameters())
+                   if not torch.equal(full_value(p), q.detach())],
+        "unpartitioned": [n for n, p in model.named_parameters() if partition_of(p) is None],
+        "held_after": sum(p.untyped_storage().nbytes() for p in model.parameters()),
+        "peak": init.peak_bytes, "shard": init.shard_bytes,
+        "model_bytes": sum(p.numel() * p.element_size() for p in normal.parameters()),
+        "largest_child": max(sum(p.numel() * p.element_size() for p in m.parameters())
+                             for m in normal.modules() if m is not normal and not isinstance(m, torch.nn.ModuleList)),
+    }

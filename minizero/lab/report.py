@@ -18,25 +18,28 @@ def run_k(cfg: TrainConfig) -> int:
     return optimizer_k(state_bytes(cfg.optimizer, cfg.optimizer_params), cfg.dtype, cfg.offload)
 
 
-def theory(cfg: TrainConfig, num_params: int) -> dict:
-    """The paper's per-rank bytes and bytes sent per step for this run (minizero.memory)."""
-    elem = element_bytes(cfg.dtype)
-    b = estimate_breakdown(num_params, cfg.world_size, cfg.stage, param_bytes=elem, grad_bytes=elem,
-                           k=run_k(cfg), offload=cfg.offload)
+def theory(cfg: TrainConfig, num_params: int, num_frozen: int = 0) -> dict:
+    """The paper's per-rank bytes and bytes sent per step for this run (minizero.memory), for a model of
+    num_params parameters of which num_frozen are frozen."""
+    elem, trainable = element_bytes(cfg.dtype), num_params - num_frozen
+    b = estimate_breakdown(trainable, cfg.world_size, cfg.stage, param_bytes=elem, grad_bytes=elem,
+                           k=run_k(cfg), offload=cfg.offload, frozen=num_frozen)
     return {**b, "device_total": b["params"] + b["grads"] + b["optimizer"],
-            "comm_bytes_per_step": comm_volume(num_params, cfg.world_size, cfg.stage, bytes_per_elem=elem)}
+            "comm_bytes_per_step": comm_volume(trainable, cfg.world_size, cfg.stage, bytes_per_elem=elem,
+                                               frozen=num_frozen)}
 
 
 def summarize(cfg: TrainConfig, results: list[dict]) -> dict:
-    num_params = results[0]["num_params"]
+    num_params, num_frozen = results[0]["num_params"], results[0]["num_frozen"]
     losses = [statistics.fmean(r["losses"][i] for r in results) for i in range(len(results[0]["losses"]))]
     times = results[0]["step_times"][1:] or results[0]["step_times"]     # step 1 includes warm-up
     return {
-        "stage": cfg.stage, "world_size": cfg.world_size, "num_params": num_params, "dtype": cfg.dtype,
+        "stage": cfg.stage, "world_size": cfg.world_size, "num_params": num_params, "num_frozen": num_frozen,
+        "dtype": cfg.dtype,
         "offload": cfg.offload, "losses": losses,
         "ranks": [{"rank": r["rank"], "memory": r["memory"], "comm_bytes_per_step": r["comm_bytes_per_step"]}
                   for r in results],
-        "theory": theory(cfg, num_params),
+        "theory": theory(cfg, num_params, num_frozen),
         "step_time_s": statistics.median(times),
     }
 

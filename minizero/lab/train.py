@@ -149,6 +149,7 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
         "comm_bytes_per_step": comm_per_step[-1] if comm_per_step else {},
         "step_times": step_times,
         "num_params": model_num_params(engine),
+        "num_frozen": sum(p.numel() for p in engine.frozen),
         "peak": engine.memory()["peak"],
     }
     if device.type == "cuda":

@@ -54,8 +54,14 @@ def within_padding(measured: float, formula: float, world_size: int, times: int 
 
 
 def estimate_breakdown(num_params: int, world_size: int, stage: int, *, param_bytes: int = 2,
-                       grad_bytes: int = 2, k: int = 12, offload: bool | str = False) -> dict[str, float]:
-    """Per-rank bytes by category, as the paper counts them.
+                       grad_bytes: int = 2, k: int = 12, offload: bool | str = False,
+                       frozen: int = 0) -> dict[str, float]:
+    """Per-rank bytes by category, as the paper counts them, for Ψ = num_params trainable parameters.
+
+    frozen=Ψ_f: parameters that are never trained (a fine-tuned model's base, LoRA's frozen weights).
+    They have no gradient and no optimizer state, but they are parameters: replicated in stages 0-2 (as
+    in the paper and DeepSpeed), partitioned like the rest in stage 3, so parameters take
+    (Ψ + Ψ_f)·param_bytes, divided by N in stage 3.
 
     offload=True (or "optimizer"): the KΨ/N optimizer states live in host memory (ZeRO-Offload), plus a
     fp32 host copy of the gradient partition to step on. offload="params" (stage 3): the parameter shard
@@ -66,7 +72,7 @@ def estimate_breakdown(num_params: int, world_size: int, stage: int, *, param_by
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size!r}")
     psi, n = float(num_params), world_size
-    params = param_bytes * psi / (n if stage >= 3 else 1)
+    params = param_bytes * (psi + frozen) / (n if stage >= 3 else 1)
     grads = grad_bytes * psi / (n if stage >= 2 else 1)
     optimizer = k * psi / (n if stage >= 1 else 1)
     offloaded = 0.0
@@ -80,18 +86,21 @@ def estimate_breakdown(num_params: int, world_size: int, stage: int, *, param_by
 
 
 def estimate(num_params: int, world_size: int, stage: int, *, param_bytes: int = 2, grad_bytes: int = 2,
-             k: int = 12, offload: bool | str = False) -> float:
-    """Per-rank model-state bytes on the compute device for ZeRO `stage` (0 = DDP); see module docstring."""
+             k: int = 12, offload: bool | str = False, frozen: int = 0) -> float:
+    """Per-rank model-state bytes on the compute device for ZeRO `stage` (0 = DDP); see module docstring
+    and estimate_breakdown (frozen=Ψ_f)."""
     b = estimate_breakdown(num_params, world_size, stage, param_bytes=param_bytes, grad_bytes=grad_bytes,
-                           k=k, offload=offload)
+                           k=k, offload=offload, frozen=frozen)
     return b["params"] + b["grads"] + b["optimizer"]
 
 
-def comm_volume(num_params: int, world_size: int, stage: int, *, bytes_per_elem: int = 2) -> float:
+def comm_volume(num_params: int, world_size: int, stage: int, *, bytes_per_elem: int = 2,
+                frozen: int = 0) -> float:
     """Bytes one rank sends per step in a ring (paper section 7): 2Ψ for stages 0-2, 3Ψ for stage 3,
-    each times (N-1)/N, which the paper rounds to 1."""
-    factor = 3 if stage == 3 else 2
-    return factor * (world_size - 1) / world_size * num_params * bytes_per_elem
+    each times (N-1)/N, which the paper rounds to 1. Frozen parameters (Ψ_f) are never reduced; stage 3
+    gathers them for forward and backward: + 2Ψ_f."""
+    elements = 3 * num_params + 2 * frozen if stage == 3 else 2 * num_params
+    return (world_size - 1) / world_size * elements * bytes_per_elem
 
 
 def measure(groups: dict[str, Iterable[torch.Tensor]]) -> dict[str, int]:

@@ -1,0 +1,42 @@
+"""minizero.sharded_init: a model built partitioned equals the normally built one, bit for bit, and no
+rank ever holds it whole (peak ≈ Ψ/N + the largest module under construction)."""
+
+import pytest
+
+import minizero
+from _workers import build_sharded
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_minizero_gpt_built_sharded_is_bitwise_the_normal_one(n):
+    for r in minizero.launch(build_sharded, n, "gpt"):
+        assert r["differ"] == [] and r["unpartitioned"] == [] and r["held_after"] == 0
+        # chunks are ⌈numel/N⌉ per parameter: Ψ/N up to < N elements of padding each
+        assert r["model_bytes"] / n <= r["shard"] < r["model_bytes"] / n + 4 * n * len(r["names"])
+        # while building: its chunks plus the largest submodule (a block's MLP is built before it is attached)
+        assert r["peak"] <= r["shard"] + r["largest_child"]
+        if n > 1:
+            assert r["peak"] < r["model_bytes"]
+
+
+def test_hugging_face_gpt2_built_sharded_is_bitwise_the_normal_one():
+    pytest.importorskip("transformers")
+    for r in minizero.launch(build_sharded, 2, "hf_gpt2"):
+        # GPT-2's post_init re-initialises every weight after construction: gathered, written, re-partitioned
+        assert r["differ"] == [] and r["unpartitioned"] == [] and r["held_after"] == 0
+        assert r["peak"] < r["model_bytes"]
+
+
+def test_wrap_explains_what_to_do_with_a_meta_or_sharded_model():
+    import functools
+
+    import torch
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    with torch.device("meta"):
+        meta = torch.nn.Linear(3, 3)
+    with pytest.raises(ValueError, match="meta device .* minizero.sharded_init"):
+        minizero.wrap(meta, 3, sgd)
+    with minizero.sharded_init():                       # one process: N = 1, still partitioned
+        model = torch.nn.Sequential(torch.nn.Linear(3, 3))
+    with pytest.raises(ValueError, match="sharded_init, which partitions parameters for stage 3; stage 2"):
+        minizero.wrap(model, 2, sgd)
