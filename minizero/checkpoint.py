@@ -131,8 +131,9 @@ def _shard_state(engine) -> dict:
 
 def _replicated_state(engine) -> dict[str, torch.Tensor]:
     state = engine.module.state_dict(keep_vars=True)
-    return {e["source"]: state[e["key"]].detach().to("cpu", copy=True)
-            for e in describe(engine)["state_dict"] if not e["trainable"]}
+    with engine.gathering(engine.frozen):               # stage 3 partitions frozen parameters too
+        return {e["source"]: state[e["key"]].detach().to("cpu", copy=True)
+                for e in describe(engine)["state_dict"] if not e["trainable"]}
 
 
 def _new_version_dir(directory: str) -> str:
@@ -280,9 +281,10 @@ def load(engine, directory: str) -> None:
                 part.copy_(master)               # the model's parameters = round(master), as step() does
         engine._after_step()                     # share them as step() does (stages 1-2 all-gather)
         state = engine.module.state_dict(keep_vars=True)
-        for e in manifest["state_dict"]:
-            if not e["trainable"]:
-                state[e["key"]].copy_(replicated[e["source"]])
+        with engine.gathering(engine.frozen, modifier_rank=0):    # every rank read the same file
+            for e in manifest["state_dict"]:
+                if not e["trainable"]:
+                    state[e["key"]].copy_(replicated[e["source"]])
     engine.step_count = shard["step"]
     torch.set_rng_state(shard["rng"]["torch"])
     if shard["rng"]["cuda"] is not None and torch.cuda.is_available():

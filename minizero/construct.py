@@ -96,16 +96,39 @@ _partitions: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def partition_of(t: torch.Tensor) -> Partition | None:
-    """The partition a tensor's storage belongs to, if it was built under sharded_init."""
-    return _partitions.get(_key(t)) if torch.is_tensor(t) else None
+    """The partition of a parameter built under sharded_init (or, while building, of a view of one)."""
+    if not torch.is_tensor(t):
+        return None
+    return getattr(t, "_minizero_partition", None) or _partitions.get(_key(t))
+
+
+# --- what the engines do with a model built this way --------------------------------------------------------
+
+def cast_partitions(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Engine's model.to(device, dtype) for partitioned parameters: cast the chunk, and give the parameter
+    an empty tensor of the new dtype (its values would be read otherwise, and there are none)."""
+    for p in model.parameters():
+        part = partition_of(p)
+        if part is not None and p.is_floating_point() and (p.dtype, p.device) != (dtype, device):
+            part.chunk = part.chunk.to(device=device, dtype=dtype)
+            empty = torch.empty(p.shape, dtype=dtype, device=device)   # one parameter at a time
+            empty.untyped_storage().resize_(0)
+            p.data = empty
 
 
 def full_value(param: torch.Tensor) -> torch.Tensor:
-    """Collective: a new full copy of a partitioned parameter (Zero3 builds its units from these)."""
+    """Collective: a new full copy of a partitioned parameter (stage 3 builds each unit from these)."""
     part = partition_of(param)
-    flat = torch.empty(part.chunk.numel() * comm.world_size(), dtype=part.chunk.dtype, device=part.chunk.device)
-    comm.all_gather(flat, part.chunk)
+    chunk = part.chunk
+    flat = torch.empty(chunk.numel() * comm.world_size(), dtype=chunk.dtype, device=chunk.device)
+    comm.all_gather(flat, chunk)
     return flat[: part.numel].view(part.shape)
+
+
+def forget(param: torch.Tensor) -> None:
+    """Drop a parameter's partition once stage 3 has its values in a unit (its chunk is freed)."""
+    if hasattr(param, "_minizero_partition"):
+        del param._minizero_partition
 
 
 class sharded_init(TorchFunctionMode):

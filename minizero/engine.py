@@ -20,7 +20,7 @@ import contextlib
 import torch
 from torch import nn
 
-from minizero import checkpoint, comm
+from minizero import checkpoint, comm, construct
 from minizero.memory import measure
 from minizero.optim import DTYPES
 
@@ -50,7 +50,9 @@ class Engine:
         self.step_count = 0            # optimizer steps taken; a checkpoint saves and restores it
 
         # Mixed precision: the model computes in self.dtype (floating params and buffers are cast; the
-        # optimizer keeps fp32 masters, see optim.py).
+        # optimizer keeps fp32 masters, see optim.py). A model built by minizero.sharded_init holds only
+        # partitions: those are cast (construct.py), and they hold rank 0's values already.
+        construct.cast_partitions(model, self.device, self.dtype)
         model.to(device=self.device, dtype=self.dtype)
         self._broadcast_from_rank0()
         params = list(model.parameters())                      # distinct: a tied weight appears once
@@ -76,7 +78,8 @@ class Engine:
         """All replicas start from rank 0's weights and buffers, whatever each process initialised."""
         with torch.no_grad():
             for t in list(self.module.parameters()) + list(self.module.buffers()):
-                comm.broadcast(t.data, src=0)
+                if construct.partition_of(t) is None:
+                    comm.broadcast(t.data, src=0)
 
     # --- forward ------------------------------------------------------------------------------------
     def __call__(self, *inputs, **kwargs):
@@ -137,14 +140,55 @@ class Engine:
             for p, view in b.views(full):
                 values[id(p)] = view.detach().cpu().clone()
         out = {}
-        for name, t in self.module.state_dict(keep_vars=True).items():
-            value = values.get(id(t))
-            if value is None:                                  # frozen parameter or buffer: replicated
-                value = t.detach().cpu().clone()
-                if value.is_floating_point():
-                    value = value.float()
-            out[name] = value
+        with self.gathering(self.frozen):                      # stage 3 partitions frozen parameters too
+            for name, t in self.module.state_dict(keep_vars=True).items():
+                value = values.get(id(t))
+                if value is None:                              # frozen parameter or buffer
+                    value = t.detach().cpu().clone()
+                    if value.is_floating_point():
+                        value = value.float()
+                out[name] = value
         return out
+
+    # --- full parameters between steps ---------------------------------------------------------------
+    @contextlib.contextmanager
+    def gathered(self, modules: list[nn.Module] | None = None, modifier_rank: int | None = None):
+        """Inside the block the full parameters of `modules` (default: the whole model) are readable on
+        every rank: DeepSpeed's GatheredParameters, FSDP's summon_full_params. With modifier_rank=r, what
+        rank r writes to them is given to every rank when the block ends, and to the optimizer's master
+        weights. Collective, between steps. Stages 0-2 hold full parameters already; stage 3 gathers."""
+        if modifier_rank is not None and not (isinstance(modifier_rank, int) and
+                                              0 <= modifier_rank < self.world_size):
+            raise ValueError(f"modifier_rank must be a rank in 0..{self.world_size - 1} or None, "
+                             f"got {modifier_rank!r}")
+        modules = [self.module] if modules is None else list(modules)
+        with self.gathering([p for m in modules for p in m.parameters()], modifier_rank):
+            yield
+
+    @contextlib.contextmanager
+    def gathering(self, params: list[nn.Parameter], modifier_rank: int | None = None):
+        """gathered() for a list of parameters (checkpoints use it for the frozen ones)."""
+        params = list({id(p): p for p in params}.values())
+        self._gather_for_user(params)
+        try:
+            yield
+            if modifier_rank is not None:
+                with torch.no_grad():
+                    for p in params:
+                        comm.broadcast(p.data, src=modifier_rank)   # rank r's values, everywhere
+                self._after_user_write(params)
+        finally:
+            self._release_for_user(params)
+
+    def _gather_for_user(self, params: list[nn.Parameter]) -> None:
+        pass                           # stages 0-2: the parameters are there
+
+    def _after_user_write(self, params: list[nn.Parameter]) -> None:
+        if any(p.requires_grad for p in params):
+            self.optimizer.reload()    # stages 0-2: the parameters are the truth; the masters follow
+
+    def _release_for_user(self, params: list[nn.Parameter]) -> None:
+        pass
 
     # --- checkpoints: sharded, bit-exact resume (format and guarantees: minizero/checkpoint.py) -------
     def save(self, directory: str) -> None:

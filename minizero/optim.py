@@ -61,6 +61,14 @@ class ShardOptimizer:
         # The optimizer needs gradients of its parameters' dtype: upcast bf16 gradients (a transient copy).
         return [g if g.dtype == m.dtype else g.float() for g, m in zip(grad_parts, self.masters)]
 
+    def reload(self) -> None:
+        """The parameters were written from outside (engine.gathered(modifier_rank=...)): the masters take
+        their values, so the next step starts from what was written (rounded, if the model is bf16)."""
+        with torch.no_grad():
+            for master, part in zip(self.masters, self.param_parts):
+                if master.data_ptr() != part.data_ptr():
+                    master.copy_(part.reshape(-1))
+
     # --- for memory accounting and checkpoints --------------------------------------------------------
     def state_tensors(self) -> list[torch.Tensor]:
         """Master copies (when separate) and every tensor of optimizer state: the KΨ(/N) of the paper."""

@@ -135,3 +135,43 @@ def build_sharded(kind: str, seed: int = 3) -> dict:
         "largest_child": max(sum(p.numel() * p.element_size() for p in m.parameters())
                              for m in normal.modules() if m is not normal and not isinstance(m, torch.nn.ModuleList)),
     }
+
+
+def gathered_round_trip(stage: int, options: dict) -> dict:
+    """engine.gathered(): read the full parameters on every rank, then let rank 1 write new values and check
+    that every rank (and the optimizer's masters, through full_state_dict) has them afterwards."""
+    import functools
+
+    import minizero
+    from minizero.lab.data import global_batch, local_batch
+    from minizero.lab.model import GPTConfig, make_model
+    from minizero.lab.train import loss_fn
+    cfg = GPTConfig.named("tiny", frozen=("pos_emb.weight",))
+    model = make_model(cfg)
+    engine = minizero.wrap(model, stage, functools.partial(torch.optim.AdamW, lr=1e-2), **options)
+    x, y = global_batch(0, 8, cfg.block_size)
+    xm, ym = local_batch(x, y, comm.rank(), comm.world_size())
+    engine.backward(loss_fn(engine(xm), ym))
+    engine.step()
+    before = engine.full_state_dict()
+    names = dict(model.named_parameters())
+    with engine.gathered():
+        read = {n: p.detach().float().clone() for n, p in names.items()}
+    with engine.gathered(modifier_rank=1):
+        if comm.rank() == 1:
+            with torch.no_grad():
+                for i, p in enumerate(names.values()):
+                    p.fill_(0.5 + i / 64)                           # exact in bf16 too
+    after = engine.full_state_dict()
+    engine.backward(loss_fn(engine(xm), ym))                        # and training goes on from there
+    engine.step()
+    exact = options.get("dtype", "fp32") == "fp32"                 # bf16 parameters are round(master)
+    return {"read_ok": all(torch.equal(read[n], before[n]) if exact else
+                           torch.allclose(read[n], before[n], rtol=1e-2, atol=1e-3) for n in names),
+            "written_ok": all(torch.equal(after[n], torch.full_like(after[n], 0.5 + i / 64))
+                              for i, n in enumerate(names)),
+            "state": engine.full_state_dict()}
+
+
+def gathered_round_trips(settings: list[tuple[int, dict]]) -> list[dict]:
+    return [gathered_round_trip(stage, options) for stage, options in settings]
