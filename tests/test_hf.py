@@ -5,8 +5,13 @@
 GPT-2 (tied head) and Llama at stages 0-3, with and without optimizer offload, GPT-2 with a peft LoRA
 adapter (frozen base) at stages 2 and 3, and stage 3 with HF's activation checkpointing, each against a
 single-process reference training the same model on the global batch (tests/_hf.py). Skipped when
-transformers or peft is not installed (both are in the dev extra). One launch per world size.
+transformers or peft is not installed (both are in the dev extra). One launch per world size. Last, the
+example examples/finetune_lora.py runs a few steps as a user would run it.
 """
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -87,3 +92,12 @@ def test_lora_with_frozen_base_at_stage_3(runs):
 def test_activation_checkpointing_at_stage_3(runs):
     """HF's gradient_checkpointing_enable (non-reentrant) recomputes each decoder layer in backward."""
     assert_matches_reference(CASES["gpt2-stage3-checkpointing"], runs["gpt2-stage3-checkpointing"])
+
+
+def test_finetune_lora_example_runs():
+    """examples/finetune_lora.py as a user runs it, with few steps: loss printed, memory next to the formula."""
+    script = Path(__file__).parents[1] / "examples" / "finetune_lora.py"
+    p = subprocess.run([sys.executable, str(script), "--steps", "3", "--world-size", "2"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "step   3/3  loss" in p.stdout and "formula" in p.stdout, p.stdout
