@@ -53,11 +53,12 @@ def worker(steps: int, checkpointing: bool, lr: float) -> dict:
         if step == steps - 1:
             memory = engine.memory()      # after backward, before the step: gradients and optimizer state
         engine.step()
-        comm.all_reduce(loss := loss.detach(), op="avg")               # the global batch's loss, to print
+        loss = loss.detach()
+        comm.all_reduce(loss, op="avg")   # the global batch's loss: the mean of the ranks' equal-sized means
         if rank == 0 and (step % 10 == 0 or step == steps - 1):
             print(f"step {step + 1:>3}/{steps}  loss {loss.item():.4f}", flush=True)
-    trainable = sum(p.numel() for p in engine.trainable)
-    return {"memory": memory, "trainable": trainable, "frozen": sum(p.numel() for p in engine.frozen)}
+    counts = [sum(p.numel() for p in model.parameters() if p.requires_grad == t) for t in (True, False)]
+    return {"memory": memory, "trainable": counts[0], "frozen": counts[1]}
 
 
 def report(results: list[dict], world_size: int) -> None:
