@@ -1,6 +1,6 @@
 """Fine-tune a Hugging Face GPT-2 with LoRA, activation checkpointing and ZeRO stage 3 on N processes.
 
-    python examples/finetune_lora.py                                  # 2 ranks, 40 steps, ~20 s on 2 cores
+    python examples/finetune_lora.py                                  # 2 ranks, 40 steps, ~15 s on 2 cores
     python examples/finetune_lora.py --world-size 4 --steps 100 --no-checkpointing
 
 The model is a small GPT-2 built from its config, so nothing is downloaded; for a real checkpoint replace
