@@ -45,9 +45,10 @@ def worker(steps: int, checkpointing: bool, lr: float) -> dict:
     model = build_model(checkpointing)
     units = list(model.get_base_model().transformer.h)            # gathered one decoder layer at a time
     engine = minizero.wrap(model, 3, functools.partial(torch.optim.AdamW, lr=lr), units=units)
-    rank, n = comm.rank(), comm.world_size()
+    rank, n, device = comm.rank(), comm.world_size(), comm.device()        # device: cpu or this rank's GPU
     for step in range(steps):
         x, y = local_batch(*global_batch(step, BATCH, BLOCK), rank, n)     # this rank's rows
+        x, y = x.to(device), y.to(device)
         loss = loss_fn(engine(input_ids=x, use_cache=False).logits, y)      # HF returns a ModelOutput
         engine.backward(loss)
         if step == steps - 1:

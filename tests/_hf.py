@@ -89,6 +89,7 @@ def train_case(case: Case) -> dict:
     losses = []
     for step in range(case.steps):
         x, y = local_batch(*global_batch(step, case.batch_size, BLOCK, seed=case.seed), rank, n)
+        x, y = x.to(comm.device()), y.to(comm.device())             # the model's device: cpu or this GPU
         loss = lm_loss(engine, x, y)
         engine.backward(loss)
         engine.step()
