@@ -14,6 +14,8 @@ import functools
 from dataclasses import dataclass
 
 import torch
+from peft import LoraConfig, get_peft_model
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import minizero
 from minizero import comm
@@ -33,7 +35,7 @@ class Case:
     checkpointing: bool = False          # HF's gradient_checkpointing_enable, non-reentrant
     optimizer: str = "adamw"
     lr: float = 1e-3
-    optimizer_params: tuple = ()         # (("momentum", 0.9),): hashable, so a Case can key a cache
+    optimizer_params: tuple = ()         # (name, value) pairs, e.g. (("momentum", 0.9),): a Case is frozen
     world_size: int = 2
     steps: int = 3
     batch_size: int = 6                  # global rows per step: divisible by N = 2 and 3
@@ -45,7 +47,6 @@ class Case:
 
 def build(case: Case) -> torch.nn.Module:
     """The case's model, fp32, identical on every rank and in the reference (same seed)."""
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
     torch.manual_seed(case.seed)
     if case.model == "llama":
         model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
@@ -59,7 +60,6 @@ def build(case: Case) -> torch.nn.Module:
     if case.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if case.model == "lora":
-        from peft import LoraConfig, get_peft_model
         # GPT-2's c_attn is a Conv1D (weight stored [in, out]): fan_in_fan_out says so
         model = get_peft_model(model, LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True))
     return model.train()

@@ -90,7 +90,9 @@ def test_lora_with_frozen_base_at_stage_3(runs):
 
 
 def test_activation_checkpointing_at_stage_3(runs):
-    """HF's gradient_checkpointing_enable (non-reentrant) recomputes each decoder layer in backward."""
+    """HF's gradient_checkpointing_enable (non-reentrant) recomputes each decoder layer in backward. The units
+    are those layers; transformers 5 checkpoints a layer's forward, not its __call__, so minizero's unit
+    hooks stay outside the recomputation (the layer is still gathered for its backward when it runs)."""
     assert_matches_reference(CASES["gpt2-stage3-checkpointing"], runs["gpt2-stage3-checkpointing"])
 
 
