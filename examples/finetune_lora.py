@@ -78,10 +78,11 @@ def report(results: list[dict], world_size: int) -> None:
         print(f"{rank:>7}" + "".join(f"{m[k]:>12,}" for k in ("params", "grads", "optimizer", "peak")))
     print(f"{'formula':>7}" + "".join(f"{theory[k]:>12,.0f}" for k in ("params", "grads", "optimizer")))
     measured = results[0]["memory"]["params"]
-    if not within_padding(measured, theory["params"], world_size):
+    if measured > theory["params"] and not within_padding(measured, theory["params"], world_size):
         held = (measured - theory["params"]) / (4 * frozen) + 1 / world_size    # of the frozen base, per rank
         print(f"params above the formula: each rank holds {held:.0%} of the frozen base ({4 * frozen:,} bytes), "
               f"which the formula shards over N")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
