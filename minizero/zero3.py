@@ -25,6 +25,14 @@ Read zero2.py first: this file is what stage 3 changes, told as what happens to 
 offload="params" (ZeRO-Infinity style) keeps param_shard in host memory; each gather copies the unit's
 partition to the device first. The optimizer always steps on the host then (offload.py).
 
+[Note: recompute] Activation checkpointing (torch.utils.checkpoint, Hugging Face's
+gradient_checkpointing_enable()) runs a unit's forward again inside backward, hooks included. That forward
+must neither free the unit afterwards (its backward is about to use the parameters) nor prefetch in
+forward order. A unit knows it is being recomputed from its training state: engine.backward() puts every
+unit in PRE_BACKWARD, so a forward that starts there is a recompute, whether it comes after the unit's
+pre-backward hook (non-reentrant checkpointing) or before it (reentrant: the forward ran under no_grad,
+so the only pre-backward hooks are those the recompute registers). The unit is freed by post_backward.
+
 Limitation (as FSDP without meta-device init): the model is built in full on each rank before wrapping.
 """
 
@@ -42,6 +50,7 @@ from minizero.zero1 import Zero1
 from minizero.zero2 import Zero2
 
 FREE, IN_FLIGHT, GATHERED = "free", "in flight", "gathered"              # what unit.full holds
+IDLE, FORWARD, PRE_BACKWARD = "idle", "forward", "pre-backward"          # where the step is, for the unit
 
 
 class Unit:
@@ -51,6 +60,8 @@ class Unit:
                          storage is 0 bytes while FREE (shape kept) and allocated while IN_FLIGHT/GATHERED.
     shard  [Ψ_u / N]     this rank's partition, a view into the engine's param_shard: all that persists
                          between uses, updated in place by the optimizer.
+    training_state       IDLE -pre_forward-> FORWARD -post_forward-> IDLE; engine.backward() -> PRE_BACKWARD
+                         -post_backward-> IDLE. A forward starting in PRE_BACKWARD is a recompute.
     """
 
     def __init__(self, engine: Zero3, module: nn.Module, name: str, bucket: Bucket):
@@ -62,7 +73,7 @@ class Unit:
         self.shard = layout.shard(engine.param_shard, bucket)
         self.shard.copy_(layout.my_partition(self.full, bucket))
         layout.point_bucket_into(bucket, self.full)       # the module's parameters become views of `full`
-        self.state = GATHERED
+        self.state, self.training_state = GATHERED, IDLE
         self._in_flight = None                            # (all-gather handle, its input) while IN_FLIGHT
         self.free()                                       # ... which is released right away
 
@@ -104,20 +115,29 @@ class Unit:
 
     # --- lifecycle: Zero3 calls these from the module's forward hooks and from autograd ------------------
     def pre_forward(self) -> None:
+        if self.training_state == PRE_BACKWARD:           # backward recomputes this forward [Note: recompute]
+            self.gather()                                 # reentrant: its first use in this backward
+            return
+        self.training_state = FORWARD
         self.gather()
         self.engine._prefetch_after(self, self.engine.forward_order)
 
     def post_forward(self) -> None:
+        if self.training_state == PRE_BACKWARD:           # a recompute: its backward needs the parameters
+            return
+        self.training_state = IDLE
         self.free()                                       # <- stage 3's saving: free after forward
 
     def pre_backward(self) -> None:
         """The gradient of the unit's output is known: its backward is next."""
+        self.training_state = PRE_BACKWARD
         self.gather()
         self.engine._prefetch_after(self, self.engine.backward_order)
 
     def post_backward(self):
         """Every gradient of the unit is complete: reduce-scatter them, free the parameters; the handle."""
         handle = self.reduce_scatter_grads()
+        self.training_state = IDLE
         self.free()
         return handle
 
@@ -190,6 +210,11 @@ class Zero3(Zero2):
             self.timeline.append((time.perf_counter(), event, unit.bucket.index))
 
     # --- backward -----------------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        for unit in self.units:                           # a forward from here on is a recompute
+            unit.training_state = PRE_BACKWARD            # [Note: recompute]
+        super().backward(loss)
+
     def _bucket_ready(self, b):
         return self.units[b.index].post_backward()        # the reducer calls it in bucket order
 
@@ -197,6 +222,7 @@ class Zero3(Zero2):
         super()._after_backward()                         # post_backward of units that got no gradient
         for unit in self.units:                           # and units a prefetch gathered after it
             unit.free()
+            unit.training_state = IDLE
 
     # --- step: nothing to gather, the shards were updated in place ---------------------------------------
     def _after_step(self) -> None:
