@@ -12,7 +12,8 @@ Read zero2.py first: this file is what stage 3 changes, told as what happens to 
   * A unit is a module whose parameters (minus those of the units inside it) are gathered, used and freed
     together; they form one bucket (flat.py), padded and partitioned: rank r keeps partition r of every
     unit in `param_shard` [Ψ/N]; a unit's full buffer [Ψ_u] exists only while it is gathered. The model
-    itself is always a unit: it owns whatever no other unit does. Default units: `default_units` below.
+    itself is always a unit: it owns whatever no other unit does. Default units (`default_units`): a
+    transformer's blocks, otherwise submodules of at most Ψ/8 parameters each; `units=` chooses them.
   * Forward: the unit's pre-forward all-gathers it (Ψ_u), its forward runs, its post-forward frees it.
   * Backward: a hook on the unit's outputs fires just before the unit's backward and gathers it again
     (Ψ_u); when the unit's gradients are complete its post-backward reduce-scatters them exactly as stage
@@ -39,6 +40,7 @@ Limitation (as FSDP without meta-device init): the model is built in full on eac
 from __future__ import annotations
 
 import time
+import warnings
 from functools import partial
 
 import torch
@@ -51,6 +53,7 @@ from minizero.zero2 import Zero2
 
 FREE, IN_FLIGHT, GATHERED = "free", "in flight", "gathered"              # what unit.full holds
 IDLE, FORWARD, PRE_BACKWARD = "idle", "forward", "pre-backward"          # where the step is, for the unit
+UNIT_SHARE = 1 / 8       # default units without transformer blocks hold at most Ψ/8 each (default_units)
 
 
 class Unit:
@@ -163,6 +166,11 @@ class Zero3(Zero2):
         for unit in self.units:
             unit.module.register_forward_pre_hook(partial(self._on_pre_forward, unit))
             unit.module.register_forward_hook(partial(self._on_post_forward, unit))
+        largest = max(self.units, key=lambda unit: unit.bucket.numel)
+        share = largest.bucket.numel / self.layout.numel
+        if units is not None and share > 0.5:     # gathered whole, it is most of the model: little saved
+            warnings.warn(f"stage 3: unit {largest.name!r} holds {share:.0%} of the parameters; pass units= "
+                          "with smaller submodules (e.g. each block)", stacklevel=3)
 
     @property
     def unit_names(self) -> list[str]:
@@ -236,11 +244,31 @@ class Zero3(Zero2):
 
 # --- which parameters each unit owns ----------------------------------------------------------------------
 def default_units(model: nn.Module) -> list[nn.Module]:
-    """The modules of the first nn.ModuleList (a transformer's blocks), like FSDP's per-layer wrapping."""
+    """The units when none are given, so that no unit holds much of Ψ (the trainable parameters).
+
+    1. A transformer: the blocks of the first nn.ModuleList holding most of Ψ, if none holds more than half:
+       one unit per block, as FSDP users wrap; the model keeps the rest (embeddings, head), < Ψ/2.
+    2. Any other model, by size (FSDP's size-based auto-wrap, turned to bound the largest unit): walking
+       down from the model, a submodule holding at most UNIT_SHARE·Ψ is a unit; a bigger one is a unit of
+       the parameters it holds directly, and its children are visited in turn. No unit exceeds Ψ/8 but
+       the parameters one module holds directly (a single big weight, say) and a weight tied across units.
+    Why Ψ/8: with prefetch two units are gathered at once, so parameters peak near Ψ/N + Ψ/4; smaller
+    units save little more and each costs one more all-gather (and its latency) per use.
+    """
+    size = {id(m): sum(p.numel() for p in m.parameters() if p.requires_grad) for m in model.modules()}
+    total = size[id(model)]
     for m in model.modules():
-        if isinstance(m, nn.ModuleList):
+        if isinstance(m, nn.ModuleList) and size[id(m)] > total / 2 and all(size[id(b)] <= total / 2 for b in m):
             return list(m)
-    return []
+    units = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            units.append(child)
+            if size[id(child)] > UNIT_SHARE * total:
+                visit(child)
+    visit(model)
+    return units
 
 
 def assign_units(model: nn.Module, units: list[nn.Module]) -> tuple[list[nn.Module], list[list[nn.Parameter]]]:

@@ -1,4 +1,5 @@
-"""Stage 3's units: activation checkpointing recomputes a unit's forward inside backward.
+"""Stage 3's units: activation checkpointing recomputes a unit's forward inside backward, and the default
+units of a model without transformer blocks stay a fraction of it.
 
     python -m pytest tests/test_zero3_units.py
 """
@@ -6,6 +7,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import warnings
 
 import pytest
 import torch
@@ -74,3 +77,73 @@ def test_activation_checkpointing_trains_like_the_reference(n):
             gathers = [e for e in events if e in ("gather", "prefetch")]
             assert len(gathers) == 2 * cfg.grad_accum, f"{mode}, unit {name}: {events}"
             assert events.count("free") == 2 * cfg.grad_accum, f"{mode}, unit {name}: {events}"
+
+
+# --- default units ----------------------------------------------------------------------------------------
+def _units(model: nn.Module, **options) -> list[tuple[nn.Module, bool, float]]:
+    """(module, whether it owns only parameters it holds directly, share of the trainable parameters) for
+    each unit of a one-rank engine. (Never put a stage-3 parameter in a message: its storage is freed.)"""
+    engine = minizero.wrap(model, 3, functools.partial(torch.optim.SGD, lr=0.1), **options)
+    modules = {name or "<root>": m for name, m in model.named_modules()}
+    out = []
+    for name, b in zip(engine.unit_names, engine.layout.buckets):
+        own = {id(p) for p in modules[name].parameters(recurse=False)}
+        out.append((modules[name], {id(p) for p in b.params} <= own, b.numel / engine.layout.numel))
+    return out
+
+
+def _mlp(width: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+
+MODELS = {   # no nn.ModuleList among them: default units by size
+    "sequential": lambda: nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)]),
+    "nested": lambda: nn.Sequential(nn.Embedding(100, 32), nn.Sequential(*[_mlp(32) for _ in range(6)]),
+                                    nn.LayerNorm(32), nn.Linear(32, 100)),
+    "one_big_weight": lambda: nn.Sequential(nn.Embedding(2000, 32), *[_mlp(32) for _ in range(3)]),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_default_units_hold_at_most_an_eighth_of_any_model(name):
+    for module, only_its_own, share in _units(MODELS[name]()):
+        # the one exception: parameters a module holds directly (here the big embedding) are never split
+        assert share <= 1 / 8 or only_its_own, f"{module}: {share:.0%} of the model"
+
+
+def test_default_units_of_a_transformer_are_its_blocks():
+    model = make_model(TrainConfig(model="tiny").model_config())
+    assert [module for module, _, _ in _units(model)] == [*reversed(model.blocks), model]
+
+
+def test_given_units_that_leave_one_unit_most_of_the_model_warn():
+    model = make_model(TrainConfig().model_config())
+    with pytest.warns(UserWarning, match=r"unit '<root>' holds 100% of the parameters.*units="):
+        _units(model, units=[])
+    model = make_model(TrainConfig().model_config())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _units(model, units=list(model.blocks))
+
+
+def sequential_peaks(width: int) -> list[dict]:
+    """Worker: peak parameter bytes of an 8-layer nn.Sequential of Linear(width, width) under stage 3's
+    default units, with and without prefetch (two steps each)."""
+    out = []
+    for prefetch in (False, True):
+        model = nn.Sequential(*[nn.Linear(width, width) for _ in range(8)])
+        engine = minizero.wrap(model, 3, functools.partial(torch.optim.SGD, lr=0.1), prefetch=prefetch)
+        for _ in range(2):
+            engine.backward(engine(torch.randn(4, width)).square().mean())
+            engine.step()
+        out.append(engine.memory()["peak_params"])
+    return out
+
+
+def test_default_units_keep_the_peak_of_a_sequential_near_one_layer():
+    width, n = 256, 4
+    no_prefetch, prefetch = minizero.launch(sequential_peaks, n, width)[0]
+    layer = (width * width + width) * 4                  # bytes of one Linear, fp32
+    shard = 8 * layer / n                                # Ψ/N
+    assert no_prefetch <= shard + 1.1 * layer            # one layer gathered at a time ...
+    assert prefetch <= shard + 2.1 * layer < 8 * layer   # ... and the next one prefetched
