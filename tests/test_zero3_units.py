@@ -45,7 +45,7 @@ class Checkpointed(nn.Module):
 
 
 def train_checkpointed(runs: list[tuple[TrainConfig, str]]) -> list[dict]:
-    """Worker: stage 3 on CheckpointedGPT for each (config, mode); the last step's gather/free timeline."""
+    """Worker: stage 3 on Checkpointed(GPT) for each (config, mode); the last step's gather/free timeline."""
     out = []
     for cfg, mode in runs:
         model = Checkpointed(make_model(cfg.model_config(), seed=cfg.seed), mode)
