@@ -2,7 +2,7 @@
 
     Grade it:    pytest exercises -k ex04            (or: python -m minizero.grade -k ex04)
     Notebook:    notebooks/03_zero2.ipynb
-    Compare:     minizero/zero2.py (_reduce_scatter_bucket, _accumulate_bucket), minizero/reducer.py
+    Compare:     minizero/zero2.py (reduce_scatter_grads, _accumulate_bucket), minizero/reducer.py
                  (minizero goes one step further: _stage_gradient copies each gradient into the bucket the
                  moment it is complete, so the full gradients of a bucket never all exist at once)
 

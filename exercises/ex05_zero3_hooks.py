@@ -3,7 +3,7 @@ reduce-scatter and free after backward.
 
     Grade it:    pytest exercises -k ex05            (or: python -m minizero.grade -k ex05)
     Notebook:    notebooks/04_zero3.ipynb
-    Compare:     minizero/zero3.py (_gather, _free, _pre_forward, _post_forward, _pre_backward)
+    Compare:     minizero/zero3.py (Unit: gather, free, pre_forward, post_forward, pre_backward, post_backward)
 
 Stage 3 (P_os+g+p) partitions the parameters too: (2 + 2 + K)Ψ/N bytes per rank, plus the few *units*
 (here: each transformer block, and the rest of the model as one more unit) that are materialized at any
@@ -11,7 +11,8 @@ moment. A unit's parameters live in one flat buffer `unit.full` [Ψ_u padded]; t
 views into it. Between uses its storage is released (0 bytes, shape kept), and all that persists is this
 rank's partition `unit.shard` [Ψ_u / N], which the optimizer updates in place.
 
-minizero calls your four hooks for every unit, with a `unit` that has:
+minizero calls your four hooks for every unit (they replace the lifecycle methods of zero3.Unit), with the
+unit itself, which has:
     unit.name                    e.g. "blocks.0" ("<root>" is the model minus its blocks)
     unit.full                    the unit's flat parameter buffer; freed: full.untyped_storage().nbytes() == 0
     unit.shard                   this rank's partition of it, [full.numel() / N]
@@ -40,6 +41,7 @@ Hints:
     A tensor of t.numel() elements needs t.numel() * t.element_size() bytes.
   * comm.all_gather(output, input): rank r's input lands at output[r*n:(r+1)*n], n = input.numel().
   * Two small helpers, gather(unit) and free(unit), make the four hooks one or two lines each.
+    (unit.gather() and unit.free() exist too: they are minizero's own answer, don't call them.)
 """
 
 from minizero import comm  # noqa: F401  (your answer will need it)

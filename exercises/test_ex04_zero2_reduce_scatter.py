@@ -13,14 +13,11 @@ CFG = g.config(stage=2, world_size=3)            # bucket_size 3000 bytes: sever
 
 
 class LearnerZero2(Zero2):
-    """minizero's stage 2 with the learner's hook in place of Zero2._reduce_scatter_bucket."""
+    """minizero's stage 2 with the learner's hook in place of Zero2.reduce_scatter_grads."""
     answer = None                                 # the learner's module, set by the worker
+    contiguous_gradients = False                  # p.grad stays until the hook: it stages the whole bucket
 
-    def _stage_gradient(self, p, b):
-        pass    # minizero streams each gradient into the bucket as it arrives; the exercise does the
-                # whole bucket at once in its hook, so p.grad must still be there when it runs
-
-    def _reduce_scatter_bucket(self, b):
+    def reduce_scatter_grads(self, b):
         if not self._sync:
             return None                           # inside no_sync(): p.grad keeps accumulating
         staging, handle = self.answer.reduce_scatter_bucket(list(b.params), b.padded_numel)
@@ -33,7 +30,7 @@ class LearnerZero2(Zero2):
         if staging.numel() != b.padded_numel:
             raise AssertionError(f"{where}: staging buffer has {staging.numel()} elements, expected "
                                  f"{b.padded_numel}: one partition of {b.shard_numel} per rank")
-        self._staging[b.index] = staging          # Zero2._accumulate_bucket adds my partition of it
+        self.staging[b.index] = staging           # when handle completes, minizero adds my partition of it
         return handle
 
 

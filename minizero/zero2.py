@@ -32,6 +32,10 @@ from minizero.zero1 import Zero1
 
 class Zero2(Zero1):
     stage = 2
+    # DeepSpeed's contiguous_gradients: copy each gradient into its bucket's staging buffer the moment it
+    # is complete (one full parameter gradient alive at a time). Off, reduce_scatter_grads stages the whole
+    # bucket at once (exercise 4's grader turns it off: the learner's hook does exactly that).
+    contiguous_gradients = True
 
     def __init__(self, model, optimizer, *, bucket_size: float = DEFAULT_BUCKET_BYTES, **kwargs):
         self.bucket_size = bucket_size
@@ -45,15 +49,15 @@ class Zero2(Zero1):
     # --- gradients: only this rank's partition persists --------------------------------------------------
     def _init_gradients(self) -> None:
         self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)  # [Ψ/N]
-        self._staging: dict[int, torch.Tensor] = {}      # bucket index -> its full gradients, in flight
-        self.reducer = GradBuckets(self.layout.buckets, launch=self._reduce_scatter_bucket,
-                                   done=self._accumulate_bucket, on_grad=self._stage_gradient)
+        self.staging: dict[int, torch.Tensor] = {}       # bucket index -> its full gradients, in flight
+        self.reducer = GradBuckets(self.layout.buckets, launch=self._bucket_ready, done=self._accumulate_bucket,
+                                   on_grad=self._stage_gradient if self.contiguous_gradients else None)
         self._offset = {p: off for b in self.layout.buckets for p, off in zip(b.params, b.offsets)}
 
     def _staging_buffer(self, b) -> torch.Tensor:
-        if b.index not in self._staging:                 # zeros: unused parameters reduce as zeros
-            self._staging[b.index] = torch.zeros(b.padded_numel, dtype=self.dtype, device=self.device)
-        return self._staging[b.index]                    # [Ψ_b padded]
+        if b.index not in self.staging:                  # zeros: unused parameters reduce as zeros
+            self.staging[b.index] = torch.zeros(b.padded_numel, dtype=self.dtype, device=self.device)
+        return self.staging[b.index]                     # [Ψ_b padded]
 
     def _stage_gradient(self, p, b) -> None:
         """Runs inside backward as soon as p's gradient is complete: move it into its bucket's staging
@@ -63,11 +67,22 @@ class Zero2(Zero1):
         self._staging_buffer(b)[self._offset[p]:][: p.numel()].copy_(p.grad.reshape(-1))
         p.grad = None                                    # <- the essential line: full gradient freed
 
-    def _reduce_scatter_bucket(self, b):
-        """Runs inside backward when every parameter of bucket b has its gradient staged."""
+    def _bucket_ready(self, b):
+        """The reducer calls this inside backward once every gradient of bucket b is complete. Stage 3
+        overrides it: there a bucket is a unit, whose post-backward also frees its parameters."""
+        return self.reduce_scatter_grads(b)
+
+    def reduce_scatter_grads(self, b):
+        """Bucket b's gradients are complete: stage them (those not staged yet), free every p.grad, and
+        start the reduce-scatter that averages the staging buffer over ranks, rank r's partition receiving
+        the average of partition r. Returns the async handle; when it completes, _accumulate_bucket adds
+        that partition into grad_shard from self.staging[b.index]. Inside no_sync() nothing happens (None):
+        gradients keep accumulating in p.grad.
+
+        The seam others build on: stage 3's Unit.post_backward calls it, exercise 4's grader replaces it."""
         if not self._sync:
             return None
-        for p in b.params:                               # accumulated under no_sync() but unused now
+        for p in b.params:              # not streamed in: accumulated under no_sync(), or contiguous off
             if p.grad is not None:
                 self._stage_gradient(p, b)
         staging = self._staging_buffer(b)
@@ -75,7 +90,7 @@ class Zero2(Zero1):
         return comm.reduce_scatter(self.layout.my_partition(staging, b), staging, op="avg", async_op=True)
 
     def _accumulate_bucket(self, b) -> None:
-        staging = self._staging.pop(b.index)
+        staging = self.staging.pop(b.index)
         self.layout.shard(self.grad_shard, b).add_(self.layout.my_partition(staging, b))
 
     def _after_backward(self) -> None:
@@ -88,4 +103,4 @@ class Zero2(Zero1):
         self.grad_shard.zero_()
 
     def _extra_tensors(self, category):
-        return [self.grad_shard, *self._staging.values()] if category == "grads" else []
+        return [self.grad_shard, *self.staging.values()] if category == "grads" else []

@@ -5,27 +5,34 @@
 
 What each rank holds (paper, section 5.3): (2 + 2 + K)Ψ/N bytes; memory falls linearly with N
 (16Ψ -> 0.25Ψ for Adam with N = 64), plus the few *units* that are gathered at any moment.
+Communication per step: all-gather Ψ (forward) + all-gather Ψ (backward) + reduce-scatter Ψ = 3Ψ, 1.5x
+DDP: the price of not replicating parameters.
 
-Read zero2.py first: this file is only what stage 3 changes.
-  * Units. The model is cut into units (default: the blocks of its first nn.ModuleList, plus the root,
-    the model itself, holding everything else). Each unit's parameters form one bucket (flat.py), padded
-    and partitioned: rank r keeps partition r of every unit in `param_shard` [Ψ/N]; the full bucket
-    buffer of a unit exists only while the unit is gathered. A parameter used by two units (the GPT's
-    embedding tied to its output head) belongs to the innermost unit containing both uses, so it is
-    gathered for as long as either use needs it: no hang, no stale copy.
-  * Forward: a pre-hook all-gathers the unit (Ψ_u), its forward runs, a post-hook frees it.
+Read zero2.py first: this file is what stage 3 changes, told as what happens to a unit.
+  * A unit is a module whose parameters (minus those of the units inside it) are gathered, used and freed
+    together; they form one bucket (flat.py), padded and partitioned: rank r keeps partition r of every
+    unit in `param_shard` [Ψ/N]; a unit's full buffer [Ψ_u] exists only while it is gathered. The model
+    itself is always a unit: it owns whatever no other unit does. Default units (`default_units`): a
+    transformer's blocks, otherwise submodules of at most Ψ/8 parameters each; `units=` chooses them.
+  * Forward: the unit's pre-forward all-gathers it (Ψ_u), its forward runs, its post-forward frees it.
   * Backward: a hook on the unit's outputs fires just before the unit's backward and gathers it again
-    (Ψ_u); when the unit's gradients are complete they are reduce-scattered exactly as in stage 2 (the
-    unit is the bucket) and the full parameters are freed.
+    (Ψ_u); when the unit's gradients are complete its post-backward reduce-scatters them exactly as stage
+    2 does (Zero2.reduce_scatter_grads: the unit is the bucket) and frees the full parameters.
   * Prefetch: while unit i computes, unit i+1 (in the order recorded on the first step, reversed for
     backward) is already being gathered, overlapping communication with compute (DeepSpeed's
     partitioned_param_coordinator, FSDP's forward/backward prefetch). `prefetch=False` turns it off.
   * Step: the optimizer updates param_shard in place; nothing is all-gathered after the step, the next
     forward gathers what it needs.
-Communication per step: all-gather Ψ (forward) + all-gather Ψ (backward) + reduce-scatter Ψ = 3Ψ, 1.5x
-DDP: the price of not replicating parameters.
 offload="params" (ZeRO-Infinity style) keeps param_shard in host memory; each gather copies the unit's
 partition to the device first. The optimizer always steps on the host then (offload.py).
+
+[Note: recompute] Activation checkpointing (torch.utils.checkpoint, Hugging Face's
+gradient_checkpointing_enable()) runs a unit's forward again inside backward, hooks included. That forward
+must neither free the unit afterwards (its backward is about to use the parameters) nor prefetch in
+forward order. A unit knows it is being recomputed from its training state: engine.backward() puts every
+unit in PRE_BACKWARD, so a forward that starts there is a recompute, whether it comes after the unit's
+pre-backward hook (non-reentrant checkpointing) or before it (reentrant: the forward ran under no_grad,
+so the only pre-backward hooks are those the recompute registers). The unit is freed by post_backward.
 
 Limitation (as FSDP without meta-device init): the model is built in full on each rank before wrapping.
 """
@@ -33,152 +40,197 @@ Limitation (as FSDP without meta-device init): the model is built in full on eac
 from __future__ import annotations
 
 import time
+import warnings
 from functools import partial
 
 import torch
 from torch import nn
 
 from minizero import comm
+from minizero.flat import Bucket
+from minizero.zero1 import Zero1
 from minizero.zero2 import Zero2
 
-FREE, IN_FLIGHT, GATHERED = "free", "in flight", "gathered"
+FREE, IN_FLIGHT, GATHERED = "free", "in flight", "gathered"              # what unit.full holds
+IDLE, FORWARD, PRE_BACKWARD = "idle", "forward", "pre-backward"          # where the step is, for the unit
+UNIT_SHARE = 1 / 8       # default units without transformer blocks hold at most Ψ/8 each (default_units)
+
+
+class Unit:
+    """One unit: its module, its buffers, its state, and what each hook does to it.
+
+    full   [Ψ_u padded]  the unit's parameters end to end; the module's parameters are views of it. Its
+                         storage is 0 bytes while FREE (shape kept) and allocated while IN_FLIGHT/GATHERED.
+    shard  [Ψ_u / N]     this rank's partition, a view into the engine's param_shard: all that persists
+                         between uses, updated in place by the optimizer.
+    training_state       IDLE -pre_forward-> FORWARD -post_forward-> IDLE; engine.backward() -> PRE_BACKWARD
+                         -post_backward-> IDLE. A forward starting in PRE_BACKWARD is a recompute.
+    """
+
+    def __init__(self, engine: Zero3, module: nn.Module, name: str, bucket: Bucket):
+        self.engine, self.module, self.name, self.bucket = engine, module, name, bucket
+        layout = engine.layout
+        self.full = torch.zeros(bucket.padded_numel, dtype=engine.dtype, device=engine.device)
+        for p, view in bucket.views(self.full):
+            view.copy_(p.detach())
+        self.shard = layout.shard(engine.param_shard, bucket)
+        self.shard.copy_(layout.my_partition(self.full, bucket))
+        layout.point_bucket_into(bucket, self.full)       # the module's parameters become views of `full`
+        self.state, self.training_state = GATHERED, IDLE
+        self._in_flight = None                            # (all-gather handle, its input) while IN_FLIGHT
+        self.free()                                       # ... which is released right away
+
+    # --- buffers --------------------------------------------------------------------------------------
+    def gather(self, async_op: bool = False) -> None:
+        """Materialize `full` from the N shards (async_op: only start doing so, a prefetch)."""
+        if self.state == GATHERED or (self.state == IN_FLIGHT and async_op):
+            return
+        if self.state == FREE:
+            self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())   # allocate
+            mine = self.shard
+            if self.engine.offload_params:                # host -> device, explicit (also on a CPU run)
+                mine = mine.to(self.full.device, copy=True, non_blocking=True)
+            handle = comm.all_gather(self.full, mine, async_op=True)     # <- the essential line of stage 3
+            self._in_flight, self.state = (handle, mine), IN_FLIGHT
+            self.engine._record("prefetch" if async_op else "gather", self)
+            if async_op:
+                return
+        self._wait()
+        self.state = GATHERED
+        self.engine._track_peak()                         # units gathered: the parameter peak
+
+    def free(self) -> None:
+        """Release `full`: 0 bytes, shape kept, so the parameters stay views of it."""
+        if self.state == IN_FLIGHT:
+            self._wait()                                  # never free a buffer a collective is writing
+        if self.state != FREE:
+            self.engine._record("free", self)
+        self.full.untyped_storage().resize_(0)
+        self.state = FREE
+
+    def _wait(self) -> None:
+        self._in_flight[0].wait()
+        self._in_flight = None
+
+    def reduce_scatter_grads(self):
+        """Stage 2's reduce-scatter of this unit's gradients (Zero2.reduce_scatter_grads): the async handle."""
+        return self.engine.reduce_scatter_grads(self.bucket)
+
+    # --- lifecycle: Zero3 calls these from the module's forward hooks and from autograd ------------------
+    def pre_forward(self) -> None:
+        if self.training_state == PRE_BACKWARD:           # backward recomputes this forward [Note: recompute]
+            self.gather()                                 # reentrant: its first use in this backward
+            return
+        self.training_state = FORWARD
+        self.gather()
+        self.engine._prefetch_after(self, self.engine.forward_order)
+
+    def post_forward(self) -> None:
+        if self.training_state == PRE_BACKWARD:           # a recompute: its backward needs the parameters
+            return
+        self.training_state = IDLE
+        self.free()                                       # <- stage 3's saving: free after forward
+
+    def pre_backward(self) -> None:
+        """The gradient of the unit's output is known: its backward is next."""
+        self.training_state = PRE_BACKWARD
+        self.gather()
+        self.engine._prefetch_after(self, self.engine.backward_order)
+
+    def post_backward(self):
+        """Every gradient of the unit is complete: reduce-scatter them, free the parameters; the handle."""
+        handle = self.reduce_scatter_grads()
+        self.training_state = IDLE
+        self.free()
+        return handle
 
 
 class Zero3(Zero2):
+    """Builds the units, connects the model's forward hooks and autograd to their lifecycle, and runs
+    stage 2's reducer with one bucket per unit."""
     stage = 3
     offload_choices = (False, True, "optimizer", "params")
+    unit_class = Unit        # what units are made of: exercise 5's grader brings a Unit with the learner's hooks
 
     def __init__(self, model, optimizer, *, units: list[nn.Module] | None = None, prefetch: bool = True,
                  **kwargs):
         self.prefetch = prefetch
         self.offload_params = kwargs.get("offload") == "params"
-        self._unit_spec = units
         self.timeline: list[tuple[float, str, int]] | None = None       # set to [] to record events
-        super().__init__(model, optimizer, **kwargs)
-        for b, unit in zip(self.layout.buckets, self.unit_modules):
-            unit.register_forward_pre_hook(partial(self._pre_forward, b))
-            unit.register_forward_hook(partial(self._post_forward, b))
-        self._forward_order: list = []       # buckets in pre-forward order, recorded on the first step
-        self._finished_order: list = []      # buckets in post-forward order; reversed = backward order
-        names = {id(m): n or "<root>" for n, m in self.module.named_modules()}
-        self.unit_names = [names[id(u)] for u in self.unit_modules]     # by bucket index
+        chosen = default_units(model) if units is None else units
+        self._unit_modules, self._unit_params = assign_units(model, chosen)
+        # Not Zero2.__init__: its one option, bucket_size, means nothing here (stage 3's buckets are units).
+        Zero1.__init__(self, model, optimizer, **kwargs)
+        self.forward_order: list[Unit] = []     # pre-forward order, recorded on the first step
+        self.backward_order: list[Unit] = []    # reverse post-forward order: the order backward runs units
+        for unit in self.units:
+            unit.module.register_forward_pre_hook(partial(self._on_pre_forward, unit))
+            unit.module.register_forward_hook(partial(self._on_post_forward, unit))
+        largest = max(self.units, key=lambda unit: unit.bucket.numel)
+        share = largest.bucket.numel / self.layout.numel
+        if units is not None and share > 0.5:     # gathered whole, it is most of the model: little saved
+            warnings.warn(f"stage 3: unit {largest.name!r} holds {share:.0%} of the parameters; pass units= "
+                          "with smaller submodules (e.g. each block)", stacklevel=3)
 
-    def _record(self, event: str, b) -> None:
-        if self.timeline is not None:   # (time, "gather" | "prefetch" | "free", bucket index)
-            self.timeline.append((time.perf_counter(), event, b.index))
+    @property
+    def unit_names(self) -> list[str]:
+        return [unit.name for unit in self.units]         # by bucket index
 
-    # --- units: which parameters each one owns ------------------------------------------------------------
     def _param_groups(self):
-        model = self.module
-        spec = self._unit_spec if self._unit_spec is not None else _default_units(model)
-        units = [model] + [u for u in spec if u is not model]
-        members = {id(u): {id(m) for m in u.modules()} for u in units}
-        holders: dict[int, list[nn.Module]] = {}           # parameter -> modules that hold it directly
-        for m in model.modules():
-            for p in m._parameters.values():
-                if p is not None:
-                    holders.setdefault(id(p), []).append(m)
-        owned: dict[int, list] = {id(u): [] for u in units}
-        for p in self.trainable:
-            # the innermost unit that contains every module using p (a tied weight: their common ancestor)
-            owner = min((u for u in units if all(id(h) in members[id(u)] for h in holders[id(p)])),
-                        key=lambda u: len(members[id(u)]))
-            owned[id(owner)].append(p)
-        # Bucket order = reverse registration order: the order in which backward completes units (the root
-        # last, since the tied embedding's gradient is finished only at the very end).
-        kept = [u for u in reversed(units) if owned[id(u)]]
-        self.unit_modules = kept
-        return [owned[id(u)] for u in kept]
+        return self._unit_params                          # one bucket per unit
 
-    # --- parameters: only this rank's partition persists ----------------------------------------------
+    # --- parameters: only this rank's partition persists; each unit holds its full buffer ----------------
     def _init_parameters(self) -> None:
         home = torch.device("cpu") if self.offload_params else self.device
         pin = self.offload_params and self.device.type == "cuda"
         self.param_shard = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=home,
                                        pin_memory=pin)                          # [Ψ/N]
-        self.full_params: dict[int, torch.Tensor] = {}    # bucket -> [Ψ_u padded], storage 0 when free
-        self._state: dict[int, str] = {}
-        self._pending: dict[int, tuple] = {}              # bucket -> (handle, device copy of partition)
-        for b in self.layout.buckets:
-            full = torch.zeros(b.padded_numel, dtype=self.dtype, device=self.device)
-            for p, view in b.views(full):
-                view.copy_(p.detach())
-            self.layout.shard(self.param_shard, b).copy_(self.layout.my_partition(full, b))
-            self.layout.point_bucket_into(b, full)        # parameters become views of the unit buffer
-            self.full_params[b.index] = full
-            self._state[b.index] = GATHERED
-            self._free(b)                                 # ... which is released right away
+        names = {id(m): name or "<root>" for name, m in self.module.named_modules()}
+        self.units = [self.unit_class(self, m, names[id(m)], b)
+                      for m, b in zip(self._unit_modules, self.layout.buckets)]
 
     def _my_params(self, b) -> torch.Tensor:
-        return self.layout.shard(self.param_shard, b)    # the optimizer updates the shard in place
+        return self.units[b.index].shard                  # the optimizer updates the shard in place
 
-    def _gather(self, b, async_op: bool = False) -> None:
-        """Make unit b's full parameters available (or, async_op, start doing so: a prefetch)."""
-        state = self._state[b.index]
-        if state == GATHERED or (state == IN_FLIGHT and async_op):
-            return
-        if state == IN_FLIGHT:
-            self._pending.pop(b.index)[0].wait()
-        else:
-            full = self.full_params[b.index]
-            full.untyped_storage().resize_(full.numel() * full.element_size())   # allocate [Ψ_u padded]
-            mine = self.layout.shard(self.param_shard, b)
-            if self.offload_params:
-                mine = mine.to(self.device, copy=True, non_blocking=True)      # host -> device, explicit
-            handle = comm.all_gather(full, mine, async_op=True)     # <- the essential line of stage 3
-            self._record("prefetch" if async_op else "gather", b)
-            if async_op:
-                self._pending[b.index] = (handle, mine)
-                self._state[b.index] = IN_FLIGHT
-                return
-            handle.wait()
-        self._state[b.index] = GATHERED
-        self._track_peak()
+    # --- hooks: the model's modules and autograd drive each unit's lifecycle ------------------------------
+    def _on_pre_forward(self, unit: Unit, module, args) -> None:
+        if unit not in self.forward_order:
+            self.forward_order.append(unit)
+        unit.pre_forward()
 
-    def _free(self, b) -> None:
-        if self._state[b.index] == IN_FLIGHT:
-            self._pending.pop(b.index)[0].wait()          # never free a buffer a collective is writing
-        if self._state[b.index] != FREE:
-            self._record("free", b)
-        self.full_params[b.index].untyped_storage().resize_(0)
-        self._state[b.index] = FREE
-
-    # --- forward hooks ----------------------------------------------------------------------------------
-    def _pre_forward(self, b, module, args) -> None:
-        if b not in self._forward_order:
-            self._forward_order.append(b)
-        self._gather(b)
-        self._prefetch_after(b, self._forward_order)
-
-    def _post_forward(self, b, module, args, output) -> None:
-        if b not in self._finished_order:
-            self._finished_order.append(b)
-        if torch.is_grad_enabled():
+    def _on_post_forward(self, unit: Unit, module, args, output) -> None:
+        if unit not in self.backward_order:
+            self.backward_order.insert(0, unit)
+        unit.post_forward()
+        if torch.is_grad_enabled():                       # backward will need the parameters again
             for t in _tensors(output):
                 if t.requires_grad:
-                    t.register_hook(partial(self._pre_backward, b))
-        self._free(b)
+                    t.register_hook(lambda grad: unit.pre_backward())
 
-    # --- backward hooks ---------------------------------------------------------------------------------
-    def _pre_backward(self, b, grad) -> None:
-        """Fires when the gradient of the unit's output is known, i.e. just before the unit's backward."""
-        self._gather(b)
-        self._prefetch_after(b, self._finished_order[::-1])
+    def _prefetch_after(self, unit: Unit, order: list[Unit]) -> None:
+        # the next unit's all-gather runs while this one computes
+        following = order.index(unit) + 1
+        if self.prefetch and following < len(order):
+            order[following].gather(async_op=True)
 
-    def _prefetch_after(self, b, order: list) -> None:
-        if self.prefetch and b in order and order.index(b) + 1 < len(order):
-            self._gather(order[order.index(b) + 1], async_op=True)
+    def _record(self, event: str, unit: Unit) -> None:
+        if self.timeline is not None:   # (time, "gather" | "prefetch" | "free", bucket index)
+            self.timeline.append((time.perf_counter(), event, unit.bucket.index))
 
-    def _reduce_scatter_bucket(self, b):
-        handle = super()._reduce_scatter_bucket(b)       # stage 2: stage, free p.grad, reduce-scatter
-        self._free(b)                                    # the unit's backward is done: drop full params
-        return handle
+    # --- backward -----------------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        for unit in self.units:                           # a forward from here on is a recompute
+            unit.training_state = PRE_BACKWARD            # [Note: recompute]
+        super().backward(loss)
+
+    def _bucket_ready(self, b):
+        return self.units[b.index].post_backward()        # the reducer calls it in bucket order
 
     def _after_backward(self) -> None:
-        super()._after_backward()
-        for b in self.layout.buckets:                    # units whose backward never ran (unused)
-            if self._state[b.index] != FREE:
-                self._free(b)
+        super()._after_backward()                         # post_backward of units that got no gradient
+        for unit in self.units:                           # and units a prefetch gathered after it
+            unit.free()
+            unit.training_state = IDLE
 
     # --- step: nothing to gather, the shards were updated in place ---------------------------------------
     def _after_step(self) -> None:
@@ -190,12 +242,55 @@ class Zero3(Zero2):
         return extra + [self.param_shard] if category == shard_category else extra
 
 
-def _default_units(model: nn.Module) -> list[nn.Module]:
-    """The modules of the first nn.ModuleList (a transformer's blocks), like FSDP's per-layer wrapping."""
+# --- which parameters each unit owns ----------------------------------------------------------------------
+def default_units(model: nn.Module) -> list[nn.Module]:
+    """The units when none are given, so that no unit holds much of Ψ (the trainable parameters).
+
+    1. A transformer: the blocks of the first nn.ModuleList holding most of Ψ, if none holds more than half:
+       one unit per block, as FSDP users wrap; the model keeps the rest (embeddings, head), < Ψ/2.
+    2. Any other model, by size (FSDP's size-based auto-wrap, turned to bound the largest unit): walking
+       down from the model, a submodule holding at most UNIT_SHARE·Ψ is a unit; a bigger one is a unit of
+       the parameters it holds directly, and its children are visited in turn. No unit exceeds Ψ/8 but
+       the parameters one module holds directly (a single big weight, say) and a weight tied across units.
+    Why Ψ/8: with prefetch two units are gathered at once, so parameters peak near Ψ/N + Ψ/4; smaller
+    units save little more and each costs one more all-gather (and its latency) per use.
+    """
+    size = {id(m): sum(p.numel() for p in m.parameters() if p.requires_grad) for m in model.modules()}
+    total = size[id(model)]
     for m in model.modules():
-        if isinstance(m, nn.ModuleList):
+        if isinstance(m, nn.ModuleList) and size[id(m)] > total / 2 and all(size[id(b)] <= total / 2 for b in m):
             return list(m)
-    return []
+    units = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            units.append(child)
+            if size[id(child)] > UNIT_SHARE * total:
+                visit(child)
+    visit(model)
+    return units
+
+
+def assign_units(model: nn.Module, units: list[nn.Module]) -> tuple[list[nn.Module], list[list[nn.Parameter]]]:
+    """(unit modules, the trainable parameters each owns), in bucket order; the model is always a unit.
+
+    A parameter belongs to the innermost unit containing every module that holds it, so a weight tied
+    across units (the GPT's embedding and head) is gathered whenever either use needs it. Units owning
+    nothing are dropped. Bucket order is reverse registration order: the order in which backward
+    completes units (the model last: the tied embedding's gradient is finished only at the very end)."""
+    units = list({id(u): u for u in [model, *units]}.values())
+    members = {id(u): {id(m) for m in u.modules()} for u in units}
+    holders: dict[int, set[int]] = {}                     # parameter -> modules that hold it directly
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            holders.setdefault(id(p), set()).add(id(m))
+    owned: dict[int, list[nn.Parameter]] = {id(u): [] for u in units}
+    for p in model.parameters():
+        if p.requires_grad:
+            owner = min((u for u in units if holders[id(p)] <= members[id(u)]), key=lambda u: len(members[id(u)]))
+            owned[id(owner)].append(p)
+    kept = [u for u in reversed(units) if owned[id(u)]]
+    return kept, [owned[id(u)] for u in kept]
 
 
 def _tensors(output) -> list[torch.Tensor]:

@@ -1,5 +1,5 @@
-"""Exercise 5, answer: what minizero's stage 3 does in Zero3._gather / Zero3._free (zero3.py), without
-its prefetching and bookkeeping, and where it does it."""
+"""Exercise 5, answer: what minizero's stage 3 does in Unit.gather / Unit.free (zero3.py), without its
+prefetching and bookkeeping, and where it does it (Unit.pre_forward ... Unit.post_backward)."""
 
 from minizero import comm
 
