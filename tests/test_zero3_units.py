@@ -17,8 +17,8 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import minizero
 from minizero import comm
-from minizero.model import GPT, make_model
-from minizero.train import TrainConfig, forward_backward
+from minizero.lab.model import GPT, make_model
+from minizero.lab.train import TrainConfig, forward_backward
 from _checks import assert_matches_reference
 
 # How a block's forward is recomputed in backward (torch.utils.checkpoint). Hugging Face's
