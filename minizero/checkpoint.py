@@ -88,8 +88,9 @@ def save(engine, directory: str) -> None:
     os.makedirs(vdir, exist_ok=True)
     mine = f"rank{engine.rank}.pt"
     files = {mine: _write_torch(os.path.join(vdir, mine), _shard_state(engine))}
+    replicated = _replicated_state(engine)                    # collective: stage 3 gathers frozen parameters
     if engine.rank == 0:
-        files["replicated.pt"] = _write_torch(os.path.join(vdir, "replicated.pt"), _replicated_state(engine))
+        files["replicated.pt"] = _write_torch(os.path.join(vdir, "replicated.pt"), replicated)
     everyone = comm.all_gather_object(files)                  # returns once every shard is on disk
     if engine.rank == 0:
         manifest = {**describe(engine), "version": version, "step": engine.step_count,

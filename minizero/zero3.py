@@ -12,7 +12,10 @@ Read zero2.py first: this file is what stage 3 changes, told as what happens to 
   * A unit is a module whose parameters (minus those of the units inside it) are gathered, used and freed
     together; they form one bucket (flat.py), padded and partitioned: rank r keeps partition r of every
     unit in `param_shard` [Ψ/N]; a unit's full buffer [Ψ_u] exists only while it is gathered. The model
-    itself is always a unit: it owns whatever no other unit does. Default units (`default_units`): a
+    itself is always a unit: it owns whatever no other unit does. Frozen parameters (Ψ_f: a fine-tuned
+    base, LoRA's frozen weights) are partitioned the same way in a second buffer of the unit, gathered and
+    freed with it, never reduced and never stepped: (Ψ + Ψ_f)·2/N bytes of parameters per rank, and
+    2Ψ_f more all-gathered per step. Default units (`default_units`): a
     transformer's blocks, otherwise submodules of at most Ψ/8 parameters each; `units=` chooses them.
   * Forward: the unit's pre-forward all-gathers it (Ψ_u), its forward runs, its post-forward frees it.
   * Backward: a hook on the unit's outputs fires just before the unit's backward and gathers it again
@@ -34,7 +37,10 @@ unit in PRE_BACKWARD, so a forward that starts there is a recompute, whether it 
 pre-backward hook (non-reentrant checkpointing) or before it (reentrant: the forward ran under no_grad,
 so the only pre-backward hooks are those the recompute registers). The unit is freed by post_backward.
 
-Limitation (as FSDP without meta-device init): the model is built in full on each rank before wrapping.
+A model built under minizero.sharded_init (construct.py) arrives as per-parameter partitions: each unit
+gathers its parameters' values from them when it is built, one unit at a time, so no rank ever holds the
+whole model. A unit with nothing to train (a frozen block) is gathered for its backward and freed when
+backward ends: no gradient of its own tells when its backward is done.
 """
 
 from __future__ import annotations
@@ -46,8 +52,8 @@ from functools import partial
 import torch
 from torch import nn
 
-from minizero import comm
-from minizero.flat import Bucket
+from minizero import comm, construct
+from minizero.flat import Bucket, FlatLayout
 from minizero.zero1 import Zero1
 from minizero.zero2 import Zero2
 
@@ -59,26 +65,49 @@ UNIT_SHARE = 1 / 8       # default units without transformer blocks hold at most
 class Unit:
     """One unit: its module, its buffers, its state, and what each hook does to it.
 
-    full   [Ψ_u padded]  the unit's parameters end to end; the module's parameters are views of it. Its
-                         storage is 0 bytes while FREE (shape kept) and allocated while IN_FLIGHT/GATHERED.
+    full   [Ψ_u padded]  the unit's trainable parameters end to end; the module's parameters are views of
+                         it. Its storage is 0 bytes while FREE (shape kept), allocated while IN_FLIGHT/GATHERED.
     shard  [Ψ_u / N]     this rank's partition, a view into the engine's param_shard: all that persists
                          between uses, updated in place by the optimizer.
+    frozen_full, frozen_shard   the same for the unit's frozen parameters (empty if it has none): gathered
+                         and freed with `full`, never reduced or stepped.
     training_state       IDLE -pre_forward-> FORWARD -post_forward-> IDLE; engine.backward() -> PRE_BACKWARD
                          -post_backward-> IDLE. A forward starting in PRE_BACKWARD is a recompute.
     """
 
-    def __init__(self, engine: Zero3, module: nn.Module, name: str, bucket: Bucket):
+    def __init__(self, engine: Zero3, module: nn.Module, name: str, bucket: Bucket | None,
+                 frozen: list[nn.Parameter]):
         self.engine, self.module, self.name, self.bucket = engine, module, name, bucket
-        layout = engine.layout
-        self.full = torch.zeros(bucket.padded_numel, dtype=engine.dtype, device=engine.device)
-        for p, view in bucket.views(self.full):
-            view.copy_(p.detach())
-        self.shard = layout.shard(engine.param_shard, bucket)
-        self.shard.copy_(layout.my_partition(self.full, bucket))
-        layout.point_bucket_into(bucket, self.full)       # the module's parameters become views of `full`
+        self.params = (bucket.params if bucket else []) + list(frozen)      # what this unit owns
+        self.numel = sum(p.numel() for p in self.params)
+        layout, home = engine.layout, engine.param_shard.device
+        self.full, self.shard = self._build(bucket, layout, lambda b: layout.shard(engine.param_shard, b))
+        self.frozen_bucket = FlatLayout.build([frozen], engine.world_size, engine.rank).buckets[0] if frozen else None
+        self.frozen_full, self.frozen_shard = self._build(       # [Ψ_f,u padded], [Ψ_f,u / N] of its own
+            self.frozen_bucket, layout, lambda b: torch.empty(b.shard_numel, dtype=engine.dtype, device=home))
         self.state, self.training_state = GATHERED, IDLE
-        self._in_flight = None                            # (all-gather handle, its input) while IN_FLIGHT
+        self._in_flight: list = []                        # (all-gather handle, its input) while IN_FLIGHT
         self.free()                                       # ... which is released right away
+
+    def _build(self, bucket: Bucket | None, layout, shard_of) -> tuple[torch.Tensor, torch.Tensor]:
+        """A full buffer holding the bucket's parameters (the module's parameters become views of it) and
+        this rank's partition of it; empty ones for no bucket."""
+        engine = self.engine
+        if bucket is None:
+            empty = torch.empty(0, dtype=engine.dtype, device=engine.device)
+            return empty, empty
+        full = torch.zeros(bucket.padded_numel, dtype=engine.dtype, device=engine.device)
+        for p, view in bucket.views(full):
+            part = construct.partition_of(p)              # built by sharded_init: values from the ranks
+            view.copy_(construct.full_value(p) if part else p.detach())
+            construct.forget(p)
+        shard = shard_of(bucket)
+        shard.copy_(layout.my_partition(full, bucket))
+        layout.point_bucket_into(bucket, full)
+        return full, shard
+
+    def _buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(self.full, self.shard), (self.frozen_full, self.frozen_shard)]
 
     # --- buffers --------------------------------------------------------------------------------------
     def gather(self, async_op: bool = False) -> None:
@@ -86,12 +115,14 @@ class Unit:
         if self.state == GATHERED or (self.state == IN_FLIGHT and async_op):
             return
         if self.state == FREE:
-            self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())   # allocate
-            mine = self.shard
-            if self.engine.offload_params:                # host -> device, explicit (also on a CPU run)
-                mine = mine.to(self.full.device, copy=True, non_blocking=True)
-            handle = comm.all_gather(self.full, mine, async_op=True)     # <- the essential line of stage 3
-            self._in_flight, self.state = (handle, mine), IN_FLIGHT
+            for full, shard in self._buffers():
+                full.untyped_storage().resize_(full.numel() * full.element_size())   # allocate
+                mine = shard
+                if self.engine.offload_params:            # host -> device, explicit (also on a CPU run)
+                    mine = mine.to(full.device, copy=True, non_blocking=True)
+                handle = comm.all_gather(full, mine, async_op=True)     # <- the essential line of stage 3
+                self._in_flight.append((handle, mine))
+            self.state = IN_FLIGHT
             self.engine._record("prefetch" if async_op else "gather", self)
             if async_op:
                 return
@@ -105,12 +136,20 @@ class Unit:
             self._wait()                                  # never free a buffer a collective is writing
         if self.state != FREE:
             self.engine._record("free", self)
-        self.full.untyped_storage().resize_(0)
+        for full, _ in self._buffers():
+            full.untyped_storage().resize_(0)
         self.state = FREE
 
     def _wait(self) -> None:
-        self._in_flight[0].wait()
-        self._in_flight = None
+        for handle, _ in self._in_flight:
+            handle.wait()
+        self._in_flight = []
+
+    def keep_written(self) -> None:
+        """The full parameters were written (engine.gathered(modifier_rank=...)): keep this rank's part."""
+        for full, shard in self._buffers():
+            if full.numel():
+                shard.copy_(full[self.engine.rank * shard.numel():][: shard.numel()])
 
     def reduce_scatter_grads(self):
         """Stage 2's reduce-scatter of this unit's gradients (Zero2.reduce_scatter_grads): the async handle."""
@@ -158,7 +197,7 @@ class Zero3(Zero2):
         self.offload_params = kwargs.get("offload") == "params"
         self.timeline: list[tuple[float, str, int]] | None = None       # set to [] to record events
         chosen = default_units(model) if units is None else units
-        self._unit_modules, self._unit_params = assign_units(model, chosen)
+        self._unit_modules, self._unit_params, self._unit_frozen = assign_units(model, chosen)
         # Not Zero2.__init__: its one option, bucket_size, means nothing here (stage 3's buckets are units).
         Zero1.__init__(self, model, optimizer, **kwargs)
         self.forward_order: list[Unit] = []     # pre-forward order, recorded on the first step
@@ -166,18 +205,18 @@ class Zero3(Zero2):
         for unit in self.units:
             unit.module.register_forward_pre_hook(partial(self._on_pre_forward, unit))
             unit.module.register_forward_hook(partial(self._on_post_forward, unit))
-        largest = max(self.units, key=lambda unit: unit.bucket.numel)
-        share = largest.bucket.numel / self.layout.numel
+        largest = max(self.units, key=lambda unit: unit.numel)
+        share = largest.numel / sum(unit.numel for unit in self.units)
         if units is not None and share > 0.5:     # gathered whole, it is most of the model: little saved
             warnings.warn(f"stage 3: unit {largest.name!r} holds {share:.0%} of the parameters; pass units= "
                           "with smaller submodules (e.g. each block)", stacklevel=3)
 
     @property
     def unit_names(self) -> list[str]:
-        return [unit.name for unit in self.units]         # by bucket index
+        return [unit.name for unit in self.units]         # by unit index (as in timeline events)
 
     def _param_groups(self):
-        return self._unit_params                          # one bucket per unit
+        return [group for group in self._unit_params if group]      # one bucket per unit that trains
 
     # --- parameters: only this rank's partition persists; each unit holds its full buffer ----------------
     def _init_parameters(self) -> None:
@@ -186,11 +225,15 @@ class Zero3(Zero2):
         self.param_shard = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=home,
                                        pin_memory=pin)                          # [Ψ/N]
         names = {id(m): name or "<root>" for name, m in self.module.named_modules()}
-        self.units = [self.unit_class(self, m, names[id(m)], b)
-                      for m, b in zip(self._unit_modules, self.layout.buckets)]
+        buckets = iter(self.layout.buckets)
+        self.units = [self.unit_class(self, m, names[id(m)], next(buckets) if trains else None, frozen)
+                      for m, trains, frozen in zip(self._unit_modules, self._unit_params, self._unit_frozen)]
+        self._unit_of_bucket = {unit.bucket.index: unit for unit in self.units if unit.bucket is not None}
+        for i, unit in enumerate(self.units):
+            unit.index = i
 
     def _my_params(self, b) -> torch.Tensor:
-        return self.units[b.index].shard                  # the optimizer updates the shard in place
+        return self._unit_of_bucket[b.index].shard        # the optimizer updates the shard in place
 
     # --- hooks: the model's modules and autograd drive each unit's lifecycle ------------------------------
     def _on_pre_forward(self, unit: Unit, module, args) -> None:
@@ -215,7 +258,7 @@ class Zero3(Zero2):
 
     def _record(self, event: str, unit: Unit) -> None:
         if self.timeline is not None:   # (time, "gather" | "prefetch" | "free", bucket index)
-            self.timeline.append((time.perf_counter(), event, unit.bucket.index))
+            self.timeline.append((time.perf_counter(), event, unit.index))
 
     # --- backward -----------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
@@ -224,7 +267,7 @@ class Zero3(Zero2):
         super().backward(loss)
 
     def _bucket_ready(self, b):
-        return self.units[b.index].post_backward()        # the reducer calls it in bucket order
+        return self._unit_of_bucket[b.index].post_backward()      # the reducer calls it in bucket order
 
     def _after_backward(self) -> None:
         super()._after_backward()                         # post_backward of units that got no gradient
@@ -236,10 +279,30 @@ class Zero3(Zero2):
     def _after_step(self) -> None:
         pass
 
+    # --- engine.gathered(): the units holding the parameters asked for -----------------------------------
+    def _units_of(self, params) -> list[Unit]:
+        wanted = {id(p) for p in params}
+        return [u for u in self.units if any(id(p) in wanted for p in u.params)]
+
+    def _gather_for_user(self, params) -> None:
+        for unit in self._units_of(params):
+            unit.gather()
+
+    def _after_user_write(self, params) -> None:
+        for unit in self._units_of(params):
+            unit.keep_written()
+        super()._after_user_write(params)                  # the masters follow the shards
+
+    def _release_for_user(self, params) -> None:
+        for unit in self._units_of(params):
+            unit.free()
+
     def _extra_tensors(self, category):
         shard_category = "offloaded" if self.offload_params else "params"
         extra = super()._extra_tensors(category)
-        return extra + [self.param_shard] if category == shard_category else extra
+        if category == shard_category:
+            extra = extra + [self.param_shard] + [u.frozen_shard for u in self.units]
+        return extra
 
 
 # --- which parameters each unit owns ----------------------------------------------------------------------
@@ -255,7 +318,7 @@ def default_units(model: nn.Module) -> list[nn.Module]:
     Why Ψ/8: with prefetch two units are gathered at once, so parameters peak near Ψ/N + Ψ/4; smaller
     units save little more and each costs one more all-gather (and its latency) per use.
     """
-    size = {id(m): sum(p.numel() for p in m.parameters() if p.requires_grad) for m in model.modules()}
+    size = {id(m): sum(p.numel() for p in m.parameters()) for m in model.modules()}   # frozen count: memory
     total = size[id(model)]
     for m in model.modules():
         if isinstance(m, nn.ModuleList) and size[id(m)] > total / 2 and all(size[id(b)] <= total / 2 for b in m):
@@ -271,8 +334,10 @@ def default_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-def assign_units(model: nn.Module, units: list[nn.Module]) -> tuple[list[nn.Module], list[list[nn.Parameter]]]:
-    """(unit modules, the trainable parameters each owns), in bucket order; the model is always a unit.
+def assign_units(model: nn.Module, units: list[nn.Module]) -> tuple[list[nn.Module], list[list[nn.Parameter]],
+                                                                     list[list[nn.Parameter]]]:
+    """(unit modules, the trainable and the frozen parameters each owns), in bucket order; the model is
+    always a unit.
 
     A parameter belongs to the innermost unit containing every module that holds it, so a weight tied
     across units (the GPT's embedding and head) is gathered whenever either use needs it. Units owning
@@ -286,11 +351,11 @@ def assign_units(model: nn.Module, units: list[nn.Module]) -> tuple[list[nn.Modu
             holders.setdefault(id(p), set()).add(id(m))
     owned: dict[int, list[nn.Parameter]] = {id(u): [] for u in units}
     for p in model.parameters():
-        if p.requires_grad:
-            owner = min((u for u in units if holders[id(p)] <= members[id(u)]), key=lambda u: len(members[id(u)]))
-            owned[id(owner)].append(p)
+        owner = min((u for u in units if holders[id(p)] <= members[id(u)]), key=lambda u: len(members[id(u)]))
+        owned[id(owner)].append(p)
     kept = [u for u in reversed(units) if owned[id(u)]]
-    return kept, [owned[id(u)] for u in kept]
+    return (kept, [[p for p in owned[id(u)] if p.requires_grad] for u in kept],
+            [[p for p in owned[id(u)] if not p.requires_grad] for u in kept])
 
 
 def _tensors(output) -> list[torch.Tensor]:

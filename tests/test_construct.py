@@ -40,3 +40,23 @@ def test_wrap_explains_what_to_do_with_a_meta_or_sharded_model():
         model = torch.nn.Sequential(torch.nn.Linear(3, 3))
     with pytest.raises(ValueError, match="sharded_init, which partitions parameters for stage 3; stage 2"):
         minizero.wrap(model, 2, sgd)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_model_built_sharded_trains_at_stage_3_like_one_process(n):
+    from _checks import assert_matches_reference
+    from minizero.lab.reference import tolerance
+    from minizero.lab.train import TrainConfig, train_several
+    base = dict(stage=3, world_size=n, steps=3, batch_size=12, model="tiny", optimizer="sgd", lr=0.5,
+                return_state=True, model_overrides={"frozen": ("pos_emb.weight",)})
+    cfgs = [TrainConfig(**base, sharded_init=True), TrainConfig(**base, sharded_init=True, dtype="bf16",
+                                                                   offload="params")]
+    runs = minizero.launch(train_several, n, cfgs)
+    sharded = [per_rank[0] for per_rank in runs]
+    assert_matches_reference(cfgs[0], sharded, atol=1e-6)
+    for r in sharded:
+        model_bytes = r["num_params"] * 4
+        assert r["construction_peak"] < model_bytes              # never the whole model on one rank
+    bf16_offloaded = [per_rank[1] for per_rank in runs]
+    assert_matches_reference(cfgs[1], bf16_offloaded, atol=tolerance("bf16"))
+    assert all(r["memory"]["params"] == 0 and r["memory"]["offloaded"] > 0 for r in bf16_offloaded)

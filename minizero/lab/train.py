@@ -25,6 +25,7 @@ from minizero.flat import DEFAULT_BUCKET_BYTES
 from minizero.lab.data import IGNORE, global_batch, local_batch
 from minizero.lab.faults import Fault
 from minizero.lab.model import GPTConfig, make_model
+from minizero.construct import sharded_init
 from minizero.wrap import wrap
 
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
@@ -59,6 +60,7 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 0                        # rank 0 prints progress every N steps (0: quiet)
     return_state: bool = False                # include the final full_state_dict in the result
+    sharded_init: bool = False                # stage 3: build the model partitioned (minizero.sharded_init)
     # Checkpoints (minizero/checkpoint.py). `steps` counts from step 0 of the data stream, so resuming a
     # run saved after k steps with steps=k+m trains the m steps an uninterrupted run would have.
     save_dir: str | None = None               # engine.save() here after the last step
@@ -112,7 +114,9 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
     (the exercise graders) a factory of an engine subclass that calls a learner's code."""
     rank = comm.rank()
     mcfg = cfg.model_config()
-    model = make_model(mcfg, seed=cfg.seed)
+    with sharded_init() if cfg.sharded_init else contextlib.nullcontext() as init:
+        model = make_model(mcfg, seed=cfg.seed)
+    construction_peak = init.peak_bytes if init else sum(p.numel() * p.element_size() for p in model.parameters())
     if cfg.init_state:
         model.load_state_dict(torch.load(cfg.init_state, map_location="cpu", weights_only=True))
     engine = make_engine(model, cfg.stage, cfg.optimizer_factory(), offload=cfg.offload, **cfg.engine_options())
@@ -151,6 +155,7 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
         "num_params": model_num_params(engine),
         "num_frozen": sum(p.numel() for p in engine.frozen),
         "peak": engine.memory()["peak"],
+        "construction_peak": construction_peak,     # parameter bytes held while the model was built
     }
     if device.type == "cuda":
         result["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
