@@ -171,16 +171,25 @@ class Unit:
         self.free()                                       # <- stage 3's saving: free after forward
 
     def pre_backward(self) -> None:
-        """The gradient of the unit's output is known: its backward is next."""
+        """The gradient of the unit's output is known: its backward is next, and the backward of every
+        unit that used that output is done (see post_backward)."""
+        self.engine.free_finished()
         self.training_state = PRE_BACKWARD
         self.gather()
         self.engine._prefetch_after(self, self.engine.backward_order)
 
     def post_backward(self):
-        """Every gradient of the unit is complete: reduce-scatter them, free the parameters; the handle."""
+        """Every trainable gradient of the unit is complete: reduce-scatter them, free the parameters; the
+        handle. A unit with frozen parameters may still need them then: its input's gradient can flow
+        through a frozen weight after the last trainable gradient is done (LoRA: the adapters' gradients
+        come before the frozen layer norm in front of them is differentiated). Such a unit is freed when the
+        next unit's backward starts (pre_backward) or backward ends."""
         handle = self.reduce_scatter_grads()
         self.training_state = IDLE
-        self.free()
+        if self.frozen_bucket is None:
+            self.free()
+        else:
+            self.engine.finished.append(self)
         return handle
 
 
@@ -200,6 +209,7 @@ class Zero3(Zero2):
         self._unit_modules, self._unit_params, self._unit_frozen = assign_units(model, chosen)
         # Not Zero2.__init__: its one option, bucket_size, means nothing here (stage 3's buckets are units).
         Zero1.__init__(self, model, optimizer, **kwargs)
+        self.finished: list[Unit] = []          # backward done, frozen parameters still gathered (post_backward)
         self.forward_order: list[Unit] = []     # pre-forward order, recorded on the first step
         self.backward_order: list[Unit] = []    # reverse post-forward order: the order backward runs units
         for unit in self.units:
@@ -269,8 +279,15 @@ class Zero3(Zero2):
     def _bucket_ready(self, b):
         return self._unit_of_bucket[b.index].post_backward()      # the reducer calls it in bucket order
 
+    def free_finished(self) -> None:
+        """Free the units whose backward is done but whose frozen parameters were kept (post_backward)."""
+        for unit in self.finished:
+            unit.free()
+        self.finished.clear()
+
     def _after_backward(self) -> None:
         super()._after_backward()                         # post_backward of units that got no gradient
+        self.finished.clear()
         for unit in self.units:                           # and units a prefetch gathered after it
             unit.free()
             unit.training_state = IDLE

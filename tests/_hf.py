@@ -95,7 +95,8 @@ def train_case(case: Case) -> dict:
         engine.step()
         losses.append(loss.item())
     return {"rank": rank, "losses": losses, "state_dict": engine.full_state_dict(), "memory": engine.memory(),
-            "model_bytes": model_bytes, "unit_names": getattr(engine, "unit_names", None)}
+            "model_bytes": model_bytes, "unit_names": getattr(engine, "unit_names", None),
+            "trainable": sum(p.numel() for p in engine.trainable), "frozen": sum(p.numel() for p in engine.frozen)}
 
 
 def reference_train(case: Case) -> dict:

@@ -21,6 +21,7 @@ pytest.importorskip("peft")
 from _hf import Case, reference_train, train_cases  # noqa: E402 (only once the skips have passed)
 
 import minizero  # noqa: E402
+from minizero.memory import estimate_breakdown, within_padding  # noqa: E402
 
 # SGD is linear in the gradient, so 1e-6 catches any wrong scale (Adam is blind to one); AdamW divides by
 # the gradient's own size and leaves rounding of ~lr * 1e-3 on near-zero gradients (lr 1e-3 here).
@@ -36,8 +37,8 @@ def _cases() -> dict[str, Case]:
                 cases[f"{model}-stage{stage}" + "-offload" * offload] = Case(model, stage, offload, **opt)
     cases["gpt2-stage3-default-units"] = Case("gpt2", 3, units=False)
     cases["gpt2-stage3-N3"] = Case("gpt2", 3, world_size=3)        # 3 ranks: odd partitions and padding
-    for stage in (2, 3):
-        cases[f"lora-stage{stage}"] = Case("lora", stage, lr=1e-2)
+    cases["lora-stage2"] = Case("lora", 2, lr=1e-2)
+    cases["lora-stage3"] = Case("lora", 3, lr=1e-2, world_size=4, batch_size=8)   # the fine-tuning case, N = 4
     cases["gpt2-stage3-checkpointing"] = Case("gpt2", 3, checkpointing=True)
     return cases
 
@@ -82,11 +83,18 @@ def test_default_units_are_the_decoder_layers(runs):
 
 
 def test_lora_with_frozen_base_at_stage_3(runs):
-    """Correct training of the adapter; what a rank holds of the frozen base is printed, not asserted."""
-    assert_matches_reference(CASES["lora-stage3"], runs["lora-stage3"])
+    """The adapter trains like one process, and the frozen base is sharded too: parameter bytes per rank
+    are (Ψ_trainable + Ψ_frozen)·4/N up to padding, the formula of minizero.memory.estimate(frozen=Ψ_f)."""
+    case = CASES["lora-stage3"]
+    assert_matches_reference(case, runs["lora-stage3"])
     for res in runs["lora-stage3"]:
-        print(f"\nLoRA GPT-2, stage 3, N=2, rank {res['rank']}: params {res['memory']['params']} bytes "
-              f"of a {res['model_bytes']}-byte fp32 model (units {res['unit_names']})")
+        formula = estimate_breakdown(res["trainable"], case.world_size, 3, param_bytes=4, grad_bytes=4, k=8,
+                                     frozen=res["frozen"])
+        print(f"\nLoRA GPT-2, stage 3, N={case.world_size}, rank {res['rank']}: params {res['memory']['params']} "
+              f"bytes, formula {formula['params']:.0f}, whole fp32 model {res['model_bytes']}")
+        for cat in ("params", "grads", "optimizer"):
+            assert within_padding(res["memory"][cat], formula[cat], case.world_size), (cat, res["memory"], formula)
+        assert res["memory"]["params"] <= 1.02 * formula["params"] + 4 * 16 * case.world_size
 
 
 def test_activation_checkpointing_at_stage_3(runs):
