@@ -266,6 +266,32 @@ NOTEBOOKS["04_zero3"] = stage_notebook(3, "04 · ZeRO stage 3 (P_os+g+p): shard 
     md("""
     The root unit (embeddings, final LayerNorm, the head tied to the embedding) stays gathered for the
     whole forward and again for the whole backward: it runs first and last. The blocks take turns.
+    """),
+    md("""
+    ## Fine-tuning: the frozen weights are sharded too
+
+    In fine-tuning most parameters are frozen (Ψ_f: LoRA trains small adapters on a frozen base). They
+    have no gradient and no optimizer state, but they are parameters: stage 3 partitions them with their
+    unit (a second buffer, gathered and freed with it, never reduced), so per rank
+
+    $$M_{params} = \\frac{(\\Psi + \\Psi_f)\\,b_p}{N}, \\qquad M_{grads} = \\frac{b_g\\,\\Psi}{N}, \\qquad M_{optim} = \\frac{K\\,\\Psi}{N}$$
+
+    (`minizero.memory.estimate(..., frozen=Ψ_f)`). Stages 0-2 replicate them, as the paper and DeepSpeed do.
+
+    Building the model is the other place a whole copy appears: a model constructed the usual way exists in
+    full on every rank before `wrap` shards it. Under `with minizero.sharded_init():` each module's
+    parameters are partitioned as soon as the module is built (`minizero/construct.py`), so a rank holds
+    its chunks plus the module being built, never the whole model. Below: a Hugging Face GPT-2 with LoRA
+    (peft), built both ways, trained one step at stage 3 with its decoder layers as units.
+    """),
+    code("""
+    lora = demo.lora_memory(WORLD_SIZES, backend=BACKEND)         # one launch per N
+    for r in lora:
+        print(f"N = {r['world_size']}: Ψ = {r['trainable']:,} trained, Ψ_f = {r['frozen']:,} frozen; "
+              f"params {r['params']:,} B per rank (formula {r['formula']:,.0f}); building held "
+              f"{r['construction_peak']['normal']:,} B normally, {r['construction_peak']['sharded_init']:,} B sharded")
+    plots.lora_memory(lora);
+    demo.export("lora_3", {"lora": lora});
     """)])
 
 NOTEBOOKS["05_offload"] = [

@@ -249,3 +249,27 @@ def estimator_view(world_size: int, params_billion: float, dtype: str, budget_gb
     comm.set(xlabel="stage (0 = DDP)", ylabel="bytes sent per rank per step (GB)", title="Communication")
     fig.tight_layout()
     plt.show()
+
+
+def lora_memory(rows: list[dict]):
+    """Fine-tuning at stage 3: parameter bytes per rank vs N (measured, the formula, and what replicating
+    the frozen base would cost), and what building the model held, with and without sharded_init."""
+    fig, (mem, build) = plt.subplots(1, 2, figsize=(12, 4))
+    ns = [r["world_size"] for r in rows]
+    xs = np.arange(len(rows))
+    mem.bar(xs - 0.2, [r["replicated_frozen_would_be"] / KB for r in rows], 0.4, color="0.8",
+            label="if the frozen base were replicated (stages 0-2, or not sharding it)")
+    mem.bar(xs + 0.2, [r["params"] / KB for r in rows], 0.4, color="C3", label="measured, rank 0 (frozen sharded)")
+    _formula_ticks(mem, xs + 0.2, [r["formula"] / KB for r in rows], 0.4, label="(Ψ + Ψ_f)·4/N")
+    mem.set_xticks(xs, [f"N = {n}" for n in ns])
+    mem.set(ylabel="parameter bytes per rank (kB)", title="LoRA: the frozen base is sharded too")
+    mem.legend(fontsize=7, loc="upper right")
+    build.bar(xs - 0.2, [r["construction_peak"]["normal"] / KB for r in rows], 0.4, color="0.6",
+              label="built normally: the whole model")
+    build.bar(xs + 0.2, [r["construction_peak"]["sharded_init"] / KB for r in rows], 0.4, color="C2",
+              label="built under minizero.sharded_init")
+    build.set_xticks(xs, [f"N = {n}" for n in ns])
+    build.set(ylabel="parameter bytes held while building (kB)", title="Building the model, per rank")
+    build.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    return fig

@@ -39,7 +39,7 @@ EXPORTS = {
     "01_ddp": ["stage_0"],
     "02_zero1": ["stage_1"],
     "03_zero2": ["stage_2"],
-    "04_zero3": ["stage_3", "timeline_3"],
+    "04_zero3": ["stage_3", "timeline_3", "lora_3"],
     "05_offload": ["offload_5"],
     "06_compare": ["compare_6"],
 }
@@ -71,6 +71,8 @@ def test_notebook_runs_and_its_plots_match_the_formulas(name, tmp_path, monkeypa
             check_collectives(data["collectives"])
         if "intervals" in data:
             check_timeline(data)
+        if "lora" in data:
+            check_lora(data["lora"])
 
 
 def check_training_runs(records: list[dict]) -> None:
@@ -126,3 +128,16 @@ def check_timeline(data: dict) -> None:
             assert all(iv["start"] <= iv["end"] for iv in mine)
         prefetched = any(iv["how"] == "prefetch" for iv in intervals)
         assert prefetched == (prefetch == "True"), f"prefetch={prefetch}: prefetch events {prefetched}"
+
+
+def check_lora(rows: list[dict]) -> None:
+    """Frozen weights sharded: parameter bytes per rank = (Ψ + Ψ_f)·4/N up to padding, recomputed here; and
+    building under sharded_init held less than the whole model (N > 1)."""
+    for r in rows:
+        n = r["world_size"]
+        formula = estimate_breakdown(r["trainable"], n, 3, param_bytes=4, grad_bytes=4, k=8, frozen=r["frozen"])
+        assert within_padding(r["params"], formula["params"], n), (r, formula)
+        whole = 4 * (r["trainable"] + r["frozen"])
+        assert r["construction_peak"]["normal"] == whole
+        if n > 1:
+            assert r["construction_peak"]["sharded_init"] < whole / 2 and r["params"] < whole / 2, r

@@ -15,6 +15,7 @@ reads those files and checks them against minizero.memory's formulas on its own.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -245,3 +246,51 @@ def unit_intervals(record: dict) -> list[dict]:
             out.append({"unit": b, "name": record["unit_names"][b], "start": start, "end": t,
                         "how": how, "phase": phase})
     return out
+
+
+# --------------------------------------------------------------------------------------------------------
+# 04_zero3: fine-tuning (frozen weights sharded too) and sharded construction
+# --------------------------------------------------------------------------------------------------------
+
+def lora_worker(n_embd: int = 32, n_layer: int = 4) -> dict:
+    """Worker: a Hugging Face GPT-2 with LoRA adapters (peft; the base frozen), built normally and under
+    minizero.sharded_init, each wrapped at stage 3 (units: the decoder layers) and trained one step.
+    Returns what building held at most, and the model-state bytes after backward, for both builds."""
+    import contextlib
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from minizero.construct import sharded_init
+    from minizero.lab.data import VOCAB_SIZE
+    out = {}
+    for sharded in (False, True):
+        torch.manual_seed(0)
+        with sharded_init() if sharded else contextlib.nullcontext() as init:
+            base = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB_SIZE, n_positions=16, n_embd=n_embd,
+                                              n_layer=n_layer, n_head=2, bos_token_id=None, eos_token_id=None))
+            model = get_peft_model(base, LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
+        counts = {t: sum(p.numel() for p in model.parameters() if p.requires_grad == t) for t in (True, False)}
+        held = init.peak_bytes if sharded else 4 * (counts[True] + counts[False])
+        engine = wrap(model, 3, functools.partial(torch.optim.AdamW, lr=1e-3), units=list(base.transformer.h))
+        x, y = local_batch(*global_batch(0, 8, 16), comm.rank(), comm.world_size())
+        engine.backward(loss_fn(engine(input_ids=x, use_cache=False).logits, y))
+        out["sharded_init" if sharded else "normal"] = {
+            "construction_peak": held, "memory": engine.memory(), "trainable": counts[True],
+            "frozen": counts[False]}
+    return out
+
+
+def lora_memory(world_sizes, backend: str | None = None) -> list[dict]:
+    """[{world_size, trainable, frozen, params (rank 0, measured), formula, construction peaks}] per N."""
+    from minizero.memory import estimate_breakdown
+    rows = []
+    for n in world_sizes:
+        rec = launch(lora_worker, n, backend=backend or backend_and_world_sizes()[0])[0]
+        run = rec["sharded_init"]
+        formula = estimate_breakdown(run["trainable"], n, 3, param_bytes=4, grad_bytes=4, k=8, frozen=run["frozen"])
+        rows.append({"world_size": n, "trainable": run["trainable"], "frozen": run["frozen"],
+                     "params": run["memory"]["params"], "formula": formula["params"],
+                     "replicated_frozen_would_be": 4 * run["frozen"] + formula["params"] - 4 * run["frozen"] / n,
+                     "construction_peak": {k: rec[k]["construction_peak"] for k in ("normal", "sharded_init")}})
+    return rows
