@@ -40,11 +40,12 @@ def _cases() -> dict[str, Case]:
     cases["lora-stage2"] = Case("lora", 2, lr=1e-2)
     cases["lora-stage3"] = Case("lora", 3, lr=1e-2, world_size=4, batch_size=8)   # the fine-tuning case, N = 4
     cases["gpt2-stage3-checkpointing"] = Case("gpt2", 3, checkpointing=True)
+    cases["gpt2-stage3-checkpointing-N3"] = Case("gpt2", 3, checkpointing=True, world_size=3)
     return cases
 
 
 CASES = _cases()
-OWN_TEST = ("lora-stage3", "gpt2-stage3-checkpointing")       # each has a test of its own below
+OWN_TEST = ("lora-stage3", "gpt2-stage3-checkpointing", "gpt2-stage3-checkpointing-N3")       # each has a test of its own below
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +102,8 @@ def test_activation_checkpointing_at_stage_3(runs):
     """HF's gradient_checkpointing_enable (non-reentrant) recomputes each decoder layer in backward. The units
     are those layers; transformers 5 checkpoints a layer's forward, not its __call__, so minizero's unit
     hooks stay outside the recomputation (the layer is still gathered for its backward when it runs)."""
-    assert_matches_reference(CASES["gpt2-stage3-checkpointing"], runs["gpt2-stage3-checkpointing"])
+    for name in ("gpt2-stage3-checkpointing", "gpt2-stage3-checkpointing-N3"):
+        assert_matches_reference(CASES[name], runs[name])
 
 
 def test_finetune_lora_example_runs():
