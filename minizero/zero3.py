@@ -12,7 +12,7 @@ Read zero2.py first: this file is what stage 3 changes, told as what happens to 
   * A unit is a module whose parameters (minus those of the units inside it) are gathered, used and freed
     together; they form one bucket (flat.py), padded and partitioned: rank r keeps partition r of every
     unit in `param_shard` [Ψ/N]; a unit's full buffer [Ψ_u] exists only while it is gathered. The model
-    itself is always a unit: it owns whatever no other unit does. Frozen parameters (Ψ_f: a fine-tuned
+    itself is always a unit: it owns whatever no other unit does (which units: minizero/units.py). Frozen parameters (Ψ_f: a fine-tuned
     base, LoRA's frozen weights) are partitioned the same way in a second buffer of the unit, gathered and
     freed with it, never reduced and never stepped: (Ψ + Ψ_f)·2/N bytes of parameters per rank, and
     2Ψ_f more all-gathered per step. Default units (`default_units`): a
@@ -54,12 +54,12 @@ from torch import nn
 
 from minizero import comm, construct
 from minizero.flat import Bucket, FlatLayout
+from minizero.units import assign_units, default_units
 from minizero.zero1 import Zero1
 from minizero.zero2 import Zero2
 
 FREE, IN_FLIGHT, GATHERED = "free", "in flight", "gathered"              # what unit.full holds
 IDLE, FORWARD, PRE_BACKWARD = "idle", "forward", "pre-backward"          # where the step is, for the unit
-UNIT_SHARE = 1 / 8       # default units without transformer blocks hold at most Ψ/8 each (default_units)
 
 
 class Unit:
@@ -82,7 +82,8 @@ class Unit:
         self.numel = sum(p.numel() for p in self.params)
         layout, home = engine.layout, engine.param_shard.device
         self.full, self.shard = self._build(bucket, layout, lambda b: layout.shard(engine.param_shard, b))
-        self.frozen_bucket = FlatLayout.build([frozen], engine.world_size, engine.rank).buckets[0] if frozen else None
+        self.frozen_bucket = (FlatLayout.build([frozen], engine.world_size, engine.rank).buckets[0]
+                              if frozen else None)
         self.frozen_full, self.frozen_shard = self._build(       # [Ψ_f,u padded], [Ψ_f,u / N] of its own
             self.frozen_bucket, layout, lambda b: torch.empty(b.shard_numel, dtype=engine.dtype, device=home))
         self.state, self.training_state = GATHERED, IDLE
@@ -320,59 +321,6 @@ class Zero3(Zero2):
         if category == shard_category:
             extra = extra + [self.param_shard] + [u.frozen_shard for u in self.units]
         return extra
-
-
-# --- which parameters each unit owns ----------------------------------------------------------------------
-def default_units(model: nn.Module) -> list[nn.Module]:
-    """The units when none are given, so that no unit holds much of Ψ (the trainable parameters).
-
-    1. A transformer: the blocks of the first nn.ModuleList holding most of Ψ, if none holds more than half:
-       one unit per block, as FSDP users wrap; the model keeps the rest (embeddings, head), < Ψ/2.
-    2. Any other model, by size (FSDP's size-based auto-wrap, turned to bound the largest unit): walking
-       down from the model, a submodule holding at most UNIT_SHARE·Ψ is a unit; a bigger one is a unit of
-       the parameters it holds directly, and its children are visited in turn. No unit exceeds Ψ/8 but
-       the parameters one module holds directly (a single big weight, say) and a weight tied across units.
-    Why Ψ/8: with prefetch two units are gathered at once, so parameters peak near Ψ/N + Ψ/4; smaller
-    units save little more and each costs one more all-gather (and its latency) per use.
-    """
-    size = {id(m): sum(p.numel() for p in m.parameters()) for m in model.modules()}   # frozen count: memory
-    total = size[id(model)]
-    for m in model.modules():
-        if isinstance(m, nn.ModuleList) and size[id(m)] > total / 2 and all(size[id(b)] <= total / 2 for b in m):
-            return list(m)
-    units = []
-
-    def visit(module: nn.Module) -> None:
-        for child in module.children():
-            units.append(child)
-            if size[id(child)] > UNIT_SHARE * total:
-                visit(child)
-    visit(model)
-    return units
-
-
-def assign_units(model: nn.Module, units: list[nn.Module]) -> tuple[list[nn.Module], list[list[nn.Parameter]],
-                                                                     list[list[nn.Parameter]]]:
-    """(unit modules, the trainable and the frozen parameters each owns), in bucket order; the model is
-    always a unit.
-
-    A parameter belongs to the innermost unit containing every module that holds it, so a weight tied
-    across units (the GPT's embedding and head) is gathered whenever either use needs it. Units owning
-    nothing are dropped. Bucket order is reverse registration order: the order in which backward
-    completes units (the model last: the tied embedding's gradient is finished only at the very end)."""
-    units = list({id(u): u for u in [model, *units]}.values())
-    members = {id(u): {id(m) for m in u.modules()} for u in units}
-    holders: dict[int, set[int]] = {}                     # parameter -> modules that hold it directly
-    for m in model.modules():
-        for p in m.parameters(recurse=False):
-            holders.setdefault(id(p), set()).add(id(m))
-    owned: dict[int, list[nn.Parameter]] = {id(u): [] for u in units}
-    for p in model.parameters():
-        owner = min((u for u in units if holders[id(p)] <= members[id(u)]), key=lambda u: len(members[id(u)]))
-        owned[id(owner)].append(p)
-    kept = [u for u in reversed(units) if owned[id(u)]]
-    return (kept, [[p for p in owned[id(u)] if p.requires_grad] for u in kept],
-            [[p for p in owned[id(u)] if not p.requires_grad] for u in kept])
 
 
 def _tensors(output) -> list[torch.Tensor]:

@@ -72,7 +72,7 @@ CONCEPTS = [
     ("PyTorch", "ZeroRedundancyOptimizer", "minizero.zero1.Zero1",
      "stage 1; ZeroRedundancyOptimizer broadcasts partitions instead of all-gathering"),
     ("PyTorch", "FSDP2 fully_shard", "minizero.zero3.Zero3", "one unit per fully_shard call"),
-    ("PyTorch", "FSDP auto_wrap_policy / fully_shard on each block", "minizero.zero3.default_units",
+    ("PyTorch", "FSDP auto_wrap_policy / fully_shard on each block", "minizero.units.default_units",
      "default units: a transformer's blocks plus the root, else submodules of at most Ψ/8"),
     ("DeepSpeed", "deepspeed.zero.Init", "minizero.construct.sharded_init",
      "parameters partitioned as each module is built; later writes gathered and re-partitioned"),
