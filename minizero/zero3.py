@@ -211,6 +211,7 @@ class Zero3(Zero2):
         # Not Zero2.__init__: its one option, bucket_size, means nothing here (stage 3's buckets are units).
         Zero1.__init__(self, model, optimizer, **kwargs)
         self.finished: list[Unit] = []          # backward done, frozen parameters still gathered (post_backward)
+        self._gathered_for_user: list[list[Unit]] = []          # by engine.gathered(), innermost last
         self.forward_order: list[Unit] = []     # pre-forward order, recorded on the first step
         self.backward_order: list[Unit] = []    # reverse post-forward order: the order backward runs units
         for unit in self.units:
@@ -303,8 +304,11 @@ class Zero3(Zero2):
         return [u for u in self.units if any(id(p) in wanted for p in u.params)]
 
     def _gather_for_user(self, params) -> None:
-        for unit in self._units_of(params):
+        # only the units that are free now: a nested gathered() (full_state_dict inside one) keeps the outer's
+        newly = [unit for unit in self._units_of(params) if unit.state == FREE]
+        for unit in newly:
             unit.gather()
+        self._gathered_for_user.append(newly)
 
     def _after_user_write(self, params) -> None:
         for unit in self._units_of(params):
@@ -312,7 +316,7 @@ class Zero3(Zero2):
         super()._after_user_write(params)                  # the masters follow the shards
 
     def _release_for_user(self, params) -> None:
-        for unit in self._units_of(params):
+        for unit in self._gathered_for_user.pop():
             unit.free()
 
     def _extra_tensors(self, category):

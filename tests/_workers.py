@@ -156,6 +156,7 @@ def gathered_round_trip(stage: int, options: dict) -> dict:
     before = engine.full_state_dict()
     names = dict(model.named_parameters())
     with engine.gathered():
+        inner = engine.full_state_dict()                            # nested: the outer block stays gathered
         read = {n: p.detach().float().clone() for n, p in names.items()}
     with engine.gathered(modifier_rank=1):
         if comm.rank() == 1:
@@ -166,7 +167,8 @@ def gathered_round_trip(stage: int, options: dict) -> dict:
     engine.backward(loss_fn(engine(xm), ym))                        # and training goes on from there
     engine.step()
     exact = options.get("dtype", "fp32") == "fp32"                 # bf16 parameters are round(master)
-    return {"read_ok": all(torch.equal(read[n], before[n]) if exact else
+    return {"read_ok": all(torch.equal(inner[n], before[n]) for n in names) and all(
+                torch.equal(read[n], before[n]) if exact else
                            torch.allclose(read[n], before[n], rtol=1e-2, atol=1e-3) for n in names),
             "written_ok": all(torch.equal(after[n], torch.full_like(after[n], 0.5 + i / 64))
                               for i, n in enumerate(names)),
