@@ -204,6 +204,20 @@ def read_manifest(directory: str) -> dict:
 
 def read_file(directory: str, manifest: dict, name: str) -> dict:
     """One file of the checkpoint, after checking its size and sha256 against the manifest."""
+    return torch.load(io.BytesIO(_checked_bytes(directory, manifest, name)), map_location="cpu",
+                      weights_only=True)
+
+
+def verify(directory: str) -> dict:
+    """The manifest, after checking every file it lists (size and sha256) without loading any: what
+    `python -m minizero.run --load/--resume` runs before it starts a process. Raises CheckpointError."""
+    manifest = read_manifest(directory)
+    for name in manifest["files"]:
+        _checked_bytes(directory, manifest, name)
+    return manifest
+
+
+def _checked_bytes(directory: str, manifest: dict, name: str) -> bytes:
     path = os.path.join(os.fspath(directory), manifest["version"], name)
     expected = manifest["files"].get(name)
     if expected is None:
@@ -220,7 +234,7 @@ def read_file(directory: str, manifest: dict, name: str) -> dict:
                               f"{expected['bytes']}")
     if hashlib.sha256(data).hexdigest() != expected["sha256"]:
         raise CheckpointError(f"{path} is damaged: its sha256 differs from the manifest's")
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    return data
 
 
 def check_compatible(manifest: dict, engine, directory: str) -> None:

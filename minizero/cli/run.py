@@ -14,11 +14,10 @@ Precedence: defaults < --config file (minizero.lab.deepspeed_config) < flags giv
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
-from minizero import comm
+from minizero import checkpoint, comm
 from minizero.cli import OneLineParser, UsageError, emit
 from minizero.lab.deepspeed_config import ConfigError, load_deepspeed_config
 from minizero.lab.model import MODEL_NAMES
@@ -99,13 +98,12 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def _check_checkpoint(directory: str, cfg: TrainConfig) -> None:
-    """The mismatches a user makes on the command line, caught before any process starts (load itself
-    checks everything else, on every rank)."""
+    """Before any process starts: every file of the checkpoint intact (checkpoint.verify), and the
+    mismatches a user makes on the command line (load itself checks everything else, on every rank)."""
     try:
-        with open(os.path.join(directory, "manifest.json")) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError):
-        raise UsageError(f"--load {directory}: no readable checkpoint there (manifest.json)") from None
+        manifest = checkpoint.verify(directory)
+    except checkpoint.CheckpointError as e:
+        raise UsageError(f"--load {directory}: {e}") from None
     for key, flag in (("stage", "--stage"), ("world_size", "--world-size")):
         if manifest.get(key) != getattr(cfg, key):
             raise UsageError(f"--load {directory}: saved with {key.replace('_', ' ')} {manifest.get(key)}, "
