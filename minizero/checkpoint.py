@@ -68,6 +68,7 @@ FORMAT = "minizero-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 _VERSION_DIR = re.compile(r"v\d+")
+_STEP_DIR = re.compile(r"step-(\d+)")
 _MANIFEST_KEYS = ("version", "step", "stage", "world_size", "optimizer", "buckets", "state_dict", "files")
 
 
@@ -172,6 +173,50 @@ def write_atomic(path: str, data: bytes) -> None:
         os.fsync(fd)                           # ... and so is the rename
     finally:
         os.close(fd)
+
+
+# --------------------------------------------------------------------------------------------------------
+# A run directory: numbered checkpoints, the newest complete one resumes
+# --------------------------------------------------------------------------------------------------------
+
+def save_numbered(engine, run_dir: str, keep_last: int | None = None) -> str:
+    """Collective: save into run_dir/step-{step:06d} (a checkpoint directory as above), then rank 0 removes
+    all but the `keep_last` newest complete ones. Returns the new checkpoint's directory.
+
+    A kill at any moment leaves the newest *committed* checkpoint loadable: the new one is invisible to
+    latest() until its manifest exists (save's commit), and older ones are only removed after that."""
+    path = os.path.join(os.fspath(run_dir), f"step-{engine.step_count:06d}")
+    save(engine, path)
+    if engine.rank == 0 and keep_last is not None:
+        _prune(run_dir, keep_last)
+    return path
+
+
+def latest(run_dir: str) -> str | None:
+    """The newest complete (committed) checkpoint of a run directory, or None if it has none yet."""
+    complete = _complete(run_dir)
+    return complete[-1] if complete else None
+
+
+def _complete(run_dir: str) -> list[str]:
+    """run_dir's step-N checkpoints that have a manifest, oldest first; a save that was killed before its
+    commit has none (a later save of the same step finishes it: save starts a new version directory)."""
+    if not os.path.isdir(run_dir):
+        return []
+    steps = sorted((int(m.group(1)), m.group(0)) for m in map(_STEP_DIR.fullmatch, os.listdir(run_dir)) if m)
+    return [os.path.join(run_dir, name) for _, name in steps
+            if os.path.exists(os.path.join(run_dir, name, MANIFEST))]
+
+
+def _prune(run_dir: str, keep_last: int) -> None:
+    # Each old checkpoint is renamed first (atomic), then deleted: a kill in the middle of a deletion
+    # leaves a hidden leftover (removed by the next prune), never a step-N directory whose manifest names
+    # files that are gone.
+    for old in _complete(run_dir)[:-keep_last]:
+        os.replace(old, os.path.join(run_dir, f".removing-{os.path.basename(old)}"))
+    for name in os.listdir(run_dir):
+        if name.startswith(".removing-"):
+            shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 save never costs the previous checkpoint, bad checkpoints are refused in one line with nothing changed,
 and minizero.consolidate gives a plain state_dict that also continues training at another world size."""
 
+import json
 import os
 import re
 import shutil
@@ -16,6 +17,7 @@ import minizero
 from minizero import checkpoint
 from minizero.checkpoint import CheckpointError, consolidate
 from minizero.cli.consolidate import main
+from minizero.cli.run import main as run_main
 from minizero.lab.model import make_model
 from minizero.lab.train import TrainConfig, train_several, train_worker
 
@@ -215,3 +217,36 @@ def test_consolidate_bad_input_is_one_line_exit_2_and_out_untouched(saved, tmp_p
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
     assert out.read_bytes() == b"previous content"
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "out.pt"]          # no temporary file left either
+
+
+# --- periodic saves: a run killed at any moment and restarted with the same command -------------------------
+
+PERIODIC = ["--stage", "2", "--world-size", "2", "--model", "tiny", "--batch-size", "12", "--quiet", "--steps", "6",
+            "--save-every", "2", "--keep-last", "2", "--resume"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    d = tmp_path_factory.mktemp("periodic")
+    assert run_main(PERIODIC + ["--save", str(d / "run"), "--json", str(d / "full.json")]) == 0
+    return json.loads((d / "full.json").read_text())["losses"], consolidate(checkpoint.latest(d / "run"))
+
+
+@pytest.mark.parametrize("fault, resumed_from", [
+    ({"MINIZERO_FAIL_RANK": "1", "MINIZERO_FAIL_STEP": "3", "MINIZERO_FAIL_MODE": "kill"}, 2),        # mid-step
+    ({"MINIZERO_FAIL_RANK": "0", "MINIZERO_FAIL_STEP": "4", "MINIZERO_FAIL_MODE": "kill-in-save"}, 2),  # mid-save
+])
+def test_a_killed_run_restarted_with_the_same_command_ends_bit_identical(uninterrupted, tmp_path, fault,
+                                                                       resumed_from):
+    command = PERIODIC + ["--save", str(tmp_path / "run"), "--json", str(tmp_path / "out.json")]
+    # A process of its own: the launcher's forkserver would not see environment variables set here.
+    p = subprocess.run([sys.executable, "-m", "minizero.run", *command], env=dict(os.environ, **fault),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "exit code -9" in p.stderr, p.stderr[-2000:]     # SIGKILL'ed
+    assert checkpoint.latest(tmp_path / "run").endswith(f"step-{resumed_from:06d}")
+    assert run_main(command) == 0                                      # the same command, no fault
+    losses, state = uninterrupted
+    assert json.loads((tmp_path / "out.json").read_text())["losses"] == losses[resumed_from:]
+    assert sorted(os.listdir(tmp_path / "run")) == ["step-000004", "step-000006"]     # --keep-last 2
+    resumed = consolidate(checkpoint.latest(tmp_path / "run"))
+    assert all(torch.equal(resumed[k], v) for k, v in state.items()), "not bit-identical"

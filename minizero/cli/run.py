@@ -50,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="default or tiny")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--save", default=None, metavar="DIR", help="write a sharded checkpoint after the last step")
+    p.add_argument("--save-every", type=int, default=None, metavar="K",
+                   help="save DIR/step-NNNNNN every K steps and after the last (DIR is then a run directory)")
+    p.add_argument("--keep-last", type=int, default=None, metavar="M", help="with --save-every: keep the M newest")
+    p.add_argument("--resume", action="store_true",
+                   help="with --save-every: continue from DIR's newest complete checkpoint, if it has one")
     p.add_argument("--load", default=None, metavar="DIR",
                    help="resume from a checkpoint of the same stage and world size (--steps counts from 0)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
@@ -91,10 +96,23 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if args.no_prefetch:
         cfg.prefetch = False
     cfg.save_dir, cfg.load_dir = args.save, args.load
-    if args.load is not None:
-        _check_checkpoint(args.load, cfg)
+    cfg.save_every, cfg.keep_last = args.save_every or 0, args.keep_last
+    _check_periodic(args)
+    if args.resume:
+        cfg.load_dir = checkpoint.latest(args.save)          # None: nothing saved yet, start fresh
+    if cfg.load_dir is not None:
+        _check_checkpoint(cfg.load_dir, cfg)
     validate(cfg)
     return cfg
+
+
+def _check_periodic(args: argparse.Namespace) -> None:
+    if args.save_every is not None and (args.save is None or args.save_every < 1):
+        raise UsageError("--save-every K needs --save DIR and K >= 1")
+    if args.keep_last is not None and (args.save_every is None or args.keep_last < 1):
+        raise UsageError("--keep-last M needs --save-every and M >= 1")
+    if args.resume and (args.save_every is None or args.load is not None):
+        raise UsageError("--resume needs --save DIR --save-every K (it continues from DIR), not --load")
 
 
 def _check_checkpoint(directory: str, cfg: TrainConfig) -> None:
