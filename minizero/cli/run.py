@@ -20,7 +20,7 @@ import sys
 from minizero import checkpoint, comm
 from minizero.cli import OneLineParser, UsageError, emit
 from minizero.lab.deepspeed_config import ConfigError, load_deepspeed_config
-from minizero.lab.model import MODEL_NAMES
+from minizero.lab.model import MODEL_NAMES, make_model
 from minizero.lab.report import format_table, summarize
 from minizero.lab.train import OPTIMIZERS, TrainConfig, train_worker
 from minizero.launcher import launch
@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="with --save-every: continue from DIR's newest complete checkpoint, if it has one")
     p.add_argument("--load", default=None, metavar="DIR",
-                   help="resume from a checkpoint of the same stage and world size (--steps counts from 0)")
+                   help="resume from a checkpoint of this model and optimizer, saved at any stage, world "
+                        "size, dtype or offload (resharded; --steps counts from 0)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
@@ -100,9 +101,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     _check_periodic(args)
     if args.resume:
         cfg.load_dir = checkpoint.latest(args.save)          # None: nothing saved yet, start fresh
+    validate(cfg)
     if cfg.load_dir is not None:
         _check_checkpoint(cfg.load_dir, cfg)
-    validate(cfg)
     return cfg
 
 
@@ -116,17 +117,21 @@ def _check_periodic(args: argparse.Namespace) -> None:
 
 
 def _check_checkpoint(directory: str, cfg: TrainConfig) -> None:
-    """Before any process starts: every file of the checkpoint intact (checkpoint.verify), and the
-    mismatches a user makes on the command line (load itself checks everything else, on every rank)."""
+    """Before any process starts: every file of the checkpoint intact (checkpoint.verify), and saved for
+    this model and optimizer (load reshards any stage, world size, dtype or offload; it checks again)."""
+    import torch
     try:
         manifest = checkpoint.verify(directory)
     except checkpoint.CheckpointError as e:
         raise UsageError(f"--load {directory}: {e}") from None
-    for key, flag in (("stage", "--stage"), ("world_size", "--world-size")):
-        if manifest.get(key) != getattr(cfg, key):
-            raise UsageError(f"--load {directory}: saved with {key.replace('_', ' ')} {manifest.get(key)}, "
-                             f"this run has {flag} {getattr(cfg, key)} (for another world size: "
-                             "python -m minizero.consolidate, see minizero/checkpoint.py)")
+    with torch.device("meta"):                           # shapes only: nothing is allocated
+        model = make_model(cfg.model_config())
+    difference = checkpoint.model_difference(manifest, checkpoint.state_dict_entries(model))
+    if difference:
+        raise UsageError(f"--load {directory} holds a different model: {difference}")
+    if manifest["optimizer"] != OPTIMIZERS[cfg.optimizer].__name__:
+        raise UsageError(f"--load {directory}: saved with optimizer {manifest['optimizer']}, this run has "
+                         f"--optimizer {cfg.optimizer}")
 
 
 def validate(cfg: TrainConfig) -> None:
