@@ -1,9 +1,9 @@
-"""Sharded checkpoints: every rank saves what it owns, and a resumed run is bit-identical.
+"""Sharded checkpoints: every rank saves what it owns; a resumed run is bit-identical, or resharded.
 
     engine.save("ckpt")      # collective, between steps: one file per rank, then one manifest
-    engine.load("ckpt")      # collective, in fresh processes of the same stage and world size
-    python -m minizero.consolidate ckpt model.pt     # one plain fp32 state_dict, for any N
-    minizero.launch(train_worker, 2, TrainConfig(steps=100, load_dir="ckpt", save_dir="ckpt"))
+    engine.load("ckpt")      # collective, in fresh processes: any stage, world size, dtype, offload
+    python -m minizero.consolidate ckpt model.pt [--optimizer-state]   # the whole state, for any N
+    python -m minizero.run --save run --save-every 100 --keep-last 2 --resume     # kill-safe auto-resume
 
 Run its tests:  python -m pytest tests/test_checkpoint.py
 
@@ -29,6 +29,11 @@ manifest.json: "format", "format_version", "version" (the v3 directory), "step",
 key of model.state_dict() in order: {"key", "source", "shape", "trainable"}; the tied embedding/head
 weight is two keys with one source) and "files" ({"rank0.pt": {"bytes", "sha256"}, ...}).
 
+A run directory (save_numbered, latest; the CLI's --save-every) holds one such checkpoint per save:
+
+    run/step-000100/        a checkpoint directory as above, saved after 100 steps
+    run/step-000200/        the newest with a manifest is the one --resume continues from (latest())
+
 Why a crash never leaves a checkpoint that loads as valid, nor destroys the previous one:
   1. every file is written under a temporary name, fsync'ed, then renamed (atomic on POSIX);
   2. a save writes a *new* version directory, never over the files the current manifest names;
@@ -36,17 +41,29 @@ Why a crash never leaves a checkpoint that loads as valid, nor destroys the prev
      manifest.json, atomically. Before that instant the old checkpoint is what loads, after it the new
      one; only then is the old version directory removed;
   4. load checks every file's size and sha256 against the manifest: a truncated or damaged file is
-     reported, not loaded.
-Load checks the manifest against the engine first (stage, world size, optimizer, parameter names,
-shapes and buckets) and all ranks agree on the verdict (an all-gather) before anything changes: either
-every rank loads, or every rank raises CheckpointError with a one-line message, the engine untouched.
-dtype and offload may change between save and load: the state is fp32 masters and optimizer state
-either way (stages 0 and 2 bucket by bytes, so a dtype change there shows up as different buckets).
+     reported, not loaded (verify() checks them all, before the CLI starts any process);
+  5. in a run directory a step-N without a manifest is not complete (latest() skips it; saving step N
+     again finishes it), and old checkpoints are pruned only after the new commit, renamed away first.
+Load checks the manifest against the engine first (optimizer class, parameter names, shapes, which are
+trained) and all ranks agree on the verdict (an all-gather) before anything changes: either every rank
+loads, or every rank raises CheckpointError with a one-line message, the engine untouched.
 
-Bit-identical resume: the resumed run applies the same operations to the same values. Masters, Adam's
-moments and step counter, the bf16 parameters (= round(master)), the step count (so the data stream
-continues where it stopped) and the RNG states are all restored; gradients are zero between steps.
-To resume at another world size, go through minizero.consolidate (the optimizer state restarts there).
+Same layout (world size and buckets as saved; the stage, dtype and offload may differ): each rank reads
+its own file, and the resumed run is bit-identical. The resumed run applies the same operations to the
+same values: masters, Adam's moments and step counter, the bf16 parameters (= round(master)), the step
+count (so the data stream continues where it stopped) and the RNG states; gradients are zero between steps.
+
+Another layout (another N, or other buckets: stage 1 has one, stages 0 and 2 bucket by bytes, so by
+dtype and bucket size too, stage 3 has one per unit): resharding, with the optimizer state. The flat
+layout is deterministic (flat.py) and the manifest records each parameter's bucket and offset, so the
+shards concatenate back into whole parameters (universal()); optimizer state that is elementwise (Adam's
+exp_avg and exp_avg_sq, SGD's momentum_buffer) is unsharded the same way, and scalar state (Adam's step)
+is one value for every bucket. Each rank then lays these whole tensors out in its own buckets and keeps its
+partition, exactly as the engine laid out the parameters when it was built. Every rank reads every file:
+simple, and the whole model's state in host memory for a moment (DeepSpeed's ds_to_universal does this
+offline; PyTorch DCP reads only the overlapping ranges). The run continues as the uninterrupted one would
+up to floating point rounding (another N sums gradients in another order), within 1e-6 in the tests.
+An optimizer whose state is neither elementwise nor scalar cannot be cut: a one-line error.
 Assumes a filesystem all ranks share: rank 0 writes the manifest for everyone.
 """
 

@@ -52,6 +52,9 @@ def test_run_under_torchrun_uses_its_process_group(tmp_path):
     (["--world-size", "3", "--batch-size", "16"], "must be divisible"),
     (["--steps", "many"], "invalid int value"),
     (["--frobnicate"], "unrecognized arguments"),
+    (["--save-every", "2"], "--save-every K needs --save DIR and K >= 1"),
+    (["--save", "d", "--keep-last", "2"], "--keep-last M needs --save-every and M >= 1"),
+    (["--save", "d", "--resume"], "--resume needs --save DIR --save-every K"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
     assert main(args) == 2

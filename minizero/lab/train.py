@@ -66,7 +66,7 @@ class TrainConfig:
     save_dir: str | None = None               # engine.save() here after the last step
     save_every: int = 0                       # > 0: save_dir is a run directory, checkpoint.save_numbered
     keep_last: int | None = None              # ... every save_every steps and after the last; keep this many
-    load_dir: str | None = None               # engine.load() before the first: same stage, N, model
+    load_dir: str | None = None               # engine.load() before the first: any stage and N, same model
     init_state: str | None = None             # a consolidated state dict (minizero.consolidate): any N,
     start_step: int = 0                       # ... first step's index in the data stream (fresh optimizer)
     fault: Fault | None = None                # a failure to inject (lab/faults.py); else MINIZERO_FAIL_*
