@@ -345,7 +345,7 @@ def model_difference(saved: dict, entries: list[dict]) -> str | None:
 
 def load(engine, path: str) -> None:
     """engine.load: check everything on every rank, agree, then restore; see the module docstring.
-    `path` is a checkpoint directory, or a file written by `python -m minizero.consolidate --optimizer`."""
+    `path` is a checkpoint directory, or a file written by `python -m minizero.consolidate --optimizer-state`."""
     path = os.fspath(path)
     try:
         if os.path.isfile(path):
