@@ -69,8 +69,10 @@ def test_save_then_load_resumes_bit_exactly(tmp_path, capsys):
     assert main(common + ["--steps", "2", "--save", ckpt]) == 0
     assert main(common + ["--steps", "4", "--load", ckpt, "--json", str(resumed)]) == 0
     assert json.loads(resumed.read_text())["losses"] == json.loads(full.read_text())["losses"][2:]
-    capsys.readouterr()                                 # another stage or N reshards; not another optimizer or model
-    assert main(common[:4] + ["--model", "tiny", "--load", ckpt, "--optimizer", "sgd"]) == 2
+    # another stage and N: resharded; another optimizer or model: refused before any process starts
+    assert main(["--stage", "3", "--world-size", "4", "--model", "tiny", "--quiet", "--steps", "3", "--load", ckpt]) == 0
+    capsys.readouterr()
+    assert main(common + ["--load", ckpt, "--optimizer", "sgd"]) == 2
     assert "saved with optimizer AdamW, this run has --optimizer sgd" in capsys.readouterr().err
     assert main(["--stage", "3", "--world-size", "2", "--load", ckpt]) == 2     # --model default
     assert f"--load {ckpt} holds a different model: " in capsys.readouterr().err
