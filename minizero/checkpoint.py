@@ -1,9 +1,9 @@
-"""Sharded checkpoints: every rank saves what it owns, and a resumed run is bit-identical.
+"""Sharded checkpoints: every rank saves what it owns; a resumed run is bit-identical, or resharded.
 
     engine.save("ckpt")      # collective, between steps: one file per rank, then one manifest
-    engine.load("ckpt")      # collective, in fresh processes of the same stage and world size
-    python -m minizero.consolidate ckpt model.pt     # one plain fp32 state_dict, for any N
-    minizero.launch(train_worker, 2, TrainConfig(steps=100, load_dir="ckpt", save_dir="ckpt"))
+    engine.load("ckpt")      # collective, in fresh processes: any stage, world size, dtype, offload
+    python -m minizero.consolidate ckpt model.pt [--optimizer-state]   # the whole state, for any N
+    python -m minizero.run --save run --save-every 100 --keep-last 2 --resume     # kill-safe auto-resume
 
 Run its tests:  python -m pytest tests/test_checkpoint.py
 
@@ -29,6 +29,11 @@ manifest.json: "format", "format_version", "version" (the v3 directory), "step",
 key of model.state_dict() in order: {"key", "source", "shape", "trainable"}; the tied embedding/head
 weight is two keys with one source) and "files" ({"rank0.pt": {"bytes", "sha256"}, ...}).
 
+A run directory (save_numbered, latest; the CLI's --save-every) holds one such checkpoint per save:
+
+    run/step-000100/        a checkpoint directory as above, saved after 100 steps
+    run/step-000200/        the newest with a manifest is the one --resume continues from (latest())
+
 Why a crash never leaves a checkpoint that loads as valid, nor destroys the previous one:
   1. every file is written under a temporary name, fsync'ed, then renamed (atomic on POSIX);
   2. a save writes a *new* version directory, never over the files the current manifest names;
@@ -36,23 +41,36 @@ Why a crash never leaves a checkpoint that loads as valid, nor destroys the prev
      manifest.json, atomically. Before that instant the old checkpoint is what loads, after it the new
      one; only then is the old version directory removed;
   4. load checks every file's size and sha256 against the manifest: a truncated or damaged file is
-     reported, not loaded.
-Load checks the manifest against the engine first (stage, world size, optimizer, parameter names,
-shapes and buckets) and all ranks agree on the verdict (an all-gather) before anything changes: either
-every rank loads, or every rank raises CheckpointError with a one-line message, the engine untouched.
-dtype and offload may change between save and load: the state is fp32 masters and optimizer state
-either way (stages 0 and 2 bucket by bytes, so a dtype change there shows up as different buckets).
+     reported, not loaded (verify() checks them all, before the CLI starts any process);
+  5. in a run directory a step-N without a manifest is not complete (latest() skips it; saving step N
+     again finishes it), and old checkpoints are pruned only after the new commit, renamed away first.
+Load checks the manifest against the engine first (optimizer class, parameter names, shapes, which are
+trained) and all ranks agree on the verdict (an all-gather) before anything changes: either every rank
+loads, or every rank raises CheckpointError with a one-line message, the engine untouched.
 
-Bit-identical resume: the resumed run applies the same operations to the same values. Masters, Adam's
-moments and step counter, the bf16 parameters (= round(master)), the step count (so the data stream
-continues where it stopped) and the RNG states are all restored; gradients are zero between steps.
-To resume at another world size, go through minizero.consolidate (the optimizer state restarts there).
+Same layout (world size and buckets as saved; the stage, dtype and offload may differ): each rank reads
+its own file, and the resumed run is bit-identical. The resumed run applies the same operations to the
+same values: masters, Adam's moments and step counter, the bf16 parameters (= round(master)), the step
+count (so the data stream continues where it stopped) and the RNG states; gradients are zero between steps.
+
+Another layout (another N, or other buckets: stage 1 has one, stages 0 and 2 bucket by bytes, so by
+dtype and bucket size too, stage 3 has one per unit): resharding, with the optimizer state. The flat
+layout is deterministic (flat.py) and the manifest records each parameter's bucket and offset, so the
+shards concatenate back into whole parameters (universal()); optimizer state that is elementwise (Adam's
+exp_avg and exp_avg_sq, SGD's momentum_buffer) is unsharded the same way, and scalar state (Adam's step)
+is one value for every bucket. Each rank then lays these whole tensors out in its own buckets and keeps its
+partition, exactly as the engine laid out the parameters when it was built. Every rank reads every file:
+simple, and the whole model's state in host memory for a moment (DeepSpeed's ds_to_universal does this
+offline; PyTorch DCP reads only the overlapping ranges). The run continues as the uninterrupted one would
+up to floating point rounding (another N sums gradients in another order), within 1e-6 in the tests.
+An optimizer whose state is neither elementwise nor scalar cannot be cut: a one-line error.
 Assumes a filesystem all ranks share: rank 0 writes the manifest for everyone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -66,8 +84,10 @@ from minizero import comm
 
 FORMAT = "minizero-checkpoint"
 FORMAT_VERSION = 1
+UNIVERSAL = "minizero-universal"        # the whole-model form, universal()
 MANIFEST = "manifest.json"
 _VERSION_DIR = re.compile(r"v\d+")
+_STEP_DIR = re.compile(r"step-(\d+)")
 _MANIFEST_KEYS = ("version", "step", "stage", "world_size", "optimizer", "buckets", "state_dict", "files")
 
 
@@ -104,20 +124,29 @@ def save(engine, directory: str) -> None:
 
 def describe(engine) -> dict:
     """What the manifest records about an engine, and what load compares with the running one."""
-    names = {id(t): n for n, t in [*engine.module.named_parameters(), *engine.module.named_buffers()]}
-    trainable = {id(p) for p in engine.trainable}
+    names = _names(engine.module)
     buckets = [{"numel": b.numel, "padded_numel": b.padded_numel, "shard_numel": b.shard_numel,
                 "params": [{"name": names[id(p)], "shape": list(p.shape), "offset": off}
                            for p, off in zip(b.params, b.offsets)]}
                for b in engine.layout.buckets]
-    entries = [{"key": k, "source": names[id(t)], "shape": list(t.shape), "trainable": id(t) in trainable}
-               for k, t in engine.module.state_dict(keep_vars=True).items()]
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "stage": engine.stage,
             "world_size": engine.world_size, "dtype": str(engine.dtype).removeprefix("torch."),
             "offload": getattr(engine, "offload", False),
             "optimizer": type(engine.optimizer.optimizer).__name__,
             "num_params": sum(p.numel() for p in engine.module.parameters()),
-            "buckets": buckets, "state_dict": entries}
+            "buckets": buckets, "state_dict": state_dict_entries(engine.module)}
+
+
+def state_dict_entries(model) -> list[dict]:
+    """The manifest's "state_dict": every key of model.state_dict() in order, the parameter or buffer it
+    names ("source": a tied weight is two keys with one source), its shape, and whether it is trained."""
+    names = _names(model)
+    return [{"key": k, "source": names[id(t)], "shape": list(t.shape), "trainable": t.requires_grad}
+            for k, t in model.state_dict(keep_vars=True).items()]
+
+
+def _names(model) -> dict[int, str]:
+    return {id(t): n for n, t in [*model.named_parameters(), *model.named_buffers()]}
 
 
 def _shard_state(engine) -> dict:
@@ -175,6 +204,50 @@ def write_atomic(path: str, data: bytes) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------
+# A run directory: numbered checkpoints, the newest complete one resumes
+# --------------------------------------------------------------------------------------------------------
+
+def save_numbered(engine, run_dir: str, keep_last: int | None = None) -> str:
+    """Collective: save into run_dir/step-{step:06d} (a checkpoint directory as above), then rank 0 removes
+    all but the `keep_last` newest complete ones. Returns the new checkpoint's directory.
+
+    A kill at any moment leaves the newest *committed* checkpoint loadable: the new one is invisible to
+    latest() until its manifest exists (save's commit), and older ones are only removed after that."""
+    path = os.path.join(os.fspath(run_dir), f"step-{engine.step_count:06d}")
+    save(engine, path)
+    if engine.rank == 0 and keep_last is not None:
+        _prune(run_dir, keep_last)
+    return path
+
+
+def latest(run_dir: str) -> str | None:
+    """The newest complete (committed) checkpoint of a run directory, or None if it has none yet."""
+    complete = _complete(run_dir)
+    return complete[-1] if complete else None
+
+
+def _complete(run_dir: str) -> list[str]:
+    """run_dir's step-N checkpoints that have a manifest, oldest first; a save that was killed before its
+    commit has none (a later save of the same step finishes it: save starts a new version directory)."""
+    if not os.path.isdir(run_dir):
+        return []
+    steps = sorted((int(m.group(1)), m.group(0)) for m in map(_STEP_DIR.fullmatch, os.listdir(run_dir)) if m)
+    return [os.path.join(run_dir, name) for _, name in steps
+            if os.path.exists(os.path.join(run_dir, name, MANIFEST))]
+
+
+def _prune(run_dir: str, keep_last: int) -> None:
+    # Each old checkpoint is renamed first (atomic), then deleted: a kill in the middle of a deletion
+    # leaves a hidden leftover (removed by the next prune), never a step-N directory whose manifest names
+    # files that are gone.
+    for old in _complete(run_dir)[:-keep_last]:
+        os.replace(old, os.path.join(run_dir, f".removing-{os.path.basename(old)}"))
+    for name in os.listdir(run_dir):
+        if name.startswith(".removing-"):
+            shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------------------
 # Read and check (shared with minizero.consolidate)
 # --------------------------------------------------------------------------------------------------------
 
@@ -204,6 +277,20 @@ def read_manifest(directory: str) -> dict:
 
 def read_file(directory: str, manifest: dict, name: str) -> dict:
     """One file of the checkpoint, after checking its size and sha256 against the manifest."""
+    return torch.load(io.BytesIO(_checked_bytes(directory, manifest, name)), map_location="cpu",
+                      weights_only=True)
+
+
+def verify(directory: str) -> dict:
+    """The manifest, after checking every file it lists (size and sha256) without loading any: what
+    `python -m minizero.run --load/--resume` runs before it starts a process. Raises CheckpointError."""
+    manifest = read_manifest(directory)
+    for name in manifest["files"]:
+        _checked_bytes(directory, manifest, name)
+    return manifest
+
+
+def _checked_bytes(directory: str, manifest: dict, name: str) -> bytes:
     path = os.path.join(os.fspath(directory), manifest["version"], name)
     expected = manifest["files"].get(name)
     if expected is None:
@@ -220,26 +307,26 @@ def read_file(directory: str, manifest: dict, name: str) -> dict:
                               f"{expected['bytes']}")
     if hashlib.sha256(data).hexdigest() != expected["sha256"]:
         raise CheckpointError(f"{path} is damaged: its sha256 differs from the manifest's")
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    return data
 
 
-def check_compatible(manifest: dict, engine, directory: str) -> None:
+def check_compatible(saved: dict, engine, where: str) -> None:
+    """The same model and optimizer class (a manifest, or a universal state's header); stage, world size,
+    dtype and offload may differ."""
     here = describe(engine)
-    for key, what in (("stage", "stage"), ("world_size", "world size"), ("optimizer", "optimizer")):
-        if manifest[key] != here[key]:
-            hint = (" (to change it: python -m minizero.consolidate, then start from that state)"
-                    if key == "world_size" else "")
-            raise CheckpointError(f"{directory} was saved with {what} {manifest[key]}, this engine has "
-                                  f"{what} {here[key]}{hint}")
-    difference = _model_difference(manifest, here)
+    if saved["optimizer"] != here["optimizer"]:
+        raise CheckpointError(f"{where} was saved with optimizer {saved['optimizer']}, this engine has "
+                              f"optimizer {here['optimizer']}")
+    difference = model_difference(saved, here["state_dict"])
     if difference:
-        raise CheckpointError(f"{directory} holds a different model: {difference}")
+        raise CheckpointError(f"{where} holds a different model: {difference}")
 
 
-def _model_difference(saved: dict, here: dict) -> str | None:
-    """The first way the saved model differs from this one, in words; None if they fit."""
+def model_difference(saved: dict, entries: list[dict]) -> str | None:
+    """The first way the saved model differs from one with these state_dict_entries, in words; None if
+    they fit (the CLI asks it before starting processes, about a model built on the meta device)."""
     before = {e["key"]: e for e in saved["state_dict"]}
-    now = {e["key"]: e for e in here["state_dict"]}
+    now = {e["key"]: e for e in entries}
     if now.keys() - before.keys():
         return f"this model's {min(now.keys() - before.keys())} is not in the checkpoint"
     if before.keys() - now.keys():
@@ -249,8 +336,6 @@ def _model_difference(saved: dict, here: dict) -> str | None:
             return f"{key} has shape {before[key]['shape']} there, {e['shape']} here"
         if e["trainable"] != before[key]["trainable"]:
             return f"{key} is {'frozen' if e['trainable'] else 'trainable'} there, not here"
-    if saved["buckets"] != here["buckets"]:
-        return "its parameters are bucketed differently (bucket_size, dtype or stage-3 units changed?)"
     return None
 
 
@@ -258,39 +343,94 @@ def _model_difference(saved: dict, here: dict) -> str | None:
 # Load
 # --------------------------------------------------------------------------------------------------------
 
-def load(engine, directory: str) -> None:
-    """engine.load: check everything on every rank, agree, then restore; see the module docstring."""
-    directory = os.fspath(directory)
+def load(engine, path: str) -> None:
+    """engine.load: check everything on every rank, agree, then restore; see the module docstring.
+    `path` is a checkpoint directory, or a file written by `python -m minizero.consolidate --optimizer-state`."""
+    path = os.fspath(path)
     try:
-        manifest = read_manifest(directory)
-        check_compatible(manifest, engine, directory)
-        shard = read_file(directory, manifest, f"rank{engine.rank}.pt")
-        replicated = read_file(directory, manifest, "replicated.pt")
+        if os.path.isfile(path):
+            saved = _read_universal(path)
+        else:
+            saved = read_manifest(path)
+        check_compatible(saved, engine, path)
+        if saved.get("format") == UNIVERSAL:
+            restore = functools.partial(_restore_universal, engine, saved)
+        elif saved["world_size"] == engine.world_size and saved["buckets"] == describe(engine)["buckets"]:
+            shard = read_file(path, saved, f"rank{engine.rank}.pt")    # same layout: my file is my shard
+            replicated = read_file(path, saved, "replicated.pt")
+            frozen = {e["key"]: replicated[e["source"]] for e in saved["state_dict"] if not e["trainable"]}
+            restore = functools.partial(_restore, engine, shard["masters"], shard["optimizer"], frozen,
+                                        shard["step"], shard["rng"])
+        else:
+            restore = functools.partial(_restore_universal, engine, universal(path))   # reshard
         problem = None
     except CheckpointError as e:
         problem = str(e)
     problems = [p for p in comm.all_gather_object(problem) if p]   # one rank's bad file stops them all
     if problems:
         raise CheckpointError(problems[0])
+    restore()
 
+
+def _restore(engine, masters: list[torch.Tensor], optimizer_state: dict, frozen: dict[str, torch.Tensor],
+             step: int, rng: dict | None) -> None:
+    """Put this rank's masters (one per bucket of this engine), its optimizer's state_dict, the frozen
+    parameters and buffers ({state_dict key: value}, the same on every rank), step and RNG in place."""
     opt = engine.optimizer
-    opt.optimizer.load_state_dict(shard["optimizer"])
+    opt.optimizer.load_state_dict(optimizer_state)
     with torch.no_grad():
-        for master, part, value in zip(opt.masters, opt.param_parts, shard["masters"]):
+        for master, part, value in zip(opt.masters, opt.param_parts, masters):
             master.copy_(value)
             if master.data_ptr() != part.data_ptr():
                 part.copy_(master)               # the model's parameters = round(master), as step() does
         engine._after_step()                     # share them as step() does (stages 1-2 all-gather)
         state = engine.module.state_dict(keep_vars=True)
-        with engine.gathering(engine.frozen, modifier_rank=0):    # every rank read the same file
-            for e in manifest["state_dict"]:
-                if not e["trainable"]:
-                    state[e["key"]].copy_(replicated[e["source"]])
-    engine.step_count = shard["step"]
-    torch.set_rng_state(shard["rng"]["torch"])
-    if shard["rng"]["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(shard["rng"]["cuda"])
+        with engine.gathering(engine.frozen, modifier_rank=0):    # every rank read the same values
+            for key, value in frozen.items():
+                state[key].copy_(value)
+    engine.step_count = step
+    if rng is not None:
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
 
+
+def _restore_universal(engine, u: dict) -> None:
+    """Reshard: lay the whole-model values out in this engine's buckets and keep this rank's partition,
+    exactly as the engine laid out the parameters when it was built (flat.py). Adam's moments, SGD's
+    momentum, any state with one value per element, are cut like the masters; scalars (Adam's step) are
+    the same for every bucket."""
+    key_of: dict[int, str] = {}
+    for key, t in engine.module.state_dict(keep_vars=True).items():
+        key_of.setdefault(id(t), key)                        # a tied weight: its first key
+
+    def my_parts(values: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        parts = []
+        for b in engine.layout.buckets:
+            full = torch.zeros(b.padded_numel, dtype=torch.float32)       # padding: zero, as at build
+            for p, view in b.views(full):
+                view.copy_(values[key_of[id(p)]])
+            parts.append(engine.layout.my_partition(full, b) if engine.sharded else full)
+        return parts
+
+    masters = my_parts(u["model"])
+    state = {}
+    if u["optimizer_state"] or u["scalars"]:
+        state = {i: {name: v.clone() if torch.is_tensor(v) else v for name, v in u["scalars"].items()}
+                 for i in range(len(masters))}
+        for name, values in u["optimizer_state"].items():
+            for i, part in enumerate(my_parts(values)):
+                state[i][name] = part
+    group = {**u["param_groups"][0], "params": list(range(len(masters)))}
+    trainable = {id(p) for p in engine.trainable}
+    frozen = {k: u["model"][k] for k, t in engine.module.state_dict(keep_vars=True).items()
+              if id(t) not in trainable}                     # frozen parameters and buffers
+    _restore(engine, masters, {"state": state, "param_groups": [group]}, frozen, u["step"], u["rng"])
+
+
+# --------------------------------------------------------------------------------------------------------
+# Whole-model states from the shards, without a process group (minizero.consolidate)
+# --------------------------------------------------------------------------------------------------------
 
 def consolidate(directory: str) -> dict[str, torch.Tensor]:
     """The whole model's fp32 state_dict from a sharded checkpoint, without a process group (DeepSpeed's
@@ -300,22 +440,88 @@ def consolidate(directory: str) -> dict[str, torch.Tensor]:
     manifest's offsets and shapes cut it back into parameters, exactly like flat.Bucket.views. Frozen
     parameters and buffers come from replicated.pt. The result has the keys of model.state_dict(), in
     order, both names of a tied weight included, floating point tensors in fp32. Loaded into a fresh
-    model and wrapped at another N, it continues the run there (the optimizer state restarts)."""
+    model and wrapped at another N, it continues the run there with a fresh optimizer; universal() keeps
+    the optimizer state too."""
     manifest = read_manifest(directory)
-    shards: dict[int, dict] = {}
+    return _Shards(directory, manifest).model()
 
-    def shard(r: int) -> dict:
-        if r not in shards:
-            shards[r] = read_file(directory, manifest, f"rank{r}.pt")
-        return shards[r]
 
-    values: dict[str, torch.Tensor] = {}
+def universal(directory: str) -> dict:
+    """consolidate() plus the optimizer state, unsharded the same way: what engine.load reshards from, at
+    any stage, N, dtype and offload (DeepSpeed's ds_to_universal; PyTorch DCP reshards the same way).
+
+        {"format": "minizero-universal", "step", "optimizer" (class name), "state_dict" (the manifest's
+         entries), "model": consolidate()'s state_dict, "optimizer_state": {state name: {key: fp32 tensor
+         shaped like the parameter}} for every per-element state (exp_avg, exp_avg_sq, momentum_buffer),
+         "scalars": {state name: value} (step: the same for every bucket), "param_groups": [lr, betas...],
+         "rng": rank 0's}
+
+    A state that is neither per-element nor one scalar for all buckets cannot be cut: CheckpointError."""
+    manifest = read_manifest(directory)
+    shards = _Shards(directory, manifest)
+    saved = shards.get(0)["optimizer"]
+    per_element, scalars = set(), {}
     for i, b in enumerate(manifest["buckets"]):
-        parts = b["padded_numel"] // b["shard_numel"]        # N for stages 1-3; 1 for DDP (replicated)
-        full = torch.cat([shard(r)["masters"][i] for r in range(parts)])       # [padded_numel] fp32
-        for p in b["params"]:
-            numel = torch.Size(p["shape"]).numel()
-            values[p["name"]] = full[p["offset"]: p["offset"] + numel].view(p["shape"]).clone()
-    for name, t in read_file(directory, manifest, "replicated.pt").items():
-        values[name] = t.float() if t.is_floating_point() else t
-    return {e["key"]: values[e["source"]] for e in manifest["state_dict"]}
+        for name, v in saved["state"].get(i, {}).items():
+            if torch.is_tensor(v) and v.dim() == 1 and v.numel() == b["shard_numel"] and name not in scalars:
+                per_element.add(name)                        # one value per element: cut like the masters
+            elif (not torch.is_tensor(v) or v.dim() == 0) and name not in per_element and \
+                    _same(scalars.setdefault(name, v), v):
+                pass                                         # one value for every bucket: carried over
+            else:
+                raise CheckpointError(f"{directory}: {manifest['optimizer']}'s state {name!r} is neither one "
+                                      "value per element nor one scalar: it cannot be resharded")
+    return {"format": UNIVERSAL, "format_version": FORMAT_VERSION, "step": manifest["step"],
+            "optimizer": manifest["optimizer"], "state_dict": manifest["state_dict"], "model": shards.model(),
+            "optimizer_state": {name: shards.trainable(lambda f, i, n=name: f["optimizer"]["state"][i][n])
+                                for name in sorted(per_element)},
+            "scalars": scalars, "rng": shards.get(0)["rng"],
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]]}
+
+
+def _same(a, b) -> bool:
+    return torch.equal(a, b) if torch.is_tensor(a) and torch.is_tensor(b) else a == b
+
+
+class _Shards:
+    """A checkpoint's rank files, each read (and checked) once, and the whole tensors they hold together."""
+
+    def __init__(self, directory: str, manifest: dict):
+        self.directory, self.manifest, self.files = directory, manifest, {}
+
+    def get(self, r: int) -> dict:
+        if r not in self.files:
+            self.files[r] = read_file(self.directory, self.manifest, f"rank{r}.pt")
+        return self.files[r]
+
+    def trainable(self, pick) -> dict[str, torch.Tensor]:
+        """{state_dict key: whole tensor} of the trainable parameters, pick(rank file, bucket index) being
+        one rank's flat part of a bucket (its masters, or a state of its optimizer)."""
+        values: dict[str, torch.Tensor] = {}
+        for i, b in enumerate(self.manifest["buckets"]):
+            parts = b["padded_numel"] // b["shard_numel"]    # N for stages 1-3; 1 for DDP (replicated)
+            full = torch.cat([pick(self.get(r), i).float() for r in range(parts)])     # [padded_numel]
+            for p in b["params"]:
+                numel = torch.Size(p["shape"]).numel()
+                values[p["name"]] = full[p["offset"]: p["offset"] + numel].view(p["shape"]).clone()
+        return {e["key"]: values[e["source"]] for e in self.manifest["state_dict"] if e["source"] in values}
+
+    def model(self) -> dict[str, torch.Tensor]:
+        values = self.trainable(lambda f, i: f["masters"][i])
+        replicated = read_file(self.directory, self.manifest, "replicated.pt")
+        for e in self.manifest["state_dict"]:
+            if e["key"] not in values:
+                t = replicated[e["source"]]
+                values[e["key"]] = t.float() if t.is_floating_point() else t
+        return {e["key"]: values[e["key"]] for e in self.manifest["state_dict"]}
+
+
+def _read_universal(path: str) -> dict:
+    try:
+        u = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:                    # truncated or not a torch file: pickle/zip errors vary
+        raise CheckpointError(f"{path} is not a readable torch file: {type(e).__name__}") from None
+    if not isinstance(u, dict) or u.get("format") != UNIVERSAL:
+        raise CheckpointError(f"{path} holds no optimizer state (a plain state_dict loads with "
+                              "model.load_state_dict; python -m minizero.consolidate --optimizer writes one)")
+    return u

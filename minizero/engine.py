@@ -196,8 +196,9 @@ class Engine:
         checkpoint.save(self, directory)
 
     def load(self, directory: str) -> None:
-        """Collective: restore a checkpoint of the same stage, world size and model; on any mismatch
-        raise checkpoint.CheckpointError (one line) on every rank, with nothing modified."""
+        """Collective: restore a checkpoint of the same model and optimizer class, saved at any stage, world
+        size, dtype or offload (resharded); on any mismatch raise checkpoint.CheckpointError (one line) on
+        every rank, with nothing modified."""
         checkpoint.load(self, directory)
 
     def memory(self) -> dict[str, int]:

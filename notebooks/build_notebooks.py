@@ -383,6 +383,25 @@ NOTEBOOKS["06_compare"] = [
     demo.export("compare_6", {"runs": [rec for runs in stages.values() for rec in runs.values()]});
     """),
     md("""
+    ## Move a run to fewer ranks
+
+    A checkpoint holds each rank's partition of the masters and of Adam's moments. The flat layout is
+    deterministic, so `engine.load` cuts them again for another N (or another stage): the run continues as
+    if nothing happened. Restarting from the weights alone (`python -m minizero.consolidate`, a fresh
+    optimizer) is what a checkpoint without resharding offers: Adam's moments start from zero, and the
+    loss jumps.
+    """),
+    code("""
+    import tempfile
+    from minizero.lab.reference import tolerance
+    FROM, TO = WORLD_SIZES[-1], max(WORLD_SIZES[-1] // 2, 1)
+    moved = demo.move_run(FROM, TO, STEPS, tempfile.mkdtemp(), MODEL, BACKEND)
+    assert moved["resumed_diff"] <= tolerance("fp32") < moved["fresh_diff"], moved
+    print(f"N = {FROM} -> {TO} after {moved['half']} steps: max |param - uninterrupted| "
+          f"{moved['resumed_diff']:.1e} resharded, {moved['fresh_diff']:.1e} with a fresh optimizer")
+    plots.moved_run(moved);
+    """),
+    md("""
     ## What fits: the estimator
 
     Since every formula is linear in Ψ, the largest model whose model states fit a per-rank budget is

@@ -273,3 +273,20 @@ def lora_memory(rows: list[dict]):
     build.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     return fig
+
+
+def moved_run(rec: dict):
+    """The loss of a run moved from N = from_n to N = to_n at step `half`, on the uninterrupted one."""
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    steps = np.arange(1, len(rec["full"]) + 1)
+    ax.plot(steps, rec["full"], "k-", linewidth=5, alpha=0.3, label=f"uninterrupted, N = {rec['from_n']}")
+    later = steps[rec["half"]:]
+    ax.plot(later, rec["resumed"], "--", marker=".", label=f"resumed at N = {rec['to_n']}, optimizer state resharded")
+    ax.plot(later, rec["fresh"], ":", marker="x", label=f"restarted at N = {rec['to_n']}, fresh optimizer")
+    ax.axvline(rec["half"] + 0.5, color="gray", linewidth=0.8)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set(xlabel="optimizer step", ylabel="loss (mean over ranks)",
+           title=f"a run moved from {rec['from_n']} to {rec['to_n']} ranks")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -2,6 +2,8 @@
 save never costs the previous checkpoint, bad checkpoints are refused in one line with nothing changed,
 and minizero.consolidate gives a plain state_dict that also continues training at another world size."""
 
+import functools
+import json
 import os
 import re
 import shutil
@@ -16,6 +18,7 @@ import minizero
 from minizero import checkpoint
 from minizero.checkpoint import CheckpointError, consolidate
 from minizero.cli.consolidate import main
+from minizero.cli.run import main as run_main
 from minizero.lab.model import make_model
 from minizero.lab.train import TrainConfig, train_several, train_worker
 
@@ -168,10 +171,8 @@ def _damage(d, how):
 
 
 @pytest.mark.parametrize("how, overrides, message", [
-    ("other stage", {"stage": 3}, "saved with stage 2, this engine has stage 3"),
     ("other optimizer", {"optimizer": "sgd"}, "saved with optimizer AdamW, this engine has optimizer SGD"),
     ("other shapes", {"model_overrides": {**BASE["model_overrides"], "n_embd": 16}}, "has shape [12, 14] there"),
-    ("other buckets", {"bucket_size": 1e6}, "bucketed differently"),
     ("missing file", {}, "rank0.pt is missing"),
     ("truncated file", {}, "rank0.pt is truncated or damaged"),
     ("flipped byte", {}, "rank0.pt is damaged: its sha256 differs"),
@@ -191,10 +192,41 @@ def test_a_bad_checkpoint_is_refused_in_one_line_and_nothing_changes(saved, tmp_
     assert all(torch.equal(before[k], v) for k, v in engine.full_state_dict().items())
 
 
-def test_another_world_size_is_refused_with_the_way_out(runs):
-    with pytest.raises(CheckpointError, match=r"world size 2, this engine has world size 1 \(to change it: "
-                                              r"python -m minizero.consolidate"):
-        _engine().load(runs["stage2_accum_clip"]["dir"])
+class _TwoNumbersPerParameter(torch.optim.SGD):
+    """An optimizer whose state is neither per element nor a scalar: it cannot be resharded."""
+
+    def step(self, closure=None):
+        super().step(closure)
+        for p in self.param_groups[0]["params"]:
+            self.state[p]["stats"] = torch.zeros(2)
+
+
+def test_a_state_that_is_not_per_element_is_refused_in_one_line(tmp_path):
+    def engine(stage):
+        model = make_model(TrainConfig(**ONE).model_config())
+        return minizero.wrap(model, stage, functools.partial(_TwoNumbersPerParameter, lr=0.1), bucket_size=3000) \
+            if stage == 2 else minizero.wrap(model, stage, functools.partial(_TwoNumbersPerParameter, lr=0.1))
+    saved = engine(2)
+    saved.backward(saved(torch.randint(0, 10, (4, 16))).float().mean())
+    saved.step()
+    saved.save(tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match=r"state 'stats' is neither one value per element nor one scalar"):
+        engine(1).load(tmp_path / "ckpt")                                # one bucket: must reshard
+
+
+def test_consolidated_with_optimizer_state_loads_into_any_engine(runs, tmp_path, capsys):
+    out = tmp_path / "full.pt"
+    assert main([runs["stage3"]["dir"], str(out), "--optimizer-state"]) == 0
+    assert f"wrote {out}: parameters and optimizer state, step {K}" in capsys.readouterr().out
+    from_dir, from_file = _engine(stage=1), _engine(stage=1, offload=True)       # N = 1, stage 1
+    from_dir.load(runs["stage3"]["dir"])
+    from_file.load(out)
+    assert from_file.step_count == from_dir.step_count == K
+    assert all(torch.equal(a, b) for a, b in zip(from_dir.full_state_dict().values(),
+                                                  from_file.full_state_dict().values()))
+    state = [e.optimizer.optimizer.state_dict()["state"][0] for e in (from_dir, from_file)]
+    assert state[0].keys() == state[1].keys() == {"step", "exp_avg", "exp_avg_sq"}
+    assert all(torch.equal(state[0][k], state[1][k]) for k in state[0])
 
 
 @pytest.mark.parametrize("how, message", [
@@ -215,3 +247,94 @@ def test_consolidate_bad_input_is_one_line_exit_2_and_out_untouched(saved, tmp_p
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
     assert out.read_bytes() == b"previous content"
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "out.pt"]          # no temporary file left either
+
+
+# --- periodic saves: a run killed at any moment and restarted with the same command -------------------------
+
+PERIODIC = ["--stage", "2", "--world-size", "2", "--model", "tiny", "--batch-size", "12", "--quiet", "--steps", "6",
+            "--save-every", "2", "--keep-last", "2", "--resume"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    d = tmp_path_factory.mktemp("periodic")
+    assert run_main(PERIODIC + ["--save", str(d / "run"), "--json", str(d / "full.json")]) == 0
+    return json.loads((d / "full.json").read_text())["losses"], consolidate(checkpoint.latest(d / "run"))
+
+
+@pytest.mark.parametrize("fault, resumed_from", [
+    ({"MINIZERO_FAIL_RANK": "1", "MINIZERO_FAIL_STEP": "3", "MINIZERO_FAIL_MODE": "kill"}, 2),        # mid-step
+    ({"MINIZERO_FAIL_RANK": "0", "MINIZERO_FAIL_STEP": "4", "MINIZERO_FAIL_MODE": "kill-in-save"}, 2),  # mid-save
+])
+def test_a_killed_run_restarted_with_the_same_command_ends_bit_identical(uninterrupted, tmp_path, fault,
+                                                                       resumed_from):
+    command = PERIODIC + ["--save", str(tmp_path / "run"), "--json", str(tmp_path / "out.json")]
+    # A process of its own: the launcher's forkserver would not see environment variables set here.
+    p = subprocess.run([sys.executable, "-m", "minizero.run", *command], env=dict(os.environ, **fault),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "exit code -9" in p.stderr, p.stderr[-2000:]     # SIGKILL'ed
+    assert checkpoint.latest(tmp_path / "run").endswith(f"step-{resumed_from:06d}")
+    assert run_main(command) == 0                                      # the same command, no fault
+    losses, state = uninterrupted
+    assert json.loads((tmp_path / "out.json").read_text())["losses"] == losses[resumed_from:]
+    assert sorted(os.listdir(tmp_path / "run")) == ["step-000004", "step-000006"]     # --keep-last 2
+    resumed = consolidate(checkpoint.latest(tmp_path / "run"))
+    assert all(torch.equal(resumed[k], v) for k, v in state.items()), "not bit-identical"
+
+
+# --- universal loading: another world size, another stage, with Adam's moments carried ----------------------
+
+UNI = dict(BASE, optimizer="adamw", lr=1e-3)
+RESHARD = {                     # name: (saved with, resumed with): stage, N and options of each
+    "N 4->2": (dict(stage=2, world_size=4), dict(stage=2, world_size=2)),
+    "N 2->3, offload": (dict(stage=2, world_size=2), dict(stage=2, world_size=3, offload=True)),
+    "stage 2->3": (dict(stage=2, world_size=2), dict(stage=3, world_size=2)),
+    "stage 3->1": (dict(stage=3, world_size=2), dict(stage=1, world_size=2)),
+    "stage 3->0, N 3->1": (dict(stage=3, world_size=3), dict(stage=0, world_size=1)),
+}
+
+
+def _cfg(opts, **more):
+    return TrainConfig(**{**UNI, **opts, **more})
+
+
+@pytest.fixture(scope="module")
+def resharded(tmp_path_factory):
+    """Per world size one launch: the uninterrupted runs and the saves of the sources of that size, then
+    the resumes of the targets of that size (each launch's runs go in order, so 2 -> 2 resumes see the
+    save). A fresh optimizer from the consolidated weights shows what carrying the moments is worth."""
+    root = tmp_path_factory.mktemp("reshard")
+    d = {name: str(root / name.replace(" ", "_").replace(">", "")) for name in RESHARD}
+    plain = str(root / "model.pt")
+    per_n: dict[int, list] = {n: [] for n in (4, 2, 3, 1)}          # n: [(tag, cfg)] in launch order
+    for name, (src, dst) in RESHARD.items():
+        per_n[src["world_size"]] += [((name, "full"), _cfg(src, steps=K + M, return_state=True)),
+                                     ((name, "save"), _cfg(src, steps=K, save_dir=d[name]))]
+    for name, (src, dst) in RESHARD.items():
+        per_n[dst["world_size"]].append(((name, "resumed"), _cfg(dst, steps=K + M, load_dir=d[name],
+                                                                return_state=True)))
+    per_n[2].append((("N 4->2", "fresh"), _cfg(RESHARD["N 4->2"][1], steps=K + M, init_state=plain, start_step=K,
+                                                return_state=True)))
+    out = {}
+    for n, runs in per_n.items():
+        if n == 2:
+            torch.save(consolidate(d["N 4->2"]), plain)
+        cfgs = [cfg for _, cfg in runs]
+        ranks = minizero.launch(train_several, n, cfgs) if n > 1 else [train_several(cfgs)]
+        out.update({tag: ranks[0][i] for i, (tag, _) in enumerate(runs)})
+    return out
+
+
+def _max_difference(a, b) -> float:
+    return max((a[k].double() - v.double()).abs().max().item() for k, v in b.items() if v.is_floating_point())
+
+
+@pytest.mark.parametrize("name", RESHARD)
+def test_a_checkpoint_resumes_at_another_stage_and_world_size_with_its_optimizer_state(resharded, name):
+    full, resumed = resharded[name, "full"], resharded[name, "resumed"]
+    assert len(resumed["losses"]) == M                # (a rank's loss is over its rows: N changes it)
+    assert _max_difference(resumed["state_dict"], full["state_dict"]) <= 1e-6
+
+
+def test_restarting_the_optimizer_instead_would_not_be_within_tolerance(resharded):
+    assert _max_difference(resharded["N 4->2", "fresh"]["state_dict"], resharded["N 4->2", "full"]["state_dict"]) > 1e-3

@@ -2,6 +2,7 @@
 and rejects bad input with one line and exit code 2."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -51,6 +52,9 @@ def test_run_under_torchrun_uses_its_process_group(tmp_path):
     (["--world-size", "3", "--batch-size", "16"], "must be divisible"),
     (["--steps", "many"], "invalid int value"),
     (["--frobnicate"], "unrecognized arguments"),
+    (["--save-every", "2"], "--save-every K needs --save DIR and K >= 1"),
+    (["--save", "d", "--keep-last", "2"], "--keep-last M needs --save-every and M >= 1"),
+    (["--save", "d", "--resume"], "--resume needs --save DIR --save-every K"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
     assert main(args) == 2
@@ -65,6 +69,44 @@ def test_save_then_load_resumes_bit_exactly(tmp_path, capsys):
     assert main(common + ["--steps", "2", "--save", ckpt]) == 0
     assert main(common + ["--steps", "4", "--load", ckpt, "--json", str(resumed)]) == 0
     assert json.loads(resumed.read_text())["losses"] == json.loads(full.read_text())["losses"][2:]
+    # another stage and N: resharded; another optimizer or model: refused before any process starts
+    assert main(["--stage", "3", "--world-size", "4", "--model", "tiny", "--quiet", "--steps", "3", "--load", ckpt]) == 0
     capsys.readouterr()
-    assert main(["--stage", "3", "--world-size", "2", "--load", ckpt]) == 2
-    assert "saved with stage 2, this run has --stage 3" in capsys.readouterr().err
+    assert main(common + ["--load", ckpt, "--optimizer", "sgd"]) == 2
+    assert "saved with optimizer AdamW, this run has --optimizer sgd" in capsys.readouterr().err
+    assert main(["--stage", "3", "--world-size", "2", "--load", ckpt]) == 2     # --model default
+    assert f"--load {ckpt} holds a different model: " in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def saved_n2(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("cli") / "ckpt")
+    assert main(["--stage", "2", "--world-size", "2", "--model", "tiny", "--quiet", "--steps", "1", "--save", d]) == 0
+    return d
+
+
+@pytest.mark.parametrize("how, message", [
+    ("truncated", "rank1.pt is truncated or damaged"),
+    ("flipped", "rank1.pt is damaged: its sha256 differs"),
+    ("missing", "rank1.pt is missing"),
+    ("no manifest", "has no manifest.json"),
+])
+def test_a_damaged_checkpoint_is_refused_before_any_process_starts(saved_n2, tmp_path, capsys, monkeypatch, how,
+                                                                  message):
+    d = tmp_path / "ckpt"
+    shutil.copytree(saved_n2, d)
+    shard = next(d.glob("v*/rank1.pt"))
+    data = shard.read_bytes()
+    if how == "truncated":
+        shard.write_bytes(data[: len(data) // 2])
+    elif how == "flipped":
+        shard.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
+    elif how == "missing":
+        shard.unlink()
+    else:
+        (d / "manifest.json").unlink()
+    monkeypatch.setattr("minizero.cli.run.launch", lambda *a, **k: pytest.fail("a process was launched"))
+    capsys.readouterr()
+    assert main(["--stage", "2", "--world-size", "2", "--model", "tiny", "--load", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err

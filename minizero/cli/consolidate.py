@@ -3,8 +3,13 @@
     python -m minizero.consolidate ckpt model.pt
     model.load_state_dict(torch.load("model.pt"), strict=True)      # no process group, no minizero
 
-How: minizero.checkpoint.consolidate. Continue at another world size with
-`TrainConfig(init_state="model.pt", start_step=k)`; Adam's moments restart from zero (as with zero_to_fp32).
+    python -m minizero.consolidate ckpt full.pt --optimizer-state   # + the whole optimizer state
+    engine.load("full.pt")                                           # any stage, N, dtype, offload
+
+How: minizero.checkpoint.consolidate (a plain state_dict: continue with `TrainConfig(init_state="model.pt",
+start_step=k)`, Adam's moments restart from zero, as with zero_to_fp32) and, with --optimizer-state,
+minizero.checkpoint.universal (the parameters and every optimizer state tensor whole, plus the step: what
+engine.load reshards from; DeepSpeed's ds_to_universal).
 Bad input (no checkpoint, a missing, truncated or damaged file): one line on stderr, exit code 2, and
 OUT is left as it was (it is written atomically, and only once the checkpoint has been read).
 """
@@ -19,6 +24,7 @@ from minizero.checkpoint import (
     CheckpointError,
     consolidate,
     read_manifest,
+    universal,
     write_atomic,
 )
 from minizero.cli import OneLineParser, UsageError, fail
@@ -30,9 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog=PROG, description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint", help="a directory written by engine.save()")
     parser.add_argument("out", help="where to write the state_dict (torch.save)")
+    parser.add_argument("--optimizer-state", action="store_true",
+                        help="also the whole optimizer state: a file engine.load() accepts at any stage and N")
     try:
         args = parser.parse_args(argv)
-        state = consolidate(args.checkpoint)
+        state = universal(args.checkpoint) if args.optimizer_state else consolidate(args.checkpoint)
         step = read_manifest(args.checkpoint)["step"]
         buf = io.BytesIO()
         torch.save(state, buf)
@@ -41,5 +49,6 @@ def main(argv: list[str] | None = None) -> int:
         return fail(PROG, str(e))
     except OSError as e:                                     # OUT not writable: a directory, no parent...
         return fail(PROG, f"cannot write {args.out}: {e.strerror}")
-    print(f"wrote {args.out}: {len(state)} tensors, step {step}")
+    what = "parameters and optimizer state" if args.optimizer_state else f"{len(state)} tensors"
+    print(f"wrote {args.out}: {what}, step {step}")
     return 0

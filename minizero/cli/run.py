@@ -14,14 +14,13 @@ Precedence: defaults < --config file (minizero.lab.deepspeed_config) < flags giv
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
-from minizero import comm
+from minizero import checkpoint, comm
 from minizero.cli import OneLineParser, UsageError, emit
 from minizero.lab.deepspeed_config import ConfigError, load_deepspeed_config
-from minizero.lab.model import MODEL_NAMES
+from minizero.lab.model import MODEL_NAMES, make_model
 from minizero.lab.report import format_table, summarize
 from minizero.lab.train import OPTIMIZERS, TrainConfig, train_worker
 from minizero.launcher import launch
@@ -51,8 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="default or tiny")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--save", default=None, metavar="DIR", help="write a sharded checkpoint after the last step")
+    p.add_argument("--save-every", type=int, default=None, metavar="K",
+                   help="save DIR/step-NNNNNN every K steps and after the last (DIR is then a run directory)")
+    p.add_argument("--keep-last", type=int, default=None, metavar="M", help="with --save-every: keep the M newest")
+    p.add_argument("--resume", action="store_true",
+                   help="with --save-every: continue from DIR's newest complete checkpoint, if it has one")
     p.add_argument("--load", default=None, metavar="DIR",
-                   help="resume from a checkpoint of the same stage and world size (--steps counts from 0)")
+                   help="resume from a checkpoint of this model and optimizer, saved at any stage, world "
+                        "size, dtype or offload (resharded; --steps counts from 0)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
@@ -92,25 +97,41 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if args.no_prefetch:
         cfg.prefetch = False
     cfg.save_dir, cfg.load_dir = args.save, args.load
-    if args.load is not None:
-        _check_checkpoint(args.load, cfg)
+    cfg.save_every, cfg.keep_last = args.save_every or 0, args.keep_last
+    _check_periodic(args)
+    if args.resume:
+        cfg.load_dir = checkpoint.latest(args.save)          # None: nothing saved yet, start fresh
     validate(cfg)
+    if cfg.load_dir is not None:
+        _check_checkpoint(cfg.load_dir, cfg)
     return cfg
 
 
+def _check_periodic(args: argparse.Namespace) -> None:
+    if args.save_every is not None and (args.save is None or args.save_every < 1):
+        raise UsageError("--save-every K needs --save DIR and K >= 1")
+    if args.keep_last is not None and (args.save_every is None or args.keep_last < 1):
+        raise UsageError("--keep-last M needs --save-every and M >= 1")
+    if args.resume and (args.save_every is None or args.load is not None):
+        raise UsageError("--resume needs --save DIR --save-every K (it continues from DIR), not --load")
+
+
 def _check_checkpoint(directory: str, cfg: TrainConfig) -> None:
-    """The mismatches a user makes on the command line, caught before any process starts (load itself
-    checks everything else, on every rank)."""
+    """Before any process starts: every file of the checkpoint intact (checkpoint.verify), and saved for
+    this model and optimizer (load reshards any stage, world size, dtype or offload; it checks again)."""
+    import torch
     try:
-        with open(os.path.join(directory, "manifest.json")) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError):
-        raise UsageError(f"--load {directory}: no readable checkpoint there (manifest.json)") from None
-    for key, flag in (("stage", "--stage"), ("world_size", "--world-size")):
-        if manifest.get(key) != getattr(cfg, key):
-            raise UsageError(f"--load {directory}: saved with {key.replace('_', ' ')} {manifest.get(key)}, "
-                             f"this run has {flag} {getattr(cfg, key)} (for another world size: "
-                             "python -m minizero.consolidate, see minizero/checkpoint.py)")
+        manifest = checkpoint.verify(directory)
+    except checkpoint.CheckpointError as e:
+        raise UsageError(f"--load {directory}: {e}") from None
+    with torch.device("meta"):                           # shapes only: nothing is allocated
+        model = make_model(cfg.model_config())
+    difference = checkpoint.model_difference(manifest, checkpoint.state_dict_entries(model))
+    if difference:
+        raise UsageError(f"--load {directory} holds a different model: {difference}")
+    if manifest["optimizer"] != OPTIMIZERS[cfg.optimizer].__name__:
+        raise UsageError(f"--load {directory}: saved with optimizer {manifest['optimizer']}, this run has "
+                         f"--optimizer {cfg.optimizer}")
 
 
 def validate(cfg: TrainConfig) -> None:

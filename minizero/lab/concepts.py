@@ -53,6 +53,8 @@ CONCEPTS = [
     ("DeepSpeed", "save_checkpoint (ZeRO sharded checkpoint)", "minizero.checkpoint.save",
      "one file per rank, manifest written last"),
     ("DeepSpeed", "zero_to_fp32.py", "minizero.checkpoint.consolidate", "sharded checkpoint -> plain fp32 state_dict"),
+    ("DeepSpeed", "ds_to_universal.py (universal checkpoint)", "minizero.checkpoint.universal",
+     "whole optimizer state; engine.load reshards it at any stage and N"),
     ("DeepSpeed", "ds_config.json", "minizero.lab.deepspeed_config.load_deepspeed_config", "the same keys, mapped or reported"),
     ("FairScale", "OSS (optimizer state sharding)", "minizero.zero1.Zero1",
      "OSS gives whole parameters to ranks; minizero splits one flat buffer evenly"),

@@ -294,3 +294,33 @@ def lora_memory(world_sizes, backend: str | None = None) -> list[dict]:
                      "replicated_frozen_would_be": 4 * run["frozen"] + formula["params"] - 4 * run["frozen"] / n,
                      "construction_peak": {k: rec[k]["construction_peak"] for k in ("normal", "sharded_init")}})
     return rows
+
+
+# --------------------------------------------------------------------------------------------------------
+# Checkpoints: a run moved to another world size (notebook 06)
+# --------------------------------------------------------------------------------------------------------
+
+def move_run(from_n: int, to_n: int, steps: int, directory: str, model: str = "default",
+             backend: str | None = None) -> dict:
+    """A stage-2 run at N = from_n saves after steps // 2 and continues at N = to_n (engine.load reshards
+    the masters and Adam's moments), next to the uninterrupted run and to a restart from the consolidated
+    weights with a fresh optimizer. Two launches. Losses are the mean over ranks of each step."""
+    from minizero import checkpoint
+    half = max(steps // 2, 1)
+    run = dict(stage=2, model=model, batch_size=24, steps=2 * half, return_state=True, backend=backend)
+    ckpt, weights = os.path.join(directory, "ckpt"), os.path.join(directory, "model.pt")
+    full, _ = zip(*launch(train_several, from_n, [TrainConfig(**run, world_size=from_n),
+                                                   TrainConfig(**{**run, "steps": half}, world_size=from_n,
+                                                               save_dir=ckpt)], backend=backend))
+    torch.save(checkpoint.consolidate(ckpt), weights)
+    resumed, fresh = zip(*launch(train_several, to_n, [
+        TrainConfig(**run, world_size=to_n, load_dir=ckpt),
+        TrainConfig(**run, world_size=to_n, init_state=weights, start_step=half)], backend=backend))
+
+    def mean_losses(results):
+        return [statistics.fmean(step) for step in zip(*(r["losses"] for r in results))]
+
+    return {"from_n": from_n, "to_n": to_n, "half": half, "full": mean_losses(full),
+            "resumed": mean_losses(resumed), "fresh": mean_losses(fresh),
+            "resumed_diff": max_abs_diff(resumed[0]["state_dict"], full[0]["state_dict"]),
+            "fresh_diff": max_abs_diff(fresh[0]["state_dict"], full[0]["state_dict"])}

@@ -6,6 +6,9 @@
 Rank `rank` fails when step `step`'s first forward starts: it raises ("raise") or dies without a word
 ("kill": SIGKILL to itself, as the kernel's OOM killer would). The fault is a forward pre-hook on the
 model, armed once after the engine is built, so the training loop knows nothing about it.
+"kill-in-save" (rank 0) dies instead inside the save made after `step` steps, every shard written and
+the manifest not yet: the worst moment for a checkpoint. checkpoint.write_atomic is replaced in that
+process only, so the implementation knows nothing about it either.
 """
 
 from __future__ import annotations
@@ -14,14 +17,14 @@ import os
 import signal
 from dataclasses import dataclass
 
-from minizero import comm
+from minizero import checkpoint, comm
 
 
 @dataclass(frozen=True)
 class Fault:
     rank: int
     step: int = 0
-    mode: str = "raise"                       # "raise" or "kill"
+    mode: str = "raise"                       # "raise", "kill" or "kill-in-save"
 
     @classmethod
     def from_env(cls) -> Fault | None:
@@ -34,6 +37,16 @@ class Fault:
     def arm(self, engine) -> None:
         """Make this rank fail at the first forward of step `self.step` (engine.step_count counts steps)."""
         if comm.rank() != self.rank:
+            return
+        if self.mode == "kill-in-save":
+            write = checkpoint.write_atomic
+
+            def write_or_die(path, data):
+                if path.endswith(checkpoint.MANIFEST) and engine.step_count == self.step:
+                    os.kill(os.getpid(), signal.SIGKILL)          # the shards are on disk, uncommitted
+                write(path, data)
+
+            checkpoint.write_atomic = write_or_die
             return
 
         def fail(module, args):

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from minizero import comm
+from minizero import checkpoint, comm
 from minizero.flat import DEFAULT_BUCKET_BYTES
 from minizero.lab.data import IGNORE, global_batch, local_batch
 from minizero.lab.faults import Fault
@@ -64,7 +64,9 @@ class TrainConfig:
     # Checkpoints (minizero/checkpoint.py). `steps` counts from step 0 of the data stream, so resuming a
     # run saved after k steps with steps=k+m trains the m steps an uninterrupted run would have.
     save_dir: str | None = None               # engine.save() here after the last step
-    load_dir: str | None = None               # engine.load() before the first: same stage, N, model
+    save_every: int = 0                       # > 0: save_dir is a run directory, checkpoint.save_numbered
+    keep_last: int | None = None              # ... every save_every steps and after the last; keep this many
+    load_dir: str | None = None               # engine.load() before the first: any stage and N, same model
     init_state: str | None = None             # a consolidated state dict (minizero.consolidate): any N,
     start_step: int = 0                       # ... first step's index in the data stream (fresh optimizer)
     fault: Fault | None = None                # a failure to inject (lab/faults.py); else MINIZERO_FAIL_*
@@ -144,7 +146,9 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
         if cfg.log_every and rank == 0 and (step % cfg.log_every == 0 or step == cfg.steps - 1):
             print(f"step {step + 1:>4}/{cfg.steps}  loss {step_loss:.4f}  "
                   f"{step_times[-1] * 1e3:.1f} ms/step", flush=True)
-    if cfg.save_dir:
+        if cfg.save_every and (engine.step_count % cfg.save_every == 0 or step == cfg.steps - 1):
+            checkpoint.save_numbered(engine, cfg.save_dir, cfg.keep_last)
+    if cfg.save_dir and not cfg.save_every:
         engine.save(cfg.save_dir)
     result = {
         "rank": rank,
