@@ -20,7 +20,7 @@ import contextlib
 import torch
 from torch import nn
 
-from minizero import checkpoint, comm, construct
+from minizero import activations, checkpoint, comm, construct
 from minizero.memory import measure
 from minizero.optim import DTYPES
 
@@ -59,6 +59,7 @@ class Engine:
         self._params = params             # the Parameter objects never change (stages move only p.data)
         self.trainable = [p for p in params if p.requires_grad]
         self.frozen = [p for p in params if not p.requires_grad]   # replicated as-is, never stepped
+        self.activations = activations.SavedTensorMeter(params)    # ZeRO-R: what forward saves (activations.py)
 
     @classmethod
     def check(cls, dtype: str = "fp32", offload: bool | str = False) -> None:
@@ -83,7 +84,8 @@ class Engine:
 
     # --- forward ------------------------------------------------------------------------------------
     def __call__(self, *inputs, **kwargs):
-        return self.module(*inputs, **kwargs)
+        with self.activations.recording():
+            return self.module(*inputs, **kwargs)
 
     # --- backward -----------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
@@ -110,6 +112,7 @@ class Engine:
         self._after_step()
         self._track_peak()
         self._zero_grad()
+        self.activations.new_step()
         self.step_count += 1
 
     def _clip(self, grads: list[torch.Tensor]) -> float:
@@ -202,10 +205,12 @@ class Engine:
 
     def memory(self) -> dict[str, int]:
         """This rank's model-state bytes now: params, grads, optimizer (compute device), offloaded (host),
-        and the peaks seen so far (`peak`: all device model states, `peak_params`: parameters alone)."""
+        and the peaks seen so far (`peak`: all device model states, `peak_params`: parameters alone); and
+        `activations`: the peak bytes saved for backward during the current or last step (ZeRO-R; not in
+        `peak`, which is the model states' figure)."""
         now = self._measure()
         self._update_peak(now)
-        return {**now, **self._peak}
+        return {**now, **self._peak, "activations": self.activations.peak}
 
     def _memory_groups(self) -> dict[str, list[torch.Tensor]]:
         params = self._params
