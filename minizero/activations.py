@@ -59,7 +59,7 @@ class SavedTensorMeter:
     def __init__(self, params: list[nn.Parameter]):
         self.params = params
         self.peak = 0
-        self._alive = 0
+        self.alive = 0                                  # bytes saved for backward now
         self._storages: dict[int, list[int]] = {}      # storage -> [saved tensors using it, its bytes]
         self._excluded: set[int] = set()
         self._new_step = True
@@ -72,7 +72,7 @@ class SavedTensorMeter:
     def recording(self):
         """Count what is saved for backward inside this block (the engine's forward, a recompute)."""
         if self._new_step:
-            self.peak, self._new_step = self._alive, False
+            self.peak, self._new_step = self.alive, False
         # A storage is identified by its StorageImpl (_cdata), which stage 3's resize_ keeps: a unit's
         # parameters stay recognisable while it is freed and gathered again.
         self._excluded = {p.untyped_storage()._cdata for p in self.params}
@@ -86,8 +86,8 @@ class SavedTensorMeter:
             return _Saved(t, self, None)
         entry = self._storages.setdefault(key, [0, storage.nbytes()])
         if entry[0] == 0:                               # each storage once, however many tensors share it
-            self._alive += entry[1]
-            self.peak = max(self.peak, self._alive)
+            self.alive += entry[1]
+            self.peak = max(self.peak, self.alive)
         entry[0] += 1
         return _Saved(t, self, key)
 
@@ -95,7 +95,7 @@ class SavedTensorMeter:
         entry = self._storages[key]
         entry[0] -= 1
         if entry[0] == 0:
-            self._alive -= entry[1]
+            self.alive -= entry[1]
             del self._storages[key]
 
 

@@ -77,7 +77,9 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
     if activation_checkpointing not in activations.MODES:
         raise ValueError(f"activation_checkpointing must be False, True or 'cpu', got {activation_checkpointing!r}")
     units = list(options.get("units") or default_units(model))      # before stage 3 frees the parameters
+    # (a transformer's blocks: what is checkpointed, and what memory_timeline's events name)
     built = engine(model, optimizer, offload=offload, **options)
     if activation_checkpointing:
         activations.checkpoint(units, activation_checkpointing, built.activations)
+    built.watch(units)
     return built

@@ -67,7 +67,7 @@ def test_the_meter_counts_each_storage_once_without_parameters_until_backward_us
     out = engine(torch.randn(5, 8))          # saved: x [5, 8] and h [5, 8] once; not the weight
     assert engine.memory()["activations"] == 2 * 5 * 8 * 4
     engine.backward(out.sum())
-    assert engine.activations._alive == 0, "backward used every saved tensor: none is alive"
+    assert engine.activations.alive == 0, "backward used every saved tensor: none is alive"
 
 
 # --- every stage with checkpointing, against the reference -------------------------------------------------
