@@ -22,7 +22,8 @@ from minizero.memory import activation_bytes
 from _checks import AWKWARD, assert_matches_reference
 
 # (GPT overrides, micro-batch rows): width, heads, sequence and batch all vary.
-SIZES = [(dict(), 8), (dict(n_embd=32, n_head=2, block_size=16), 4), (dict(n_layer=6, n_embd=48, n_head=3, block_size=24), 6)]
+SIZES = [(dict(), 8), (dict(n_embd=32, n_head=2, block_size=16), 4),
+         (dict(n_layer=6, n_embd=48, n_head=3, block_size=24), 6)]
 
 
 def measured_activations(overrides: dict, rows: int, mode, stage: int = 0) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 
+from minizero.lab.data import sequence_length
 from minizero.lab.train import TrainConfig, state_bytes
 from minizero.memory import activation_bytes, comm_volume, element_bytes, estimate_breakdown, optimizer_k
 
@@ -27,8 +28,9 @@ def theory(cfg: TrainConfig, num_params: int, num_frozen: int = 0) -> dict:
                            k=run_k(cfg), offload=cfg.offload, frozen=num_frozen)
     m = cfg.model_config()
     rows = cfg.batch_size // (cfg.world_size * cfg.grad_accum)
-    activations = activation_bytes(m.n_layer, m.n_embd, m.n_head, m.block_size, rows, bytes_per_elem=elem,
-                                   mlp_ratio=m.mlp_ratio, checkpointing=cfg.activation_checkpointing)
+    activations = activation_bytes(m.n_layer, m.n_embd, m.n_head, sequence_length(m.block_size), rows,
+                                   bytes_per_elem=elem, mlp_ratio=m.mlp_ratio,
+                                   checkpointing=cfg.activation_checkpointing)
     return {**b, "device_total": b["params"] + b["grads"] + b["optimizer"], "activations": activations,
             "comm_bytes_per_step": comm_volume(trainable, cfg.world_size, cfg.stage, bytes_per_elem=elem,
                                                frozen=num_frozen)}
