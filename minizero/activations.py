@@ -113,8 +113,9 @@ class _Checkpoint(torch.autograd.Function):
     def forward(ctx, run, meter, dummy, *inputs):
         ctx.run, ctx.meter = run, meter
         ctx.rng = _rng_state(inputs)                    # dropout in the recompute draws the same masks
+        ctx.tensor_inputs = [torch.is_tensor(x) for x in inputs]
         ctx.grad_inputs = [torch.is_tensor(x) and x.requires_grad for x in inputs]
-        ctx.others = [None if torch.is_tensor(x) else x for x in inputs]
+        ctx.others = [None if torch.is_tensor(x) else x for x in inputs]           # None, flags, ...
         ctx.save_for_backward(*(x for x in inputs if torch.is_tensor(x)))    # packed once forward returns
         with torch.no_grad():
             return run(*inputs)
@@ -122,8 +123,8 @@ class _Checkpoint(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         tensors = iter(ctx.saved_tensors)
-        inputs = [next(tensors).detach().requires_grad_(g) if other is None else other
-                  for other, g in zip(ctx.others, ctx.grad_inputs)]
+        inputs = [next(tensors).detach().requires_grad_(g) if is_tensor else other
+                  for is_tensor, other, g in zip(ctx.tensor_inputs, ctx.others, ctx.grad_inputs)]
         with torch.random.fork_rng(devices=ctx.rng[1]), torch.enable_grad(), ctx.meter.recording():
             _set_rng_state(ctx.rng)
             outputs = ctx.run(*inputs)                  # <- the recompute: one more forward of the unit

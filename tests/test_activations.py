@@ -71,6 +71,41 @@ def test_the_meter_counts_each_storage_once_without_parameters_until_backward_us
     assert engine.activations.alive == 0, "backward used every saved tensor: none is alive"
 
 
+class DropoutBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.drop = nn.Linear(16, 16), nn.Dropout(0.5)
+
+    def forward(self, x, mask):                       # mask: None here, a non-tensor input
+        return x + self.drop(torch.tanh(self.lin(x)))
+
+
+class DropoutStack(nn.Module):
+    """Blocks with dropout: the recompute must draw the same masks."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(DropoutBlock() for _ in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x, None)
+        return x
+
+
+def test_checkpointing_recomputes_dropout_exactly_and_passes_non_tensor_inputs():
+    grads = {}
+    for mode in MODES:
+        torch.manual_seed(0)
+        model = DropoutStack()
+        engine = minizero.wrap(model, 0, functools.partial(torch.optim.SGD, lr=0.1), activation_checkpointing=mode)
+        torch.manual_seed(1)
+        engine.backward(engine(torch.randn(8, 16)).square().sum())
+        grads[mode] = [p.grad.clone() for p in model.parameters()]
+    for mode in (True, "cpu"):
+        assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[mode])), f"{mode=}: other gradients"
+
+
 # --- every stage with checkpointing, against the reference -------------------------------------------------
 # (stage, activation_checkpointing, offload): each stage with both modes, offload at stages 1-3.
 SETTINGS = [(0, True, False), (1, True, False), (1, "cpu", True), (2, "cpu", False), (2, True, "optimizer"),
