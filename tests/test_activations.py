@@ -45,6 +45,11 @@ def test_measured_activations_match_the_estimate(overrides, rows, mode):
     assert abs(got - estimate) <= 0.1 * estimate, f"measured {got} bytes, estimated {estimate:.0f} ({mode=})"
 
 
+def test_an_unknown_checkpointing_mode_is_refused_before_anything_is_built():
+    with pytest.raises(ValueError, match="activation_checkpointing must be False, True or 'cpu', got 'gpu'"):
+        minizero.wrap(nn.Linear(4, 4), 3, functools.partial(torch.optim.SGD, lr=0.1), activation_checkpointing="gpu")
+
+
 def test_checkpointing_cuts_the_activations_of_a_4_block_gpt_by_more_than_half():
     kept, checkpointed, on_host = (measured_activations({}, 8, mode, stage=3) for mode in MODES)
     assert checkpointed <= 0.5 * kept, f"{checkpointed} of {kept} bytes kept with checkpointing"
