@@ -45,7 +45,7 @@ class DDP(Engine):
         self.layout.point_params_into(self.flat_params)
         self.flat_grads = torch.zeros_like(self.flat_params)              # [Ψ], p.grad are views
         self.layout.point_grads_into(self.flat_grads)
-        self.reducer = GradBuckets(self.layout.buckets, launch=self._all_reduce_bucket)
+        self.reducer = GradBuckets(self.layout.buckets, launch=self._all_reduce_bucket, mark=self._mark)
         self.optimizer = ShardOptimizer([self._bucket_params(b) for b in self.layout.buckets],
                                         self.optimizer_factory)
 

@@ -11,16 +11,22 @@ Each stage (ddp.py, zero1.py, zero2.py, zero3.py) subclasses `Engine` and fills 
     _after_step()       share updated parameters (stages 1-2 all-gather them)
     _zero_grad()        clear gradients for the next step
 and sets `self.layout` (flat.FlatLayout), `self.optimizer` (optim.ShardOptimizer) and `self.sharded`.
+
+Measurement: memory() gives this rank's model-state bytes and the activations' peak (activations.py);
+`engine.memory_timeline = []` records one (time, event, bytes by category) per event from then on: the
+end of each unit's forward, the start of its backward, each gradient bucket launched and arrived, the end
+of backward, the step. Bytes in flight (stage 2-3 staging buffers) count as grads, as in memory().
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 from torch import nn
 
-from minizero import checkpoint, comm, construct
+from minizero import activations, checkpoint, comm, construct
 from minizero.memory import measure
 from minizero.optim import DTYPES
 
@@ -59,6 +65,8 @@ class Engine:
         self._params = params             # the Parameter objects never change (stages move only p.data)
         self.trainable = [p for p in params if p.requires_grad]
         self.frozen = [p for p in params if not p.requires_grad]   # replicated as-is, never stepped
+        self.activations = activations.SavedTensorMeter(params)    # ZeRO-R: what forward saves (activations.py)
+        self.memory_timeline: list[tuple[float, str, dict[str, int]]] | None = None   # [] records (_mark)
 
     @classmethod
     def check(cls, dtype: str = "fp32", offload: bool | str = False) -> None:
@@ -83,13 +91,15 @@ class Engine:
 
     # --- forward ------------------------------------------------------------------------------------
     def __call__(self, *inputs, **kwargs):
-        return self.module(*inputs, **kwargs)
+        with self.activations.recording():
+            return self.module(*inputs, **kwargs)
 
     # --- backward -----------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
         self._after_backward()
         self._track_peak()
+        self._mark("end of backward")
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -109,7 +119,9 @@ class Engine:
         self.optimizer.step(grads)
         self._after_step()
         self._track_peak()
+        self._mark("step")
         self._zero_grad()
+        self.activations.new_step()
         self.step_count += 1
 
     def _clip(self, grads: list[torch.Tensor]) -> float:
@@ -203,10 +215,12 @@ class Engine:
 
     def memory(self) -> dict[str, int]:
         """This rank's model-state bytes now: params, grads, optimizer (compute device), offloaded (host),
-        and the peaks seen so far (`peak`: all device model states, `peak_params`: parameters alone)."""
+        and the peaks seen so far (`peak`: all device model states, `peak_params`: parameters alone); and
+        `activations`: the peak bytes saved for backward during the current or last step (ZeRO-R; not in
+        `peak`, which is the model states' figure)."""
         now = self._measure()
         self._update_peak(now)
-        return {**now, **self._peak}
+        return {**now, **self._peak, "activations": self.activations.peak}
 
     def _memory_groups(self) -> dict[str, list[torch.Tensor]]:
         params = self._params
@@ -223,6 +237,27 @@ class Engine:
 
     def _measure(self) -> dict[str, int]:
         return measure(self._memory_groups())
+
+    # --- the memory timeline: one rank's bytes by category at each event of a step --------------------
+    def watch(self, units: list[nn.Module]) -> None:
+        """Mark the end of each unit's forward and the start of its backward in memory_timeline (wrap
+        calls it with the model's units, at every stage)."""
+        for i, unit in enumerate(units):
+            unit.register_forward_hook(lambda module, args, output, i=i: self._on_unit_forward(i, output))
+
+    def _on_unit_forward(self, i: int, output) -> None:
+        if self.memory_timeline is None:
+            return
+        self._mark(f"forward {i}")
+        if torch.is_tensor(output) and output.requires_grad:     # its gradient arrives: its backward starts
+            output.register_hook(lambda grad: self._mark(f"backward {i}"))
+
+    def _mark(self, event: str) -> None:
+        """While memory_timeline is a list: append (time, event, bytes by category now), activations
+        (saved for backward, alive) included; the model states as memory() counts them."""
+        if self.memory_timeline is not None:
+            self.memory_timeline.append((time.perf_counter(), event,
+                                         {**self._measure(), "activations": self.activations.alive}))
 
     def _track_peak(self) -> None:
         self._update_peak(self._measure())

@@ -27,12 +27,13 @@ from minizero.flat import Bucket
 class GradBuckets:
     """launch(bucket) -> async handle or None (nothing to send); done(bucket) runs after its handle;
     on_grad(param, bucket), if given, runs as each parameter's gradient is complete (stage 2 uses it to
-    move the gradient into the bucket's buffer at once, so full gradients never pile up)."""
+    move the gradient into the bucket's buffer at once, so full gradients never pile up); mark(event)
+    is told when a bucket is launched and when it has arrived (engine.memory_timeline)."""
 
     def __init__(self, buckets: list[Bucket], launch: Callable, done: Callable | None = None,
-                 on_grad: Callable | None = None, max_in_flight: int = 2):
+                 on_grad: Callable | None = None, max_in_flight: int = 2, mark: Callable = lambda event: None):
         self.buckets = buckets
-        self.launch, self.done, self.on_grad = launch, done, on_grad
+        self.launch, self.done, self.on_grad, self.mark = launch, done, on_grad, mark
         self.max_in_flight = max_in_flight
         self._bucket_of = {p: i for i, b in enumerate(buckets) for p in b.params}
         self._in_flight: deque = deque()
@@ -59,6 +60,7 @@ class GradBuckets:
                 self._wait_oldest()
             b = self.buckets[self._next]
             self._in_flight.append((b, self.launch(b)))
+            self.mark(f"bucket {b.index} launched")
             self._next += 1
 
     def _wait_oldest(self) -> None:
@@ -67,6 +69,7 @@ class GradBuckets:
             handle.wait()
             if self.done is not None:
                 self.done(b)
+            self.mark(f"bucket {b.index} arrived")
 
     def finish(self) -> None:
         """Call after loss.backward(): launch the rest in order, wait for all, get ready for the next."""

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from torch import nn
 
+from minizero import activations
 from minizero.construct import partition_of
 from minizero.ddp import DDP
 from minizero.engine import Engine
 from minizero.memory import STAGES
 from minizero.zero1 import Zero1
 from minizero.zero2 import Zero2
-from minizero.zero3 import Zero3
+from minizero.zero3 import Zero3, default_units
 
 ENGINES = dict(zip(STAGES, (DDP, Zero1, Zero2, Zero3)))
 # Options beyond dtype, offload and clip_grad_norm (which every stage takes), by stage.
@@ -36,11 +37,15 @@ def check(stage: int, dtype: str = "fp32", offload: bool | str = False) -> None:
     engine_class(stage).check(dtype, offload)
 
 
-def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False, **options) -> Engine:
+def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
+         activation_checkpointing: bool | str = False, **options) -> Engine:
     """Wrap `model` for ZeRO `stage` (0 = DDP).
 
     optimizer: a factory params -> torch.optim.Optimizer (it is handed the parameters this rank steps).
     offload:   stages 1-3: True/"optimizer" keeps optimizer state on the host; stage 3 also "params".
+    activation_checkpointing: True recomputes each unit's forward in backward, "cpu" also keeps the
+               units' inputs on the host until then (activations.py); units as stage 3's (`units=` or
+               zero3.default_units: a transformer's blocks), at every stage.
     options:   dtype ("fp32" | "bf16"), clip_grad_norm, bucket_size (bytes; stages 0, 2),
                units and prefetch (stage 3).
     """
@@ -69,4 +74,12 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False, *
         if not (isinstance(options["units"], (list, tuple, nn.ModuleList))
                 and all(isinstance(u, nn.Module) and id(u) in mine for u in options["units"])):
             raise TypeError("units must be a list of the model's submodules (e.g. list(model.blocks))")
-    return engine(model, optimizer, offload=offload, **options)
+    if activation_checkpointing not in activations.MODES:
+        raise ValueError(f"activation_checkpointing must be False, True or 'cpu', got {activation_checkpointing!r}")
+    units = list(options.get("units") or default_units(model))      # before stage 3 frees the parameters
+    # (a transformer's blocks: what is checkpointed, and what memory_timeline's events name)
+    built = engine(model, optimizer, offload=offload, **options)
+    if activation_checkpointing:
+        activations.checkpoint(units, activation_checkpointing, built.activations)
+    built.watch(units)
+    return built

@@ -51,7 +51,8 @@ class Zero2(Zero1):
         self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)  # [Ψ/N]
         self.staging: dict[int, torch.Tensor] = {}       # bucket index -> its full gradients, in flight
         self.reducer = GradBuckets(self.layout.buckets, launch=self._bucket_ready, done=self._accumulate_bucket,
-                                   on_grad=self._stage_gradient if self.contiguous_gradients else None)
+                                   on_grad=self._stage_gradient if self.contiguous_gradients else None,
+                                   mark=self._mark)
         self._offset = {p: off for b in self.layout.buckets for p, off in zip(b.params, b.offsets)}
 
     def _staging_buffer(self, b) -> torch.Tensor:

@@ -444,6 +444,100 @@ NOTEBOOKS["06_compare"] = [
     """),
 ]
 
+NOTEBOOKS["07_activations"] = [
+    md("""
+    # 07 · ZeRO-R: activations, checkpointing, and the whole memory of a step
+
+    ZeRO-DP shards the model states; the other half of the paper (section 6, ZeRO-R) is what is left:
+    *activations* (what a forward keeps for its backward), temporary buffers and fragmentation. For GPT-2
+    1.5B at sequence 1K and batch 32 the paper counts ~60 GB of activations (its rough $12 \\cdot h \\cdot b
+    \\cdot s$ per layer), ~8 GB with activation checkpointing, for ~33 % more compute.
+
+    minizero measures them: `engine.memory()["activations"]` is the peak of the bytes saved for backward
+    during the last step (autograd's saved-tensor hooks, each storage once, parameters left out;
+    `minizero/activations.py`). `minizero.memory.activation_bytes` predicts them for minizero's GPT, term by
+    term: per block $e \\cdot s \\cdot b \\cdot ((8 + 2r)h + a \\cdot s + 4) + s^2$. `wrap(...,
+    activation_checkpointing=True)` keeps only each block's input ($e \\cdot s \\cdot b \\cdot h$) and
+    recomputes the block in backward; `"cpu"` keeps those inputs in host memory (the paper's P_a+cpu; P_a
+    itself partitions what *model* parallelism replicates, which pure data parallelism does not have).
+    """),
+    SETUP,
+    md("""
+    ## Measured next to the estimate, across sequence length and micro-batch
+
+    One process is enough: a rank's activations depend on its own micro-batch, not on N or the stage.
+    """),
+    code("""
+    SEQS, BATCHES = ((8, 16), (2, 4)) if SMALL else ((8, 16, 32), (2, 4, 8))
+    rows = demo.activation_sweep(MODEL, SEQS, BATCHES)
+    for r in rows:
+        assert abs(r["measured"] - r["estimate"]) <= 0.1 * r["estimate"], r
+    print(f"{'checkpointing':>14} {'s':>3} {'b':>3} {'measured kB':>12} {'estimate kB':>12}")
+    for r in rows:
+        print(f"{str(r['checkpointing']):>14} {r['seq']:>3} {r['batch']:>3} {r['measured'] / 1e3:12.1f} "
+              f"{r['estimate'] / 1e3:12.1f}")
+    plots.activation_sweep(rows);
+    """),
+    md("""
+    Without checkpointing the activations grow with $s \\cdot b$ and, through the attention scores, with
+    $a \\cdot s^2 \\cdot b$; checkpointed, the blocks keep $s \\cdot b \\cdot h$ each, plus one block while
+    backward recomputes it.
+
+    ## Every stage, with and without checkpointing: model states + activations
+
+    One launch per world size trains all eight runs; each is checked against the single-process reference
+    and the model states against the paper's formulas, as in the other notebooks.
+    """),
+    code("""
+    from minizero.lab.train import TrainConfig
+    variants = {(s, ckpt): TrainConfig(stage=s, dtype=DTYPE, steps=STEPS, model=MODEL, batch_size=24,
+                                       activation_checkpointing=ckpt)
+                for s in range(4) for ckpt in (False, True)}
+    measured = demo.measure(variants, WORLD_SIZES, BACKEND)      # {(stage, checkpointing): {N: record}}
+    for runs in measured.values():
+        demo.check(runs)
+    N = WORLD_SIZES[-1]
+    for (s, ckpt), runs in measured.items():
+        m = runs[N]["ranks"][0]["memory"]
+        states = m["params"] + m["grads"] + m["optimizer"]
+        print(f"stage {s}, checkpointing {str(ckpt):5}: model states {states / 1e3:7.1f} kB, "
+              f"activations {m['activations'] / 1e3:7.1f} kB, step {runs[N]['step_time_s'] * 1e3:6.1f} ms")
+    plots.full_memory({key: runs[N] for key, runs in measured.items()});
+    """),
+    md("""
+    The step times above are the recompute's cost: one more forward of every block per step (the paper's
+    ~33 %; on CPU processes sharing two cores the measurement is noisy, and Python's overhead per block
+    weighs more on a small model).
+
+    ## One step, event by event
+
+    `engine.memory_timeline = []` records the bytes by category at each event: the end of a block's
+    forward, the start of its backward, a gradient bucket launched and arrived, the step. Activations rise
+    block by block through forward and fall in reverse through backward; stage 3 gathers each block's
+    parameters for its backward and frees them after.
+    """),
+    code("""
+    timelines = demo.memory_timelines((0, 3), N, MODEL, BACKEND)
+    plots.memory_timeline(timelines);
+    """),
+    md("""
+    ## The rest of ZeRO-R in minizero's code
+
+    - **Constant-size buffers (C_B).** A fused buffer of all gradients grows with the model (the paper: 12 GB
+      for 3 B parameters in fp32); gradients are reduced in buckets of at most `bucket_size` bytes instead
+      (`minizero.flat.split_into_buckets`, default `minizero.flat.DEFAULT_BUCKET_BYTES` = 25 MB, PyTorch DDP's
+      `bucket_cap_mb`), and at most two are in flight (`minizero.reducer.GradBuckets`).
+    - **Memory defragmentation (M_D).** Long-lived tensors live in preallocated contiguous buffers
+      (`minizero/flat.py`: parameters and gradients as views of one flat buffer per bucket; stage 3's
+      `Unit.full`); short-lived gradients are copied into their bucket's buffer the moment they are complete
+      (`minizero.zero2.Zero2.contiguous_gradients`), so they never interleave with activations.
+    """),
+    code("""
+    demo.export("activations_7", {"runs": [rec for runs in measured.values() for rec in runs.values()],
+                                  "activations": rows, "memory_timelines": timelines});
+    """),
+]
+
 
 def main() -> None:
     for name, cells in NOTEBOOKS.items():

@@ -290,3 +290,64 @@ def moved_run(rec: dict):
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+# --- 07_activations -------------------------------------------------------------------------------------
+MODE_NAMES = {False: "kept", True: "checkpointed", "cpu": "checkpointed, inputs on the host"}
+
+
+def activation_sweep(rows: list[dict]):
+    """Activations per rank against sequence length (largest micro-batch) and micro-batch (longest
+    sequence): dots measured, lines memory.activation_bytes, one colour per checkpointing mode."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    longest, largest = max(r["seq"] for r in rows), max(r["batch"] for r in rows)
+    for ax, (x, fixed, value) in zip(axes, (("seq", "batch", largest), ("batch", "seq", longest))):
+        for mode, name in MODE_NAMES.items():
+            pts = sorted((r[x], r["measured"], r["estimate"]) for r in rows
+                         if r["checkpointing"] == mode and r[fixed] == value)
+            line, = ax.plot([p[0] for p in pts], [p[2] / KB for p in pts], "-", label=f"{name}: estimate")
+            ax.plot([p[0] for p in pts], [p[1] / KB for p in pts], "o", color=line.get_color(),
+                    label=f"{name}: measured")
+        ax.set(xlabel="sequence length s" if x == "seq" else "micro-batch b", ylabel="activations per rank (kB)",
+               title=f"{fixed} = {value}")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def full_memory(records: dict):
+    """Rank 0's device bytes per stage: model states stacked with activations, without (left bar of each
+    pair) and with checkpointing (right)."""
+    fig, ax = plt.subplots(figsize=(8, 4))
+    stages = sorted({s for s, _ in records})
+    for i, s in enumerate(stages):
+        for j, mode in enumerate((False, True)):
+            m = records[(s, mode)]["ranks"][0]["memory"]
+            x, bottom = i + (j - 0.5) * 0.4, 0.0
+            for cat in ("params", "grads", "optimizer", "activations"):
+                color = COLORS.get(cat, "tab:red")
+                ax.bar(x, m[cat] / KB, 0.38, bottom=bottom / KB, color=color, hatch="//" if mode else None,
+                       label=cat if (i, j) == (0, 0) else None)
+                bottom += m[cat]
+    ax.set_xticks(range(len(stages)), [f"{STAGE_NAMES[s]}\nkept | ckpt" for s in stages])
+    ax.set(ylabel="device bytes per rank (kB)", title="Model states + activations per rank (hatched: checkpointed)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def memory_timeline(records: list[dict]):
+    """One step of rank 0, event by event: bytes by category stacked (the shape of PyTorch's CUDA memory
+    snapshot, measured here by the engine itself)."""
+    fig, axes = plt.subplots(len(records), 1, figsize=(11, 2.6 * len(records)), squeeze=False)
+    cats = ("params", "grads", "optimizer", "activations")
+    for ax, rec in zip(axes[:, 0], records):
+        events = rec["events"]
+        ys = [[b[c] / KB for _, _, b in events] for c in cats]
+        ax.stackplot(range(len(events)), ys, labels=cats, step="post",
+                     colors=[COLORS.get(c, "tab:red") for c in cats])
+        ax.set_xticks(range(len(events)), [e for _, e, _ in events], rotation=60, ha="right", fontsize=7)
+        ax.set(ylabel="kB", title=f"{STAGE_NAMES[rec['stage']]}, {MODE_NAMES[rec['checkpointing']]}")
+    axes[0, 0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.tight_layout()
+    return fig

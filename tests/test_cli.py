@@ -19,17 +19,21 @@ def _check_summary(data, stage, n, steps):
     assert [r["rank"] for r in data["ranks"]] == list(range(n))
     for r in data["ranks"]:
         assert {"params", "grads", "optimizer", "offloaded", "peak"} <= r["memory"].keys()
+        assert r["memory"]["activations"] > 0
         assert r["comm_bytes_per_step"]["total"] > 0
 
 
 def test_run_prints_table_and_writes_json(tmp_path):
     out = tmp_path / "run.json"
     p = subprocess.run([sys.executable, "-m", "minizero.run", "--stage", "2", "--world-size", "3", "--steps", "4",
-                        "--batch-size", "12", "--model", "tiny", "--json", str(out)],
+                        "--batch-size", "12", "--model", "tiny", "--activation-checkpointing", "--json", str(out)],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
-    assert "step    1/4" in p.stdout and "th." in p.stdout and "loss" in p.stdout
-    _check_summary(json.loads(out.read_text()), 2, 3, 4)
+    assert "step    1/4" in p.stdout and "th." in p.stdout and "loss" in p.stdout and "activ." in p.stdout
+    data = json.loads(out.read_text())
+    _check_summary(data, 2, 3, 4)
+    estimate = data["theory"]["activations"]              # with checkpointing: about half of without
+    assert all(abs(r["memory"]["activations"] - estimate) <= 0.1 * estimate for r in data["ranks"])
 
 
 def test_run_under_torchrun_uses_its_process_group(tmp_path):
@@ -55,6 +59,7 @@ def test_run_under_torchrun_uses_its_process_group(tmp_path):
     (["--save-every", "2"], "--save-every K needs --save DIR and K >= 1"),
     (["--save", "d", "--keep-last", "2"], "--keep-last M needs --save-every and M >= 1"),
     (["--save", "d", "--resume"], "--resume needs --save DIR --save-every K"),
+    (["--activation-checkpointing", "gpu"], "invalid choice: 'gpu' (choose from 'cpu')"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
     assert main(args) == 2

@@ -84,6 +84,19 @@ def test_not_implemented_keys_warn_by_name():
     assert load_deepspeed_config({"zero_optimization": {k.split(".")[1]: True for k in ALWAYS_ON}}, 2)[1] == []
 
 
+def test_activation_checkpointing_section_turns_it_on_and_its_model_parallel_keys_warn():
+    assert load_deepspeed_config({"activation_checkpointing": {}}, 2) == ({"activation_checkpointing": True}, [])
+    section = {"partition_activations": True, "cpu_checkpointing": True, "number_checkpoints": 4,
+               "contiguous_memory_optimization": True, "synchronize_checkpoint_boundary": True, "profile": True}
+    overrides, warnings = load_deepspeed_config({"activation_checkpointing": section}, 2)
+    assert overrides == {"activation_checkpointing": "cpu"}
+    assert [w.split(" is not implemented: ")[0] for w in warnings] == [
+        f"'activation_checkpointing.{k}'" for k in section if k != "cpu_checkpointing"]
+    assert "model parallelism" in warnings[0]
+    off = {k: False for k in section if k != "number_checkpoints"}
+    assert load_deepspeed_config({"activation_checkpointing": off}, 2) == ({"activation_checkpointing": True}, [])
+
+
 @pytest.mark.parametrize("cfg, message", [
     ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3},
      "train_batch_size 64 != train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size "
@@ -97,6 +110,7 @@ def test_not_implemented_keys_warn_by_name():
     ({"gradient_clipping": "1.0"}, 'gradient_clipping must be a number >= 0, got "1.0"'),
     ({"bf16": {"enabled": 1}}, "bf16.enabled must be true or false, got 1"),
     ({"bf16": True}, "'bf16' must be an object"),
+    ({"activation_checkpointing": {"cpu_checkpointing": "yes"}}, "cpu_checkpointing must be true or false"),
     ({"zero_optimisation": {"stage": 2}}, "unknown key 'zero_optimisation' (did you mean 'zero_optimization'?)"),
     ({"zero_optimization": {"stagee": 2}}, "did you mean 'zero_optimization.stage'"),
     ({"train_batch": 8}, "unknown key 'train_batch'"),

@@ -24,3 +24,32 @@ def test_gathered_reads_full_parameters_and_rank_1_writes_reach_every_rank(round
         assert res["written_ok"], f"rank {r}: what rank 1 wrote inside gathered(modifier_rank=1) is not there"
     # and the step after it kept the replicas identical
     assert all(torch.equal(ranks[0]["state"][k], ranks[1]["state"][k]) for k in ranks[0]["state"])
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_memory_timeline_of_one_step(stage):
+    """engine.memory_timeline: activations grow block by block through forward and are released block by
+    block through backward; buckets launch and arrive; stage 3 holds no unit between forwards."""
+    import functools
+    from minizero.lab.data import global_batch
+    from minizero.lab.model import GPTConfig, make_model
+    from minizero.lab.train import loss_fn
+    engine = minizero.wrap(make_model(GPTConfig()), stage, functools.partial(torch.optim.SGD, lr=0.1))
+    x, y = global_batch(0, 8, 32)
+    engine.memory_timeline = []
+    engine.backward(loss_fn(engine(x), y))
+    engine.step()
+    events = [event for _, event, _ in engine.memory_timeline]
+    bytes_at = {event: b for _, event, b in engine.memory_timeline}
+    blocks = range(4)
+    assert [e for e in events if e.startswith(("forward", "backward "))] == \
+        [f"forward {i}" for i in blocks] + [f"backward {i}" for i in reversed(blocks)]
+    assert "bucket 0 launched" in events and "bucket 0 arrived" in events and events[-2:] == ["end of backward", "step"]
+    forward = [bytes_at[f"forward {i}"]["activations"] for i in blocks]
+    backward = [bytes_at[f"backward {i}"]["activations"] for i in reversed(blocks)]
+    assert forward == sorted(set(forward)) and backward == sorted(backward, reverse=True)
+    assert max(forward) <= engine.memory()["activations"] and bytes_at["end of backward"]["activations"] == 0
+    after_forward = {bytes_at[f"forward {i}"]["params"] for i in blocks}
+    assert len(after_forward) == 1, "stage 3 frees each block after its forward; stages 0-2 keep all"
+    if stage == 3:                                    # and gathers it again for its backward
+        assert all(bytes_at[f"backward {i}"]["params"] > min(after_forward) for i in blocks)

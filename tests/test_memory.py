@@ -6,7 +6,8 @@ import sys
 import pytest
 
 from minizero.cli.memory import main
-from minizero.memory import comm_volume, estimate, estimate_breakdown, measure
+from minizero.lab.model import GPT, MODEL_NAMES, GPTConfig, count_params
+from minizero.memory import activation_bytes, comm_volume, estimate, estimate_breakdown, measure
 
 
 def test_paper_figure_1_numbers():
@@ -53,8 +54,35 @@ def test_cli_builtin_model(capsys):
     assert "202,880" in capsys.readouterr().out
 
 
+def test_gpt_activations_with_checkpointing_are_the_papers_8_gb():
+    # ZeRO paper, section 6.1: GPT-2 1.5B (48 layers, h = 1600), sequence 1K, batch 32, ~8 GB checkpointed
+    # (one block input per layer, 2-byte elements; plus here one block's recompute)
+    gb = activation_bytes(48, 1600, 25, 1024, 32, bytes_per_elem=2, checkpointing=True) / 1e9
+    assert 8 <= gb <= 8.5
+    # all of it kept: 161 GB, the attention scores (a·s/h = 16 per element of s·b·h) as much as the rest;
+    # the paper's 60 GB is its rough 12·h·b·s per layer, which leaves them out
+    assert activation_bytes(48, 1600, 25, 1024, 32, bytes_per_elem=2) / 1e9 == pytest.approx(161.33, abs=0.01)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"tie_weights": False, "unused_param": True}])
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_count_params_is_what_the_gpt_holds(name, overrides):
+    cfg = GPTConfig.named(name, **overrides)
+    assert count_params(cfg) == GPT(cfg).num_params()
+
+
+def test_cli_gpt_shape_adds_activations(capsys):
+    assert main(["--layers", "48", "--hidden", "1600", "--heads", "25", "--seq", "1024", "--batch", "32",
+                 "--world-size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "Ψ = 1,557,611,200 parameters" in out and "checkpointed 8.29" in out and "+ ckpt on host" in out
+
+
 @pytest.mark.parametrize("args", [["--params", "-5", "--world-size", "2"], ["--params", "1e6", "--world-size", "0"],
-                                  ["--world-size", "2"], ["--params", "x", "--world-size", "2"]])
+                                  ["--world-size", "2"], ["--params", "x", "--world-size", "2"],
+                                  ["--layers", "4", "--hidden", "64", "--world-size", "2"],
+                                  ["--layers", "4", "--hidden", "64", "--heads", "3", "--seq", "8", "--batch", "2",
+                                   "--world-size", "2"]])
 def test_cli_bad_input_exits_2(args):
     p = subprocess.run([sys.executable, "-m", "minizero.memory", *args], capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.startswith("python -m minizero.memory: error:")

@@ -19,6 +19,7 @@ from minizero.lab.reference import tolerance
 from minizero.lab.train import state_bytes
 from minizero.memory import (
     CATEGORIES,
+    activation_bytes,
     comm_volume,
     element_bytes,
     estimate,
@@ -42,6 +43,7 @@ EXPORTS = {
     "04_zero3": ["stage_3", "timeline_3", "lora_3"],
     "05_offload": ["offload_5"],
     "06_compare": ["compare_6"],
+    "07_activations": ["activations_7"],
 }
 
 
@@ -73,6 +75,8 @@ def test_notebook_runs_and_its_plots_match_the_formulas(name, tmp_path, monkeypa
             check_timeline(data)
         if "lora" in data:
             check_lora(data["lora"])
+        if "activations" in data:
+            check_activations(data["activations"], data["runs"], data["memory_timelines"])
 
 
 def check_training_runs(records: list[dict]) -> None:
@@ -99,6 +103,24 @@ def check_training_runs(records: list[dict]) -> None:
         atol = tolerance(rec["dtype"])
         assert rec["max_abs_diff"] <= atol, f"{where}: {rec['max_abs_diff']} from the reference"
         assert rec["losses"] == pytest.approx(rec["reference_losses"], rel=atol), where
+
+
+def check_activations(rows: list[dict], runs: list[dict], timelines: list[dict]) -> None:
+    """Measured activations within 10 % of memory.activation_bytes (recomputed here), checkpointing halves
+    them in every run, and each timeline's activations rise through forward and end at zero."""
+    for r in rows:
+        estimate = activation_bytes(r["layers"], r["hidden"], r["heads"], r["seq"], r["batch"],
+                                    bytes_per_elem=r["bytes_per_elem"], mlp_ratio=r["mlp_ratio"],
+                                    checkpointing=r["checkpointing"])
+        assert abs(r["measured"] - estimate) <= 0.1 * estimate, r
+    by_setting = {}
+    for rec in runs:
+        by_setting.setdefault((rec["stage"], rec["world_size"]), []).append(rec["ranks"][0]["memory"]["activations"])
+    for (stage, n), (kept, checkpointed) in by_setting.items():
+        assert checkpointed <= 0.6 * kept, f"stage {stage}, N={n}: {checkpointed} of {kept} bytes checkpointed"
+    for t in timelines:
+        forward = [b["activations"] for _, event, b in t["events"] if event.startswith("forward")]
+        assert forward == sorted(forward) and t["events"][-1][2]["activations"] == 0, t["events"]
 
 
 def check_collectives(results: list[dict]) -> None:

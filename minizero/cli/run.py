@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=None, help="learning rate (default 3e-3)")
     p.add_argument("--bucket-size-mb", type=float, default=None, help="gradient bucket size (default 25)")
     p.add_argument("--no-prefetch", action="store_true", help="stage 3: gather units only when needed")
+    p.add_argument("--activation-checkpointing", nargs="?", const=True, default=None, choices=["cpu"],
+                   metavar="cpu", help="recompute each block's forward in backward, keeping only its input; "
+                                       "'cpu': keep those inputs in host memory (ZeRO-R's P_a+cpu)")
     p.add_argument("--model", default=None, help="default or tiny")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--save", default=None, metavar="DIR", help="write a sharded checkpoint after the last step")
@@ -96,6 +99,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         cfg.bucket_size = args.bucket_size_mb * 1e6
     if args.no_prefetch:
         cfg.prefetch = False
+    if args.activation_checkpointing is not None:
+        cfg.activation_checkpointing = args.activation_checkpointing
     cfg.save_dir, cfg.load_dir = args.save, args.load
     cfg.save_every, cfg.keep_last = args.save_every or 0, args.keep_last
     _check_periodic(args)

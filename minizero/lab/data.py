@@ -21,8 +21,13 @@ VOCAB_SIZE = 12          # 0-9, separator, one spare id
 IGNORE = -100            # cross_entropy's ignore_index
 
 
+def sequence_length(block_size: int) -> int:
+    """Tokens per row of global_batch: 2k with k = block_size // 2 (k digits, the separator, k - 1 sorted)."""
+    return 2 * (block_size // 2)
+
+
 def global_batch(step: int, batch_size: int, block_size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and targets [batch_size, 2k] with k = block_size // 2."""
+    """Inputs and targets [batch_size, sequence_length(block_size)]."""
     k = block_size // 2
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     digits = torch.randint(0, 10, (batch_size, k), generator=gen)

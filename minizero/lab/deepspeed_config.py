@@ -52,6 +52,9 @@ KEYS = {
     "optimizer.type": "optimizer: AdamW, Adam (= AdamW, as in DeepSpeed, unless adam_w_mode is false), SGD",
     "optimizer.params": "lr and the optimizer's keyword arguments (Adam/AdamW weight_decay defaults to 0, "
                         "as in DeepSpeed)",
+    "activation_checkpointing": "the section turns on activation_checkpointing: each block recomputed in "
+                                "backward (in DeepSpeed the model calls deepspeed.checkpointing.checkpoint)",
+    "activation_checkpointing.cpu_checkpointing": "activation_checkpointing = cpu (the blocks' inputs on the host)",
 }
 
 # Keys naming something minizero always does: true is accepted silently, false warns.
@@ -70,7 +73,6 @@ NOT_IMPLEMENTED = {
     "scheduler": "the learning rate stays constant",
     "steps_per_print": "progress is printed every steps/10 steps",
     "wall_clock_breakdown": "the CLI reports the median step time",
-    "activation_checkpointing": "activations are kept for backward",
     "flops_profiler": "no profiler; the CLI reports memory and bytes communicated",
     "tensorboard": "no monitor; --json writes the results",
     "wandb": "no monitor; --json writes the results",
@@ -101,6 +103,14 @@ NOT_IMPLEMENTED = {
     "zero_optimization.offload_param.buffer_count": "one device buffer per gathered unit",
     "zero_optimization.offload_param.buffer_size": "one device buffer per gathered unit",
     "zero_optimization.offload_param.max_in_cpu": "every parameter shard stays on the host",
+    "activation_checkpointing.partition_activations": "P_a splits the checkpoints that model parallelism "
+        "replicates over its ranks; in pure data parallelism each rank's activations are its own rows: "
+        "kept whole (cpu_checkpointing applies)",
+    "activation_checkpointing.contiguous_memory_optimization": "it packs P_a's partitions into one buffer: "
+                                                               "no partitions, checkpoints stay separate tensors",
+    "activation_checkpointing.number_checkpoints": "one checkpoint per block",
+    "activation_checkpointing.synchronize_checkpoint_boundary": "no device synchronization at checkpoints",
+    "activation_checkpointing.profile": "no per-checkpoint timing; the CLI reports the step time",
 }
 
 # What each optimizer.type takes, and of which type ("number", "bool", "betas").
@@ -113,7 +123,7 @@ OPTIMIZER_PARAMS = {
 }
 
 _SECTIONS = {"bf16", "zero_optimization", "zero_optimization.offload_optimizer",
-             "zero_optimization.offload_param", "optimizer", "optimizer.params"}
+             "zero_optimization.offload_param", "optimizer", "optimizer.params", "activation_checkpointing"}
 AUTO = "auto"
 
 
@@ -139,6 +149,9 @@ def load_deepspeed_config(source: str | os.PathLike | dict, world_size: int) -> 
         out["dtype"] = "bf16" if _bool("bf16.enabled", flat["bf16.enabled"]) else "fp32"
     _zero(flat, out, warnings)
     _optimizer(flat, out)
+    if "activation_checkpointing" in raw:
+        key = "activation_checkpointing.cpu_checkpointing"
+        out["activation_checkpointing"] = "cpu" if _bool(key, flat.get(key, False)) else True
     return out, warnings
 
 

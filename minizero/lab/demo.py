@@ -28,7 +28,7 @@ from minizero.lab.data import global_batch, local_batch
 from minizero.lab.model import make_model
 from minizero.lab.reference import max_abs_diff, reference_train, tolerance
 from minizero.lab.report import summarize
-from minizero.lab.train import TrainConfig, loss_fn, train_several
+from minizero.lab.train import TrainConfig, forward_backward, loss_fn, train_several
 from minizero.launcher import launch
 from minizero.memory import CATEGORIES, within_padding
 from minizero.wrap import check as check_settings
@@ -324,3 +324,60 @@ def move_run(from_n: int, to_n: int, steps: int, directory: str, model: str = "d
             "resumed": mean_losses(resumed), "fresh": mean_losses(fresh),
             "resumed_diff": max_abs_diff(resumed[0]["state_dict"], full[0]["state_dict"]),
             "fresh_diff": max_abs_diff(fresh[0]["state_dict"], full[0]["state_dict"])}
+
+
+# --------------------------------------------------------------------------------------------------------
+# 07_activations: ZeRO-R, activations measured and estimated, checkpointing, one step's memory timeline
+# --------------------------------------------------------------------------------------------------------
+
+CHECKPOINTING = (False, True, "cpu")
+
+
+def activation_sweep(model: str, seqs, batches, dtype: str = "fp32") -> list[dict]:
+    """Activations of one forward and backward next to memory.activation_bytes, for each sequence length,
+    micro-batch and checkpointing mode. One process: they depend on a rank's micro-batch, not on N or the
+    stage (a rank's activations are its own rows)."""
+    from minizero.lab.data import sequence_length
+    from minizero.lab.model import GPTConfig
+    from minizero.memory import activation_bytes, element_bytes
+    rows = []
+    for mode in CHECKPOINTING:
+        for block in seqs:
+            for batch in batches:
+                cfg = GPTConfig.named(model, block_size=block)
+                engine = wrap(make_model(cfg), 0, functools.partial(torch.optim.SGD, lr=0.0), dtype=dtype,
+                              activation_checkpointing=mode)
+                x, y = global_batch(0, batch, block)
+                engine.backward(loss_fn(engine(x), y))
+                seq = sequence_length(block)
+                rows.append({"checkpointing": mode, "seq": seq, "batch": batch, "layers": cfg.n_layer,
+                             "hidden": cfg.n_embd, "heads": cfg.n_head, "mlp_ratio": cfg.mlp_ratio,
+                             "bytes_per_elem": element_bytes(dtype), "measured": engine.memory()["activations"],
+                             "estimate": activation_bytes(cfg.n_layer, cfg.n_embd, cfg.n_head, seq, batch,
+                                                          bytes_per_elem=element_bytes(dtype),
+                                                          mlp_ratio=cfg.mlp_ratio, checkpointing=mode)})
+    return rows
+
+
+def memory_timeline_worker(cfgs: list[TrainConfig]) -> list[dict]:
+    """Worker: for each configuration one warm-up step, then one step with engine.memory_timeline on."""
+    out = []
+    for cfg in cfgs:
+        engine = wrap(make_model(cfg.model_config(), seed=cfg.seed), cfg.stage, cfg.optimizer_factory(),
+                      offload=cfg.offload, **cfg.engine_options())
+        for step in range(2):
+            engine.memory_timeline = [] if step == 1 else None
+            forward_backward(cfg, step, engine, engine.backward, engine.no_sync)
+            engine.step()
+        t0 = engine.memory_timeline[0][0]
+        out.append({"stage": cfg.stage, "checkpointing": cfg.activation_checkpointing,
+                    "events": [(t - t0, event, b) for t, event, b in engine.memory_timeline]})
+    return out
+
+
+def memory_timelines(stages, world_size: int, model: str = "default", backend: str | None = None) -> list[dict]:
+    """Rank 0's timeline of one step for each stage, with and without checkpointing, in one launch."""
+    backend = backend or backend_and_world_sizes()[0]
+    cfgs = [TrainConfig(stage=s, world_size=world_size, model=model, batch_size=24, activation_checkpointing=mode)
+            for s in stages for mode in (False, True)]
+    return launch(memory_timeline_worker, world_size, cfgs, backend=backend)[0]

@@ -125,6 +125,16 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))                             # logits [B, T, vocab]
 
 
+def count_params(cfg: GPTConfig) -> int:
+    """Ψ of GPT(cfg), without building it (python -m minizero.memory --layers ... for a 1.5 B model): per
+    block (4 + 2r)·h² weights (qkv 3h², proj h², the MLP 2r·h²) and (9 + r)·h biases and LayerNorm
+    parameters; the embeddings (vocab + block_size)·h, the final LayerNorm 2h, an untied head vocab·h."""
+    h, r = cfg.n_embd, cfg.mlp_ratio
+    block = (4 + 2 * r) * h * h + (9 + r) * h
+    head = 0 if cfg.tie_weights else cfg.vocab_size * h
+    return cfg.n_layer * block + (cfg.vocab_size + cfg.block_size) * h + 2 * h + head + 7 * cfg.unused_param
+
+
 def make_model(cfg: GPTConfig, seed: int = 0) -> GPT:
     """The same initial weights on every rank and in the reference, from one seed."""
     with torch.random.fork_rng(devices=[]):

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import statistics
 
+from minizero.lab.data import sequence_length
 from minizero.lab.train import TrainConfig, state_bytes
-from minizero.memory import comm_volume, element_bytes, estimate_breakdown, optimizer_k
+from minizero.memory import activation_bytes, comm_volume, element_bytes, estimate_breakdown, optimizer_k
 
 
 def run_k(cfg: TrainConfig) -> int:
@@ -20,11 +21,17 @@ def run_k(cfg: TrainConfig) -> int:
 
 def theory(cfg: TrainConfig, num_params: int, num_frozen: int = 0) -> dict:
     """The paper's per-rank bytes and bytes sent per step for this run (minizero.memory), for a model of
-    num_params parameters of which num_frozen are frozen."""
+    num_params parameters of which num_frozen are frozen; and the GPT's activations for one micro-batch
+    of this rank's rows (memory.activation_bytes)."""
     elem, trainable = element_bytes(cfg.dtype), num_params - num_frozen
     b = estimate_breakdown(trainable, cfg.world_size, cfg.stage, param_bytes=elem, grad_bytes=elem,
                            k=run_k(cfg), offload=cfg.offload, frozen=num_frozen)
-    return {**b, "device_total": b["params"] + b["grads"] + b["optimizer"],
+    m = cfg.model_config()
+    rows = cfg.batch_size // (cfg.world_size * cfg.grad_accum)
+    activations = activation_bytes(m.n_layer, m.n_embd, m.n_head, sequence_length(m.block_size), rows,
+                                   bytes_per_elem=elem, mlp_ratio=m.mlp_ratio,
+                                   checkpointing=cfg.activation_checkpointing)
+    return {**b, "device_total": b["params"] + b["grads"] + b["optimizer"], "activations": activations,
             "comm_bytes_per_step": comm_volume(trainable, cfg.world_size, cfg.stage, bytes_per_elem=elem,
                                                frozen=num_frozen)}
 
@@ -51,14 +58,15 @@ def format_table(summary: dict) -> str:
     lines = [f"stage {summary['stage']}, N = {summary['world_size']}, Ψ = {summary['num_params']:,} "
              f"parameters, {summary['dtype']}{off}   (kB per rank; theory = ZeRO paper)",
              f"{'rank':>4} {'params':>9} {'grads':>9} {'optim':>9} {'offload':>9} {'device':>9} "
-             f"{'peak':>9} {'comm/step':>10}"]
+             f"{'peak':>9} {'comm/step':>10} {'activ.':>9}"]
     for r in summary["ranks"]:
         m = r["memory"]
         device = m["params"] + m["grads"] + m["optimizer"]
         lines.append(f"{r['rank']:>4} {kb(m['params'])} {kb(m['grads'])} {kb(m['optimizer'])} "
-                     f"{kb(m['offloaded'])} {kb(device)} {kb(m['peak'])} {kb(r['comm_bytes_per_step']['total'])} ")
+                     f"{kb(m['offloaded'])} {kb(device)} {kb(m['peak'])} {kb(r['comm_bytes_per_step']['total'])} "
+                     f"{kb(m['activations'])}")
     lines.append(f"{'th.':>4} {kb(th['params'])} {kb(th['grads'])} {kb(th['optimizer'])} {kb(th['offloaded'])} "
-                 f"{kb(th['device_total'])} {'':>9} {kb(th['comm_bytes_per_step'])} ")
+                 f"{kb(th['device_total'])} {'':>9} {kb(th['comm_bytes_per_step'])} {kb(th['activations'])}")
     losses = summary["losses"]
     lines.append(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "
                  f"median step time {summary['step_time_s'] * 1e3:.1f} ms")

@@ -61,6 +61,7 @@ class TrainConfig:
     log_every: int = 0                        # rank 0 prints progress every N steps (0: quiet)
     return_state: bool = False                # include the final full_state_dict in the result
     sharded_init: bool = False                # stage 3: build the model partitioned (minizero.sharded_init)
+    activation_checkpointing: bool | str = False   # True: recompute each block in backward; "cpu": inputs on the host
     # Checkpoints (minizero/checkpoint.py). `steps` counts from step 0 of the data stream, so resuming a
     # run saved after k steps with steps=k+m trains the m steps an uninterrupted run would have.
     save_dir: str | None = None               # engine.save() here after the last step
@@ -85,6 +86,8 @@ class TrainConfig:
             opts["bucket_size"] = self.bucket_size
         if self.stage == 3:
             opts["prefetch"] = self.prefetch
+        if self.activation_checkpointing:
+            opts["activation_checkpointing"] = self.activation_checkpointing
         return opts
 
 

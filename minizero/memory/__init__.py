@@ -1,7 +1,8 @@
-"""Model-state memory per rank: what the ZeRO paper predicts (`estimate`) and what a rank holds (`measure`).
+"""Memory per rank: what the ZeRO paper predicts (`estimate`, `activation_bytes`) and what a rank holds (`measure`).
 
     python -m minizero.memory --params 7.5e9 --world-size 64     # the paper's table for any model
     python -m minizero.memory --model default --world-size 4      # the same for minizero's small GPT
+    python -m minizero.memory --layers 48 --hidden 1600 --seq 1024 --batch 32 --heads 25 --world-size 64
 
 The paper (ZeRO, Rajbhandari et al. 2020, section 3 and figure 1) counts *model states* only: for Ψ
 parameters trained with mixed-precision Adam, 2Ψ bytes of fp16 parameters, 2Ψ of fp16 gradients and KΨ
@@ -13,7 +14,8 @@ of optimizer state, K = 12 (fp32 master weights 4 + momentum 4 + variance 4). Sh
     stage 3  P_os+g+p  (2 + 2 + K)Ψ/N              + parameters sharded
 
 param_bytes / grad_bytes generalise the 2s: pure fp32 training has 4 + 4 and Adam's K = 8 (no master copy,
-the fp32 parameters are the master). Activations, buffers and temporary buffers are not model states.
+the fp32 parameters are the master). Activations, buffers and temporary buffers are not model states:
+ZeRO-R (section 6) is about them, and `activation_bytes` estimates the activations of minizero's GPT.
 
 Measured bytes equal these formulas up to padding (flat.py pads each bucket to a multiple of N):
 `within_padding` is the one statement of how far that can be.
@@ -122,3 +124,35 @@ def measure(groups: dict[str, Iterable[torch.Tensor]]) -> dict[str, int]:
             total += storage.nbytes()
         out[name] = total
     return out
+
+
+def activation_bytes(layers: int, hidden: int, heads: int, seq: int, batch: int, *, bytes_per_elem: int = 4,
+                     mlp_ratio: int = 4, checkpointing: bool | str = False) -> float:
+    """Peak bytes saved for backward by one forward of minizero's GPT (lab/model.py) on a micro-batch of
+    `batch` rows of `seq` tokens: what engine.memory()["activations"] measures (activations.py).
+
+    Per block, with s = seq, b = batch, h = hidden, a = heads, r = mlp_ratio, e = bytes_per_elem:
+        e·s·b·((8 + 2r)·h + a·s + 4) + s²
+    (8 + 2r)·h: the inputs of ln1, qkv, proj, ln2 and the MLP's first Linear; q, k and v (matmul keeps
+    contiguous copies); the GELU's input and the second Linear's input, r·h each. a·s: the softmax's output
+    (the attention scores, a·s² per row). 4: the two LayerNorms' mean and 1/std. s²: the causal mask
+    (bool, shared by the batch). Parameters are not activations (model states count them). Korthikanti et
+    al. 2022 count s·b·h·(34 + 5·a·s/h) bytes for the same block in fp16 with dropout: their 34 has the
+    dropout masks and 2-byte elements, their 5·a·s/h the scores and their dropout; the ZeRO paper's rough
+    figure is 12·h·b·s per layer. Outside the blocks: ln_f's input and statistics, the head's input,
+    e·s·b·(2h + 2), and the token ids and positions (int64), 8·(s·b + s). The loss is the caller's.
+
+    checkpointing=True (activations.py) keeps each block's input, e·s·b·h, and holds one block's
+    activations again while backward recomputes it; the peak is the larger of the end of forward (all
+    inputs + what is outside the blocks) and the last block's recompute (all inputs + that block + the ids).
+    "cpu" keeps the inputs in host memory: the device holds the larger of the two without them.
+    """
+    s, b, h, e = seq, batch, hidden, bytes_per_elem
+    block = e * s * b * ((8 + 2 * mlp_ratio) * h + heads * s + 4) + s * s
+    ids = 8 * (s * b + s)
+    outside = e * s * b * (2 * h + 2) + ids
+    if not checkpointing:
+        return layers * block + outside
+    inputs = layers * e * s * b * h if checkpointing != "cpu" else 0
+    recompute = block + ids - (e * s * b * h if checkpointing != "cpu" else 0)   # its input is among `inputs`
+    return inputs + max(outside, recompute)
