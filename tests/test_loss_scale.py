@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import minizero
-from _checks import assert_matches_reference, reference
+from _checks import assert_comm_matches_formula, assert_matches_reference, assert_memory_matches_formula, reference
 from _workers import fp16_runs
 from minizero.lab.reference import tolerance
 from minizero.lab.train import TrainConfig
@@ -85,11 +85,19 @@ def configs(n: int) -> dict[str, TrainConfig]:
     return out
 
 
+def memory_configs(n: int) -> dict[str, TrainConfig]:
+    """The default GPT in fp16: the paper's own accounting (2 + 2 + K, K = 12 with Adam's fp32 master).
+    (At 2**16 its first steps overflow, and a skipped step sends no all-gather: the scale stays low.)"""
+    return {f"memory_stage{s}": TrainConfig(stage=s, world_size=n, steps=2, batch_size=24, dtype="fp16",
+                                            loss_scale=LOSS_SCALE)
+            for s in (1, 3)}
+
+
 @pytest.fixture(scope="module")
 def runs():
     out = {}
     for n in (2, 3):
-        cfgs = configs(n)
+        cfgs = {**configs(n), **memory_configs(n)}
         per_rank = minizero.launch(fp16_runs, n, list(cfgs.values()), INJECT)
         for i, (name, cfg) in enumerate(cfgs.items()):
             out[(n, name)] = (cfg, [r["runs"][i] for r in per_rank])
@@ -121,3 +129,10 @@ def test_inf_in_one_shard_makes_every_rank_skip(runs, n, stage):
         assert res["skipped"] == 2 and res["adam_steps"] == [2.0], f"{where}: optimizer stepped on a skip"
         for name, value in res["state"].items():
             assert torch.equal(value, ranks[0]["state"][name]), f"{where}: {name} differs from rank 0"
+
+
+@pytest.mark.parametrize("n", (2, 3))
+@pytest.mark.parametrize("name", list(memory_configs(2)))
+def test_fp16_memory_and_comm_match_the_paper(runs, n, name):
+    assert_memory_matches_formula(*runs[(n, name)])
+    assert_comm_matches_formula(*runs[(n, name)])
