@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from minizero import checkpoint, comm, construct
-from minizero.loss_scale import LossScaler
+from minizero.loss_scale import scaler_for
 from minizero.memory import measure
 from minizero.optim import DTYPES
 
@@ -37,10 +37,8 @@ class Engine:
     def __init__(self, model: nn.Module, optimizer, *, dtype: str = "fp32", offload: bool | str = False,
                  clip_grad_norm: float | None = None, loss_scale: float | dict | None = None):
         self.check(dtype, offload)
-        if loss_scale is not None and dtype != "fp16":
-            raise ValueError(f"loss_scale is for dtype='fp16' (bf16 and fp32 need none), got dtype={dtype!r}")
         # fp16: the loss is multiplied by S before backward, the gradients divided by it in step()
-        self.scaler = LossScaler(loss_scale) if dtype == "fp16" else None
+        self.scaler = scaler_for(dtype, loss_scale)
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise ValueError(f"clip_grad_norm must be > 0, got {clip_grad_norm!r}")
         if not callable(optimizer):

@@ -154,6 +154,7 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
         "rank": rank,
         "losses": losses,
         "loss_scales": loss_scales,
+        "loss_scale": engine.loss_scale,          # S now (fp16; 1.0 otherwise), and the steps skipped
         "skipped_steps": engine.skipped_steps,
         "memory": memory,
         "comm_bytes_per_step": comm_per_step[-1] if comm_per_step else {},
