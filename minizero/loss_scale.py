@@ -32,6 +32,11 @@ its own partition would skip the step while the others take it: the ranks' param
 ways for good, and at stages 1-2 the next all-gather mixes a skipped step with a taken one (the classic
 bug of sharded loss scaling). So the flags are agreed first: one all-reduce (max) of each rank's 0/1
 flag, 4 bytes, and every rank takes the same decision. DeepSpeed does the same, at every stage.
+
+Two consequences of data parallelism worth knowing: the reduction adds N ranks' scaled fp16 gradients
+before it divides (gloo and NCCL both), so N ranks can overflow at a scale one process survives
+(DeepSpeed's gradient_predivide_factor exists for this); and a skipped step at stages 1-2 sends no
+all-gather (the parameters did not change).
 """
 
 from __future__ import annotations
@@ -92,8 +97,9 @@ class LossScaler:
         return loss * self.scale
 
     def unscale(self, grads: list[torch.Tensor]) -> list[torch.Tensor] | None:
-        """The step's gradient parts divided by S, as fp32 copies; None if any rank's overflowed (then
-        every rank skips the step). Then S moves (`update`)."""
+        """The step's gradient parts divided by S, as fp32 copies (transient, 4 bytes per owned element on
+        the device, as optim.py's bf16 upcast; with offload DeepSpeed unscales on the host instead); None
+        if any rank's overflowed (then every rank skips the step). Then S moves (`update`)."""
         overflow = found_overflow(grads)
         unscaled = None if overflow else [g.to(torch.float32, copy=True).div_(self.scale) for g in grads]
         self.update(overflow)

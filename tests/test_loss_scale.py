@@ -4,10 +4,10 @@ one rank's gradient shard makes every rank skip the step."""
 
 import pytest
 import torch
-
-import minizero
 from _checks import assert_comm_matches_formula, assert_matches_reference, assert_memory_matches_formula, reference
 from _workers import fp16_runs
+
+import minizero
 from minizero.lab.reference import tolerance
 from minizero.lab.train import TrainConfig
 from minizero.loss_scale import LossScaler
@@ -54,11 +54,6 @@ def test_static_scale_never_moves_but_overflows_still_skip():
 def test_bad_options_are_one_line_errors(bad, error):
     with pytest.raises((ValueError, TypeError), match=error):
         LossScaler(bad)
-
-
-def test_loss_scale_needs_fp16():
-    with pytest.raises(ValueError, match="loss_scale is for dtype='fp16'"):
-        minizero.wrap(torch.nn.Linear(2, 2), 0, torch.optim.SGD, dtype="bf16", loss_scale=8.0)
 
 
 # --- fp16 runs: one launch per world size ---------------------------------------------------------------------
