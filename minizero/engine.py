@@ -5,6 +5,9 @@
     engine.backward(loss)              # backward + gradient communication
     engine.step()                      # clip, optimizer step on what this rank owns, share the result
 
+dtype: "fp32", "bf16" or "fp16" (the model computes in it; the optimizer keeps fp32 masters, optim.py).
+fp16 also scales the loss (loss_scale.py): loss_scale=None (dynamic), a number (static) or a dict.
+
 Each stage (ddp.py, zero1.py, zero2.py, zero3.py) subclasses `Engine` and fills in four steps:
     _after_backward()   communicate gradients (unless inside no_sync())
     _grad_parts()       the averaged gradients of what this rank steps, one tensor per bucket
@@ -27,6 +30,7 @@ import torch
 from torch import nn
 
 from minizero import activations, checkpoint, comm, construct
+from minizero.loss_scale import scaler_for
 from minizero.memory import measure
 from minizero.optim import DTYPES
 
@@ -37,8 +41,10 @@ class Engine:
     offload_choices: tuple = (False,)   # what offload= may be: stages 1-3 add the optimizer, 3 the params
 
     def __init__(self, model: nn.Module, optimizer, *, dtype: str = "fp32", offload: bool | str = False,
-                 clip_grad_norm: float | None = None):
+                 clip_grad_norm: float | None = None, loss_scale: float | dict | None = None):
         self.check(dtype, offload)
+        # fp16: the loss is multiplied by S before backward, the gradients divided by it in step()
+        self.scaler = scaler_for(dtype, loss_scale)
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise ValueError(f"clip_grad_norm must be > 0, got {clip_grad_norm!r}")
         if not callable(optimizer):
@@ -53,7 +59,7 @@ class Engine:
         self._sync = True
         self._peak = {"peak": 0, "peak_params": 0}
         self.last_grad_norm: float | None = None
-        self.step_count = 0            # optimizer steps taken; a checkpoint saves and restores it
+        self.step_count = 0            # steps taken, skipped ones included; a checkpoint saves it
 
         # Mixed precision: the model computes in self.dtype (floating params and buffers are cast; the
         # optimizer keeps fp32 masters, see optim.py). A model built by minizero.sharded_init holds only
@@ -96,6 +102,8 @@ class Engine:
 
     # --- backward -----------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
+        if self.scaler is not None:
+            loss = self.scaler.scale_loss(loss)            # every gradient S times larger (chain rule)
         loss.backward()
         self._after_backward()
         self._track_peak()
@@ -114,6 +122,12 @@ class Engine:
     # --- step ---------------------------------------------------------------------------------------
     def step(self) -> None:
         grads = self._grad_parts()
+        if self.scaler is not None:                        # fp16: the gradients are still S times too large
+            grads = self.scaler.unscale(grads)             # fp32 / S; None: some rank overflowed
+            if grads is None:                              # every rank skips this step (loss_scale.py)
+                self._zero_grad()
+                self.step_count += 1
+                return
         if self.clip_grad_norm is not None:
             self.last_grad_norm = self._clip(grads)
         self.optimizer.step(grads)
@@ -138,6 +152,16 @@ class Engine:
         for g in grads:
             g.mul_(scale.to(g.dtype))
         return norm.item()
+
+    @property
+    def loss_scale(self) -> float:
+        """S, the factor the next backward multiplies the loss by (1.0 unless fp16)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped because the fp16 gradients overflowed on some rank."""
+        return self.scaler.skipped_steps if self.scaler is not None else 0
 
     # --- results ------------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:

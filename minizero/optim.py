@@ -6,9 +6,10 @@ hand it this rank's partition, Ψ/N of them. That single difference is the optim
 K bytes per parameter become K/N.
 
 Mixed precision (the paper's accounting, K = 12 for Adam):
-    the model computes in bf16 (2 bytes a parameter, 2 a gradient); the optimizer keeps a fp32 *master*
-    copy of its parameters (4) plus Adam's two moments (4 + 4). Each step: fp32 master <- update with the
-    gradient upcast to fp32, then the bf16 parameters <- master, rounded.
+    the model computes in bf16 or fp16 (2 bytes a parameter, 2 a gradient); the optimizer keeps a fp32
+    *master* copy of its parameters (4) plus Adam's two moments (4 + 4). Each step: fp32 master <- update
+    with the gradient upcast to fp32, then the bf16/fp16 parameters <- master, rounded. (fp16 gradients
+    arrive unscaled, already fp32: engine.step, loss_scale.py.)
 fp32 training has no master copy: the optimizer steps the fp32 parameter buffer itself (K = 8).
 
 `minizero.offload.HostShardOptimizer` is the same object with the master and the state in host memory.
@@ -24,7 +25,8 @@ from torch import nn
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 # The precisions the model can compute in (wrap's dtype=...). The masters are fp32 either way.
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# fp16 also needs loss scaling (loss_scale.py): its 5 exponent bits lose small gradients.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class ShardOptimizer:

@@ -177,3 +177,40 @@ def gathered_round_trip(stage: int, options: dict) -> dict:
 
 def gathered_round_trips(settings: list[tuple[int, dict]]) -> list[dict]:
     return [gathered_round_trip(stage, options) for stage, options in settings]
+
+
+def fp16_runs(cfgs: list, inject: dict) -> dict:
+    """Worker for test_loss_scale.py: fp16 training runs (train_several), then for each stage an inf
+    injected into rank 1's gradient shard at the steps inject["steps"] (after the reduction, so only the
+    rank owning that shard sees it)."""
+    from minizero.lab.train import train_several
+    return {"runs": train_several(cfgs), "injected": [_injected_overflow(s, **inject) for s in inject["stages"]]}
+
+
+def _injected_overflow(stage: int, stages, steps: tuple, loss_scale: dict, n_steps: int) -> dict:
+    import minizero
+    from minizero.lab.model import make_model
+    from minizero.lab.train import TrainConfig, forward_backward
+    cfg = TrainConfig(stage=stage, model="tiny", dtype="fp16", loss_scale=loss_scale, batch_size=12, lr=1e-2)
+    engine = minizero.wrap(make_model(cfg.model_config(), seed=0), stage, cfg.optimizer_factory(),
+                           **cfg.engine_options())
+    grad_parts = engine._grad_parts
+
+    def poisoned():                                  # the test hook: one element of rank 1's shard is inf
+        parts = grad_parts()
+        if comm.rank() == 1 and engine.step_count in steps:
+            parts[0][0] = float("inf")
+        return parts
+
+    engine._grad_parts = poisoned
+    scales, unchanged = [], []
+    for step in range(n_steps):
+        before = engine.full_state_dict()
+        forward_backward(cfg, step, engine, engine.backward, engine.no_sync)
+        engine.step()
+        after = engine.full_state_dict()
+        unchanged.append(all(torch.equal(before[k], after[k]) for k in before))
+        scales.append(engine.loss_scale)
+    adam_steps = sorted({float(s["step"]) for s in engine.optimizer.optimizer.state.values()})
+    return {"scales": scales, "unchanged": unchanged, "skipped": engine.skipped_steps, "adam_steps": adam_steps,
+            "state": after}

@@ -50,7 +50,9 @@ def test_run_under_torchrun_uses_its_process_group(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--stage", "7"], "stage must be one of 0, 1, 2, 3 (0 = DDP), got 7"),
     (["--world-size", "0"], "--world-size must be >= 1"),
-    (["--dtype", "fp16"], "dtype must be one of fp32, bf16, got 'fp16'"),
+    (["--dtype", "fp8"], "dtype must be one of fp32, bf16, fp16, got 'fp8'"),
+    (["--dtype", "bf16", "--loss-scale", "8"], "loss_scale is for dtype='fp16'"),
+    (["--dtype", "fp16", "--loss-scale", "-1"], "loss_scale must be > 0, got -1.0"),
     (["--stage", "0", "--offload"], "offload needs ZeRO stage 1, 2 or 3"),
     (["--stage", "2", "--offload", "params"], "offload='params' needs stage 3"),
     (["--world-size", "3", "--batch-size", "16"], "must be divisible"),
@@ -65,6 +67,15 @@ def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_fp16_run_reports_the_loss_scale_and_skipped_steps(tmp_path, capsys):
+    out = tmp_path / "fp16.json"
+    assert main(["--dtype", "fp16", "--loss-scale", "1024", "--world-size", "2", "--steps", "2", "--model", "tiny",
+                 "--quiet", "--json", str(out)]) == 0
+    assert "fp16 loss scale 1024; 0 steps skipped on overflow" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert (data["dtype"], data["loss_scale"], data["skipped_steps"]) == ("fp16", 1024.0, 0)
 
 
 def test_save_then_load_resumes_bit_exactly(tmp_path, capsys):

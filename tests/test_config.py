@@ -25,17 +25,19 @@ def test_the_issue_example_maps_to_stage_2_with_offload():
         "train_batch_size": 64, "gradient_accumulation_steps": 2,
         "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     overrides, warnings = load_deepspeed_config(ZERO2_OFFLOAD, 4)
-    assert overrides == {"batch_size": 64, "grad_accum": 2, "stage": 2, "offload": "optimizer"}
+    # no gradient_clipping: DeepSpeed's default, 1.0
+    assert overrides == {"batch_size": 64, "grad_accum": 2, "stage": 2, "offload": "optimizer", "clip_grad_norm": 1.0}
     assert warnings == []
 
 
 def test_batch_size_rule_derives_the_missing_one():
+    clip = {"clip_grad_norm": 1.0}
     assert load_deepspeed_config({"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2}, 4)[0] \
-        == {"batch_size": 24, "grad_accum": 2}
+        == {"batch_size": 24, "grad_accum": 2, **clip}
     assert load_deepspeed_config({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 3}, 4)[0] \
-        == {"batch_size": 24, "grad_accum": 2}
+        == {"batch_size": 24, "grad_accum": 2, **clip}
     assert load_deepspeed_config({"train_batch_size": 24, "gradient_accumulation_steps": 3}, 4)[0] \
-        == {"batch_size": 24, "grad_accum": 3}
+        == {"batch_size": 24, "grad_accum": 3, **clip}
 
 
 def test_precision_buckets_prefetch_offload():
@@ -67,17 +69,30 @@ def test_hugging_face_auto_means_not_set():
     cfg = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": "auto"},
            "fp16": {"enabled": "auto"}, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
            "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}}
-    assert load_deepspeed_config(cfg, 2) == ({"stage": 3, "optimizer": "adamw",
+    assert load_deepspeed_config(cfg, 2) == ({"stage": 3, "optimizer": "adamw", "clip_grad_norm": 1.0,
                                               "optimizer_params": {"weight_decay": 0.0}}, [])
 
 
+def test_fp16_section_sets_dtype_and_loss_scale():
+    def fp16(section):
+        return load_deepspeed_config({"fp16": section, "gradient_clipping": 0}, 2)
+    assert fp16({"enabled": True}) == ({"clip_grad_norm": None, "dtype": "fp16", "loss_scale": None}, [])
+    assert fp16({"enabled": True, "loss_scale": 128})[0]["loss_scale"] == 128.0           # static
+    assert fp16({"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500,
+                 "hysteresis": 1, "min_loss_scale": 4, "consecutive_hysteresis": False})[0]["loss_scale"] \
+        == {"initial_scale_power": 12, "loss_scale_window": 500, "hysteresis": 1, "min_loss_scale": 4}
+    assert fp16({"enabled": False, "loss_scale": 128})[0] == {"clip_grad_norm": None, "dtype": "fp32"}
+    assert fp16({"enabled": True, "auto_cast": True})[1] == [
+        "'fp16.auto_cast' is not implemented: inputs are not cast; the model's floating parameters and buffers are"]
+
+
 def test_not_implemented_keys_warn_by_name():
-    _, warnings = load_deepspeed_config({"fp16": {"enabled": True}, "scheduler": {"type": "WarmupLR"},
+    _, warnings = load_deepspeed_config({"amp": {"enabled": True}, "scheduler": {"type": "WarmupLR"},
                                          "zero_optimization": {"stage": 2, "overlap_comm": False,
                                                                "contiguous_gradients": True,
                                                                "allgather_bucket_size": 5e8}}, 2)
     assert len(warnings) == 4
-    for key, warning in zip(("'fp16'", "'scheduler'", "'zero_optimization.allgather_bucket_size'",
+    for key, warning in zip(("'amp'", "'scheduler'", "'zero_optimization.allgather_bucket_size'",
                              "'zero_optimization.overlap_comm: false'"), warnings):
         assert warning.startswith(key + " is not implemented: ")
     assert load_deepspeed_config({"fp16": {"enabled": False}, "wall_clock_breakdown": False}, 2)[1] == []
@@ -85,16 +100,17 @@ def test_not_implemented_keys_warn_by_name():
 
 
 def test_activation_checkpointing_section_turns_it_on_and_its_model_parallel_keys_warn():
-    assert load_deepspeed_config({"activation_checkpointing": {}}, 2) == ({"activation_checkpointing": True}, [])
+    on = {"activation_checkpointing": True, "clip_grad_norm": 1.0}       # 1.0: DeepSpeed's default clipping
+    assert load_deepspeed_config({"activation_checkpointing": {}}, 2) == (on, [])
     section = {"partition_activations": True, "cpu_checkpointing": True, "number_checkpoints": 4,
                "contiguous_memory_optimization": True, "synchronize_checkpoint_boundary": True, "profile": True}
     overrides, warnings = load_deepspeed_config({"activation_checkpointing": section}, 2)
-    assert overrides == {"activation_checkpointing": "cpu"}
+    assert overrides == {"activation_checkpointing": "cpu", "clip_grad_norm": 1.0}
     assert [w.split(" is not implemented: ")[0] for w in warnings] == [
         f"'activation_checkpointing.{k}'" for k in section if k != "cpu_checkpointing"]
     assert "model parallelism" in warnings[0]
     off = {k: False for k in section if k != "number_checkpoints"}
-    assert load_deepspeed_config({"activation_checkpointing": off}, 2) == ({"activation_checkpointing": True}, [])
+    assert load_deepspeed_config({"activation_checkpointing": off}, 2) == (on, [])
 
 
 @pytest.mark.parametrize("cfg, message", [
@@ -111,6 +127,9 @@ def test_activation_checkpointing_section_turns_it_on_and_its_model_parallel_key
     ({"bf16": {"enabled": 1}}, "bf16.enabled must be true or false, got 1"),
     ({"bf16": True}, "'bf16' must be an object"),
     ({"activation_checkpointing": {"cpu_checkpointing": "yes"}}, "cpu_checkpointing must be true or false"),
+    ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "bf16.enabled and fp16.enabled are both true"),
+    ({"fp16": {"enabled": True, "hysteresis": 0}}, "fp16.hysteresis must be >= 1, got 0"),
+    ({"fp16": {"enabled": True, "loss_scale": -1}}, "fp16.loss_scale must be a number >= 0, got -1"),
     ({"zero_optimisation": {"stage": 2}}, "unknown key 'zero_optimisation' (did you mean 'zero_optimization'?)"),
     ({"zero_optimization": {"stagee": 2}}, "did you mean 'zero_optimization.stage'"),
     ({"train_batch": 8}, "unknown key 'train_batch'"),

@@ -7,7 +7,8 @@ import pytest
 
 from minizero.cli.memory import main
 from minizero.lab.model import GPT, MODEL_NAMES, GPTConfig, count_params
-from minizero.memory import activation_bytes, comm_volume, estimate, estimate_breakdown, measure
+from minizero.memory import (activation_bytes, comm_volume, element_bytes, estimate, estimate_breakdown, measure,
+                             optimizer_k)
 
 
 def test_paper_figure_1_numbers():
@@ -25,6 +26,11 @@ def test_formulas_by_category():
     assert estimate(psi, n, 0, param_bytes=4, grad_bytes=4, k=8) == 16 * psi
     off = estimate_breakdown(psi, n, 3, offload="params")
     assert off["params"] == off["optimizer"] == 0 and off["offloaded"] == (12 + 4 + 2) * psi / n
+
+
+def test_fp16_is_the_papers_accounting_like_bf16():
+    assert element_bytes("fp16") == element_bytes("bf16") == 2 and element_bytes("fp32") == 4
+    assert optimizer_k(8, "fp16") == optimizer_k(8, "bf16") == 12 and optimizer_k(8, "fp32") == 8
 
 
 def test_comm_volume_two_psi_and_three_psi():

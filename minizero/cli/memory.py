@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--frozen", type=float, default=0, help="of them, parameters that are frozen (Ψ_f: no "
                     "gradient, no optimizer state; partitioned only at stage 3)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
-                    help="bf16: 2+2 bytes, K=12 (paper); fp32: 4+4 bytes, K=8")
+                    help="bf16, fp16: 2+2 bytes, K=12 (paper); fp32: 4+4 bytes, K=8")
     try:
         args = ap.parse_args(argv)
         if args.world_size < 1:

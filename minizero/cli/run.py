@@ -2,6 +2,7 @@
 
     python -m minizero.run --stage 2 --world-size 4
     python -m minizero.run --stage 3 --world-size 4 --dtype bf16 --offload params --json out.json
+    python -m minizero.run --dtype fp16 [--loss-scale 1024]     # fp16: dynamic (or static) loss scaling
     python -m minizero.run --config examples/ds_config_zero2_offload.json --world-size 4   # DeepSpeed JSON
     torchrun --nproc-per-node 4 -m minizero.run --stage 3        # uses torchrun's process group
 
@@ -24,6 +25,7 @@ from minizero.lab.model import MODEL_NAMES, make_model
 from minizero.lab.report import format_table, summarize
 from minizero.lab.train import OPTIMIZERS, TrainConfig, train_worker
 from minizero.launcher import launch
+from minizero.loss_scale import scaler_for
 from minizero.wrap import check
 
 
@@ -35,7 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage", type=int, default=None, help="0 = DDP, 1, 2, 3 (default 2)")
     p.add_argument("--world-size", type=int, default=None, help="processes (default 2; torchrun: its own)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 50)")
-    p.add_argument("--dtype", default=None, help="fp32 or bf16 (bf16 compute, fp32 master weights)")
+    p.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (16-bit compute, fp32 master weights; "
+                                                   "fp16 also scales the loss)")
+    p.add_argument("--loss-scale", type=float, default=None, metavar="S",
+                   help="fp16: a static loss scale S; 0 = dynamic (default; DeepSpeed's fp16.loss_scale)")
     p.add_argument("--offload", nargs="?", const="optimizer", default=None, metavar="WHAT",
                    help="stages 1-3: optimizer state on the host; '--offload params' (stage 3) also "
                         "keeps parameter shards there")
@@ -93,6 +98,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     for name, value in pairs.items():
         if value is not None:
             setattr(cfg, name, value)
+    if args.loss_scale is not None:
+        cfg.loss_scale = args.loss_scale or None          # 0: dynamic, as in DeepSpeed
+    elif cfg.dtype != "fp16" and cfg.loss_scale is not None:
+        print(f"minizero.run: warning: --dtype {cfg.dtype}: the file's fp16 loss scaling is not used", file=sys.stderr)
+        cfg.loss_scale = None
     if args.offload is not None:
         cfg.offload = args.offload
     if args.bucket_size_mb is not None:
@@ -147,7 +157,8 @@ def validate(cfg: TrainConfig) -> None:
         cfg.offload = "optimizer"
     try:
         check(cfg.stage, cfg.dtype, cfg.offload)         # the engines' own rules (minizero.wrap)
-    except ValueError as e:
+        scaler_for(cfg.dtype, cfg.loss_scale)             # ... and the loss scaler's
+    except (ValueError, TypeError) as e:
         bad(str(e))
     if cfg.world_size < 1:
         bad(f"--world-size must be >= 1, got {cfg.world_size}")

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from minizero.lab.train import OPTIMIZERS
+from minizero.loss_scale import DYNAMIC_DEFAULTS
 from minizero.memory import element_bytes
 from minizero.wrap import check
 
@@ -39,8 +40,14 @@ KEYS = {
     "train_batch_size": "batch_size (global rows per step)",
     "train_micro_batch_size_per_gpu": "rows per rank per micro-batch (determines batch_size / grad_accum)",
     "gradient_accumulation_steps": "grad_accum",
-    "gradient_clipping": "clip_grad_norm (0 = off)",
+    "gradient_clipping": "clip_grad_norm (0 = off; absent: 1.0, DeepSpeed's default)",
     "bf16.enabled": "dtype = bf16 (fp32 master weights)",
+    "fp16.enabled": "dtype = fp16 (fp32 master weights, loss scaling); with bf16.enabled too: an error",
+    "fp16.loss_scale": "loss_scale: 0 = dynamic (default), > 0 = static",
+    "fp16.initial_scale_power": "dynamic loss scale starts at 2**power (default 16)",
+    "fp16.loss_scale_window": "good steps before the scale doubles (default 1000)",
+    "fp16.hysteresis": "overflows before the scale halves (default 2)",
+    "fp16.min_loss_scale": "the lowest dynamic scale (default 1)",
     "zero_optimization.stage": "stage (0 = DDP)",
     "zero_optimization.offload_optimizer.device": "offload = optimizer ('cpu') or off ('none')",
     "zero_optimization.offload_param.device": "offload = params ('cpu', stage 3 only)",
@@ -68,8 +75,10 @@ ALWAYS_ON = {
 # Keys DeepSpeed has that minizero reads but does not implement: key -> what minizero does instead.
 # A section switched off ({"enabled": false}) or a plain false needs no warning.
 NOT_IMPLEMENTED = {
-    "fp16": "no fp16 loss scaling; use bf16.enabled or fp32",
-    "amp": "no apex AMP; use bf16.enabled or fp32",
+    "fp16.auto_cast": "inputs are not cast; the model's floating parameters and buffers are",
+    "fp16.consecutive_hysteresis": "hysteresis is restored only when the scale grows (DeepSpeed's default)",
+    "fp16.fp16_master_weights_and_grads": "master weights are always fp32",
+    "amp": "no apex AMP; use bf16.enabled, fp16.enabled or fp32",
     "scheduler": "the learning rate stays constant",
     "steps_per_print": "progress is printed every steps/10 steps",
     "wall_clock_breakdown": "the CLI reports the median step time",
@@ -122,7 +131,7 @@ OPTIMIZER_PARAMS = {
             "nesterov": "bool"},
 }
 
-_SECTIONS = {"bf16", "zero_optimization", "zero_optimization.offload_optimizer",
+_SECTIONS = {"bf16", "fp16", "zero_optimization", "zero_optimization.offload_optimizer",
              "zero_optimization.offload_param", "optimizer", "optimizer.params", "activation_checkpointing"}
 AUTO = "auto"
 
@@ -142,11 +151,10 @@ def load_deepspeed_config(source: str | os.PathLike | dict, world_size: int) -> 
                 if key in NOT_IMPLEMENTED and not _disabled(flat[key])]
     out: dict[str, Any] = {}
     _batch(flat, world_size, out)
-    if "gradient_clipping" in flat:
-        clip = _number("gradient_clipping", flat["gradient_clipping"], minimum=0)
-        out["clip_grad_norm"] = clip or None
-    if "bf16.enabled" in flat:
-        out["dtype"] = "bf16" if _bool("bf16.enabled", flat["bf16.enabled"]) else "fp32"
+    # DeepSpeed clips at 1.0 when the file says nothing (GRADIENT_CLIPPING_DEFAULT): the same file must
+    # train the same way here.
+    out["clip_grad_norm"] = _number("gradient_clipping", flat.get("gradient_clipping", 1.0), minimum=0) or None
+    _precision(flat, out)
     _zero(flat, out, warnings)
     _optimizer(flat, out)
     if "activation_checkpointing" in raw:
@@ -249,6 +257,21 @@ def _batch(flat: dict, world_size: int, out: dict) -> None:
         raise ConfigError(f"train_batch_size {total} != train_micro_batch_size_per_gpu x "
                           f"gradient_accumulation_steps x world size = {micro} x {accum} x {world_size}")
     out["batch_size"], out["grad_accum"] = total, accum
+
+
+def _precision(flat: dict, out: dict) -> None:
+    """bf16.enabled, fp16.enabled (one of them) and fp16's loss scaling."""
+    bf16, fp16 = (_bool(key, flat[key]) if key in flat else None for key in ("bf16.enabled", "fp16.enabled"))
+    if bf16 and fp16:
+        raise ConfigError("bf16.enabled and fp16.enabled are both true: choose one precision")
+    if bf16 is not None or fp16 is not None:
+        out["dtype"] = "bf16" if bf16 else "fp16" if fp16 else "fp32"
+    if not fp16:
+        return
+    static = _number("fp16.loss_scale", flat.get("fp16.loss_scale", 0), minimum=0)
+    dynamic = {key: _int(f"fp16.{key}", flat[f"fp16.{key}"], minimum=0 if key == "initial_scale_power" else 1)
+               for key in DYNAMIC_DEFAULTS if f"fp16.{key}" in flat}
+    out["loss_scale"] = float(static) if static else (dynamic or None)     # 0: dynamic, as in DeepSpeed
 
 
 def _zero(flat: dict, out: dict, warnings: list[str]) -> None:

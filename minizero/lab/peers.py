@@ -38,7 +38,7 @@ def build_peer(cfg: TrainConfig, peer: str):
     """(module to call, optimizer, no_sync context factory) for one of PyTorch's implementations."""
     device = comm.device()
     model = make_model(cfg.model_config(), seed=cfg.seed).to(device)
-    if cfg.dtype == "bf16":
+    if cfg.dtype != "fp32":
         raise ValueError("peers are compared in fp32")
     opt_cls = OPTIMIZERS[cfg.optimizer]
     opt_kwargs = {"lr": cfg.lr, **cfg.optimizer_params}

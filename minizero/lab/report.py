@@ -48,6 +48,9 @@ def summarize(cfg: TrainConfig, results: list[dict]) -> dict:
                   for r in results],
         "theory": theory(cfg, num_params, num_frozen),
         "step_time_s": statistics.median(times),
+        # fp16: the loss scale after the last step and the steps skipped on overflow (every rank agrees)
+        "loss_scale": results[0]["loss_scale"],
+        "skipped_steps": results[0]["skipped_steps"],
     }
 
 
@@ -70,4 +73,6 @@ def format_table(summary: dict) -> str:
     losses = summary["losses"]
     lines.append(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "
                  f"median step time {summary['step_time_s'] * 1e3:.1f} ms")
+    if summary["dtype"] == "fp16":
+        lines.append(f"fp16 loss scale {summary['loss_scale']:g}; {summary['skipped_steps']} steps skipped on overflow")
     return "\n".join(lines)

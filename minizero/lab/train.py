@@ -44,7 +44,8 @@ class TrainConfig:
     stage: int = 2
     world_size: int = 2
     steps: int = 50
-    dtype: str = "fp32"                       # "fp32" or "bf16" (bf16 compute, fp32 master weights)
+    dtype: str = "fp32"                       # "fp32", "bf16" or "fp16" (16-bit compute, fp32 master weights)
+    loss_scale: float | dict | None = None    # fp16: None dynamic, a number static, a dict (loss_scale.py)
     offload: bool | str = False               # False, True/"optimizer", "params" (stage 3)
     backend: str | None = None                # None: nccl if CUDA is available, else gloo
     batch_size: int = 16                      # global rows per optimizer step (all ranks, all micro-batches)
@@ -82,6 +83,8 @@ class TrainConfig:
 
     def engine_options(self) -> dict:
         opts = {"dtype": self.dtype, "clip_grad_norm": self.clip_grad_norm}
+        if self.loss_scale is not None:
+            opts["loss_scale"] = self.loss_scale
         if self.stage in (0, 2):
             opts["bucket_size"] = self.bucket_size
         if self.stage == 3:
@@ -132,7 +135,7 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
     if fault:
         fault.arm(engine)
     device = comm.device()
-    losses, step_times, comm_per_step = [], [], []
+    losses, step_times, comm_per_step, loss_scales = [], [], [], []
     memory = None
     for step in range(engine.step_count, cfg.steps):
         comm.reset_tally()
@@ -146,6 +149,7 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
         step_times.append(time.perf_counter() - start)
         comm_per_step.append(comm.tally())
         losses.append(step_loss)
+        loss_scales.append(engine.loss_scale)     # S after the step (fp16; 1.0 otherwise)
         if cfg.log_every and rank == 0 and (step % cfg.log_every == 0 or step == cfg.steps - 1):
             print(f"step {step + 1:>4}/{cfg.steps}  loss {step_loss:.4f}  "
                   f"{step_times[-1] * 1e3:.1f} ms/step", flush=True)
@@ -156,6 +160,9 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
     result = {
         "rank": rank,
         "losses": losses,
+        "loss_scales": loss_scales,
+        "loss_scale": engine.loss_scale,          # S now (fp16; 1.0 otherwise), and the steps skipped
+        "skipped_steps": engine.skipped_steps,
         "memory": memory,
         "comm_bytes_per_step": comm_per_step[-1] if comm_per_step else {},
         "step_times": step_times,

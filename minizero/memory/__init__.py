@@ -34,7 +34,7 @@ CATEGORIES = ("params", "grads", "optimizer", "offloaded")
 
 
 def element_bytes(dtype: str) -> int:
-    """Bytes of one parameter (and one gradient) in the compute dtype: fp32 4, bf16 2 (the paper's 2)."""
+    """Bytes of one parameter (and one gradient) in the compute dtype: fp32 4, bf16 and fp16 2 (the paper's 2)."""
     return DTYPES[dtype].itemsize
 
 
