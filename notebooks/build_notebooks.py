@@ -17,7 +17,8 @@ import nbformat
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXERCISES = {0: "ex01_ring_allreduce.py", 1: "ex02_ddp_bucket.py", 2: "ex03_zero1_partition.py",
-             3: "ex04_zero2_reduce_scatter.py", 4: "ex05_zero3_hooks.py", 5: "ex06_offload_step.py"}
+             3: "ex04_zero2_reduce_scatter.py", 4: "ex05_zero3_hooks.py", 5: "ex06_offload_step.py",
+             7: "ex07_checkpoint_unit.py"}
 
 
 def md(text: str):
@@ -461,6 +462,7 @@ NOTEBOOKS["07_activations"] = [
     recomputes the block in backward; `"cpu"` keeps those inputs in host memory (the paper's P_a+cpu; P_a
     itself partitions what *model* parallelism replicates, which pure data parallelism does not have).
     """),
+    exercise(7, "checkpoint a unit: an autograd Function that keeps only the inputs and recomputes in backward."),
     SETUP,
     md("""
     ## Measured next to the estimate, across sequence length and micro-batch

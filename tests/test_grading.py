@@ -31,6 +31,11 @@ MUTANTS = [
      r"after pre_backward: its parameters are not materialized"),
     ("test_ex06_offload_step", "check_training", "ex06_no_copy_back", r"differ from the updated masters"),
     ("test_ex06_offload_step", "check_training", "ex06_device_grads", r"host_grads\[0\] does not hold"),
+    ("test_ex07_checkpoint_unit", "check_memory", "ex07_keeps_the_graph",
+     r"rank 0: .* is \d+ bytes, 100% of the \d+ bytes saved without checkpointing"),
+    ("test_ex07_checkpoint_unit", "check_training", "ex07_no_input_grads", r"rank 0, .* x the reference's"),
+    ("test_ex07_checkpoint_unit", "check_training", "ex07_recompute_without_grad",
+     r"rank \d, blocks\.3: the recompute in backward ran with grad disabled"),
 ]
 
 
@@ -47,7 +52,7 @@ def test_every_mutant_is_used_and_every_exercise_has_one():
     on_disk = {p.stem for p in (EXERCISES / "mutants").glob("ex*.py")}
     assert on_disk == {m[2] for m in MUTANTS}
     assert {m[2][:4] for m in MUTANTS} == {name[:4] for name in EXERCISE_NAMES}
-    assert len(EXERCISE_NAMES) == 6
+    assert len(EXERCISE_NAMES) == 7
 
 
 def grade(tmp_path, *flags) -> tuple[subprocess.CompletedProcess, dict | None]:
