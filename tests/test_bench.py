@@ -50,6 +50,14 @@ def test_memory_and_comm_are_the_stages(report):
     assert by_stage[1]["comm_bytes_per_step"]["torch"] == pytest.approx(1.5 * by_stage[0]["comm_bytes_per_step"]["torch"])
 
 
+def test_the_activation_meter_is_timed_on_and_off_and_only_observes(report):
+    for p in report["pairs"]:
+        m = p["meter"]
+        assert all(t > 0 for t in m["step_time_s"].values()) and m["cost"] > -1
+        assert min(m["activations"]["on"]) > 0 and m["activations"]["off"] == [0, 0], "off: the meter never ran"
+        assert m["losses"]["on"] == m["losses"]["off"], p["stage"]           # bit for bit
+
+
 @pytest.mark.parametrize("argv", [["--world-size", "1"], ["--steps", "1"], ["--model", "huge"],
                                   ["--stages", "5"], ["--world-size", "3"], ["--bogus"],
                                   ["--scale", "--budget-mb", "0"], ["--scale", "--world-size", "0"],
