@@ -3,6 +3,7 @@
     python -m minizero.bench                                        # N = 2 and 4, the default model
     python -m minizero.bench --world-size 2 --steps 20 --repeats 5 --json bench.json
     python -m minizero.bench --scale --budget-mb 4                  # the scale demo (minizero.scale)
+    python -m minizero.bench --scale --micro-batch                  # ... its largest micro-batch per stage
 
 Pairs (minizero.lab.peers builds PyTorch's side, trained by the same loop as minizero.lab.train):
     stage 0  <->  torch.nn.parallel.DistributedDataParallel
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], help="stages to compare")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
     ap.add_argument("--scale", action="store_true", help="run the scale demo instead (see minizero.scale; "
-                    "takes --budget-mb, --world-size, --json)")
+                    "takes --budget-mb, --world-size, --micro-batch, --model, --json)")
     try:
         args = ap.parse_args(argv)
         _validate(args)

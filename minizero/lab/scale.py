@@ -36,7 +36,7 @@ DDP 7/7 | 27/27 at N = 1, 2, 4; stage 3 6/7 | 22/27 at N = 1, 10/11 | 36/41 at N
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
