@@ -1,5 +1,6 @@
 """minizero.bench: every stage next to PyTorch's peer in one launch (tiny model, N = 2, 2 steps), and
-its one-line usage errors. Run: python -m pytest tests/test_bench.py -q"""
+its one-line usage errors; minizero.scale's searches (the tiny model's largest micro-batch at N = 2).
+Run: python -m pytest tests/test_bench.py -q"""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 import pytest
 
 from minizero.lab import bench, scale
-from minizero.memory import comm_volume
+from minizero.memory import activation_bytes, comm_volume, estimate
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +50,19 @@ def test_memory_and_comm_are_the_stages(report):
     assert by_stage[1]["comm_bytes_per_step"]["torch"] == pytest.approx(1.5 * by_stage[0]["comm_bytes_per_step"]["torch"])
 
 
+def test_the_activation_meter_is_timed_on_and_off_and_only_observes(report):
+    for p in report["pairs"]:
+        m = p["meter"]
+        assert all(t > 0 for t in m["step_time_s"].values()) and m["cost"] > -1
+        assert min(m["activations"]["on"]) > 0 and m["activations"]["off"] == [0, 0], "off: the meter never ran"
+        assert m["losses"]["on"] == m["losses"]["off"], p["stage"]           # bit for bit
+
+
 @pytest.mark.parametrize("argv", [["--world-size", "1"], ["--steps", "1"], ["--model", "huge"],
                                   ["--stages", "5"], ["--world-size", "3"], ["--bogus"],
-                                  ["--scale", "--budget-mb", "0"], ["--scale", "--world-size", "0"]])
+                                  ["--scale", "--budget-mb", "0"], ["--scale", "--world-size", "0"],
+                                  ["--scale", "--micro-batch", "--model", "huge"], ["--scale", "--model", "tiny"],
+                                  ["--scale", "--micro-batch", "--budget-mb", "-1"]])
 def test_bad_input_is_one_line_and_exit_2(argv, capsys):
     assert bench.main(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -64,3 +75,52 @@ def test_scale_table_names_every_variant():
     text = scale.format_table({"budget_bytes": 1e6, "world_sizes": [1], "n_layer": 8, "rows": rows,
                                "stage3_over_ddp": {1: 4.0}})
     assert all(v in text for v, _, _ in scale.VARIANTS) and "4.00" in text
+
+
+def test_one_search_finds_the_boundary_from_any_guess():
+    for answer in (0, 1, 5, 37, 64):
+        for guess in (None, 1, answer, answer + 1, 3 * answer + 2):
+            tried = []
+            k, record, probes = scale.largest(lambda k: (tried.append(k) or k <= answer, {"k": k}), 50, guess)
+            assert (k, probes) == (min(answer, 50), len(tried)) and (record or {"k": 0})["k"] == k
+            assert all(1 <= t <= 50 for t in tried)
+    exact = []
+    scale.largest(lambda k: (exact.append(k) or k <= 20, {}), guess=20)
+    assert exact == [20, 21], "a right guess costs two probes: itself and one more row"
+
+
+@pytest.fixture(scope="module")
+def micro_batches(tmp_path_factory):
+    path = tmp_path_factory.mktemp("scale") / "scale.json"
+    assert scale.main(["--micro-batch", "--model", "tiny", "--budget-mb", "0.5", "--world-size", "2",
+                       "--json", str(path)]) == 0
+    return json.loads(path.read_text())
+
+
+def test_checkpointing_fits_a_larger_micro_batch_at_every_stage(micro_batches):
+    rows = micro_batches["rows"]
+    for label, stage, offload in scale.VARIANTS:
+        plain, ckpt = (next(r for r in rows if r["variant"] == label and r["checkpointing"] == c) for c in (False, True))
+        assert 1 <= plain["micro_batch"] < ckpt["micro_batch"] < scale.MAX_ROWS, label
+        assert plain["total"] <= micro_batches["budget_bytes"] and ckpt["total"] <= micro_batches["budget_bytes"]
+
+
+def test_measured_micro_batch_is_the_estimate_less_what_is_in_flight(micro_batches):
+    from minizero.lab.model import GPTConfig
+    cfg = GPTConfig.named("tiny")
+    for r in micro_batches["rows"]:
+        # activations: within the estimate's tolerance (tests/test_activations.py: 10 %)
+        act = activation_bytes(cfg.n_layer, cfg.n_embd, cfg.n_head, micro_batches["seq"], r["micro_batch"],
+                               mlp_ratio=cfg.mlp_ratio, checkpointing=r["checkpointing"])
+        assert abs(r["activations"] - act) <= scale.TOLERANCE * act, r
+        # model states: the paper's formula is a floor (buckets and gathered units in flight come on top),
+        # so the estimate never promises fewer rows than fit; DDP has nothing in flight: the same rows
+        states = estimate(r["num_params"], 2, r["stage"], param_bytes=4, grad_bytes=4, k=8, offload=r["offload"])
+        assert r["peak"] >= states - 1e-6 and r["estimated_micro_batch"] >= r["micro_batch"], r
+        if r["stage"] == 0:
+            assert r["estimated_micro_batch"] == r["micro_batch"], r
+
+
+def test_micro_batch_table_names_every_variant(micro_batches):
+    text = scale.format_table(micro_batches)
+    assert all(v in text for v, _, _ in scale.VARIANTS) and "plain |  ckpt" in text and "N = 2" in text

@@ -3,6 +3,7 @@
     python -m minizero.bench                                        # N = 2 and 4, the default model
     python -m minizero.bench --world-size 2 --steps 20 --repeats 5 --json bench.json
     python -m minizero.bench --scale --budget-mb 4                  # the scale demo (minizero.scale)
+    python -m minizero.bench --scale --micro-batch                  # ... its largest micro-batch per stage
 
 Pairs (minizero.lab.peers builds PyTorch's side, trained by the same loop as minizero.lab.train):
     stage 0  <->  torch.nn.parallel.DistributedDataParallel
@@ -21,6 +22,12 @@ Reported per pair: ratio = median step time minizero / PyTorch; per-rank model-s
 engine.memory(); PyTorch's counted from its parameters, .grad and optimizer state by
 minizero.memory.measure); bytes sent per step (minizero's tally; for PyTorch the ring formula of the
 collectives it issues: it has no tally); and the largest |parameter difference| after the run.
+
+And what minizero's own measurement costs: engine(x) runs the forward under the activation meter
+(activations.py: a saved-tensor hook per tensor forward saves, engine.memory()["activations"]). The engine
+has no switch for it; Engine.__call__ is the meter's only entry for a forward without checkpointing, so
+engine.module(x) is the same forward with the meter off. Both run the same loop (meter_worker), in
+alternating order like the pairs, and must end at the same losses: the meter only observes.
 """
 
 from __future__ import annotations
@@ -28,18 +35,21 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import sys
+import time
 
 import torch
 
 from minizero import comm
 from minizero.cli import OneLineParser, UsageError, emit, fail
-from minizero.lab.model import MODEL_NAMES
+from minizero.lab.model import MODEL_NAMES, make_model
 from minizero.lab.peers import PEER_OF_STAGE, peer_worker
 from minizero.lab.reference import max_abs_diff
-from minizero.lab.train import TrainConfig, train_worker
+from minizero.lab.train import TrainConfig, forward_backward, train_worker
 from minizero.launcher import launch
+from minizero.wrap import wrap
 
 IMPLS = ("minizero", "torch")
+METER = ("meter on", "meter off")       # minizero with and without the activation meter (meter_worker)
 MEMORY_KEYS = ("params", "grads", "optimizer")
 
 # The collectives each PyTorch peer issues per step, each over the full Ψ (the ring bytes of comm.py).
@@ -64,23 +74,45 @@ def peer_comm_bytes(peer: str, num_params: int, world_size: int, bytes_per_elem:
 # Worker: every pair, every repeat, in one process group
 # --------------------------------------------------------------------------------------------------------
 
+def meter_worker(cfg: TrainConfig, meter: bool) -> dict:
+    """minizero's training loop (train_worker's, without its bookkeeping), the forward through the engine
+    (meter on) or straight through its module (meter off): step times, losses, the activations' peak."""
+    engine = wrap(make_model(cfg.model_config(), seed=cfg.seed), cfg.stage, cfg.optimizer_factory(),
+                  offload=cfg.offload, **cfg.engine_options())
+    forward = engine if meter else engine.module
+    step_times, losses = [], []
+    for step in range(cfg.steps):
+        start = time.perf_counter()
+        losses.append(forward_backward(cfg, step, forward, engine.backward, engine.no_sync))
+        engine.step()
+        if comm.device().type == "cuda":
+            torch.cuda.synchronize()
+        step_times.append(time.perf_counter() - start)
+    return {"step_times": step_times, "losses": losses, "activations": engine.memory()["activations"]}
+
+
 def bench_worker(cfgs: list[TrainConfig], repeats: int) -> list[dict]:
-    """Per configuration: step times of every repeat of both sides, memory and comm of the first repeat,
-    and the max |minizero - PyTorch| over all parameters after it (both full state dicts, on this rank)."""
+    """Per configuration: step times of every repeat of both sides (and of minizero with the activation
+    meter on and off), memory and comm of the first repeat, and the max |minizero - PyTorch| over all
+    parameters after it (both full state dicts, on this rank)."""
     torch.set_num_threads(1)
-    out = [{"times": {impl: [] for impl in IMPLS}} for _ in cfgs]
+    out = [{"times": {impl: [] for impl in IMPLS + METER}} for _ in cfgs]
     for rep in range(repeats):
         for cfg, record in zip(cfgs, out):
             run_cfg = dataclasses.replace(cfg, return_state=rep == 0)
-            order = IMPLS if rep % 2 == 0 else IMPLS[::-1]
             results = {}
-            for impl in order:
+            for impl in (IMPLS + METER) if rep % 2 == 0 else (IMPLS[::-1] + METER[::-1]):
                 comm.barrier()                  # both sides start from the same line
                 if impl == "minizero":
                     results[impl] = train_worker(run_cfg)
-                else:
+                elif impl == "torch":
                     results[impl] = peer_worker(run_cfg, PEER_OF_STAGE[cfg.stage])
+                else:
+                    results[impl] = meter_worker(cfg, impl == "meter on")
                 record["times"][impl].append(results[impl]["step_times"])
+            if rep == 0:
+                record["meter_losses"] = {m: results[m]["losses"] for m in METER}
+                record["meter_activations"] = {m: results[m]["activations"] for m in METER}
             if rep == 0:
                 mz, pt = results["minizero"], results["torch"]
                 record["max_param_diff"] = max_abs_diff(mz.pop("state_dict"), pt.pop("state_dict"))
@@ -116,12 +148,17 @@ def compare(world_sizes=(2, 4), *, steps: int = 10, repeats: int = 3, model: str
 def _pair_record(cfg: TrainConfig, ranks: list[dict]) -> dict:
     peer = PEER_OF_STAGE[cfg.stage]
     first = ranks[0]
-    medians = {impl: statistics.median(_slowest_rank_steps(ranks, impl)) for impl in IMPLS}
+    medians = {impl: statistics.median(_slowest_rank_steps(ranks, impl)) for impl in IMPLS + METER}
     psi = first["num_params"]
     return {
         "world_size": cfg.world_size, "stage": cfg.stage, "peer": peer, "num_params": psi,
-        "step_time_s": medians,
+        "step_time_s": {impl: medians[impl] for impl in IMPLS},
         "ratio": medians["minizero"] / medians["torch"],
+        # the activation meter: minizero's step time with it on and off, what it saw, the losses of both
+        "meter": {"step_time_s": {m.split()[1]: medians[m] for m in METER},
+                  "cost": medians["meter on"] / medians["meter off"] - 1,
+                  "activations": {m.split()[1]: [r["meter_activations"][m] for r in ranks] for m in METER},
+                  "losses": {m.split()[1]: first["meter_losses"][m] for m in METER}},
         "memory": {impl: [{k: r["memory"][impl][k] for k in MEMORY_KEYS} for r in ranks] for impl in IMPLS},
         "minizero_peak": [r["peak"] for r in ranks],
         "comm_bytes_per_step": {"minizero": first["comm"],
@@ -156,6 +193,13 @@ def format_table(report: dict) -> str:
                      f"{p['max_param_diff']:10.1e}")
     lines.append("ratio = median step time minizero / PyTorch (< 1: minizero faster). PyTorch comm: ring "
                  "formula of its collectives.")
+    lines.append("")
+    lines.append("the activation meter (engine(x) vs engine.module(x), same loop): minizero's median step time")
+    lines.append(f"{'N':>2} {'stage':>5}{'on ms':>8}{'off ms':>8}{'cost':>8}{'activ. kB':>11}")
+    for p in report["pairs"]:
+        m = p["meter"]
+        lines.append(f"{p['world_size']:>2} {p['stage']:>5}{m['step_time_s']['on'] * 1e3:8.2f}"
+                     f"{m['step_time_s']['off'] * 1e3:8.2f}{m['cost'] * 100:7.1f}%{m['activations']['on'][0] / 1e3:11.1f}")
     return "\n".join(lines)
 
 
@@ -176,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], help="stages to compare")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
     ap.add_argument("--scale", action="store_true", help="run the scale demo instead (see minizero.scale; "
-                    "takes --budget-mb, --world-size, --json)")
+                    "takes --budget-mb, --world-size, --micro-batch, --model, --json)")
     try:
         args = ap.parse_args(argv)
         _validate(args)

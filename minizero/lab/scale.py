@@ -1,8 +1,10 @@
-"""How big a model fits? For a per-rank memory budget, the largest GPT each stage can train at N ranks.
+"""How big a model fits? For a per-rank memory budget, the largest GPT each stage can train at N ranks,
+and (--micro-batch) the largest micro-batch a fixed GPT can train, with and without checkpointing.
 
     python -m minizero.scale --budget-mb 4                       # N = 1, 2, 4
     python -m minizero.scale --budget-mb 4 --world-size 1 2 4 8 --json scale.json
     python -m minizero.bench --scale --budget-mb 4               # the same
+    python -m minizero.scale --micro-batch --budget-mb 8 [--model default]    # rows per rank, see below
 
 The model grows in width (n_embd, in steps of 4; n_layer stays 8), Ψ ≈ 12·n_layer·n_embd². A size
 *fits* when building it, wrapping it and taking two real training steps keeps engine.memory()'s device
@@ -17,20 +19,34 @@ So at a fixed budget Ψ_max(stage 3) / Ψ_max(DDP) grows with N, towards 16 / (1
 in flight at the peak, in bytes per parameter: two gathered units (one computing, one prefetched) plus a
 unit's full gradients and their staged copies, ~2.5 for 8 blocks (it shrinks as 1/n_layer). Measured
 with 4 MB: 0.84, 1.55, 2.48 at N = 1, 2, 4; the formula without c would say 1, 2, 4.
+
+--micro-batch turns the question around (ZeRO-R): the model is fixed (--model), and what grows is the
+micro-batch, the rows of block_size tokens each rank computes per step. A micro-batch fits when the
+device peak of model states *plus* the measured activations (engine.memory()["peak"] +
+["activations"], two real steps) stays within the budget on every rank. Next to it, the estimate: the
+largest micro-batch for which minizero.memory.estimate (the paper's model states) +
+activation_bytes (the saved-for-backward formula) fit. Activations grow with the rows, model states
+do not: ZeRO-DP frees room for rows, and checkpointing makes each row cheaper (s·b·h kept per block
+instead of ~(16h + a·s)·s·b). The activations are measured within TOLERANCE of their estimate; the model
+states' formula leaves out what is in flight (stage 2's buckets, stage 3's gathered units), so there the
+estimate promises more rows than fit. The default GPT in 8 MB, measured/estimated rows, plain | ckpt:
+DDP 7/7 | 27/27 at N = 1, 2, 4; stage 3 6/7 | 22/27 at N = 1, 10/11 | 36/41 at N = 4.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import torch
 
 from minizero import comm
 from minizero.cli import OneLineParser, UsageError, emit, fail
-from minizero.lab.data import global_batch, local_batch
-from minizero.lab.model import GPTConfig, make_model
+from minizero.lab.data import global_batch, local_batch, sequence_length
+from minizero.lab.model import MODEL_NAMES, GPTConfig, make_model
 from minizero.lab.train import TrainConfig, loss_fn
 from minizero.launcher import launch
+from minizero.memory import activation_bytes, estimate
 from minizero.wrap import wrap
 
 # (label, stage, offload)
@@ -39,74 +55,142 @@ VARIANTS = (("DDP", 0, False), ("stage 1", 1, False), ("stage 2", 2, False), ("s
 WIDTH_STEP = 4                      # n_embd grows in multiples of 4 (its 4 heads)
 N_LAYER = 8                         # stage 3's units are blocks: more of them, less gathered at once
 BUCKETS = 8                         # gradient buckets per model (stages 0, 2), see probe()
+CHECKPOINTING = (False, True)       # --micro-batch: each variant without, then with activation checkpointing
+MAX_ROWS = 512                      # --micro-batch stops doubling here: a CPU demo, not a stress test
+TOLERANCE = 0.10                    # measured activations vs activation_bytes (tests/test_activations.py)
 
 
 def model_config(width: int) -> GPTConfig:
     return GPTConfig(n_layer=N_LAYER, n_embd=width)
 
 
-def probe(stage: int, offload: bool, width: int) -> dict:
-    """Collective: build the GPT of this width, wrap it, take two AdamW steps; this rank's memory and Ψ.
+def probe(stage: int, offload: bool, mcfg: GPTConfig, rows: int = 2, checkpointing: bool = False) -> dict:
+    """Collective: build this GPT, wrap it, take two AdamW steps on `rows` rows per rank; this rank's
+    memory (model states and activations) and Ψ.
 
     Buckets are 1/BUCKETS of the model, as in real training where a 25 MB bucket is a sliver of the
     model: with one bucket for the whole model, stage 2 would hold every full gradient and its staged
     copy at once and lose its saving."""
     cfg = TrainConfig(stage=stage, offload=offload)
-    mcfg = model_config(width)
     model = make_model(mcfg)
     bucket_bytes = 4 * model.num_params() / BUCKETS
     options = {"bucket_size": bucket_bytes} if stage in (0, 2) else {}
-    engine = wrap(model, stage, cfg.optimizer_factory(), offload=offload, **options)
+    engine = wrap(model, stage, cfg.optimizer_factory(), offload=offload, activation_checkpointing=checkpointing,
+                  **options)
     n = comm.world_size()
     # Two steps: the optimizer creates its state lazily in the first, so only the second backward shows
     # the peak of a long run (state + full units + gradients in flight at once).
     for step in range(2):
-        x, y = local_batch(*global_batch(step, 2 * n, mcfg.block_size), comm.rank(), n)
+        x, y = local_batch(*global_batch(step, rows * n, mcfg.block_size), comm.rank(), n)
         comm.reset_tally()
         engine.backward(loss_fn(engine(x.to(engine.device)), y.to(engine.device)))
         engine.step()
-    return {"width": width, "num_params": model.num_params(), "memory": engine.memory(),
-            "comm_bytes_per_step": comm.tally()["total"]}
+    return {"width": mcfg.n_embd, "rows": rows, "checkpointing": checkpointing, "num_params": model.num_params(),
+            "memory": engine.memory(), "comm_bytes_per_step": comm.tally()["total"]}
 
 
 def probe_worker(width: int, variants=VARIANTS) -> list[dict]:
     """Worker: one probe per variant at one width (what slides/make_figures.py plots)."""
     torch.set_num_threads(1)
-    return [{"variant": label, **probe(stage, offload, width)} for label, stage, offload in variants]
+    return [{"variant": label, **probe(stage, offload, model_config(width))} for label, stage, offload in variants]
 
 
-def _fits(stage: int, offload: bool, width: int, budget: float) -> tuple[bool, dict]:
-    """All ranks agree: the largest peak over ranks decides (a rank over budget would run out)."""
-    record = probe(stage, offload, width)
-    worst = torch.tensor([float(record["memory"]["peak"])], device=comm.device())
+def largest(fits: Callable[[int], tuple[bool, dict]], limit: int | None = None,
+            guess: int | None = None) -> tuple[int, dict | None, int]:
+    """The largest k >= 1 with fits(k) (0: not even 1), its record and the number of probes, for a `fits`
+    that is monotone (true up to some k, false beyond) and k <= `limit`. Every search here, measured or
+    estimated, is this one: widths in steps of WIDTH_STEP, micro-batches in rows.
+
+    First bracket the answer, then bisect between the last fit and the first miss. Without a guess the
+    bracket doubles k from 1 (1, 2, 4, ...: log2 of the answer probes). With a guess (an estimate, when
+    one is at hand) it starts there and walks away from it, 1, 2, 4, ... steps at a time, in the
+    direction the first probe says: a close guess costs two or three probes, a poor one still log2."""
+    lo, hi, best, probes = 0, None, None, 0        # lo fits (0: nothing yet), hi does not (None: not found)
+    k, step = max(guess or 1, 1), 1
+    while True:                                     # bracket
+        if limit is not None:
+            k = min(k, limit)
+        ok, record = fits(k)
+        probes += 1
+        if ok:
+            lo, best = k, record
+            if hi is not None or k == limit:        # a miss above is known (or nothing above is allowed)
+                break
+            k = 2 * k if guess is None else k + step
+        else:
+            hi = k
+            if lo or k == 1:                        # a fit below is known (or k = 1 already misses)
+                break
+            k = max(k - step, 1)
+        step *= 2
+    while hi is not None and hi - lo > 1:           # bisection between the last fit and the first miss
+        mid = (lo + hi) // 2
+        ok, record = fits(mid)
+        probes += 1
+        if ok:
+            lo, best = mid, record
+        else:
+            hi = mid
+    return lo, best, probes
+
+
+def _fits(budget: float, stage: int, offload: bool, mcfg: GPTConfig, rows: int = 2,
+          checkpointing: bool = False, with_activations: bool = False) -> tuple[bool, dict]:
+    """All ranks agree: the largest peak over ranks decides (a rank over budget would run out). The peak
+    is the model states' (engine.memory()["peak"]), plus the step's activations if `with_activations`.
+    Model states peak in backward and step, activations at the end of forward: adding the two peaks is
+    what a planner does with a budget, an upper bound on what is resident at once."""
+    record = probe(stage, offload, mcfg, rows, checkpointing)
+    mem = record["memory"]
+    record["total"] = mem["peak"] + (mem["activations"] if with_activations else 0)
+    worst = torch.tensor([float(record["total"])], device=comm.device())
     comm.all_reduce(worst, op="max")
     return worst.item() <= budget, record
 
 
 def largest_worker(budget: float, variants=VARIANTS) -> list[dict]:
     """Worker: per variant, the widest model whose measured peak fits `budget` bytes (None: not even the
-    narrowest), found by doubling then bisecting over widths that are multiples of WIDTH_STEP."""
+    narrowest), over widths that are multiples of WIDTH_STEP."""
     torch.set_num_threads(1)
     out = []
     for label, stage, offload in variants:
-        best, probes = None, 0
-        lo, hi = 0, 1                               # in units of WIDTH_STEP: lo fits (0: nothing), hi does not
-        while True:                                 # doubling: find a width that does not fit
-            ok, record = _fits(stage, offload, hi * WIDTH_STEP, budget)
-            probes += 1
-            if not ok:
-                break
-            lo, best, hi = hi, record, hi * 2
-        while hi - lo > 1:                          # bisection between the last fit and the first miss
-            mid = (lo + hi) // 2
-            ok, record = _fits(stage, offload, mid * WIDTH_STEP, budget)
-            probes += 1
-            if ok:
-                lo, best = mid, record
-            else:
-                hi = mid
+        _, best, probes = largest(lambda k: _fits(budget, stage, offload, model_config(k * WIDTH_STEP)))
         out.append({"variant": label, "stage": stage, "offload": offload, "probes": probes,
                     "largest": best})
+    return out
+
+
+def estimated_total(mcfg: GPTConfig, num_params: int, world_size: int, stage: int, offload: bool, rows: int,
+                    checkpointing: bool) -> float:
+    """The paper's device model states (fp32 AdamW: 4 + 4 bytes per parameter, K = 8) plus the
+    activations minizero.memory.activation_bytes predicts for `rows` rows of this GPT."""
+    states = estimate(num_params, world_size, stage, param_bytes=4, grad_bytes=4, k=8, offload=offload)
+    seq = sequence_length(mcfg.block_size)
+    return states + activation_bytes(mcfg.n_layer, mcfg.n_embd, mcfg.n_head, seq, rows, mlp_ratio=mcfg.mlp_ratio,
+                                     checkpointing=checkpointing)
+
+
+def micro_batch_worker(budget: float, model: str = "default", variants=VARIANTS,
+                       modes=CHECKPOINTING) -> list[dict]:
+    """Worker: per variant and checkpointing mode, the largest micro-batch (rows per rank) of the GPT
+    `model` whose measured model states + activations fit `budget` bytes, and the estimated one."""
+    torch.set_num_threads(1)
+    mcfg = GPTConfig.named(model)
+    num_params = make_model(mcfg).num_params()
+    n = comm.world_size()
+    out = []
+    for label, stage, offload in variants:
+        for ckpt in modes:
+            # The estimate first (arithmetic), then the measured search starts from it: the estimate is
+            # close (it leaves out only what is in flight), so each measured search takes a few probes.
+            est_rows, _, _ = largest(lambda b: (estimated_total(mcfg, num_params, n, stage, offload, b, ckpt)
+                                                <= budget, {}), MAX_ROWS)
+            rows, best, probes = largest(lambda b: _fits(budget, stage, offload, mcfg, b, ckpt, True), MAX_ROWS,
+                                         guess=est_rows)
+            out.append({"variant": label, "stage": stage, "offload": offload, "checkpointing": ckpt,
+                        "probes": probes, "rows": rows, "estimated_rows": est_rows, "largest": best,
+                        "estimated_total": estimated_total(mcfg, num_params, n, stage, offload, rows, ckpt)
+                        if rows else None})
     return out
 
 
@@ -135,7 +219,32 @@ def report(budget: float, per_n: dict[int, list[dict]]) -> dict:
             "stage3_over_ddp": ratio}
 
 
+def largest_micro_batches(budget_mb: float, world_sizes=(1, 2, 4), model: str = "default") -> dict:
+    """{"mode": "micro_batch", "budget_bytes", "world_sizes", "model", "num_params", "seq", "rows": [{variant,
+    stage, offload, checkpointing, world_size, probes, micro_batch, estimated_micro_batch, capped, peak,
+    activations, total, estimated_total}]}: one launch per world size, rank 0's records."""
+    budget = budget_mb * 1e6
+    mcfg = GPTConfig.named(model)
+    rows = []
+    for n in world_sizes:
+        for rec in launch(micro_batch_worker, n, budget, model, backend="gloo")[0]:
+            best = rec["largest"]
+            rows.append({"variant": rec["variant"], "stage": rec["stage"], "offload": rec["offload"],
+                         "checkpointing": rec["checkpointing"], "world_size": n, "probes": rec["probes"],
+                         "micro_batch": rec["rows"], "estimated_micro_batch": rec["estimated_rows"],
+                         "capped": rec["rows"] >= MAX_ROWS,
+                         "num_params": best["num_params"] if best else None,
+                         "peak": best["memory"]["peak"] if best else None,
+                         "activations": best["memory"]["activations"] if best else None,
+                         "total": best["total"] if best else None,
+                         "estimated_total": rec["estimated_total"]})
+    return {"mode": "micro_batch", "budget_bytes": budget, "world_sizes": list(world_sizes), "model": model,
+            "seq": sequence_length(mcfg.block_size), "max_rows": MAX_ROWS, "rows": rows}
+
+
 def format_table(report: dict) -> str:
+    if report.get("mode") == "micro_batch":
+        return format_micro_batch_table(report)
     ns = report["world_sizes"]
     lines = [f"largest GPT (n_layer {report['n_layer']}, width n_embd) that trains within "
              f"{report['budget_bytes'] / 1e6:g} MB of device model states per rank; fp32 AdamW",
@@ -151,24 +260,58 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def format_micro_batch_table(report: dict) -> str:
+    """Per variant (lines) and N (columns): measured/estimated largest micro-batch, plain then checkpointed."""
+    ns = report["world_sizes"]
+    cell = lambda r: f"{r['micro_batch']}{'+' if r['capped'] else ''}/{r['estimated_micro_batch']}"  # noqa: E731
+    lines = [f"largest micro-batch (rows of {report['seq']} tokens per rank) of the {report['model']} GPT that "
+             f"trains within {report['budget_bytes'] / 1e6:g} MB per rank: device model states + activations, "
+             "fp32 AdamW",
+             "measured/estimated rows (estimate: memory.estimate + memory.activation_bytes)"
+             + (f"; + : stopped at {report['max_rows']}" if any(r["capped"] for r in report["rows"]) else ""),
+             f"{'':20}" + "".join(f"{f'N = {n}':>22}" for n in ns),
+             f"{'':20}" + "".join(f"{'plain |  ckpt':>22}" for n in ns)]
+    for label, _, _ in VARIANTS:
+        cells = []
+        for n in ns:
+            plain, ckpt = (next(r for r in report["rows"] if r["variant"] == label and r["world_size"] == n
+                                and r["checkpointing"] == c) for c in CHECKPOINTING)
+            cells.append(f"{cell(plain):>9} | {cell(ckpt):>5}")
+        lines.append(f"{label:20}" + "".join(f"{c:>22}" for c in cells))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     prog = "python -m minizero.scale"
     ap = OneLineParser(prog=prog, description=__doc__.split("\n")[0])
-    ap.add_argument("--budget-mb", type=float, default=4.0, help="per-rank device budget in MB (default 4)")
+    ap.add_argument("--budget-mb", type=float, default=None,
+                    help="per-rank device budget in MB (default 4; 8 with --micro-batch)")
     ap.add_argument("--world-size", type=int, nargs="+", default=[1, 2, 4], help="N values (default 1 2 4)")
+    ap.add_argument("--micro-batch", action="store_true",
+                    help="fixed model (--model): the largest micro-batch per stage, without and with checkpointing")
+    ap.add_argument("--model", default=None, help=f"with --micro-batch: {' or '.join(MODEL_NAMES)} (default default)")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
     try:
         args = ap.parse_args(argv)
+        if args.budget_mb is None:
+            args.budget_mb = 8.0 if args.micro_batch else 4.0
         if not args.budget_mb > 0:
             raise UsageError(f"--budget-mb must be > 0, got {args.budget_mb}")
         if args.budget_mb > 1000:
             raise UsageError("--budget-mb above 1000 would train models too big for a quick CPU demo")
         if any(n < 1 for n in args.world_size):
             raise UsageError("--world-size: every N must be >= 1")
+        if args.model is not None and not args.micro_batch:
+            raise UsageError("--model needs --micro-batch (the width search grows its own GPT)")
+        if args.micro_batch and (args.model or "default") not in MODEL_NAMES:
+            raise UsageError(f"--model must be one of {', '.join(MODEL_NAMES)}, got {args.model!r}")
     except UsageError as e:
         return fail(prog, str(e))
     try:
-        report = largest_models(args.budget_mb, tuple(args.world_size))
+        if args.micro_batch:
+            report = largest_micro_batches(args.budget_mb, tuple(args.world_size), args.model or "default")
+        else:
+            report = largest_models(args.budget_mb, tuple(args.world_size))
     except RuntimeError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 1
