@@ -24,10 +24,9 @@ minizero.memory.measure); bytes sent per step (minizero's tally; for PyTorch the
 collectives it issues: it has no tally); and the largest |parameter difference| after the run.
 
 And what minizero's own measurement costs: engine(x) runs the forward under the activation meter
-(activations.py: a saved-tensor hook per tensor forward saves, engine.memory()["activations"]). The engine
-has no switch for it; Engine.__call__ is the meter's only entry for a forward without checkpointing, so
-engine.module(x) is the same forward with the meter off. Both run the same loop (meter_worker), in
-alternating order like the pairs, and must end at the same losses: the meter only observes.
+(activations.py: a saved-tensor hook per tensor forward saves, engine.memory()["activations"]);
+`engine.activations.enabled = False` turns it off. Both run the same loop (meter_worker), in alternating
+order like the pairs, and must end at the same losses: the meter only observes.
 """
 
 from __future__ import annotations
@@ -75,15 +74,15 @@ def peer_comm_bytes(peer: str, num_params: int, world_size: int, bytes_per_elem:
 # --------------------------------------------------------------------------------------------------------
 
 def meter_worker(cfg: TrainConfig, meter: bool) -> dict:
-    """minizero's training loop (train_worker's, without its bookkeeping), the forward through the engine
-    (meter on) or straight through its module (meter off): step times, losses, the activations' peak."""
+    """minizero's training loop (train_worker's, without its bookkeeping) with the activation meter on or
+    off: step times, losses, the activations' peak."""
     engine = wrap(make_model(cfg.model_config(), seed=cfg.seed), cfg.stage, cfg.optimizer_factory(),
                   offload=cfg.offload, **cfg.engine_options())
-    forward = engine if meter else engine.module
+    engine.activations.enabled = meter
     step_times, losses = [], []
     for step in range(cfg.steps):
         start = time.perf_counter()
-        losses.append(forward_backward(cfg, step, forward, engine.backward, engine.no_sync))
+        losses.append(forward_backward(cfg, step, engine, engine.backward, engine.no_sync))
         engine.step()
         if comm.device().type == "cuda":
             torch.cuda.synchronize()
