@@ -8,8 +8,6 @@ ranks trains a small GPT in fp16 at stage 3 twice: with your check, then with mi
 decide as minizero's check does at every step (skip steps 1 and 2 everywhere), and end bit-identical to it.
 """
 
-import dataclasses
-
 import pytest
 import torch
 

@@ -28,7 +28,13 @@ from minizero.lab.data import global_batch, local_batch
 from minizero.lab.model import make_model
 from minizero.lab.reference import max_abs_diff, reference_train, tolerance
 from minizero.lab.report import summarize
-from minizero.lab.train import TrainConfig, forward_backward, loss_fn, train_several, train_worker
+from minizero.lab.train import (
+    TrainConfig,
+    forward_backward,
+    loss_fn,
+    train_several,
+    train_worker,
+)
 from minizero.launcher import launch
 from minizero.loss_scale import LossScaler
 from minizero.memory import CATEGORIES, within_padding
