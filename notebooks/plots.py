@@ -364,11 +364,13 @@ def loss_scale_trajectory(run: dict):
     skipped = [t for t in trace if t["skipped"]]
     ax.scatter([t["step"] for t in skipped], [t["scale"] for t in skipped], marker="x", s=80, color="tab:red",
                zorder=3, label="skipped by every rank")
+    scales = [t["scale"] for t in trace]
+    ax.set_yscale("log", base=2)
+    ax.set_ylim(min(scales) / 1.5, max(scales) * 4)            # room above the line for the labels
     for k, r in run["faults"].items():
         ax.axvline(int(k), color="gray", linewidth=0.8, linestyle=":")
         ax.annotate(f"inf on rank {r}", (int(k), ax.get_ylim()[1]), rotation=90, fontsize=7, va="top",
                     ha="right", color="gray")
-    ax.set_yscale("log", base=2)
     ax.xaxis.get_major_locator().set_params(integer=True)
     opts = run["loss_scale"]
     ax.set(xlabel="step", ylabel="loss scale S",
