@@ -22,8 +22,8 @@ own check does), and the run, loss scales included, must end bit-identical to mi
 
 Hints:
   * torch.isfinite(t).all() is False if t holds an inf, a -inf or a nan.
-  * minizero.comm.all_reduce(tensor, op=...) combines one tensor over the ranks in place ("sum", "avg",
-    "max", "min"). One small tensor, one collective per step: every rank must call it, overflow or not.
+  * minizero.comm.all_reduce(tensor, op=...) combines one tensor over the ranks in place (op "sum", "avg"
+    or "max"). One small tensor, one collective per step: every rank must call it, overflow or not.
 """
 
 
