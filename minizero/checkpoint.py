@@ -19,7 +19,10 @@ Format (format_version 1), one directory:
     ckpt/v3/rank{r}.pt      rank r's shard, torch.save of {"step": optimizer steps taken,
                               "masters": [fp32 tensor per bucket: [Ψ_b/N], stage 0 [Ψ_b]],
                               "optimizer": the torch optimizer's state_dict() (moments, step, lr...),
-                              "rng": {"torch": CPU generator state, "cuda": current GPU's or None}}
+                              "rng": {"torch": CPU generator state, "cuda": current GPU's or None},
+                              "loss_scaler": fp16's LossScaler.state_dict() (S, hysteresis credit,
+                                             iteration, last overflow, skipped steps), the same on every
+                                             rank; None without fp16; absent in older checkpoints}
     ckpt/v3/replicated.pt   what every rank holds identically and never steps, written by rank 0:
                               {name: tensor} of the frozen parameters and buffers, in the model's dtype
 
@@ -51,7 +54,9 @@ loads, or every rank raises CheckpointError with a one-line message, the engine 
 Same layout (world size and buckets as saved; the stage, dtype and offload may differ): each rank reads
 its own file, and the resumed run is bit-identical. The resumed run applies the same operations to the
 same values: masters, Adam's moments and step counter, the bf16 parameters (= round(master)), the step
-count (so the data stream continues where it stopped) and the RNG states; gradients are zero between steps.
+count (so the data stream continues where it stopped), the RNG states and fp16's loss scaler (S and its
+counters: a fresh one would start again at 2**16 and skip other steps); gradients are zero between steps.
+A checkpoint without a scaler state (older, or not fp16) leaves the engine's fresh scaler as it is.
 
 Another layout (another N, or other buckets: stage 1 has one, stages 0 and 2 bucket by bytes, so by
 dtype and bucket size too, stage 3 has one per unit): resharding, with the optimizer state. The flat
@@ -156,7 +161,8 @@ def _shard_state(engine) -> dict:
             "masters": [m.to("cpu", copy=True) for m in engine.optimizer.master_values()],
             "optimizer": engine.optimizer.optimizer.state_dict(),
             "rng": {"torch": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None}}
+                    "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None},
+            "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None}
 
 
 def _replicated_state(engine) -> dict[str, torch.Tensor]:
@@ -360,7 +366,7 @@ def load(engine, path: str) -> None:
             replicated = read_file(path, saved, "replicated.pt")
             frozen = {e["key"]: replicated[e["source"]] for e in saved["state_dict"] if not e["trainable"]}
             restore = functools.partial(_restore, engine, shard["masters"], shard["optimizer"], frozen,
-                                        shard["step"], shard["rng"])
+                                        shard["step"], shard["rng"], shard.get("loss_scaler"))
         else:
             restore = functools.partial(_restore_universal, engine, universal(path))   # reshard
         problem = None
@@ -373,9 +379,10 @@ def load(engine, path: str) -> None:
 
 
 def _restore(engine, masters: list[torch.Tensor], optimizer_state: dict, frozen: dict[str, torch.Tensor],
-             step: int, rng: dict | None) -> None:
+             step: int, rng: dict | None, loss_scaler: dict | None = None) -> None:
     """Put this rank's masters (one per bucket of this engine), its optimizer's state_dict, the frozen
-    parameters and buffers ({state_dict key: value}, the same on every rank), step and RNG in place."""
+    parameters and buffers ({state_dict key: value}, the same on every rank), step, RNG and the loss
+    scaler's state (if both the checkpoint and the engine have one) in place."""
     opt = engine.optimizer
     opt.optimizer.load_state_dict(optimizer_state)
     with torch.no_grad():
@@ -389,6 +396,8 @@ def _restore(engine, masters: list[torch.Tensor], optimizer_state: dict, frozen:
             for key, value in frozen.items():
                 state[key].copy_(value)
     engine.step_count = step
+    if loss_scaler is not None and engine.scaler is not None:
+        engine.scaler.load_state_dict(loss_scaler)
     if rng is not None:
         torch.set_rng_state(rng["torch"])
         if rng["cuda"] is not None and torch.cuda.is_available():
@@ -425,7 +434,8 @@ def _restore_universal(engine, u: dict) -> None:
     trainable = {id(p) for p in engine.trainable}
     frozen = {k: u["model"][k] for k, t in engine.module.state_dict(keep_vars=True).items()
               if id(t) not in trainable}                     # frozen parameters and buffers
-    _restore(engine, masters, {"state": state, "param_groups": [group]}, frozen, u["step"], u["rng"])
+    _restore(engine, masters, {"state": state, "param_groups": [group]}, frozen, u["step"], u["rng"],
+             u.get("loss_scaler"))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -454,7 +464,7 @@ def universal(directory: str) -> dict:
          entries), "model": consolidate()'s state_dict, "optimizer_state": {state name: {key: fp32 tensor
          shaped like the parameter}} for every per-element state (exp_avg, exp_avg_sq, momentum_buffer),
          "scalars": {state name: value} (step: the same for every bucket), "param_groups": [lr, betas...],
-         "rng": rank 0's}
+         "rng": rank 0's, "loss_scaler": rank 0's (the same on every rank; None without fp16)}
 
     A state that is neither per-element nor one scalar for all buckets cannot be cut: CheckpointError."""
     manifest = read_manifest(directory)
@@ -475,7 +485,7 @@ def universal(directory: str) -> dict:
             "optimizer": manifest["optimizer"], "state_dict": manifest["state_dict"], "model": shards.model(),
             "optimizer_state": {name: shards.trainable(lambda f, i, n=name: f["optimizer"]["state"][i][n])
                                 for name in sorted(per_element)},
-            "scalars": scalars, "rng": shards.get(0)["rng"],
+            "scalars": scalars, "rng": shards.get(0)["rng"], "loss_scaler": shards.get(0).get("loss_scaler"),
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]]}
 
 

@@ -93,6 +93,20 @@ class LossScaler:
                 raise ValueError(f"loss_scale: {key} must be an integer >= {low}, got {value!r}")
         return options
 
+    # What a checkpoint keeps (checkpoint.py), DeepSpeed's cur_scale, cur_iter, last_overflow_iter and
+    # cur_hysteresis: without them a resumed fp16 run starts again at 2**16 and takes other steps.
+    _STATE = ("scale", "credit", "iteration", "last_overflow", "skipped_steps")
+
+    def state_dict(self) -> dict:
+        return {"dynamic": self.dynamic, **{k: getattr(self, k) for k in self._STATE if hasattr(self, k)}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue where a saved scaler stopped. A static scale stays the configured one; a dynamic
+        scaler takes a static run's counters only."""
+        keys = self._STATE if self.dynamic and state.get("dynamic") else ("iteration", "skipped_steps")
+        for k in keys:
+            setattr(self, k, state[k])
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale
 
@@ -100,10 +114,15 @@ class LossScaler:
         """The step's gradient parts divided by S, as fp32 copies (transient, 4 bytes per owned element on
         the device, as optim.py's bf16 upcast; with offload DeepSpeed unscales on the host instead); None
         if any rank's overflowed (then every rank skips the step). Then S moves (`update`)."""
-        overflow = found_overflow(grads)
+        overflow = self.found_overflow(grads)
         unscaled = None if overflow else [g.to(torch.float32, copy=True).div_(self.scale) for g in grads]
         self.update(overflow)
         return unscaled
+
+    def found_overflow(self, grads: list[torch.Tensor]) -> bool:
+        """The overflow check unscale() calls (the module's found_overflow): the seam exercise 8 grades
+        through, a subclass may replace it."""
+        return found_overflow(grads)
 
     def update(self, overflow: bool) -> None:
         """DeepSpeed's DynamicLossScaler.update_scale (consecutive_hysteresis off), step by step."""

@@ -18,7 +18,7 @@ import nbformat
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXERCISES = {0: "ex01_ring_allreduce.py", 1: "ex02_ddp_bucket.py", 2: "ex03_zero1_partition.py",
              3: "ex04_zero2_reduce_scatter.py", 4: "ex05_zero3_hooks.py", 5: "ex06_offload_step.py",
-             7: "ex07_checkpoint_unit.py"}
+             7: "ex07_checkpoint_unit.py", 8: "ex08_global_overflow.py"}
 
 
 def md(text: str):
@@ -344,6 +344,42 @@ NOTEBOOKS["05_offload"] = [
     """),
     code("""
     demo.export("offload_5", {"runs": [rec for runs in measured.values() for rec in runs.values()]});
+    """),
+    md("""
+    ## fp16: dynamic loss scaling, and why the overflow check is global
+
+    The paper's 2 + 2 + K bytes are fp16 mixed precision (`dtype="fp16"`, `minizero/loss_scale.py`).
+    fp16 flushes magnitudes below ~6e-8 to zero, where many gradients live, so backward runs on the loss
+    times a scale S (every gradient S times larger, by the chain rule) and the step divides by S again, in
+    fp32, before clipping and the optimizer. S is *dynamic* (DeepSpeed's defaults: $2^{16}$, window 1000,
+    hysteresis 2): a step whose gradients hold an inf or a nan is **skipped** (no optimizer step, its state
+    untouched) and S backs off; `hysteresis` - 1 overflows are tolerated at the same S first, a credit that
+    only a growth restores; after `loss_scale_window` good steps in a row S doubles.
+
+    With ZeRO the check is where sharding bites: after the reduce-scatter each rank holds only its
+    partition of the gradients, so an inf lands on **one** rank. Decided locally, that rank would skip the
+    step and the others take it, and their parameters and scales part ways for good. So each rank's 0/1
+    flag goes through one all-reduce (max) and every rank takes the same decision.
+
+    Below: stage 2, an inf injected into one element of one rank's partition at steps 3, 4, 5 and 12
+    (alternating ranks; the experiment's fault, `minizero.lab.demo.loss_scale_worker`). Window 4,
+    hysteresis 2: step 3 uses up the credit, steps 4 and 5 halve S, it doubles again after 4 good steps
+    (step 11), which restores the credit, so step 12 is skipped at the same S.
+    """),
+    exercise(8, "the global overflow check: one collective over the ranks' local flags."),
+    code("""
+    FAULTS = {3: 1, 4: 0, 5: 1, 12: 1}               # step: the rank whose gradient partition gets an inf
+    SCALING = {"initial_scale_power": 10, "loss_scale_window": 4, "hysteresis": 2}
+    fp16 = demo.loss_scale_run(max(WORLD_SIZES), FAULTS, SCALING, steps=16, stage=2, backend=BACKEND)
+    for res in fp16["ranks"]:
+        print(f"rank {res['rank']}: skipped {[t['step'] for t in res['trace'] if t['skipped']]}, "
+              f"own partition overflowed at {[t['step'] for t in res['trace'] if t['local_overflow']]}")
+    decisions = {r["rank"]: [(t["scale"], t["skipped"]) for t in r["trace"]] for r in fp16["ranks"]}
+    assert all(d == decisions[0] for d in decisions.values()), "the ranks took different decisions"
+    plots.loss_scale_trajectory(fp16);
+    """),
+    code("""
+    demo.export("loss_scale_5", {"loss_scale": fp16});
     """),
 ]
 

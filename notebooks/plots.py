@@ -351,3 +351,31 @@ def memory_timeline(records: list[dict]):
     axes[0, 0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     return fig
+
+
+# --- 05_offload, last section: the loss scale of an fp16 run -------------------------------------------
+def loss_scale_trajectory(run: dict):
+    """The scale each step's gradients carried (rank 0; every rank's is the same), the steps every rank
+    skipped, and which rank's partition held the injected inf."""
+    trace = run["ranks"][0]["trace"]
+    steps = [t["step"] for t in trace]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.step(steps, [t["scale"] for t in trace], where="post", color="tab:blue", label="loss scale S at the step")
+    skipped = [t for t in trace if t["skipped"]]
+    ax.scatter([t["step"] for t in skipped], [t["scale"] for t in skipped], marker="x", s=80, color="tab:red",
+               zorder=3, label="skipped by every rank")
+    scales = [t["scale"] for t in trace]
+    ax.set_yscale("log", base=2)
+    ax.set_ylim(min(scales) / 1.5, max(scales) * 4)            # room above the line for the labels
+    for k, r in run["faults"].items():
+        ax.axvline(int(k), color="gray", linewidth=0.8, linestyle=":")
+        ax.annotate(f"inf on rank {r}", (int(k), ax.get_ylim()[1]), rotation=90, fontsize=7, va="top",
+                    ha="right", color="gray")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    opts = run["loss_scale"]
+    ax.set(xlabel="step", ylabel="loss scale S",
+           title=f"fp16, N = {run['world_size']}: window {opts['loss_scale_window']}, "
+                 f"hysteresis {opts['hysteresis']}")
+    ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    return fig

@@ -26,6 +26,7 @@ K, M, N = 2, 2, 2          # save after K steps, resume for M more, at world siz
 # A frozen parameter, a parameter forward never uses, the tied weight, odd sizes, several buckets.
 BASE = dict(world_size=N, model="tiny", batch_size=12, optimizer="adamw", lr=1e-2, bucket_size=3000,
             model_overrides={"frozen": ("pos_emb.weight",), "unused_param": True})
+FP16_SCALE = {"initial_scale_power": 16, "hysteresis": 1, "loss_scale_window": 1}
 VARIANTS = {
     "stage0": dict(stage=0),
     "stage1": dict(stage=1),
@@ -35,6 +36,10 @@ VARIANTS = {
     "stage3": dict(stage=3),
     "stage3_offload_params": dict(stage=3, offload="params"),
     "stage3_bf16": dict(stage=3, dtype="bf16"),
+    # fp16: by step K the scale has grown (window 1) and the next steps overflow at it; a resume with a
+    # fresh scaler would start at 2**16 again and take the steps the uninterrupted run skips
+    "stage2_fp16": dict(stage=2, dtype="fp16", loss_scale=FP16_SCALE),
+    "stage1_fp16_offload": dict(stage=1, dtype="fp16", offload=True, loss_scale=FP16_SCALE),
 }
 # SGD has no state, so continuing from the consolidated weights at another N must track the reference.
 SGD = dict(BASE, stage=2, optimizer="sgd", lr=0.5)
@@ -68,6 +73,8 @@ def test_resume_in_fresh_processes_is_bit_identical(runs, name):
     run = runs[name]
     for full, resumed in zip(run["full"], run["resumed"]):
         assert resumed["losses"] == full["losses"][K:], f"rank {full['rank']}: losses after resuming differ"
+        assert (resumed["loss_scales"], resumed["skipped_steps"]) == (full["loss_scales"][K:], full["skipped_steps"]), \
+            f"rank {full['rank']}: the loss scale or the skipped steps after resuming differ"
         for key, expected in full["state_dict"].items():
             assert torch.equal(resumed["state_dict"][key], expected), (
                 f"{name}, rank {full['rank']}, {key}: resumed parameters are not bit-identical")
@@ -199,6 +206,28 @@ class _TwoNumbersPerParameter(torch.optim.SGD):
         super().step(closure)
         for p in self.param_groups[0]["params"]:
             self.state[p]["stats"] = torch.zeros(2)
+
+
+def test_the_loss_scaler_survives_resharding_and_an_older_checkpoint_without_it(runs, tmp_path):
+    saved = runs["stage2_fp16"]["saved"][0]
+    assert saved["skipped_steps"] == 0 and saved["loss_scale"] == 2.0 ** 17     # it grew: not the default
+    engine = _engine(stage=3, dtype="fp16", loss_scale=FP16_SCALE)                 # N 2 -> 1, stage 2 -> 3
+    engine.load(runs["stage2_fp16"]["dir"])
+    assert engine.scaler.state_dict() == {"dynamic": True, "scale": 2.0 ** 17, "credit": 1, "iteration": K,
+                                          "last_overflow": -1, "skipped_steps": 0}
+    old = tmp_path / "old"                                  # as saved before the scaler was: no "loss_scaler"
+    shutil.copytree(runs["stage2_fp16"]["dir"], old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    for name in manifest["files"]:
+        if name.startswith("rank"):
+            path = old / manifest["version"] / name
+            shard = torch.load(path, weights_only=True)
+            del shard["loss_scaler"]
+            manifest["files"][name] = checkpoint._write_torch(str(path), shard)
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    fresh = _engine(stage=2, dtype="fp16", loss_scale=FP16_SCALE)
+    fresh.load(old)
+    assert fresh.step_count == K and fresh.loss_scale == 2.0 ** 16 and fresh.skipped_steps == 0
 
 
 def test_a_state_that_is_not_per_element_is_refused_in_one_line(tmp_path):

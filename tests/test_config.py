@@ -18,6 +18,7 @@ from minizero.lab.deepspeed_config import (
 ROOT = Path(__file__).parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("ds_config_*.json"))
 ZERO2_OFFLOAD = ROOT / "examples" / "ds_config_zero2_offload.json"
+FP16 = ROOT / "examples" / "ds_config_fp16.json"
 
 
 def test_the_issue_example_maps_to_stage_2_with_offload():
@@ -208,6 +209,19 @@ def test_docs_name_every_key_and_example():
     for path in EXAMPLES:
         assert f"examples/{path.name}" in doc, path.name
     assert "unknown keys are errors" in build_parser().format_help()
+
+
+def test_the_fp16_example_runs_dynamic_loss_scaling_without_a_warning(tmp_path, capsys):
+    overrides, warnings = load_deepspeed_config(FP16, 2)
+    assert warnings == [] and overrides["dtype"] == "fp16"
+    assert overrides["loss_scale"] == {"initial_scale_power": 12, "loss_scale_window": 100, "hysteresis": 2,
+                                       "min_loss_scale": 1}
+    out = tmp_path / "fp16.json"
+    assert main(["--config", str(FP16), "--world-size", "2", "--steps", "2", "--model", "tiny", "--quiet",
+                 "--json", str(out)]) == 0
+    assert "fp16" not in capsys.readouterr().err                  # no warning about fp16
+    data = json.loads(out.read_text())
+    assert data["dtype"] == "fp16" and len(data["losses"]) == 2
 
 
 def test_every_example_runs_and_a_flag_overrides_it(tmp_path):

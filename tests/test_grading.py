@@ -36,10 +36,17 @@ MUTANTS = [
     ("test_ex07_checkpoint_unit", "check_training", "ex07_no_input_grads", r"rank 0, .* x the reference's"),
     ("test_ex07_checkpoint_unit", "check_training", "ex07_recompute_without_grad",
      r"rank \d, blocks\.3: the recompute in backward ran with grad disabled"),
+    ("test_ex08_global_overflow", "check_decisions", "ex08_local_only",
+     r"rank 0, step 1: your found_overflow returned False, expected True: rank 1's .* combine the ranks' flags"),
+    ("test_ex08_global_overflow", "check_training", "ex08_local_only",
+     r"rank \d, .*: after 4 fp16 steps your run differs from minizero's by up to \d"),
+    ("test_ex08_global_overflow", "check_decisions", "ex08_inf_not_nan",
+     r"rank \d, step 2: .* returned False, expected True: rank 0's partition held a nan .*isfinite"),
+    ("test_ex08_global_overflow", "check_training", "ex08_inf_not_nan", r"differs from minizero's by up to nan"),
 ]
 
 
-@pytest.mark.parametrize("grader, check, mutant, message", MUTANTS, ids=[m[2] for m in MUTANTS])
+@pytest.mark.parametrize("grader, check, mutant, message", MUTANTS, ids=[f"{m[2]}-{m[1]}" for m in MUTANTS])
 def test_grader_rejects_a_plausible_wrong_answer(grader, check, mutant, message):
     with warnings.catch_warnings():           # @pytest.mark.points is registered by exercises/conftest.py only
         warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
@@ -52,7 +59,7 @@ def test_every_mutant_is_used_and_every_exercise_has_one():
     on_disk = {p.stem for p in (EXERCISES / "mutants").glob("ex*.py")}
     assert on_disk == {m[2] for m in MUTANTS}
     assert {m[2][:4] for m in MUTANTS} == {name[:4] for name in EXERCISE_NAMES}
-    assert len(EXERCISE_NAMES) == 7
+    assert len(EXERCISE_NAMES) == 8
 
 
 def grade(tmp_path, *flags) -> tuple[subprocess.CompletedProcess, dict | None]:

@@ -41,7 +41,7 @@ EXPORTS = {
     "02_zero1": ["stage_1"],
     "03_zero2": ["stage_2"],
     "04_zero3": ["stage_3", "timeline_3", "lora_3"],
-    "05_offload": ["offload_5"],
+    "05_offload": ["offload_5", "loss_scale_5"],
     "06_compare": ["compare_6"],
     "07_activations": ["activations_7"],
 }
@@ -77,6 +77,29 @@ def test_notebook_runs_and_its_plots_match_the_formulas(name, tmp_path, monkeypa
             check_lora(data["lora"])
         if "activations" in data:
             check_activations(data["activations"], data["runs"], data["memory_timelines"])
+        if "loss_scale" in data:
+            check_loss_scale(data["loss_scale"])
+
+
+def check_loss_scale(run: dict) -> None:
+    """Every rank skipped exactly the injected steps (the inf was in one rank's partition only) and its
+    scale moved as minizero.loss_scale.LossScaler's rule says, replayed here on the injected pattern:
+    hysteresis first, then halving, doubling after the window."""
+    from minizero.loss_scale import LossScaler
+    faults = {int(k): r for k, r in run["faults"].items()}
+    replay = LossScaler(dict(run["loss_scale"]))
+    expected = []
+    for step in range(len(run["ranks"][0]["trace"])):
+        before = replay.scale
+        replay.update(step in faults)
+        expected.append((step, before, step in faults, replay.scale))
+    assert sum(1 for _, b, _, a in expected if a == b / 2) >= 2, "the pattern must halve the scale"
+    for res in run["ranks"]:
+        got = [(t["step"], t["scale"], t["skipped"], t["scale_after"]) for t in res["trace"]]
+        assert got == expected, f"rank {res['rank']}: (step, scale, skipped, scale after) {got}"
+        owned = [t["step"] for t in res["trace"] if t["local_overflow"]]
+        assert owned == [k for k, r in faults.items() if r == res["rank"]], f"rank {res['rank']}: {owned}"
+        assert res["skipped_steps"] == len(faults)
 
 
 def check_training_runs(records: list[dict]) -> None:

@@ -28,8 +28,15 @@ from minizero.lab.data import global_batch, local_batch
 from minizero.lab.model import make_model
 from minizero.lab.reference import max_abs_diff, reference_train, tolerance
 from minizero.lab.report import summarize
-from minizero.lab.train import TrainConfig, forward_backward, loss_fn, train_several
+from minizero.lab.train import (
+    TrainConfig,
+    forward_backward,
+    loss_fn,
+    train_several,
+    train_worker,
+)
 from minizero.launcher import launch
+from minizero.loss_scale import LossScaler
 from minizero.memory import CATEGORIES, within_padding
 from minizero.wrap import check as check_settings
 from minizero.wrap import wrap
@@ -381,3 +388,55 @@ def memory_timelines(stages, world_size: int, model: str = "default", backend: s
     cfgs = [TrainConfig(stage=s, world_size=world_size, model=model, batch_size=24, activation_checkpointing=mode)
             for s in stages for mode in (False, True)]
     return launch(memory_timeline_worker, world_size, cfgs, backend=backend)[0]
+
+
+# --------------------------------------------------------------------------------------------------------
+# 05_offload, last section: fp16's dynamic loss scale, with overflows injected into one rank's partition
+# --------------------------------------------------------------------------------------------------------
+
+class _FaultyScaler(LossScaler):
+    """minizero's loss scaler, after an inf is put into one element of rank `faults[step]`'s gradient
+    partition at each step of `faults` (the experiment's fault, never minizero's); it records per step the
+    scale the gradients carried, whether this rank's own partition was finite, whether the step was skipped
+    (the global decision) and the scale after it."""
+
+    def __init__(self, loss_scale, faults: dict[int, int]):
+        super().__init__(loss_scale)
+        self.faults, self.trace = faults, []
+
+    def unscale(self, grads):
+        step, scale = self.iteration, self.scale
+        if self.faults.get(step) == comm.rank():
+            grads[0].view(-1)[0] = float("inf")
+        local = any(not torch.isfinite(g).all() for g in grads)
+        out = super().unscale(grads)
+        self.trace.append({"step": step, "scale": scale, "local_overflow": bool(local), "skipped": out is None,
+                           "scale_after": self.scale})
+        return out
+
+
+def loss_scale_worker(cfg: TrainConfig, faults: dict[int, int]) -> dict:
+    """Worker: train cfg (fp16) with _FaultyScaler as the engine's scaler; this rank's trace and losses."""
+    scalers = []
+
+    def build(model, stage, optimizer, **options):
+        engine = wrap(model, stage, optimizer, **options)
+        engine.scaler = _FaultyScaler(cfg.loss_scale, faults)      # the engine's public scaler
+        scalers.append(engine.scaler)
+        return engine
+
+    result = train_worker(cfg, make_engine=build)
+    return {"rank": comm.rank(), "trace": scalers[-1].trace, "losses": result["losses"],
+            "skipped_steps": result["skipped_steps"]}
+
+
+def loss_scale_run(world_size: int, faults: dict[int, int], loss_scale: dict, steps: int, stage: int = 2,
+                   model: str = "tiny", backend: str | None = None) -> dict:
+    """One fp16 run at `stage` on `world_size` ranks with an inf injected into rank faults[k]'s partition
+    at each step k: {"faults", "loss_scale" (the options), "ranks": every rank's worker result}."""
+    backend = backend or backend_and_world_sizes()[0]
+    cfg = TrainConfig(stage=stage, world_size=world_size, model=model, dtype="fp16", loss_scale=loss_scale,
+                      steps=steps, batch_size=24, optimizer="adamw", lr=1e-2)
+    ranks = launch(loss_scale_worker, world_size, cfg, faults, backend=backend)
+    return {"faults": {str(k): r for k, r in faults.items()}, "loss_scale": loss_scale, "world_size": world_size,
+            "ranks": ranks}
