@@ -43,7 +43,8 @@ class DDP(Engine):
         self.layout = FlatLayout.build(groups, self.world_size, self.rank, pad=False)
         self.flat_params = self.layout.flatten(self.dtype, self.device)    # [Ψ]
         self.layout.point_params_into(self.flat_params)
-        self.flat_grads = torch.zeros_like(self.flat_params)              # [Ψ], p.grad are views
+        # [Ψ] in reduce_dtype; p.grad are views of it, or added into it (fp32 reduce: flat.point_grads_into)
+        self.flat_grads = torch.zeros_like(self.flat_params, dtype=self.grad_dtype)
         self.layout.point_grads_into(self.flat_grads)
         self.reducer = GradBuckets(self.layout.buckets, launch=self._all_reduce_bucket, mark=self._mark)
         self.optimizer = ShardOptimizer([self._bucket_params(b) for b in self.layout.buckets],

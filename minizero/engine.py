@@ -7,6 +7,11 @@
 
 dtype: "fp32", "bf16" or "fp16" (the model computes in it; the optimizer keeps fp32 masters, optim.py).
 fp16 also scales the loss (loss_scale.py): loss_scale=None (dynamic), a number (static) or a dict.
+reduce_dtype: None (the gradients are reduced and accumulated in dtype) or "fp32" (bf16/fp16 runs: in
+fp32, FSDP2's MixedPrecisionPolicy.reduce_dtype, DeepSpeed's data_types.grad_accum_dtype). Autograd still
+produces each p.grad in dtype; flat.FlatLayout.point_grads_into adds it into the fp32 buffers that are
+reduced. The paper's 2 + 2 + K bytes per parameter become 2 + 4 + K, and the gradient collectives move
+4 bytes an element instead of 2 (memory.grad_bytes, memory.comm_volume). For fp32 it is the default.
 
 Each stage (ddp.py, zero1.py, zero2.py, zero3.py) subclasses `Engine` and fills in four steps:
     _after_backward()   communicate gradients (unless inside no_sync())
@@ -41,8 +46,9 @@ class Engine:
     offload_choices: tuple = (False,)   # what offload= may be: stages 1-3 add the optimizer, 3 the params
 
     def __init__(self, model: nn.Module, optimizer, *, dtype: str = "fp32", offload: bool | str = False,
-                 clip_grad_norm: float | None = None, loss_scale: float | dict | None = None):
-        self.check(dtype, offload)
+                 clip_grad_norm: float | None = None, loss_scale: float | dict | None = None,
+                 reduce_dtype: str | None = None):
+        self.check(dtype, offload, reduce_dtype)
         # fp16: the loss is multiplied by S before backward, the gradients divided by it in step()
         self.scaler = scaler_for(dtype, loss_scale)
         if clip_grad_norm is not None and not clip_grad_norm > 0:
@@ -53,6 +59,7 @@ class Engine:
         self.module = model
         self.optimizer_factory = optimizer
         self.dtype = DTYPES[dtype]
+        self.grad_dtype = DTYPES[reduce_dtype or dtype]    # what gradients are reduced and accumulated in
         self.offload = offload
         self.clip_grad_norm = clip_grad_norm
         self.rank, self.world_size, self.device = comm.rank(), comm.world_size(), comm.device()
@@ -75,11 +82,15 @@ class Engine:
         self.memory_timeline: list[tuple[float, str, dict[str, int]]] | None = None   # [] records (_mark)
 
     @classmethod
-    def check(cls, dtype: str = "fp32", offload: bool | str = False) -> None:
-        """The rules for dtype and offload, in one place: the engine checks them when it is built, and
-        wrap.check / the CLI call this before anything is built (or any process started)."""
+    def check(cls, dtype: str = "fp32", offload: bool | str = False, reduce_dtype: str | None = None) -> None:
+        """The rules for dtype, offload and reduce_dtype, in one place: the engine checks them when it is
+        built, and wrap.check / the CLI call this before anything is built (or any process started)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        # Reducing in more precision than the compute is the point; in less (fp32 compute, bf16 reduce) it
+        # would be gradient compression, which minizero does not do. The compute dtype itself is a no-op.
+        if reduce_dtype not in (None, "fp32", dtype):
+            raise ValueError(f"reduce_dtype must be None, 'fp32' or the compute dtype {dtype!r}, got {reduce_dtype!r}")
         if offload in cls.offload_choices:
             return
         if cls.stage == 0:

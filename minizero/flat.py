@@ -129,11 +129,25 @@ class FlatLayout:
             p.data = view
 
     def point_grads_into(self, flat_grads: torch.Tensor) -> None:
-        """p.grad becomes a view of `flat_grads`, so autograd accumulates straight into the flat buffer
-        (PyTorch DDP's gradient_as_bucket_view) and the buffer can be reduced without a copy."""
+        """Make backward accumulate the gradients into `flat_grads`.
+
+        Same dtype as the parameters: p.grad becomes a view of `flat_grads`, so autograd accumulates
+        straight into the flat buffer (PyTorch DDP's gradient_as_bucket_view) and the buffer can be reduced
+        without a copy. Another dtype (engine's reduce_dtype="fp32" for bf16/fp16 parameters): a p.grad must
+        have its parameter's dtype, so autograd produces it as usual and a hook adds it into its (fp32) view
+        the moment it is complete, then frees it: the sum over backwards happens in fp32. The hook is
+        registered first, so it runs before a reducer's (reducer.GradBuckets) sees the gradient complete."""
         for b in self.buckets:
             for p, view in b.views(self.full(flat_grads, b)):
-                p.grad = view
+                if view.dtype == p.dtype:
+                    p.grad = view
+                else:
+                    p.register_post_accumulate_grad_hook(lambda p, view=view: _add_and_free(p, view))
+
+
+def _add_and_free(p: nn.Parameter, view: torch.Tensor) -> None:
+    view.add_(p.grad)                  # upcasts: bf16 -> fp32
+    p.grad = None
 
 
 def split_into_buckets(params: list[nn.Parameter], bucket_bytes: float) -> list[list[nn.Parameter]]:

@@ -20,7 +20,7 @@ from minizero.zero2 import Zero2
 from minizero.zero3 import Zero3, default_units
 
 ENGINES = dict(zip(STAGES, (DDP, Zero1, Zero2, Zero3)))
-# Options beyond dtype, loss_scale, offload and clip_grad_norm (which every stage takes), by stage.
+# Options beyond dtype, reduce_dtype, loss_scale, offload and clip_grad_norm (which every stage takes), by stage.
 STAGE_OPTIONS = {0: {"bucket_size"}, 1: set(), 2: {"bucket_size"}, 3: {"units", "prefetch"}}
 
 
@@ -31,10 +31,10 @@ def engine_class(stage: int) -> type[Engine]:
     return ENGINES[stage]
 
 
-def check(stage: int, dtype: str = "fp32", offload: bool | str = False) -> None:
-    """Raise ValueError (one line) if wrap would refuse this stage, dtype or offload: for callers that
-    want to know before they build a model or start processes."""
-    engine_class(stage).check(dtype, offload)
+def check(stage: int, dtype: str = "fp32", offload: bool | str = False, reduce_dtype: str | None = None) -> None:
+    """Raise ValueError (one line) if wrap would refuse this stage, dtype, offload or reduce_dtype: for
+    callers that want to know before they build a model or start processes."""
+    engine_class(stage).check(dtype, offload, reduce_dtype)
 
 
 def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
@@ -46,14 +46,15 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
     activation_checkpointing: True recomputes each unit's forward in backward, "cpu" also keeps the
                units' inputs on the host until then (activations.py); units as stage 3's (`units=` or
                zero3.default_units: a transformer's blocks), at every stage.
-    options:   dtype ("fp32" | "bf16" | "fp16"), loss_scale (fp16: None = dynamic, a number = static, a
+    options:   dtype ("fp32" | "bf16" | "fp16"), reduce_dtype (None | "fp32": bf16/fp16 gradients reduced
+               and accumulated in fp32; engine.py), loss_scale (fp16: None = dynamic, a number = static, a
                dict = dynamic options; minizero/loss_scale.py), clip_grad_norm, bucket_size (bytes; stages 0, 2),
                units and prefetch (stage 3).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     engine = engine_class(stage)
-    unknown = sorted(set(options) - {"dtype", "loss_scale", "clip_grad_norm"} - STAGE_OPTIONS[stage])
+    unknown = sorted(set(options) - {"dtype", "reduce_dtype", "loss_scale", "clip_grad_norm"} - STAGE_OPTIONS[stage])
     if unknown:
         raise TypeError(f"stage {stage} does not take option(s) {', '.join(unknown)}")
     if not any(p.requires_grad for p in model.parameters()):

@@ -60,7 +60,8 @@ class Zero1(Engine):
 
     # --- gradients: full and replicated, as in DDP ------------------------------------------------------
     def _init_gradients(self) -> None:
-        self.flat_grads = torch.zeros_like(self.flat_params)            # [padded Ψ], p.grad are views
+        # [padded Ψ] in reduce_dtype; p.grad are views of it, or added into it (flat.point_grads_into)
+        self.flat_grads = torch.zeros_like(self.flat_params, dtype=self.grad_dtype)
         self.layout.point_grads_into(self.flat_grads)
 
     def _after_backward(self) -> None:

@@ -18,6 +18,8 @@ Communication is unchanged from stage 1 (reduce-scatter Ψ + all-gather Ψ = 2Ψ
 with backward. Gradient accumulation: inside no_sync() gradients accumulate in full in p.grad (no
 communication, but 2Ψ of gradient memory, as in FSDP's no_sync); outside it every micro-batch is
 reduce-scattered and summed into the shard (DeepSpeed's way: more communication, less memory).
+reduce_dtype="fp32" (engine.py): staging buffers and shard are fp32, so the reduction and the sum over
+micro-batches outside no_sync() are fp32; inside no_sync() p.grad accumulates in the compute dtype.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ class Zero2(Zero1):
 
     # --- gradients: only this rank's partition persists --------------------------------------------------
     def _init_gradients(self) -> None:
-        self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)  # [Ψ/N]
+        # [Ψ/N] in reduce_dtype; the staging buffers too: each gradient is upcast as it is staged
+        self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.grad_dtype, device=self.device)
         self.staging: dict[int, torch.Tensor] = {}       # bucket index -> its full gradients, in flight
         self.reducer = GradBuckets(self.layout.buckets, launch=self._bucket_ready, done=self._accumulate_bucket,
                                    on_grad=self._stage_gradient if self.contiguous_gradients else None,
@@ -57,7 +60,7 @@ class Zero2(Zero1):
 
     def _staging_buffer(self, b) -> torch.Tensor:
         if b.index not in self.staging:                  # zeros: unused parameters reduce as zeros
-            self.staging[b.index] = torch.zeros(b.padded_numel, dtype=self.dtype, device=self.device)
+            self.staging[b.index] = torch.zeros(b.padded_numel, dtype=self.grad_dtype, device=self.device)
         return self.staging[b.index]                     # [Ψ_b padded]
 
     def _stage_gradient(self, p, b) -> None:

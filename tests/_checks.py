@@ -47,6 +47,9 @@ def configs(stage: int, n: int, **stage_options) -> dict[str, TrainConfig]:
         # memory is compared with the formulas on the default GPT, and with part of it frozen (Ψ_f: no
         # gradient, no optimizer state; replicated in stages 0-2, partitioned in stage 3)
         "memory_bf16": TrainConfig(**{**base, "steps": 2, "return_state": False}, dtype="bf16"),
+        # bf16 gradients reduced and accumulated in fp32: 2 + 4 + K bytes, gradient collectives at 4 bytes
+        "memory_bf16_reduce_fp32": TrainConfig(**{**base, "steps": 2, "return_state": False}, dtype="bf16",
+                                               reduce_dtype="fp32"),
         "memory_fp32": TrainConfig(**{**base, "steps": 2, "return_state": False}, dtype="fp32"),
         "memory_frozen": TrainConfig(**{**base, "steps": 2, "return_state": False}, dtype="fp32",
                                      model_overrides={"frozen": FROZEN_BLOCK}),
@@ -157,7 +160,7 @@ class StageSuite:
         assert_losses_track_reference(cfg, results, rtol=2e-2)
 
     @pytest.mark.parametrize("n", WORLD_SIZES)
-    @pytest.mark.parametrize("name", ["memory_bf16", "memory_fp32", "memory_frozen"])
+    @pytest.mark.parametrize("name", ["memory_bf16", "memory_bf16_reduce_fp32", "memory_fp32", "memory_frozen"])
     def test_memory_and_comm_match_the_paper(self, runs, n, name):
         assert_memory_matches_formula(*runs[(n, name)])
         assert_comm_matches_formula(*runs[(n, name)])

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from minizero.cli.run import main
+from minizero.memory import within_padding
 
 JSON_KEYS = {"stage", "world_size", "num_params", "dtype", "offload", "losses", "ranks"}
 
@@ -62,6 +63,7 @@ def test_run_under_torchrun_uses_its_process_group(tmp_path):
     (["--save", "d", "--keep-last", "2"], "--keep-last M needs --save-every and M >= 1"),
     (["--save", "d", "--resume"], "--resume needs --save DIR --save-every K"),
     (["--activation-checkpointing", "gpu"], "invalid choice: 'gpu' (choose from 'cpu')"),
+    (["--reduce-dtype", "bf16"], "invalid choice: 'bf16' (choose from 'fp32')"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
     assert main(args) == 2
@@ -76,6 +78,17 @@ def test_fp16_run_reports_the_loss_scale_and_skipped_steps(tmp_path, capsys):
     assert "fp16 loss scale 1024; 0 steps skipped on overflow" in capsys.readouterr().out
     data = json.loads(out.read_text())
     assert (data["dtype"], data["loss_scale"], data["skipped_steps"]) == ("fp16", 1024.0, 0)
+
+
+def test_fp32_reduction_run_counts_4_byte_gradients(tmp_path, capsys):
+    out = tmp_path / "reduce.json"
+    assert main(["--dtype", "bf16", "--reduce-dtype", "fp32", "--world-size", "2", "--steps", "2", "--model", "tiny",
+                 "--quiet", "--json", str(out)]) == 0
+    assert "bf16, gradients in fp32" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    psi, n = data["num_params"], 2                             # stage 2: 4Ψ/N bytes of fp32 gradient shard
+    assert data["theory"]["grads"] == 4 * psi / n
+    assert all(within_padding(r["memory"]["grads"], 4 * psi / n, n) for r in data["ranks"])
 
 
 def test_save_then_load_resumes_bit_exactly(tmp_path, capsys):

@@ -87,6 +87,23 @@ def test_fp16_section_sets_dtype_and_loss_scale():
         "'fp16.auto_cast' is not implemented: inputs are not cast; the model's floating parameters and buffers are"]
 
 
+def test_grad_accum_dtype_sets_reduce_dtype(tmp_path):
+    def load(dtype_section, accum):
+        return load_deepspeed_config({**dtype_section, "data_types": {"grad_accum_dtype": accum}}, 2)
+    assert load({"bf16": {"enabled": True}}, "fp32") == ({"clip_grad_norm": 1.0, "dtype": "bf16",
+                                                          "reduce_dtype": "fp32"}, [])
+    assert load({"fp16": {"enabled": True}}, "fp32")[0]["reduce_dtype"] == "fp32"
+    assert "reduce_dtype" not in load({"bf16": {"enabled": True}}, "bf16")[0]     # the compute dtype: a no-op
+    with pytest.raises(ConfigError, match='grad_accum_dtype must be "fp32" or the training precision "fp32"'):
+        load({}, "bf16")
+    # the CLI flag, and a file's fp32 reduction kept when --dtype fp32 makes it a no-op
+    assert _cfg("--dtype", "bf16", "--reduce-dtype", "fp32").reduce_dtype == "fp32"
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}))
+    assert (_cfg("--config", str(path)).reduce_dtype, _cfg("--config", str(path), "--dtype", "fp32").dtype) \
+        == ("fp32", "fp32")
+
+
 def test_not_implemented_keys_warn_by_name():
     _, warnings = load_deepspeed_config({"amp": {"enabled": True}, "scheduler": {"type": "WarmupLR"},
                                          "zero_optimization": {"stage": 2, "overlap_comm": False,

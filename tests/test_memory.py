@@ -7,8 +7,16 @@ import pytest
 
 from minizero.cli.memory import main
 from minizero.lab.model import GPT, MODEL_NAMES, GPTConfig, count_params
-from minizero.memory import (activation_bytes, comm_volume, element_bytes, estimate, estimate_breakdown, measure,
-                             optimizer_k)
+from minizero.memory import (
+    activation_bytes,
+    comm_volume,
+    element_bytes,
+    estimate,
+    estimate_breakdown,
+    grad_bytes,
+    measure,
+    optimizer_k,
+)
 
 
 def test_paper_figure_1_numbers():
@@ -36,6 +44,11 @@ def test_fp16_is_the_papers_accounting_like_bf16():
 def test_comm_volume_two_psi_and_three_psi():
     assert comm_volume(100, 4, 0) == comm_volume(100, 4, 2) == 2 * 0.75 * 200
     assert comm_volume(100, 4, 3) == 1.5 * comm_volume(100, 4, 1)
+    # reduce_dtype="fp32": the gradient collectives (DDP's all-reduce, the reduce-scatter) at 4 bytes
+    assert grad_bytes("bf16") == 2 and grad_bytes("bf16", "fp32") == grad_bytes("fp32") == 4
+    assert comm_volume(100, 4, 0, grad_bytes=4) == 2 * comm_volume(100, 4, 0)
+    assert comm_volume(100, 4, 2, grad_bytes=4) == 0.75 * (100 * 4 + 100 * 2)
+    assert comm_volume(100, 4, 3, grad_bytes=4, frozen=10) == 0.75 * (100 * 4 + 220 * 2)
 
 
 def test_measure_counts_each_storage_once():

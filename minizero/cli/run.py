@@ -3,6 +3,7 @@
     python -m minizero.run --stage 2 --world-size 4
     python -m minizero.run --stage 3 --world-size 4 --dtype bf16 --offload params --json out.json
     python -m minizero.run --dtype fp16 [--loss-scale 1024]     # fp16: dynamic (or static) loss scaling
+    python -m minizero.run --dtype bf16 --reduce-dtype fp32     # gradients reduced and accumulated in fp32
     python -m minizero.run --config examples/ds_config_zero2_offload.json --world-size 4   # DeepSpeed JSON
     torchrun --nproc-per-node 4 -m minizero.run --stage 3        # uses torchrun's process group
 
@@ -39,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 50)")
     p.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (16-bit compute, fp32 master weights; "
                                                    "fp16 also scales the loss)")
+    p.add_argument("--reduce-dtype", default=None, choices=["fp32"],
+                   help="bf16/fp16: reduce and accumulate gradients in fp32 (4 bytes a gradient instead of "
+                        "2; DeepSpeed's data_types.grad_accum_dtype)")
     p.add_argument("--loss-scale", type=float, default=None, metavar="S",
                    help="fp16: a static loss scale S; 0 = dynamic (default; DeepSpeed's fp16.loss_scale)")
     p.add_argument("--offload", nargs="?", const="optimizer", default=None, metavar="WHAT",
@@ -94,7 +98,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     pairs = {"stage": args.stage, "world_size": args.world_size, "steps": args.steps, "dtype": args.dtype,
              "backend": args.backend, "batch_size": args.batch_size, "grad_accum": args.grad_accum,
              "clip_grad_norm": args.clip_grad_norm, "optimizer": args.optimizer, "lr": args.lr,
-             "model": args.model, "seed": args.seed}
+             "model": args.model, "seed": args.seed, "reduce_dtype": args.reduce_dtype}
     for name, value in pairs.items():
         if value is not None:
             setattr(cfg, name, value)
@@ -156,7 +160,7 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.offload is True:
         cfg.offload = "optimizer"
     try:
-        check(cfg.stage, cfg.dtype, cfg.offload)         # the engines' own rules (minizero.wrap)
+        check(cfg.stage, cfg.dtype, cfg.offload, cfg.reduce_dtype)    # the engines' own rules (minizero.wrap)
         scaler_for(cfg.dtype, cfg.loss_scale)             # ... and the loss scaler's
     except (ValueError, TypeError) as e:
         bad(str(e))

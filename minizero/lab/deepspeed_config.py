@@ -48,6 +48,8 @@ KEYS = {
     "fp16.loss_scale_window": "good steps before the scale doubles (default 1000)",
     "fp16.hysteresis": "overflows before the scale halves (default 2)",
     "fp16.min_loss_scale": "the lowest dynamic scale (default 1)",
+    "data_types.grad_accum_dtype": "reduce_dtype: \"fp32\" reduces and accumulates bf16/fp16 gradients in fp32; "
+                                   "the compute dtype: as without it",
     "zero_optimization.stage": "stage (0 = DDP)",
     "zero_optimization.offload_optimizer.device": "offload = optimizer ('cpu') or off ('none')",
     "zero_optimization.offload_param.device": "offload = params ('cpu', stage 3 only)",
@@ -88,8 +90,8 @@ NOT_IMPLEMENTED = {
     "csv_monitor": "no monitor; --json writes the results",
     "gradient_predivide_factor": "gradients are averaged with one AVG collective",
     "prescale_gradients": "gradients are averaged with one AVG collective",
-    "communication_data_type": "gradients are communicated in the compute dtype",
-    "data_types": "gradients are accumulated in the compute dtype",
+    "communication_data_type": "gradients are communicated in the dtype they are accumulated in "
+                               "(data_types.grad_accum_dtype)",
     "zero_allow_untested_optimizer": "any torch.optim optimizer works",
     "zero_force_ds_cpu_optimizer": "the host optimizer is torch.optim's",
     "zero_optimization.allgather_bucket_size": "parameters are all-gathered per reduce bucket (stages 1-2) "
@@ -131,7 +133,7 @@ OPTIMIZER_PARAMS = {
             "nesterov": "bool"},
 }
 
-_SECTIONS = {"bf16", "fp16", "zero_optimization", "zero_optimization.offload_optimizer",
+_SECTIONS = {"bf16", "fp16", "data_types", "zero_optimization", "zero_optimization.offload_optimizer",
              "zero_optimization.offload_param", "optimizer", "optimizer.params", "activation_checkpointing"}
 AUTO = "auto"
 
@@ -260,12 +262,22 @@ def _batch(flat: dict, world_size: int, out: dict) -> None:
 
 
 def _precision(flat: dict, out: dict) -> None:
-    """bf16.enabled, fp16.enabled (one of them) and fp16's loss scaling."""
+    """bf16.enabled, fp16.enabled (one of them), data_types.grad_accum_dtype and fp16's loss scaling."""
     bf16, fp16 = (_bool(key, flat[key]) if key in flat else None for key in ("bf16.enabled", "fp16.enabled"))
     if bf16 and fp16:
         raise ConfigError("bf16.enabled and fp16.enabled are both true: choose one precision")
     if bf16 is not None or fp16 is not None:
         out["dtype"] = "bf16" if bf16 else "fp16" if fp16 else "fp32"
+    key = "data_types.grad_accum_dtype"
+    if key in flat:
+        dtype, value = out.get("dtype", "fp32"), flat[key]
+        try:
+            check(0, dtype, reduce_dtype=value)                  # the engines' own rule
+        except ValueError:
+            raise ConfigError(f"{key} must be \"fp32\" or the training precision \"{dtype}\", "
+                              f"got {json.dumps(value)}") from None
+        if value != dtype:                                       # the compute dtype: nothing to change
+            out["reduce_dtype"] = value
     if not fp16:
         return
     static = _number("fp16.loss_scale", flat.get("fp16.loss_scale", 0), minimum=0)

@@ -11,7 +11,7 @@ import statistics
 
 from minizero.lab.data import sequence_length
 from minizero.lab.train import TrainConfig, state_bytes
-from minizero.memory import activation_bytes, comm_volume, element_bytes, estimate_breakdown, optimizer_k
+from minizero.memory import activation_bytes, comm_volume, element_bytes, estimate_breakdown, grad_bytes, optimizer_k
 
 
 def run_k(cfg: TrainConfig) -> int:
@@ -24,7 +24,8 @@ def theory(cfg: TrainConfig, num_params: int, num_frozen: int = 0) -> dict:
     num_params parameters of which num_frozen are frozen; and the GPT's activations for one micro-batch
     of this rank's rows (memory.activation_bytes)."""
     elem, trainable = element_bytes(cfg.dtype), num_params - num_frozen
-    b = estimate_breakdown(trainable, cfg.world_size, cfg.stage, param_bytes=elem, grad_bytes=elem,
+    grad = grad_bytes(cfg.dtype, cfg.reduce_dtype)              # 4 with reduce_dtype="fp32"
+    b = estimate_breakdown(trainable, cfg.world_size, cfg.stage, param_bytes=elem, grad_bytes=grad,
                            k=run_k(cfg), offload=cfg.offload, frozen=num_frozen)
     m = cfg.model_config()
     rows = cfg.batch_size // (cfg.world_size * cfg.grad_accum)
@@ -33,7 +34,7 @@ def theory(cfg: TrainConfig, num_params: int, num_frozen: int = 0) -> dict:
                                    checkpointing=cfg.activation_checkpointing)
     return {**b, "device_total": b["params"] + b["grads"] + b["optimizer"], "activations": activations,
             "comm_bytes_per_step": comm_volume(trainable, cfg.world_size, cfg.stage, bytes_per_elem=elem,
-                                               frozen=num_frozen)}
+                                               grad_bytes=grad, frozen=num_frozen)}
 
 
 def summarize(cfg: TrainConfig, results: list[dict]) -> dict:
@@ -42,7 +43,7 @@ def summarize(cfg: TrainConfig, results: list[dict]) -> dict:
     times = results[0]["step_times"][1:] or results[0]["step_times"]     # step 1 includes warm-up
     return {
         "stage": cfg.stage, "world_size": cfg.world_size, "num_params": num_params, "num_frozen": num_frozen,
-        "dtype": cfg.dtype,
+        "dtype": cfg.dtype, "reduce_dtype": cfg.reduce_dtype,
         "offload": cfg.offload, "losses": losses,
         "ranks": [{"rank": r["rank"], "memory": r["memory"], "comm_bytes_per_step": r["comm_bytes_per_step"]}
                   for r in results],
@@ -58,8 +59,9 @@ def format_table(summary: dict) -> str:
     kb = lambda x: f"{x / 1e3:9.1f}"      # noqa: E731
     th = summary["theory"]
     off = f", offload={summary['offload']}" if summary["offload"] else ""
+    reduce = f", gradients in {summary['reduce_dtype']}" if summary.get("reduce_dtype") else ""
     lines = [f"stage {summary['stage']}, N = {summary['world_size']}, Ψ = {summary['num_params']:,} "
-             f"parameters, {summary['dtype']}{off}   (kB per rank; theory = ZeRO paper)",
+             f"parameters, {summary['dtype']}{reduce}{off}   (kB per rank; theory = ZeRO paper)",
              f"{'rank':>4} {'params':>9} {'grads':>9} {'optim':>9} {'offload':>9} {'device':>9} "
              f"{'peak':>9} {'comm/step':>10} {'activ.':>9}"]
     for r in summary["ranks"]:

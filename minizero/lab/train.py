@@ -46,6 +46,7 @@ class TrainConfig:
     steps: int = 50
     dtype: str = "fp32"                       # "fp32", "bf16" or "fp16" (16-bit compute, fp32 master weights)
     loss_scale: float | dict | None = None    # fp16: None dynamic, a number static, a dict (loss_scale.py)
+    reduce_dtype: str | None = None           # "fp32": bf16/fp16 gradients reduced and accumulated in fp32
     offload: bool | str = False               # False, True/"optimizer", "params" (stage 3)
     backend: str | None = None                # None: nccl if CUDA is available, else gloo
     batch_size: int = 16                      # global rows per optimizer step (all ranks, all micro-batches)
@@ -85,6 +86,8 @@ class TrainConfig:
         opts = {"dtype": self.dtype, "clip_grad_norm": self.clip_grad_norm}
         if self.loss_scale is not None:
             opts["loss_scale"] = self.loss_scale
+        if self.reduce_dtype is not None:
+            opts["reduce_dtype"] = self.reduce_dtype
         if self.stage in (0, 2):
             opts["bucket_size"] = self.bucket_size
         if self.stage == 3:

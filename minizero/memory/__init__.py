@@ -14,7 +14,8 @@ of optimizer state, K = 12 (fp32 master weights 4 + momentum 4 + variance 4). Sh
     stage 3  P_os+g+p  (2 + 2 + K)Ψ/N              + parameters sharded
 
 param_bytes / grad_bytes generalise the 2s: pure fp32 training has 4 + 4 and Adam's K = 8 (no master copy,
-the fp32 parameters are the master). Activations, buffers and temporary buffers are not model states:
+the fp32 parameters are the master); bf16/fp16 with reduce_dtype="fp32" (engine.py) keeps its gradients in
+fp32: 2 + 4 + K (`grad_bytes`). Activations, buffers and temporary buffers are not model states:
 ZeRO-R (section 6) is about them, and `activation_bytes` estimates the activations of minizero's GPT.
 
 Measured bytes equal these formulas up to padding (flat.py pads each bucket to a multiple of N):
@@ -36,6 +37,12 @@ CATEGORIES = ("params", "grads", "optimizer", "offloaded")
 def element_bytes(dtype: str) -> int:
     """Bytes of one parameter (and one gradient) in the compute dtype: fp32 4, bf16 and fp16 2 (the paper's 2)."""
     return DTYPES[dtype].itemsize
+
+
+def grad_bytes(dtype: str, reduce_dtype: str | None = None) -> int:
+    """Bytes of one gradient: the dtype gradients are reduced and accumulated in (reduce_dtype, default
+    the compute dtype). bf16 + reduce_dtype="fp32": 4, the paper's 2 doubled."""
+    return element_bytes(reduce_dtype or dtype)
 
 
 def optimizer_k(state_bytes: int, dtype: str, offload: bool | str = False) -> int:
@@ -97,12 +104,16 @@ def estimate(num_params: int, world_size: int, stage: int, *, param_bytes: int =
 
 
 def comm_volume(num_params: int, world_size: int, stage: int, *, bytes_per_elem: int = 2,
-                frozen: int = 0) -> float:
+                grad_bytes: int | None = None, frozen: int = 0) -> float:
     """Bytes one rank sends per step in a ring (paper section 7): 2Ψ for stages 0-2, 3Ψ for stage 3,
     each times (N-1)/N, which the paper rounds to 1. Frozen parameters (Ψ_f) are never reduced; stage 3
-    gathers them for forward and backward: + 2Ψ_f."""
-    elements = 3 * num_params + 2 * frozen if stage == 3 else 2 * num_params
-    return (world_size - 1) / world_size * elements * bytes_per_elem
+    gathers them for forward and backward: + 2Ψ_f. Of those elements the gradients' (DDP's all-reduce,
+    2Ψ; stages 1-3's reduce-scatter, Ψ) travel at grad_bytes each (default bytes_per_elem; 4 with
+    reduce_dtype="fp32"), the parameters' all-gathers at bytes_per_elem."""
+    grads = 2 * num_params if stage == 0 else num_params
+    params = {0: 0, 1: num_params, 2: num_params, 3: 2 * num_params + 2 * frozen}[stage]
+    grad_bytes = bytes_per_elem if grad_bytes is None else grad_bytes
+    return (world_size - 1) / world_size * (grads * grad_bytes + params * bytes_per_elem)
 
 
 def measure(groups: dict[str, Iterable[torch.Tensor]]) -> dict[str, int]:
