@@ -13,7 +13,7 @@ packed object autograd holds is released when backward has used it. Each storage
 v can be views of one buffer), and parameters are left out: memory() counts them already. The peak is
 the most bytes alive at once during a step, forward and backward (recomputes included).
 
-Checkpointed (`checkpoint`): each unit (a transformer's blocks, zero3.default_units) runs its forward
+Checkpointed (`checkpoint`): each unit (a transformer's blocks, units.default_units) runs its forward
 without saving anything but its inputs; backward runs that forward again, then its backward. Kept: s·b·h
 per layer instead of the layer's ~16·s·b·h + a·s²·b, for one more forward per step (~33 % more compute,
 the paper's figure). mode "cpu" keeps those inputs in host memory until backward: the paper's P_a+cpu.

@@ -33,6 +33,7 @@ import time
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from minizero import activations, checkpoint, comm, construct
 from minizero.loss_scale import scaler_for
@@ -135,16 +136,13 @@ class Engine:
         grads = self._grad_parts()
         if self.scaler is not None:                        # fp16: the gradients are still S times too large
             grads = self.scaler.unscale(grads)             # fp32 / S; None: some rank overflowed
-            if grads is None:                              # every rank skips this step (loss_scale.py)
-                self._zero_grad()
-                self.step_count += 1
-                return
-        if self.clip_grad_norm is not None:
-            self.last_grad_norm = self._clip(grads)
-        self.optimizer.step(grads)
-        self._after_step()
-        self._track_peak()
-        self._mark("step")
+        if grads is not None:                              # (None: every rank skips this step, loss_scale.py)
+            if self.clip_grad_norm is not None:
+                self.last_grad_norm = self._clip(grads)
+            self.optimizer.step(grads)
+            self._after_step()
+            self._track_peak()
+            self._mark("step")
         self._zero_grad()
         self.activations.new_step()
         self.step_count += 1
@@ -284,8 +282,10 @@ class Engine:
         if self.memory_timeline is None:
             return
         self._mark(f"forward {i}")
-        if torch.is_tensor(output) and output.requires_grad:     # its gradient arrives: its backward starts
-            output.register_hook(lambda grad: self._mark(f"backward {i}"))
+        # its output's gradient arrives: its backward starts (the first output tensor that needs one)
+        needs_grad = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
+        if needs_grad:
+            needs_grad[0].register_hook(lambda grad: self._mark(f"backward {i}"))
 
     def _mark(self, event: str) -> None:
         """While memory_timeline is a list: append (time, event, bytes by category now), activations

@@ -17,7 +17,8 @@ from minizero.engine import Engine
 from minizero.memory import STAGES
 from minizero.zero1 import Zero1
 from minizero.zero2 import Zero2
-from minizero.zero3 import Zero3, default_units
+from minizero.units import default_units
+from minizero.zero3 import Zero3
 
 ENGINES = dict(zip(STAGES, (DDP, Zero1, Zero2, Zero3)))
 # Options beyond dtype, reduce_dtype, loss_scale, offload and clip_grad_norm (which every stage takes), by stage.
@@ -45,7 +46,7 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
     offload:   stages 1-3: True/"optimizer" keeps optimizer state on the host; stage 3 also "params".
     activation_checkpointing: True recomputes each unit's forward in backward, "cpu" also keeps the
                units' inputs on the host until then (activations.py); units as stage 3's (`units=` or
-               zero3.default_units: a transformer's blocks), at every stage.
+               units.default_units: a transformer's blocks), at every stage.
     options:   dtype ("fp32" | "bf16" | "fp16"), reduce_dtype (None | "fp32": bf16/fp16 gradients reduced
                and accumulated in fp32; engine.py), loss_scale (fp16: None = dynamic, a number = static, a
                dict = dynamic options; minizero/loss_scale.py), clip_grad_norm, bucket_size (bytes; stages 0, 2),

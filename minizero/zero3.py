@@ -51,6 +51,7 @@ from functools import partial
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from minizero import comm, construct
 from minizero.flat import Bucket, FlatLayout
@@ -258,8 +259,8 @@ class Zero3(Zero2):
             self.backward_order.insert(0, unit)
         unit.post_forward()
         if torch.is_grad_enabled():                       # backward will need the parameters again
-            for t in _tensors(output):
-                if t.requires_grad:
+            for t in tree_flatten(output)[0]:                # tensors in tuples, dicts, ModelOutputs
+                if torch.is_tensor(t) and t.requires_grad:
                     t.register_hook(lambda grad: unit.pre_backward())
 
     def _prefetch_after(self, unit: Unit, order: list[Unit]) -> None:
@@ -325,13 +326,3 @@ class Zero3(Zero2):
         if category == shard_category:
             extra = extra + [self.param_shard] + [u.frozen_shard for u in self.units]
         return extra
-
-
-def _tensors(output) -> list[torch.Tensor]:
-    if torch.is_tensor(output):
-        return [output]
-    if isinstance(output, (tuple, list)):
-        return [t for o in output for t in _tensors(o)]
-    if isinstance(output, dict):
-        return [t for o in output.values() for t in _tensors(o)]
-    return []
