@@ -159,7 +159,7 @@ def _shard_state(engine) -> dict:
     # the storage under a view (N times this rank's share), so each is copied to a compact CPU tensor.
     return {"step": engine.step_count,
             "masters": [m.to("cpu", copy=True) for m in engine.optimizer.master_values()],
-            "optimizer": engine.optimizer.optimizer.state_dict(),
+            "optimizer": engine.optimizer.state_dict(),          # one entry per bucket (optim.py)
             "rng": {"torch": torch.get_rng_state(),
                     "cuda": torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None},
             "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None}
@@ -384,7 +384,7 @@ def _restore(engine, masters: list[torch.Tensor], optimizer_state: dict, frozen:
     parameters and buffers ({state_dict key: value}, the same on every rank), step, RNG and the loss
     scaler's state (if both the checkpoint and the engine have one) in place."""
     opt = engine.optimizer
-    opt.optimizer.load_state_dict(optimizer_state)
+    opt.load_state_dict(optimizer_state)
     with torch.no_grad():
         for master, part, value in zip(opt.masters, opt.param_parts, masters):
             master.copy_(value)

@@ -13,6 +13,18 @@ Mixed precision (the paper's accounting, K = 12 for Adam):
 fp32 training has no master copy: the optimizer steps the fp32 parameter buffer itself (K = 8).
 
 `minizero.offload.HostShardOptimizer` is the same object with the master and the state in host memory.
+
+[Note: cache-sized views] The optimizer does not step one master per bucket, but *views* of it of at most
+VIEW_NUMEL elements (1 MiB of fp32), each its own nn.Parameter sharing the master's storage, with its own
+optimizer state. Nothing is copied and no value changes (Adam is elementwise: a view is stepped exactly as
+its elements would be inside the whole). Why: torch's CPU AdamW (the single-tensor path) makes ~6 passes
+over each parameter (moments, denominator, update). On a flat partition of 8 MB or more each pass streams
+the master, the gradient and both moments from DRAM; on 1 MiB views the 4-5 tensors of one view stay in
+cache from one pass to the next. Measured on 2 cores: 2x faster at Ψ/N = 4M, 3x at 8M, and what made
+DDP and stage 1 slower than torch's peers (whose optimizer sees the model's own, smaller parameters) from
+~2M parameters up. DeepSpeed steps one flat partition per group and pays the same price. The views are
+invisible from outside: master.grad is what the optimizer steps (a step pre-hook hands each view its part),
+state_dict() speaks in buckets, and the state's bytes are the same KΨ/N.
 """
 
 from __future__ import annotations
@@ -24,6 +36,9 @@ from torch import nn
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
+# The largest view of a master the optimizer steps at once [Note: cache-sized views]: 2**18 fp32 = 1 MiB.
+VIEW_NUMEL = 1 << 18
+
 # The precisions the model can compute in (wrap's dtype=...). The masters are fp32 either way.
 # fp16 also needs loss scaling (loss_scale.py): its 5 exponent bits lose small gradients.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -33,16 +48,30 @@ class ShardOptimizer:
     """Steps `param_parts` (views into the model's parameter storage) with the user's optimizer.
 
     param_parts: one 1-D tensor per bucket, e.g. this rank's partition of each bucket's flat parameters.
-    The optimizer sees one nn.Parameter per part (the master), never the model's own parameters.
+    The optimizer steps one nn.Parameter per part (the master), never the model's own parameters: set
+    master.grad and call self.optimizer.step(). It sees each master as views of at most VIEW_NUMEL
+    elements (`views[i]`: the views of masters[i]) [Note: cache-sized views].
     """
 
     def __init__(self, param_parts: list[torch.Tensor], optimizer_factory: OptimizerFactory):
         self.param_parts = param_parts
         self.masters = [self._make_master(p) for p in param_parts]
-        self.optimizer = optimizer_factory(self.masters)
+        self.view_numel = VIEW_NUMEL
+        self.views = [list(m.detach().split(self.view_numel)) for m in self.masters]   # no copy: views
+        self.views = [[nn.Parameter(v) for v in views] for views in self.views]
+        self._first_view = [sum(map(len, self.views[:b])) for b in range(len(self.views))]  # optimizer index
+        self.optimizer = optimizer_factory([v for views in self.views for v in views])
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError(f"the optimizer factory must return a torch.optim.Optimizer, got "
                             f"{type(self.optimizer).__name__}")
+        self.optimizer.register_step_pre_hook(lambda *_: self._grads_to_views())
+
+    def _grads_to_views(self) -> None:
+        """Each view's gradient is its slice of master.grad (None when the master has none)."""
+        for master, views in zip(self.masters, self.views):
+            grads = [None] * len(views) if master.grad is None else master.grad.split(self.view_numel)
+            for v, g in zip(views, grads):
+                v.grad = g
 
     def _make_master(self, part: torch.Tensor) -> nn.Parameter:
         if part.dtype == torch.float32:
@@ -58,6 +87,7 @@ class ShardOptimizer:
             master.grad = None
             if master.data_ptr() != part.data_ptr():
                 part.copy_(master.detach(), non_blocking=True)    # fp32 master -> bf16 params (rounds)
+        self._grads_to_views()                                    # and the views' gradients: None
 
     def _grads_for_masters(self, grad_parts: list[torch.Tensor]) -> list[torch.Tensor]:
         # The optimizer needs gradients of its parameters' dtype: upcast bf16 gradients (a transient copy).
@@ -72,6 +102,34 @@ class ShardOptimizer:
                     master.copy_(part.reshape(-1))
 
     # --- for memory accounting and checkpoints --------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The torch optimizer's state_dict with one entry per bucket (the views joined back): what a
+        checkpoint saves. A state with one value per element is concatenated over a master's views; any
+        other (Adam's step, the same for every view) is the first view's."""
+        saved, state = self.optimizer.state_dict(), {}
+        for b, (first, views) in enumerate(zip(self._first_view, self.views)):
+            parts = [saved["state"].get(first + j, {}) for j in range(len(views))]
+            if parts[0]:
+                state[b] = {name: torch.cat([s[name] for s in parts]) if _per_element(value, views[0])
+                            else value for name, value in parts[0].items()}
+        groups = [{**g, "params": [b for b, first in enumerate(self._first_view) if first in g["params"]]}
+                  for g in saved["param_groups"]]
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """The inverse of state_dict(): cut each bucket's per-element state into its views."""
+        state = {}
+        for b, bucket_state in state_dict["state"].items():
+            b = int(b)
+            for j, v in enumerate(self.views[b]):
+                state[self._first_view[b] + j] = {
+                    name: value[j * self.view_numel:][: v.numel()].clone() if _per_element(value, self.masters[b])
+                    else (value.clone() if torch.is_tensor(value) else value)    # each view counts its own step
+                    for name, value in bucket_state.items()}
+        groups = [{**g, "params": [self._first_view[b] + j for b in g["params"] for j in range(len(self.views[b]))]}
+                  for g in state_dict["param_groups"]]
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+
     def state_tensors(self) -> list[torch.Tensor]:
         """Master copies (when separate) and every tensor of optimizer state: the KΨ(/N) of the paper."""
         tensors = list(self.masters)
@@ -88,3 +146,8 @@ class ShardOptimizer:
     def master_values(self) -> list[torch.Tensor]:
         """The fp32 values of the owned parameters, one per part, wherever they live (for full_state_dict)."""
         return [m.detach() for m in self.masters]
+
+
+def _per_element(value, like: torch.Tensor) -> bool:
+    """A state with one value per element of `like` (Adam's moments, SGD's momentum)."""
+    return torch.is_tensor(value) and value.shape == like.shape
