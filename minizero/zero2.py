@@ -61,6 +61,7 @@ class Zero2(Zero1):
     def _staging_buffer(self, b) -> torch.Tensor:
         if b.index not in self.staging:                  # zeros: unused parameters reduce as zeros
             self.staging[b.index] = torch.zeros(b.padded_numel, dtype=self.grad_dtype, device=self.device)
+            self._count("grads", self.staging[b.index].nbytes)       # [Note: counted peaks] (engine.py)
         return self.staging[b.index]                     # [Ψ_b padded]
 
     def _stage_gradient(self, p, b) -> None:
@@ -90,11 +91,12 @@ class Zero2(Zero1):
             if p.grad is not None:
                 self._stage_gradient(p, b)
         staging = self._staging_buffer(b)
-        self._track_peak()                               # buckets in flight: the gradient peak
+        self._note_peak()                                # buckets in flight: the gradient peak
         return comm.reduce_scatter(self.layout.my_partition(staging, b), staging, op="avg", async_op=True)
 
     def _accumulate_bucket(self, b) -> None:
         staging = self.staging.pop(b.index)
+        self._count("grads", -staging.nbytes)
         self.layout.shard(self.grad_shard, b).add_(self.layout.my_partition(staging, b))
 
     def _after_backward(self) -> None:

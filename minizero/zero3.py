@@ -119,6 +119,7 @@ class Unit:
         if self.state == FREE:
             for full, shard in self._buffers():
                 full.untyped_storage().resize_(full.numel() * full.element_size())   # allocate
+                self.engine._count("params", full.untyped_storage().nbytes())   # [Note: counted peaks]
                 mine = shard
                 if self.engine.offload_params:            # host -> device, explicit (also on a CPU run)
                     mine = mine.to(full.device, copy=True, non_blocking=True)
@@ -130,7 +131,7 @@ class Unit:
                 return
         self._wait()
         self.state = GATHERED
-        self.engine._track_peak()                         # units gathered: the parameter peak
+        self.engine._note_peak()                          # units gathered: the parameter peak
 
     def free(self) -> None:
         """Release `full`: 0 bytes, shape kept, so the parameters stay views of it."""
@@ -139,6 +140,7 @@ class Unit:
         if self.state != FREE:
             self.engine._record("free", self)
         for full, _ in self._buffers():
+            self.engine._count("params", -full.untyped_storage().nbytes())
             full.untyped_storage().resize_(0)
         self.state = FREE
 

@@ -1,11 +1,16 @@
 """ZeRO stage 3 (P_os+g+p): reference, memory (2+2+K)Ψ/N, traffic 3Ψ, and only units in flight gathered."""
 
+import functools
+
+import torch
 from _checks import StageSuite, assert_matches_reference
 from _workers import zero3_with_tied_units
 
 import minizero
+from minizero.lab.data import global_batch
 from minizero.lab.demo import zero3_timeline_worker
-from minizero.lab.train import TrainConfig, train_several
+from minizero.lab.model import GPTConfig, make_model
+from minizero.lab.train import TrainConfig, loss_fn, train_several
 
 
 class TestZero3(StageSuite):
@@ -45,3 +50,26 @@ def test_tied_weight_split_across_units_trains_like_the_reference():
     # the root owns the tied weight; the head unit owns nothing of its own and is not a unit at all
     assert "head" not in results[0]["unit_names"] and "<root>" in results[0]["unit_names"]
     assert_matches_reference(cfg, results, atol=1e-6)
+
+
+def test_the_peak_is_counted_at_each_gather_not_measured_again(monkeypatch):
+    """engine.py [Note: counted peaks]: a step measures every storage twice (end of backward, step), not
+    at every unit gathered and bucket launched; what it counts there equals a measurement."""
+    model = make_model(GPTConfig())
+    engine = minizero.wrap(model, 3, functools.partial(torch.optim.SGD, lr=0.1), units=list(model.blocks))
+    measure, note = engine._measure, getattr(engine, "_note_peak", lambda: None)
+    measured, counted = [], []
+    monkeypatch.setattr(engine, "_measure", lambda: measured.append(1) or measure())
+
+    def check_then_note():
+        if engine._now is not None:
+            counted.append((dict(engine._now), measure()))
+        note()
+    monkeypatch.setattr(engine, "_note_peak", check_then_note, raising=False)
+    x, y = global_batch(0, 8, 32)
+    for _ in range(3):
+        engine.backward(loss_fn(engine(x), y))
+        engine.step()
+    assert len(measured) <= 1 + 2 * 3, f"{len(measured)} measurements in 3 steps"
+    assert len(counted) >= 3 * 3 * len(model.blocks)            # each block: 2 gathers + 1 bucket a step
+    assert all(now[k] == real[k] for now, real in counted for k in ("params", "grads", "optimizer"))
