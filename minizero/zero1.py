@@ -18,6 +18,12 @@ Communication per step, 2Ψ·(N-1)/N in a ring, the same as DDP (the paper's poi
 Stage 1 keeps it simple: one reduce-scatter per step, no overlap with backward (stage 2 adds that).
 Gradient accumulation is free: backward only adds into the full gradient buffer, so any number of
 micro-batches (inside no_sync() or not) are reduced together, once, at the step.
+Why not reduce-scatter bucket by bucket during backward, as DDP and stage 2 do: it needs stage 2's layout
+(a partition in every bucket; stage 1 has one bucket), and a bucket reduce-scattered in place holds the average in this rank's partition but local gradients everywhere else, so a second
+backward before the step would add into a mixed buffer; keeping the reduced partitions apart from the
+buffer backward adds into is exactly stage 2's gradient shard. So stage 1 pays knowingly: its
+reduce-scatter (Ψ(N-1)/N per rank) waits at the step instead of hiding behind backward, where DDP +
+ZeroRedundancyOptimizer overlaps its all-reduce (twice the bytes). Stage 2 is the answer when it matters.
 """
 
 from __future__ import annotations
