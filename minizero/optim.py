@@ -14,8 +14,8 @@ fp32 training has no master copy: the optimizer steps the fp32 parameter buffer 
 
 `minizero.offload.HostShardOptimizer` is the same object with the master and the state in host memory.
 
-[Note: cache-sized views] The optimizer does not step one master per bucket, but *views* of it of at most
-VIEW_NUMEL elements (1 MiB of fp32), each its own nn.Parameter sharing the master's storage, with its own
+[Note: cache-sized views] The optimizer does not step one master per bucket, but equal *views* of it of
+about VIEW_NUMEL elements (1 MiB of fp32; a master up to 1.5x that is one view), each its own nn.Parameter sharing the master's storage, with its own
 optimizer state. Nothing is copied and no value changes (Adam is elementwise: a view is stepped exactly as
 its elements would be inside the whole). Why: torch's CPU AdamW (the single-tensor path) makes ~6 passes
 over each parameter (moments, denominator, update). On a flat partition of 8 MB or more each pass streams
@@ -24,7 +24,7 @@ cache from one pass to the next. Measured on 2 cores: 2x faster at Ψ/N = 4M, 3x
 DDP and stage 1 slower than torch's peers (whose optimizer sees the model's own, smaller parameters) from
 ~2M parameters up. DeepSpeed steps one flat partition per group and pays the same price. The views are
 invisible from outside: master.grad is what the optimizer steps (a step pre-hook hands each view its part),
-state_dict() speaks in buckets, and the state's bytes are the same KΨ/N.
+state_dict() speaks in buckets, and the state's bytes are the same KΨ/N (plus Adam's 4-byte step counter per view).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from torch import nn
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
-# The largest view of a master the optimizer steps at once [Note: cache-sized views]: 2**18 fp32 = 1 MiB.
+# About how many elements of a master the optimizer steps at once [Note: cache-sized views]: 1 MiB of fp32.
 VIEW_NUMEL = 1 << 18
 
 # The precisions the model can compute in (wrap's dtype=...). The masters are fp32 either way.
@@ -49,16 +49,15 @@ class ShardOptimizer:
 
     param_parts: one 1-D tensor per bucket, e.g. this rank's partition of each bucket's flat parameters.
     The optimizer steps one nn.Parameter per part (the master), never the model's own parameters: set
-    master.grad and call self.optimizer.step(). It sees each master as views of at most VIEW_NUMEL
+    master.grad and call self.optimizer.step(). It sees each master as equal views of about VIEW_NUMEL
     elements (`views[i]`: the views of masters[i]) [Note: cache-sized views].
     """
 
     def __init__(self, param_parts: list[torch.Tensor], optimizer_factory: OptimizerFactory):
         self.param_parts = param_parts
         self.masters = [self._make_master(p) for p in param_parts]
-        self.view_numel = VIEW_NUMEL
-        self.views = [list(m.detach().split(self.view_numel)) for m in self.masters]   # no copy: views
-        self.views = [[nn.Parameter(v) for v in views] for views in self.views]
+        self.views = [[nn.Parameter(v) for v in m.detach().tensor_split(max(1, round(m.numel() / VIEW_NUMEL)))]
+                      for m in self.masters]                    # no copy: they share the masters' storage
         self._first_view = [sum(map(len, self.views[:b])) for b in range(len(self.views))]  # optimizer index
         self.optimizer = optimizer_factory([v for views in self.views for v in views])
         if not isinstance(self.optimizer, torch.optim.Optimizer):
@@ -69,7 +68,7 @@ class ShardOptimizer:
     def _grads_to_views(self) -> None:
         """Each view's gradient is its slice of master.grad (None when the master has none)."""
         for master, views in zip(self.masters, self.views):
-            grads = [None] * len(views) if master.grad is None else master.grad.split(self.view_numel)
+            grads = [None] * len(views) if master.grad is None else master.grad.tensor_split(len(views))
             for v, g in zip(views, grads):
                 v.grad = g
 
@@ -121,9 +120,9 @@ class ShardOptimizer:
         state = {}
         for b, bucket_state in state_dict["state"].items():
             b = int(b)
-            for j, v in enumerate(self.views[b]):
+            for j in range(len(self.views[b])):
                 state[self._first_view[b] + j] = {
-                    name: value[j * self.view_numel:][: v.numel()].clone() if _per_element(value, self.masters[b])
+                    name: value.tensor_split(len(self.views[b]))[j].clone() if _per_element(value, self.masters[b])
                     else (value.clone() if torch.is_tensor(value) else value)    # each view counts its own step
                     for name, value in bucket_state.items()}
         groups = [{**g, "params": [self._first_view[b] + j for b in g["params"] for j in range(len(self.views[b]))]}

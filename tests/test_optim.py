@@ -28,7 +28,7 @@ def _train(view_numel, monkeypatch, steps=3, load=None, **options):
 def test_views_step_bitwise_like_the_whole_master_and_checkpoint_per_bucket(options, monkeypatch, tmp_path):
     whole = _train(1 << 40, monkeypatch, **options)
     viewed = _train(500, monkeypatch, **options)
-    assert [len(v) for v in viewed.optimizer.views] == [-(-whole.layout.shard_numel // 500)]
+    assert [len(v) for v in viewed.optimizer.views] == [round(whole.layout.shard_numel / 500)] != [1]
     assert all(v.untyped_storage().data_ptr() == viewed.optimizer.masters[0].untyped_storage().data_ptr()
                for v in viewed.optimizer.views[0])                     # views: the masters' own storage
     a, b = whole.full_state_dict(), viewed.full_state_dict()
