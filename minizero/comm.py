@@ -3,8 +3,9 @@
 Run its tests:      python -m pytest tests/test_comm.py
 See it explained:   notebooks/00_communication.ipynb
 
-Every stage talks to the other ranks through the five functions below (all_reduce, reduce_scatter,
-all_gather, broadcast, and the teaching-only ring_all_reduce). Keeping them in one place buys two things:
+Every stage talks to the other ranks through the functions below (all_reduce, reduce_scatter, all_gather,
+broadcast, all_to_all, and the teaching-only ring_all_reduce). Each takes an optional `group`: a subset of the
+ranks (see `Group`) for the designs beyond the paper that shard within a node and replicate across nodes. Keeping them in one place buys two things:
 
 1. A byte tally. Each call adds to a per-rank counter the bytes that a bandwidth-optimal *ring* sends per
    rank for it. With N ranks and a tensor of S bytes (always the *full* size, before sharding):
@@ -100,6 +101,60 @@ def barrier() -> None:
 
 
 # --------------------------------------------------------------------------------------------------------
+# Groups: collectives over a subset of the ranks
+# --------------------------------------------------------------------------------------------------------
+
+class Group:
+    """A subset of the ranks that run collectives among themselves: `ranks` (global ranks, in ring order),
+    this rank's `index` in it (-1 when not a member) and the backend's process group.
+
+    The paper's ZeRO shards over all N ranks (group=None everywhere). Hierarchical designs (HSDP / MiCS,
+    ZeRO++'s hpZ) shard within a group of S ranks and replicate across the N/S groups: two kinds of group.
+    """
+
+    def __init__(self, ranks: list[int]):
+        self.ranks = tuple(ranks)
+        self.index = self.ranks.index(rank()) if rank() in self.ranks else -1
+        # dist.new_group is collective: every rank must create every group, in the same order.
+        self.process_group = dist.new_group(list(ranks)) if world_size() > 1 else None
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def __repr__(self) -> str:
+        return f"Group{list(self.ranks)}"
+
+
+def mesh(shard_size: int) -> tuple[Group, Group]:
+    """Cut the N ranks into a 2-D mesh of N/S rows of S = shard_size consecutive ranks.
+
+    Returns this rank's (shard group: its row, replicate group: its column). With ranks_per_node = S a row is
+    one node, so the shard group's collectives stay inside the node. Every rank creates every group
+    (dist.new_group is collective), then keeps the two it belongs to.
+    """
+    n = world_size()
+    if shard_size < 1 or n % shard_size:
+        raise ValueError(f"a shard group of {shard_size} ranks does not divide the world size {n}")
+    rows = [Group(list(range(start, start + shard_size))) for start in range(0, n, shard_size)]
+    columns = [Group(list(range(index, n, shard_size))) for index in range(shard_size)]
+    return rows[rank() // shard_size], columns[rank() % shard_size]
+
+
+def group_size(group: Group | None) -> int:
+    return world_size() if group is None else group.size
+
+
+def group_rank(group: Group | None) -> int:
+    """This rank's position in `group` (its rank when group is None): which shard it owns."""
+    return rank() if group is None else group.index
+
+
+def _pg(group: Group | None):
+    return None if group is None else group.process_group
+
+
+# --------------------------------------------------------------------------------------------------------
 # Byte tally (per rank, per kind of collective)
 # --------------------------------------------------------------------------------------------------------
 
@@ -120,12 +175,12 @@ def tally() -> dict[str, float]:
 def ring_bytes(kind: str, full_bytes: int, n: int) -> float:
     """Bytes one rank sends in a bandwidth-optimal ring for a collective over a tensor of `full_bytes`."""
     factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
-              "all_gather": (n - 1) / n, "broadcast": (n - 1) / n}[kind]
+              "all_gather": (n - 1) / n, "broadcast": (n - 1) / n, "all_to_all": (n - 1) / n}[kind]
     return factor * full_bytes
 
 
-def _count(kind: str, full: torch.Tensor) -> None:
-    _tally[kind] += ring_bytes(kind, full.numel() * full.element_size(), world_size())
+def _count(kind: str, full: torch.Tensor, group: Group | None = None) -> None:
+    _tally[kind] += ring_bytes(kind, full.numel() * full.element_size(), group_size(group))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -139,49 +194,66 @@ class _Done:
         return True
 
 
-def all_reduce(tensor: torch.Tensor, op: str = "avg", async_op: bool = False):
+def all_reduce(tensor: torch.Tensor, op: str = "avg", async_op: bool = False, group: Group | None = None):
     """In place: every rank ends with op(tensor over ranks). DDP's gradient averaging."""
-    _count("all_reduce", tensor)
-    if world_size() == 1:
+    _count("all_reduce", tensor, group)
+    if group_size(group) == 1:
         return _Done() if async_op else None
-    return dist.all_reduce(tensor, op=_OPS[op], async_op=async_op)
+    return dist.all_reduce(tensor, op=_OPS[op], async_op=async_op, group=_pg(group))
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "avg", async_op: bool = False):
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "avg", async_op: bool = False,
+                   group: Group | None = None):
     """input [N * n] on every rank -> output [n] on rank r = op over ranks of input[r*n:(r+1)*n].
 
     `output` may be rank r's slice of `input` itself (in place): stage 1 uses that to average its own
     partition of the gradient without a second buffer.
     """
-    assert input.numel() == output.numel() * world_size(), "reduce_scatter: input must be N x output"
-    _count("reduce_scatter", input)
-    if world_size() == 1:
+    assert input.numel() == output.numel() * group_size(group), "reduce_scatter: input must be N x output"
+    _count("reduce_scatter", input, group)
+    if group_size(group) == 1:
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return _Done() if async_op else None
-    return dist.reduce_scatter_single(output, input, op=_OPS[op], async_op=async_op)
+    return dist.reduce_scatter_single(output, input, op=_OPS[op], async_op=async_op, group=_pg(group))
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False, group: Group | None = None):
     """input [n] from every rank -> output [N * n] on every rank, rank r's input at output[r*n:(r+1)*n].
 
     `input` may be this rank's slice of `output` (in place), which is how ZeRO rebuilds full parameters.
     """
-    assert output.numel() == input.numel() * world_size(), "all_gather: output must be N x input"
-    _count("all_gather", output)
-    if world_size() == 1:
+    assert output.numel() == input.numel() * group_size(group), "all_gather: output must be N x input"
+    _count("all_gather", output, group)
+    if group_size(group) == 1:
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return _Done() if async_op else None
-    return dist.all_gather_single(output, input, async_op=async_op)
+    return dist.all_gather_single(output, input, async_op=async_op, group=_pg(group))
 
 
-def broadcast(tensor: torch.Tensor, src: int = 0, async_op: bool = False):
-    """In place: every rank ends with rank `src`'s tensor. Used once, to start all replicas equal."""
-    _count("broadcast", tensor)
-    if world_size() == 1:
+def broadcast(tensor: torch.Tensor, src: int = 0, async_op: bool = False, group: Group | None = None):
+    """In place: every rank ends with rank `src`'s tensor (src: a global rank). Starts all replicas equal."""
+    _count("broadcast", tensor, group)
+    if group_size(group) == 1:
         return _Done() if async_op else None
-    return dist.broadcast(tensor, src=src, async_op=async_op)
+    return dist.broadcast(tensor, src=src, async_op=async_op, group=_pg(group))
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, async_op: bool = False, group: Group | None = None):
+    """input [N * n] -> output [N * n]: chunk j of rank r's input lands as chunk r of rank j's output.
+
+    A transpose of who-holds-what. Each rank keeps one chunk and sends N-1: (N-1)/N of the input. ZeRO++'s
+    quantized gradient reduce-scatter (qgZ) uses it to send int8 chunks, summed by the receiver.
+    """
+    assert output.numel() == input.numel() and input.numel() % group_size(group) == 0, \
+        "all_to_all: input and output must be the same N x n"
+    _count("all_to_all", input, group)
+    if group_size(group) == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return _Done() if async_op else None
+    return dist.all_to_all_single(output, input, async_op=async_op, group=_pg(group))
 
 
 def all_gather_object(obj) -> list:
