@@ -8,10 +8,11 @@ chromium explicitly, so Selenium Manager never downloads a browser or a driver.
 
 What a learner does, in headless Chromium: `jupyter lab` serves a temporary copy of notebooks/ (the repo
 is never modified; MINIZERO_SMALL=1 as in tests/test_notebooks.py), NOTEBOOK is opened, *Run → Run All
-Cells* is clicked, and once every code cell has its execution count no output shows a traceback, every
-cell that builds an ipywidgets control shows it rendered (not "Error displaying widget"), and changing
-that control changes what its output shows. A small notebook whose widget callback raises must fail the
-same checks (a check that cannot fail checks nothing). The deck is built the way slides/build.py builds
+Cells* is clicked, and once no cell is running every code cell has its execution count, no output shows
+a traceback, every cell whose source uses ipywidgets shows a rendered control (not "Error displaying
+widget"), and changing that control changes what the kernel computes and shows. A small notebook whose
+widget callback raises, with a widget whose model class the front end does not know, must fail the same
+checks (a check that cannot fail checks nothing). The deck is built the way slides/build.py builds
 it and stepped through with the keys it documents (→, space, PageDown, End, Home): the counter advances
 and every figure of every slide is decoded and laid out. The figures are placeholder PNGs here:
 tests/test_slides.py checks the measured ones, which take ~40 s to draw.
