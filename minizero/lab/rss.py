@@ -21,13 +21,15 @@ the demo's C. It is measured first (the baseline: a launch that trains the tiny 
 to the cap: each rank's RLIMIT_DATA is the baseline's private memory + C.
 
 What to expect per rank, with L blocks (stage 3 gathers one block ahead, ~Ψ/L parameters each):
-    DDP                16Ψ                  > C by construction: fails in its first step
+    DDP                16Ψ                  > C by construction: fails as AdamW creates its moments
     stage 3            16Ψ/N + in flight    two gathered blocks, one block's full gradients
     stage 3 + offload  24Ψ/N + in flight    + a host fp32 master and gradient partition (8Ψ/N): on a CPU
                                             the host *is* the device, so offloading saves nothing here
 "above base" is the peak resident set (VmHWM) less the baseline's: model states, activations, and the
 temporaries of autograd and gloo. It exceeds the formula by what is in flight, as engine.memory()'s peak
-of model states ("engine peak") shows, and by those temporaries.
+of model states ("engine peak") shows, and by those temporaries. Measured (N = 4, C = 200 MB, a 13.9 M
+GPT, 2 cores shared with other jobs): DDP out of memory in 8 s; stage 3 98 MB above the baseline for a
+formula of 55 MB (engine peak 69 MB), stage 3 + offload 124 MB for 83 MB; ~80 s in all.
 """
 
 from __future__ import annotations
