@@ -112,7 +112,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, block: int = BLOCK, as
     computes with the same weights. Sends (N-1)/N · N·wire_bytes(n) instead of (N-1)/N · N·n·e."""
     n = comm.group_size(group)
     q, scales = quantize(input, block)                                          # [n], [⌈n/B⌉]
-    q_all = torch.empty(n * q.numel(), dtype=torch.int8, device=q.device)      # [N * n]
+    q_all = torch.empty(n * q.numel(), dtype=q.dtype, device=q.device)          # [N * n] int8
     scales_all = torch.empty(n * scales.numel(), dtype=torch.float32, device=q.device)
     handles = [comm.all_gather(q_all, q, async_op=True, group=group),
                comm.all_gather(scales_all, scales, async_op=True, group=group)]
