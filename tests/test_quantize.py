@@ -11,11 +11,11 @@ import torch
 import minizero
 from minizero import quantize
 from minizero.cli.run import main as run_main
-from minizero.lab.quantized import VARIANTS, quantized_experiment
+from minizero.lab.quantized import LR, PSI, VARIANTS, quantized_experiment
 from minizero.lab.train import TrainConfig
 from minizero.memory import comm_volume
 
-N, BLOCK, PSI, LR = 3, 16, 432, 0.1
+N, BLOCK = 3, 16
 
 
 # --- quantize / dequantize, no processes ----------------------------------------------------------------

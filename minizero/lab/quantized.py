@@ -23,6 +23,7 @@ VARIANTS = {"stage 2": (2, {}), "stage 2 qgZ": (2, {"quantized_gradients": True}
             "stage 3 qgZ": (3, {"quantized_gradients": True}),
             "stage 3 qwZ+qgZ": (3, {"quantized_weights": True, "quantized_gradients": True})}
 WIDTH, ROWS = 12, 8            # 3 layers of 12 x 12 = 432 parameters; 8 rows per rank
+PSI, LR = 3 * WIDTH * WIDTH, 0.1
 
 
 def mlp() -> nn.Sequential:
@@ -40,7 +41,7 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x[rows], y[rows]
 
 
-def one_step(name: str, block: int = 16, lr: float = 0.1) -> dict:
+def one_step(name: str, block: int = 16, lr: float = LR) -> dict:
     """One SGD step of `name` (VARIANTS) on the MLP: the bytes it sent by collective, the parameters after
     it, the loss; and, at stage 3, the weights each layer computed with in forward and in backward."""
     stage, options = VARIANTS[name]
