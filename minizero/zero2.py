@@ -20,6 +20,8 @@ communication, but 2Ψ of gradient memory, as in FSDP's no_sync); outside it eve
 reduce-scattered and summed into the shard (DeepSpeed's way: more communication, less memory).
 reduce_dtype="fp32" (engine.py): staging buffers and shard are fp32, so the reduction and the sum over
 micro-batches outside no_sync() are fp32; inside no_sync() p.grad accumulates in the compute dtype.
+quantized_gradients=True (ZeRO++ qgZ, quantize.py): the reduce-scatter becomes an all-to-all of int8 blocks,
+each rank averaging the N chunks it receives in fp32: Ψ(1 + 4/B) bytes instead of Ψ·2.
 """
 
 from __future__ import annotations

@@ -28,6 +28,8 @@ Read zero2.py first: this file is what stage 3 changes, told as what happens to 
     forward gathers what it needs.
 offload="params" (ZeRO-Infinity style) keeps param_shard in host memory; each gather copies the unit's
 partition to the device first. The optimizer always steps on the host then (offload.py).
+quantized_weights=True (ZeRO++ qwZ, quantize.py): forward's all-gather sends the partitions as int8 blocks,
+Ψ(1 + 4/B) bytes instead of Ψ·2; backward's stays exact. quantized_gradients=True: qgZ, as in stage 2.
 
 [Note: recompute] Activation checkpointing (torch.utils.checkpoint, Hugging Face's
 gradient_checkpointing_enable()) runs a unit's forward again inside backward, hooks included. That forward

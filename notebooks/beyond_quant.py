@@ -89,5 +89,8 @@ def cells() -> list:
         The quantized runs follow the exact one within a few thousandths of the loss, for about half the bytes
         (fp32: 12 bytes an element per step become about 6). Every stored tensor stays exact, so the error does
         not accumulate in the weights: each step's quantization error is fresh and bounded.
+
+        **Exercise.** [../exercises/ex09_block_quantize.py](../exercises/ex09_block_quantize.py): block
+        quantize and dequantize, graded on the error bound and on the bytes stage 3 sends with them.
         """),
     ]
