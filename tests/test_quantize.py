@@ -11,6 +11,7 @@ import torch
 import minizero
 from minizero import quantize
 from minizero.cli.run import main as run_main
+from minizero.lab.deepspeed_config import load_deepspeed_config
 from minizero.lab.quantized import LR, PSI, VARIANTS, quantized_experiment
 from minizero.lab.train import TrainConfig
 from minizero.memory import comm_volume
@@ -60,6 +61,9 @@ def test_quantized_options_only_where_they_apply():
     with pytest.raises(ValueError, match="quantization_block"):
         minizero.wrap(torch.nn.Linear(4, 4), 2, opt, quantized_gradients=True, quantization_block=0)
     assert run_main(["--stage", "2", "--quantized-weights"]) == 2
+    zero = {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True}    # DeepSpeed's keys
+    overrides, warnings = load_deepspeed_config({"zero_optimization": zero}, 2)
+    assert overrides["quantized_weights"] and overrides["quantized_gradients"] and not warnings
 
 
 # --- one launch at N = 3: bytes, one step's error, training ---------------------------------------------
