@@ -40,7 +40,7 @@ def cells() -> list:
         from minizero.memory import comm_volume
 
         N, BLOCK = 3, 16
-        QSTEPS = 4 if os.environ.get("MINIZERO_SMALL") == "1" else 30
+        QSTEPS = 4 if os.environ.get("MINIZERO_SMALL") == "1" else 20
         QRUNS = {"stage 3": {}, "stage 3 qwZ": {"quantized_weights": True}, "stage 3 qgZ": {"quantized_gradients": True},
                  "stage 3 qwZ+qgZ": {"quantized_weights": True, "quantized_gradients": True}}
         cfgs = [TrainConfig(stage=3, world_size=N, steps=QSTEPS, model="tiny", batch_size=12, **o) for o in QRUNS.values()]
