@@ -21,8 +21,11 @@ from minizero.units import default_units
 from minizero.zero3 import Zero3
 
 ENGINES = dict(zip(STAGES, (DDP, Zero1, Zero2, Zero3)))
-# Options beyond dtype, reduce_dtype, loss_scale, offload and clip_grad_norm (which every stage takes), by stage.
-STAGE_OPTIONS = {0: {"bucket_size"}, 1: set(), 2: {"bucket_size"}, 3: {"units", "prefetch"}}
+# Options beyond COMMON_OPTIONS and offload (which every stage takes), by stage.
+QUANTIZED = {"quantized_gradients", "quantization_block"}    # ZeRO++ qgZ (quantize.py): stages 2-3
+STAGE_OPTIONS = {0: {"bucket_size"}, 1: set(), 2: {"bucket_size"} | QUANTIZED,
+                 3: {"units", "prefetch", "quantized_weights"} | QUANTIZED}      # qwZ: stage 3's forward
+COMMON_OPTIONS = {"dtype", "reduce_dtype", "loss_scale", "clip_grad_norm"}
 
 
 def engine_class(stage: int) -> type[Engine]:
@@ -38,6 +41,15 @@ def check(stage: int, dtype: str = "fp32", offload: bool | str = False, reduce_d
     engine_class(stage).check(dtype, offload, reduce_dtype)
 
 
+def check_options(stage: int, options) -> None:
+    """Raise TypeError (one line) if `stage` does not take one of the option names in `options`."""
+    unknown = sorted(set(options) - COMMON_OPTIONS - STAGE_OPTIONS[engine_class(stage).stage])
+    if unknown:
+        takers = sorted({s for name in unknown for s, names in STAGE_OPTIONS.items() if name in names})
+        where = f" (only stage {' and '.join(map(str, takers))})" if takers else ""
+        raise TypeError(f"stage {stage} does not take option(s) {', '.join(unknown)}{where}")
+
+
 def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
          activation_checkpointing: bool | str = False, **options) -> Engine:
     """Wrap `model` for ZeRO `stage` (0 = DDP).
@@ -50,14 +62,14 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
     options:   dtype ("fp32" | "bf16" | "fp16"), reduce_dtype (None | "fp32": bf16/fp16 gradients reduced
                and accumulated in fp32; engine.py), loss_scale (fp16: None = dynamic, a number = static, a
                dict = dynamic options; minizero/loss_scale.py), clip_grad_norm, bucket_size (bytes; stages 0, 2),
-               units and prefetch (stage 3).
+               units and prefetch (stage 3); ZeRO++ (quantize.py): quantized_weights (stage 3's forward
+               all-gather in int8, qwZ), quantized_gradients (stages 2-3: the reduce-scatter, qgZ),
+               quantization_block (elements per fp32 scale, default quantize.BLOCK).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     engine = engine_class(stage)
-    unknown = sorted(set(options) - {"dtype", "reduce_dtype", "loss_scale", "clip_grad_norm"} - STAGE_OPTIONS[stage])
-    if unknown:
-        raise TypeError(f"stage {stage} does not take option(s) {', '.join(unknown)}")
+    check_options(stage, options)
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("model has no trainable parameters (every parameter has requires_grad=False)")
     if any(p.is_meta for p in model.parameters()):
@@ -70,8 +82,12 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
                                          and not isinstance(options["bucket_size"], bool)
                                          and options["bucket_size"] > 0):
         raise ValueError(f"bucket_size must be a positive number of bytes, got {options['bucket_size']!r}")
-    if "prefetch" in options and not isinstance(options["prefetch"], bool):
-        raise TypeError(f"prefetch must be True or False, got {options['prefetch']!r}")
+    for flag in ("prefetch", "quantized_weights", "quantized_gradients"):
+        if flag in options and not isinstance(options[flag], bool):
+            raise TypeError(f"{flag} must be True or False, got {options[flag]!r}")
+    block = options.get("quantization_block", 1)
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"quantization_block must be a positive number of elements, got {block!r}")
     if "units" in options:
         mine = {id(m) for m in model.modules()}
         if not (isinstance(options["units"], (list, tuple, nn.ModuleList))

@@ -4,6 +4,7 @@
     python -m minizero.run --stage 3 --world-size 4 --dtype bf16 --offload params --json out.json
     python -m minizero.run --dtype fp16 [--loss-scale 1024]     # fp16: dynamic (or static) loss scaling
     python -m minizero.run --dtype bf16 --reduce-dtype fp32     # gradients reduced and accumulated in fp32
+    python -m minizero.run --stage 3 --quantized-weights --quantized-gradients   # ZeRO++ int8 communication
     python -m minizero.run --config examples/ds_config_zero2_offload.json --world-size 4   # DeepSpeed JSON
     torchrun --nproc-per-node 4 -m minizero.run --stage 3        # uses torchrun's process group
 
@@ -27,7 +28,7 @@ from minizero.lab.report import format_table, summarize
 from minizero.lab.train import OPTIMIZERS, TrainConfig, train_worker
 from minizero.launcher import launch
 from minizero.loss_scale import scaler_for
-from minizero.wrap import check
+from minizero.wrap import check, check_options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=None, help="learning rate (default 3e-3)")
     p.add_argument("--bucket-size-mb", type=float, default=None, help="gradient bucket size (default 25)")
     p.add_argument("--no-prefetch", action="store_true", help="stage 3: gather units only when needed")
+    p.add_argument("--quantized-weights", action="store_true",
+                   help="stage 3: forward's all-gather sends int8 blocks (ZeRO++ qwZ; minizero/quantize.py)")
+    p.add_argument("--quantized-gradients", action="store_true",
+                   help="stages 2-3: the gradient reduce-scatter sends int8 blocks (ZeRO++ qgZ)")
     p.add_argument("--activation-checkpointing", nargs="?", const=True, default=None, choices=["cpu"],
                    metavar="cpu", help="recompute each block's forward in backward, keeping only its input; "
                                        "'cpu': keep those inputs in host memory (ZeRO-R's P_a+cpu)")
@@ -113,6 +118,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         cfg.bucket_size = args.bucket_size_mb * 1e6
     if args.no_prefetch:
         cfg.prefetch = False
+    cfg.quantized_weights = cfg.quantized_weights or args.quantized_weights
+    cfg.quantized_gradients = cfg.quantized_gradients or args.quantized_gradients
     if args.activation_checkpointing is not None:
         cfg.activation_checkpointing = args.activation_checkpointing
     cfg.save_dir, cfg.load_dir = args.save, args.load
@@ -161,6 +168,7 @@ def validate(cfg: TrainConfig) -> None:
         cfg.offload = "optimizer"
     try:
         check(cfg.stage, cfg.dtype, cfg.offload, cfg.reduce_dtype)    # the engines' own rules (minizero.wrap)
+        check_options(cfg.stage, set(cfg.engine_options()) - {"activation_checkpointing"})
         scaler_for(cfg.dtype, cfg.loss_scale)             # ... and the loss scaler's
     except (ValueError, TypeError) as e:
         bad(str(e))

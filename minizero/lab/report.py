@@ -34,7 +34,9 @@ def theory(cfg: TrainConfig, num_params: int, num_frozen: int = 0) -> dict:
                                    checkpointing=cfg.activation_checkpointing)
     return {**b, "device_total": b["params"] + b["grads"] + b["optimizer"], "activations": activations,
             "comm_bytes_per_step": comm_volume(trainable, cfg.world_size, cfg.stage, bytes_per_elem=elem,
-                                               grad_bytes=grad, frozen=num_frozen)}
+                                               grad_bytes=grad, frozen=num_frozen,
+                                               quantized_weights=cfg.quantized_weights,
+                                               quantized_gradients=cfg.quantized_gradients)}
 
 
 def summarize(cfg: TrainConfig, results: list[dict]) -> dict:

@@ -57,6 +57,8 @@ class TrainConfig:
     optimizer_params: dict = field(default_factory=dict)    # extra keyword arguments (betas, momentum...)
     bucket_size: float = DEFAULT_BUCKET_BYTES               # bytes per gradient bucket (stages 0, 2)
     prefetch: bool = True                                   # stage 3
+    quantized_weights: bool = False                         # stage 3: ZeRO++ qwZ (minizero/quantize.py)
+    quantized_gradients: bool = False                       # stages 2-3: ZeRO++ qgZ
     model: str = "default"                                  # GPTConfig.named(...)
     model_overrides: dict = field(default_factory=dict)
     seed: int = 0
@@ -92,6 +94,9 @@ class TrainConfig:
             opts["bucket_size"] = self.bucket_size
         if self.stage == 3:
             opts["prefetch"] = self.prefetch
+        for name in ("quantized_weights", "quantized_gradients"):       # only when on: wrap checks the stage
+            if getattr(self, name):
+                opts[name] = True
         if self.activation_checkpointing:
             opts["activation_checkpointing"] = self.activation_checkpointing
         return opts

@@ -28,6 +28,7 @@ from typing import Iterable
 
 import torch
 
+from minizero import quantize
 from minizero.optim import DTYPES
 
 STAGES = (0, 1, 2, 3)                      # 0 = DDP; minizero.wrap has one engine per stage
@@ -104,16 +105,26 @@ def estimate(num_params: int, world_size: int, stage: int, *, param_bytes: int =
 
 
 def comm_volume(num_params: int, world_size: int, stage: int, *, bytes_per_elem: int = 2,
-                grad_bytes: int | None = None, frozen: int = 0) -> float:
+                grad_bytes: int | None = None, frozen: int = 0, quantized_weights: bool = False,
+                quantized_gradients: bool = False, block: int = quantize.BLOCK) -> float:
     """Bytes one rank sends per step in a ring (paper section 7): 2Ψ for stages 0-2, 3Ψ for stage 3,
     each times (N-1)/N, which the paper rounds to 1. Frozen parameters (Ψ_f) are never reduced; stage 3
     gathers them for forward and backward: + 2Ψ_f. Of those elements the gradients' (DDP's all-reduce,
     2Ψ; stages 1-3's reduce-scatter, Ψ) travel at grad_bytes each (default bytes_per_elem; 4 with
-    reduce_dtype="fp32"), the parameters' all-gathers at bytes_per_elem."""
-    grads = 2 * num_params if stage == 0 else num_params
-    params = {0: 0, 1: num_params, 2: num_params, 3: 2 * num_params + 2 * frozen}[stage]
-    grad_bytes = bytes_per_elem if grad_bytes is None else grad_bytes
-    return (world_size - 1) / world_size * (grads * grad_bytes + params * bytes_per_elem)
+    reduce_dtype="fp32"), the parameters' all-gathers at bytes_per_elem.
+
+    ZeRO++ (quantize.py), int8 in blocks of `block`: quantized_weights (stage 3) sends forward's all-gather
+    of Ψ + Ψ_f as quantize.wire_bytes (Ψ + 4Ψ/B instead of Ψ·bytes_per_elem), quantized_gradients (stages
+    2-3) the reduce-scatter's Ψ (an all-to-all of int8 chunks): 3Ψ·2 = 6Ψ bytes of bf16 stage 3 become
+    Ψ(1 + 4/B) + 2Ψ + Ψ(1 + 4/B), about 4Ψ. Exact when B divides each rank's chunk of every bucket."""
+    grads = (2 * num_params if stage == 0 else num_params) * (bytes_per_elem if grad_bytes is None else grad_bytes)
+    if quantized_gradients:
+        grads = quantize.wire_bytes(num_params, block)
+    gathered = {0: 0, 1: num_params, 2: num_params, 3: 2 * num_params + 2 * frozen}[stage] * bytes_per_elem
+    if quantized_weights:            # forward's gather of Ψ + Ψ_f, at 1 + 4/B bytes instead of bytes_per_elem
+        gathered += (quantize.wire_bytes(num_params, block) + quantize.wire_bytes(frozen, block)
+                     - (num_params + frozen) * bytes_per_elem)
+    return (world_size - 1) / world_size * (grads + gathered)
 
 
 def measure(groups: dict[str, Iterable[torch.Tensor]]) -> dict[str, int]:
