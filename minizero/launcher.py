@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from minizero import comm
+from minizero.network import network_from_env
 
 _GRACE_S = 5.0          # after a failure, how long survivors get between SIGTERM and SIGKILL
 _SETTLE_S = 1.0         # after a first failure, how long to collect other reports before naming the cause
@@ -67,7 +68,8 @@ def _context(start_method: str | None, fn: Callable) -> mp.context.BaseContext:
     return ctx
 
 
-def _worker(rank: int, world_size: int, port: int, backend: str | None, payload: bytes, conn) -> None:
+def _worker(rank: int, world_size: int, port: int, backend: str | None, payload: bytes, conn,
+            network=None) -> None:
     """Body of each child process: join the group, run fn, send back ("ok", result) or ("error", ...)."""
     # Ranks share the machine's cores; more threads than cores per rank only adds contention.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -75,6 +77,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str | None, payload:
         fn, args = _loads(payload)
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=datetime.timedelta(seconds=60))
         comm.init(rank, world_size, backend=backend, store=store)
+        comm.set_network(network)       # the parent's, not the environment the forkserver started with
         result = fn(*args)
         comm.destroy(wait_for_peers=True)
         conn.send(("ok", _dumps(result)))
@@ -108,6 +111,7 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None
     backend: "gloo" (CPU) or "nccl" (one GPU per rank); default NCCL when CUDA is available.
     timeout: seconds for the whole run (None: no limit); past it every rank is killed.
     Raises RuntimeError("rank R failed: ...") if any rank raises or dies; no child outlives the call.
+    The ranks model the network this process has (comm.set_network, else MINIZERO_NETWORK; network.py).
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
@@ -119,11 +123,12 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
     payload = _dumps((fn, args))
+    network = comm.network() or network_from_env()
     procs, conns = [], []
     try:
         for rank in range(world_size):
             recv_end, send_end = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_worker, args=(rank, world_size, store.port, backend, payload, send_end),
+            p = ctx.Process(target=_worker, args=(rank, world_size, store.port, backend, payload, send_end, network),
                             name=f"minizero-rank{rank}", daemon=True)
             p.start()
             send_end.close()            # the child holds the only writer now: EOF means it died

@@ -22,7 +22,7 @@ from minizero.zero3 import Zero3
 
 ENGINES = dict(zip(STAGES, (DDP, Zero1, Zero2, Zero3)))
 # Options beyond dtype, reduce_dtype, loss_scale, offload and clip_grad_norm (which every stage takes), by stage.
-STAGE_OPTIONS = {0: {"bucket_size"}, 1: set(), 2: {"bucket_size"}, 3: {"units", "prefetch"}}
+STAGE_OPTIONS = {0: {"bucket_size", "overlap"}, 1: set(), 2: {"bucket_size"}, 3: {"units", "prefetch"}}
 
 
 def engine_class(stage: int) -> type[Engine]:
@@ -50,7 +50,7 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
     options:   dtype ("fp32" | "bf16" | "fp16"), reduce_dtype (None | "fp32": bf16/fp16 gradients reduced
                and accumulated in fp32; engine.py), loss_scale (fp16: None = dynamic, a number = static, a
                dict = dynamic options; minizero/loss_scale.py), clip_grad_norm, bucket_size (bytes; stages 0, 2),
-               units and prefetch (stage 3).
+               overlap (stage 0; False: all-reduce every bucket after backward), units and prefetch (stage 3).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -70,8 +70,9 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
                                          and not isinstance(options["bucket_size"], bool)
                                          and options["bucket_size"] > 0):
         raise ValueError(f"bucket_size must be a positive number of bytes, got {options['bucket_size']!r}")
-    if "prefetch" in options and not isinstance(options["prefetch"], bool):
-        raise TypeError(f"prefetch must be True or False, got {options['prefetch']!r}")
+    for flag in ("prefetch", "overlap"):
+        if flag in options and not isinstance(options[flag], bool):
+            raise TypeError(f"{flag} must be True or False, got {options[flag]!r}")
     if "units" in options:
         mine = {id(m) for m in model.modules()}
         if not (isinstance(options["units"], (list, tuple, nn.ModuleList))

@@ -57,6 +57,7 @@ class TrainConfig:
     optimizer_params: dict = field(default_factory=dict)    # extra keyword arguments (betas, momentum...)
     bucket_size: float = DEFAULT_BUCKET_BYTES               # bytes per gradient bucket (stages 0, 2)
     prefetch: bool = True                                   # stage 3
+    overlap: bool = True                                    # stage 0: False all-reduces after backward
     model: str = "default"                                  # GPTConfig.named(...)
     model_overrides: dict = field(default_factory=dict)
     seed: int = 0
@@ -90,6 +91,8 @@ class TrainConfig:
             opts["reduce_dtype"] = self.reduce_dtype
         if self.stage in (0, 2):
             opts["bucket_size"] = self.bucket_size
+        if self.stage == 0 and not self.overlap:
+            opts["overlap"] = False
         if self.stage == 3:
             opts["prefetch"] = self.prefetch
         if self.activation_checkpointing:
