@@ -661,12 +661,12 @@ def beyond_overlap() -> list:
         print(f"compute T = {out['compute_s'] * 1e3:.1f} ms per step; DDP all-reduces {out['allreduce_bytes'] / 1e3:.0f} kB")
         for label in ("DDP", "DDP, no overlap", "stage 3", "stage 3, no prefetch"):
             r = runs[label]
-            print(f"{label:22} {r['network']:32} median step {r['step_time_s'] * 1e3:6.1f} ms")
+            print(f"{label:22} {r['network']:32} step {r['step_time_s'] * 1e3:6.1f} ms (fastest of {BASE.steps - 1})")
         network_plots.step_times(out, ["DDP", "DDP, no overlap"]);
         """),
         md("""
-        One recorded step each: the orange bars are the modelled link busy, the blue ticks the blocks' compute
-        events. With overlap, the first buckets go out while backward still computes the earlier layers; without
+        The fastest step of each run (the CPU is shared: other work slows steps at random, never speeds them
+        up), as recorded: the orange bars are the modelled link busy, the blue ticks the blocks' compute events. With overlap, the first buckets go out while backward still computes the earlier layers; without
         it, the link idles through backward and the step waits for all of it afterwards.
         """),
         code("""

@@ -9,6 +9,7 @@ and compared with each other as loose inequalities: never a threshold in millise
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import astuple
@@ -131,10 +132,15 @@ def test_without_a_model_one_machine_is_one_node():
 # One launch of 2 ranks, 1 per node: step time under the model
 # --------------------------------------------------------------------------------------------------------
 
+# The tiny GPT with 4 blocks, each of which also sleeps 20 ms in forward and in backward: compute a busy CPU cannot
+# stretch, so the gains below are not lost in the noise of other processes. Small buckets: several per step.
+SLEEPY = dataclasses.replace(BASE, model="tiny", model_overrides={"n_layer": 4}, bucket_size=4000, steps=4)
+
+
 @pytest.fixture(scope="module")
 def steps():
-    runs = overlap_runs(1.0) + [("DDP, ratio 0.25", {"stage": 0}, 0.25), ("DDP, ratio 4", {"stage": 0}, 4.0)]
-    return by_label(measure(runs, BASE))
+    runs = overlap_runs(0.5) + [("DDP, ratio 0.25", {"stage": 0}, 0.25), ("DDP, ratio 2", {"stage": 0}, 2.0)]
+    return by_label(measure(runs, SLEEPY, block_sleep=0.02))
 
 
 def test_every_step_lasts_at_least_its_modelled_communication(steps):
@@ -144,19 +150,13 @@ def test_every_step_lasts_at_least_its_modelled_communication(steps):
         assert math.isclose(run["comm"]["inter_node"], run["comm"]["total"]), label     # 2 nodes of 1 rank
 
 
-def fastest(steps) -> dict[str, float]:
-    """Each run's fastest timed step: other work on a shared CPU slows steps down at random, never speeds
-    one up, so the minimum is the steadiest statistic of a few steps (timeit's reasoning)."""
-    return {label: min(run["step_times"][1:]) for label, run in steps.items()}
-
-
 def test_overlap_and_prefetch_shorten_the_step(steps):
-    t = fastest(steps)
+    t = {label: run["step_time_s"] for label, run in steps.items()}       # each run's fastest step
     assert t["DDP"] < t["DDP, no overlap"], t
     assert t["stage 3"] < t["stage 3, no prefetch"], t
 
 
 def test_step_time_grows_as_bandwidth_falls(steps):
-    t = fastest(steps)
-    assert steps["DDP, ratio 4"]["bandwidth"] < steps["DDP"]["bandwidth"] < steps["DDP, ratio 0.25"]["bandwidth"]
-    assert t["DDP, ratio 0.25"] < t["DDP, ratio 4"] and t["DDP"] < t["DDP, ratio 4"], t
+    t = {label: run["step_time_s"] for label, run in steps.items()}       # each run's fastest step
+    assert steps["DDP, ratio 2"]["bandwidth"] < steps["DDP"]["bandwidth"] < steps["DDP, ratio 0.25"]["bandwidth"]
+    assert t["DDP, ratio 0.25"] < t["DDP, ratio 2"] and t["DDP"] < t["DDP, ratio 2"], t

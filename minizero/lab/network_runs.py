@@ -16,7 +16,7 @@ bandwidth it got, so the Gb/s are there to read.
 from __future__ import annotations
 
 import dataclasses
-import statistics
+import functools
 import time
 
 import torch
@@ -33,40 +33,66 @@ BASE = TrainConfig(stage=0, world_size=2, steps=4, batch_size=8, bucket_size=40_
 RATIOS = (0.25, 1.0, 4.0)           # communication / compute of a DDP step, for the bandwidth sweep
 
 
-def _train(cfg: TrainConfig) -> dict:
-    """cfg.steps timed steps (the first a warm-up), then one more that records the timeline: the events of
-    engine.memory_timeline and the transfers on this rank's modelled link (network.Link.history)."""
-    engine = wrap(make_model(cfg.model_config(), seed=cfg.seed), cfg.stage, cfg.optimizer_factory(),
-                  offload=cfg.offload, **cfg.engine_options())
-    times = []
-    for step in range(cfg.steps + 1):
-        recording = step == cfg.steps
+def _instrument(blocks, events: list, sleep: float) -> None:
+    """Hooks on each block, after wrap's (so a stage 3 unit's gather and prefetch come first): append
+    (time, "forward i") when its forward ends and (time, "backward i") when its backward starts. With
+    `sleep`, each block's forward and backward also take that much longer, asleep: compute that a busy CPU
+    cannot stretch, so that the tests' gains are not lost in the noise of other processes."""
+    def after_forward(i, module, args, output):
+        time.sleep(sleep)
+        events.append((time.perf_counter(), f"forward {i}"))
+        if output.requires_grad:
+            output.register_hook(lambda grad: before_backward(i))
+
+    def before_backward(i):
+        events.append((time.perf_counter(), f"backward {i}"))
+        time.sleep(sleep)
+
+    for i, block in enumerate(blocks):
+        block.register_forward_hook(functools.partial(after_forward, i))
+
+
+def _train(cfg: TrainConfig, block_sleep: float = 0.0) -> dict:
+    """cfg.steps steps, each timed and recorded: its blocks' forward and backward events (_instrument) and
+    the transfers on this rank's modelled link (network.Link.history). The step time reported is the
+    fastest after the first (a warm-up), with its timeline: other work on a shared CPU slows steps down at
+    random and never speeds one up, so the minimum of a few steps is the steadiest statistic (timeit's)."""
+    model = make_model(cfg.model_config(), seed=cfg.seed)
+    engine = wrap(model, cfg.stage, cfg.optimizer_factory(), offload=cfg.offload, **cfg.engine_options())
+    events: list = []
+    _instrument(model.blocks, events, block_sleep)
+
+    def backward(loss):
+        engine.backward(loss)
+        events.append((time.perf_counter(), "end of backward"))
+
+    times, timelines = [], []
+    for step in range(cfg.steps):
         comm.reset_tally()
-        engine.memory_timeline = [] if recording else None
-        comm.link.history = [] if recording else None
+        events.clear()
+        comm.link.history = []
         start = time.perf_counter()
-        forward_backward(cfg, step, engine, engine.backward, engine.no_sync)
+        forward_backward(cfg, step, engine, backward, engine.no_sync)
         engine.step()
         if engine.device.type == "cuda":
             torch.cuda.synchronize()
-        if not recording:
-            times.append(time.perf_counter() - start)
-    timeline = {"events": [(t - start, event) for t, event, _ in engine.memory_timeline],
-                "transfers": [(a - start, b - start, kind) for a, b, kind in comm.link.history],
-                "end": time.perf_counter() - start}
+        times.append(time.perf_counter() - start)
+        timelines.append({"events": [(t - start, event) for t, event in events],
+                          "transfers": [(a - start, b - start, kind) for a, b, kind in comm.link.history],
+                          "end": times[-1]})
     comm.link.history = None
-    return {"step_times": times, "step_time_s": statistics.median(times[1:]), "comm": comm.tally(),
-            "timeline": timeline, "num_params": model_num_params(engine), "world_size": cfg.world_size}
+    fastest = min(range(1, cfg.steps), key=times.__getitem__)
+    return {"step_times": times, "step_time_s": times[fastest], "timeline": timelines[fastest],
+            "comm": comm.tally(), "num_params": model_num_params(engine), "world_size": cfg.world_size}
 
 
 def step_time_worker(base: TrainConfig, runs: list[tuple[str, dict, float | None]], latency: float,
-                     ranks_per_node: int) -> dict:
+                     ranks_per_node: int, block_sleep: float = 0.0) -> dict:
     """Worker: `base` (stage 0) with no network gives the compute time T of a step and the bytes of its
     all-reduce S; then each run (label, TrainConfig overrides, ratio ρ or None: no network) under a network
     whose bandwidth makes S take ρ·T."""
-    calibration = _train(base)
-    # the fastest step: a CPU shared with other work slows some steps down, never speeds one up
-    compute = max(comm.all_gather_object(min(calibration["step_times"][1:])))   # every rank the same model
+    calibration = _train(base, block_sleep)
+    compute = max(comm.all_gather_object(calibration["step_time_s"]))       # every rank the same model
     sent = calibration["comm"]["total"]
     out = {"compute_s": compute, "allreduce_bytes": sent, "runs": []}
     for label, overrides, ratio in runs:
@@ -74,7 +100,7 @@ def step_time_worker(base: TrainConfig, runs: list[tuple[str, dict, float | None
                                                      ranks_per_node=ranks_per_node)
         comm.set_network(network)
         try:
-            result = _train(dataclasses.replace(base, **overrides))
+            result = _train(dataclasses.replace(base, **overrides), block_sleep)
         finally:
             comm.set_network(None)
         out["runs"].append({"label": label, "ratio": ratio, "network": None if network is None else str(network),
@@ -84,9 +110,10 @@ def step_time_worker(base: TrainConfig, runs: list[tuple[str, dict, float | None
 
 
 def measure(runs: list[tuple[str, dict, float | None]], base: TrainConfig = BASE, latency: float = 10e-6,
-            ranks_per_node: int = 1) -> dict:
-    """One launch of `base.world_size` ranks: rank 0's step_time_worker result."""
-    return launch(step_time_worker, base.world_size, base, runs, latency, ranks_per_node, backend=base.backend)[0]
+            ranks_per_node: int = 1, block_sleep: float = 0.0) -> dict:
+    """One launch of `base.world_size` ranks: rank 0's step_time_worker result (block_sleep: _slow_down)."""
+    return launch(step_time_worker, base.world_size, base, runs, latency, ranks_per_node, block_sleep,
+                  backend=base.backend)[0]
 
 
 def overlap_runs(ratio: float = 1.0) -> list[tuple[str, dict, float]]:
@@ -111,7 +138,7 @@ def predict(out: dict, bandwidth: float) -> dict[int, dict]:
     predicted = {}
     for run in out["runs"]:
         if run["ratio"] is None:
-            compute, sent = min(run["step_times"][1:]), run["comm"]["total"]
+            compute, sent = run["step_time_s"], run["comm"]["total"]
             c = sent / bandwidth
             predicted[run["stage"]] = {"compute_s": compute, "comm_s": c, "hidden_s": max(compute, c),
                                        "serial_s": compute + c}
