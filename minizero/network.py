@@ -23,6 +23,8 @@ What it models (comm.py applies it; this file is the model):
   * Queuing. A rank's link is one resource (`Link`): a collective starts when it is issued or when the
     previous one on this rank's link ends, whichever is later. An asynchronous collective issued during
     backward therefore runs while autograd computes (overlap), and a synchronous one blocks its caller.
+    Intra- and inter-node collectives share that one queue: a rank's collectives run in the order issued,
+    as one NCCL communicator's do on its stream (it does not model two streams using two kinds of link).
 
 What it ignores (so measured times are a lower bound of what a real cluster would show):
   * contention: every rank has an inter-node link of `bandwidth` to itself; on a real node the ranks share

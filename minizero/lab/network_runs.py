@@ -91,6 +91,7 @@ def step_time_worker(base: TrainConfig, runs: list[tuple[str, dict, float | None
     """Worker: `base` (stage 0) with no network gives the compute time T of a step and the bytes of its
     all-reduce S; then each run (label, TrainConfig overrides, ratio ρ or None: no network) under a network
     whose bandwidth makes S take ρ·T."""
+    _train(base, block_sleep)                    # a warm-up run: the first run of a process is slower
     calibration = _train(base, block_sleep)
     compute = max(comm.all_gather_object(calibration["step_time_s"]))       # every rank the same model
     sent = calibration["comm"]["total"]
@@ -124,7 +125,7 @@ def overlap_runs(ratio: float = 1.0) -> list[tuple[str, dict, float]]:
 
 def sweep_runs(ratios=RATIOS, stages=(0, 1, 2, 3)) -> list[tuple[str, dict, float | None]]:
     """Every stage with no network and at each ratio (the bandwidth falls as the ratio grows)."""
-    return [(f"stage {s}, ratio {r}", {"stage": s}, r) for s in stages for r in (None, *ratios)]
+    return [(f"stage {s}, ratio {r}", {"stage": s}, r) for s in stages for r in (*ratios, None)]
 
 
 def by_label(out: dict) -> dict[str, dict]:
