@@ -150,6 +150,12 @@ def test_every_step_lasts_at_least_its_modelled_communication(steps):
         assert math.isclose(run["comm"]["inter_node"], run["comm"]["total"]), label     # 2 nodes of 1 rank
 
 
+def test_the_model_and_the_variants_change_no_value(steps):
+    # the same reductions in the same bucket order, only later (no overlap) or gathered later (no prefetch)
+    assert steps["DDP"]["losses"] == steps["DDP, no overlap"]["losses"] == steps["DDP, ratio 2"]["losses"]
+    assert steps["stage 3"]["losses"] == steps["stage 3, no prefetch"]["losses"]
+
+
 def test_overlap_and_prefetch_shorten_the_step(steps):
     t = {label: run["step_time_s"] for label, run in steps.items()}       # each run's fastest step
     assert t["DDP"] < t["DDP, no overlap"], t

@@ -66,13 +66,13 @@ def _train(cfg: TrainConfig, block_sleep: float = 0.0) -> dict:
         engine.backward(loss)
         events.append((time.perf_counter(), "end of backward"))
 
-    times, timelines = [], []
+    times, timelines, losses = [], [], []
     for step in range(cfg.steps):
         comm.reset_tally()
         events.clear()
         comm.link.history = []
         start = time.perf_counter()
-        forward_backward(cfg, step, engine, backward, engine.no_sync)
+        losses.append(forward_backward(cfg, step, engine, backward, engine.no_sync))
         engine.step()
         if engine.device.type == "cuda":
             torch.cuda.synchronize()
@@ -82,7 +82,7 @@ def _train(cfg: TrainConfig, block_sleep: float = 0.0) -> dict:
                           "end": times[-1]})
     comm.link.history = None
     fastest = min(range(1, cfg.steps), key=times.__getitem__)
-    return {"step_times": times, "step_time_s": times[fastest], "timeline": timelines[fastest],
+    return {"step_times": times, "step_time_s": times[fastest], "timeline": timelines[fastest], "losses": losses,
             "comm": comm.tally(), "num_params": model_num_params(engine), "world_size": cfg.world_size}
 
 
