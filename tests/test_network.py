@@ -166,3 +166,15 @@ def test_step_time_grows_as_bandwidth_falls(steps):
     t = {label: run["step_time_s"] for label, run in steps.items()}       # each run's fastest step
     assert steps["DDP, ratio 2"]["bandwidth"] < steps["DDP"]["bandwidth"] < steps["DDP, ratio 0.25"]["bandwidth"]
     assert t["DDP, ratio 0.25"] < t["DDP, ratio 2"] and t["DDP"] < t["DDP, ratio 2"], t
+
+
+def test_overlap_is_a_stage_0_flag():
+    import functools
+
+    from torch import nn
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    with pytest.raises(TypeError, match="overlap must be True or False"):
+        minizero.wrap(nn.Linear(2, 2), 0, sgd, overlap="no")
+    with pytest.raises(TypeError, match="stage 2 does not take option"):
+        minizero.wrap(nn.Linear(2, 2), 2, sgd, overlap=False)
+    assert not minizero.wrap(nn.Linear(2, 2), 0, sgd, overlap=False).reducer.overlap
