@@ -178,3 +178,8 @@ def test_overlap_is_a_stage_0_flag():
     with pytest.raises(TypeError, match="stage 2 does not take option"):
         minizero.wrap(nn.Linear(2, 2), 2, sgd, overlap=False)
     assert not minizero.wrap(nn.Linear(2, 2), 0, sgd, overlap=False).reducer.overlap
+
+
+def test_cli_no_overlap_is_for_ddp(capsys):
+    assert run_main(["--stage", "2", "--no-overlap"]) == 2
+    assert "--no-overlap is for --stage 0" in capsys.readouterr().err
