@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from minizero import comm
+from minizero.network import network_from_env
 
 _GRACE_S = 5.0          # after a failure, how long survivors get between SIGTERM and SIGKILL
 _SETTLE_S = 1.0         # after a first failure, how long to collect other reports before naming the cause
@@ -88,7 +89,7 @@ def _out_of_memory(exc: BaseException) -> bool:
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str | None, payload: bytes, conn,
-            memory_cap: int | None = None) -> None:
+            memory_cap: int | None = None, network=None) -> None:
     """Body of each child process: join the group, run fn, send back ("ok", result) or ("error", ...)."""
     # Ranks share the machine's cores; more threads than cores per rank only adds contention.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -99,6 +100,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str | None, payload:
         fn, args = _loads(payload)
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=datetime.timedelta(seconds=60))
         comm.init(rank, world_size, backend=backend, store=store)
+        comm.set_network(network)       # the parent's, not the environment the forkserver started with
         result = fn(*args)
         comm.destroy(wait_for_peers=True)
         conn.send(("ok", _dumps(result)))
@@ -139,6 +141,7 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None
     timeout: seconds for the whole run (None: no limit); past it every rank is killed.
     memory_cap: bytes of private memory each rank may hold, torch's own included (RLIMIT_DATA; None: no cap).
     Raises RuntimeError("rank R failed: ...") if any rank raises or dies; no child outlives the call.
+    The ranks model the network this process has (comm.set_network, else MINIZERO_NETWORK; network.py).
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
@@ -153,12 +156,13 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
     payload = _dumps((fn, args))
+    network = comm.network() or network_from_env()
     procs, conns = [], []
     try:
         for rank in range(world_size):
             recv_end, send_end = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_worker, args=(rank, world_size, store.port, backend, payload, send_end,
-                                                 memory_cap),
+                                                 memory_cap, network),
                             name=f"minizero-rank{rank}", daemon=True)
             p.start()
             send_end.close()            # the child holds the only writer now: EOF means it died

@@ -23,7 +23,7 @@ from minizero.zero3 import Zero3
 ENGINES = dict(zip(STAGES, (DDP, Zero1, Zero2, Zero3)))
 # Options beyond COMMON_OPTIONS and offload (which every stage takes), by stage.
 QUANTIZED = {"quantized_gradients", "quantization_block"}    # ZeRO++ qgZ (quantize.py): stages 2-3
-STAGE_OPTIONS = {0: {"bucket_size"}, 1: set(), 2: {"bucket_size"} | QUANTIZED,
+STAGE_OPTIONS = {0: {"bucket_size", "overlap"}, 1: set(), 2: {"bucket_size"} | QUANTIZED,
                  3: {"units", "prefetch", "quantized_weights"} | QUANTIZED}      # qwZ: stage 3's forward
 COMMON_OPTIONS = {"dtype", "reduce_dtype", "loss_scale", "clip_grad_norm"}
 
@@ -62,7 +62,8 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
     options:   dtype ("fp32" | "bf16" | "fp16"), reduce_dtype (None | "fp32": bf16/fp16 gradients reduced
                and accumulated in fp32; engine.py), loss_scale (fp16: None = dynamic, a number = static, a
                dict = dynamic options; minizero/loss_scale.py), clip_grad_norm, bucket_size (bytes; stages 0, 2),
-               units and prefetch (stage 3); ZeRO++ (quantize.py): quantized_weights (stage 3's forward
+               overlap (stage 0; False: all-reduce every bucket after backward), units and prefetch (stage 3);
+               ZeRO++ (quantize.py): quantized_weights (stage 3's forward
                all-gather in int8, qwZ), quantized_gradients (stages 2-3: the reduce-scatter, qgZ),
                quantization_block (elements per fp32 scale, default quantize.BLOCK).
     """
@@ -82,7 +83,7 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
                                          and not isinstance(options["bucket_size"], bool)
                                          and options["bucket_size"] > 0):
         raise ValueError(f"bucket_size must be a positive number of bytes, got {options['bucket_size']!r}")
-    for flag in ("prefetch", "quantized_weights", "quantized_gradients"):
+    for flag in ("prefetch", "overlap", "quantized_weights", "quantized_gradients"):
         if flag in options and not isinstance(options[flag], bool):
             raise TypeError(f"{flag} must be True or False, got {options[flag]!r}")
     block = options.get("quantization_block", 1)

@@ -5,6 +5,7 @@
     python -m minizero.run --dtype fp16 [--loss-scale 1024]     # fp16: dynamic (or static) loss scaling
     python -m minizero.run --dtype bf16 --reduce-dtype fp32     # gradients reduced and accumulated in fp32
     python -m minizero.run --stage 3 --quantized-weights --quantized-gradients   # ZeRO++ int8 communication
+    python -m minizero.run --stage 0 --network 1gbps,10us,ranks_per_node=2 [--no-overlap]   # a modelled network
     python -m minizero.run --config examples/ds_config_zero2_offload.json --world-size 4   # DeepSpeed JSON
     torchrun --nproc-per-node 4 -m minizero.run --stage 3        # uses torchrun's process group
 
@@ -28,6 +29,7 @@ from minizero.lab.report import format_table, summarize
 from minizero.lab.train import OPTIMIZERS, TrainConfig, train_worker
 from minizero.launcher import launch
 from minizero.loss_scale import scaler_for
+from minizero.network import network_from_env, parse_network
 from minizero.wrap import check, check_options
 
 
@@ -61,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stage 3: forward's all-gather sends int8 blocks (ZeRO++ qwZ; minizero/quantize.py)")
     p.add_argument("--quantized-gradients", action="store_true",
                    help="stages 2-3: the gradient reduce-scatter sends int8 blocks (ZeRO++ qgZ)")
+    p.add_argument("--no-overlap", action="store_true", help="stage 0: all-reduce every bucket after backward")
+    p.add_argument("--network", default=None, metavar="SPEC",
+                   help="model a cluster network, e.g. 1gbps,10us,ranks_per_node=2 (minizero/network.py; "
+                        "default: $MINIZERO_NETWORK, else none)")
     p.add_argument("--activation-checkpointing", nargs="?", const=True, default=None, choices=["cpu"],
                    metavar="cpu", help="recompute each block's forward in backward, keeping only its input; "
                                        "'cpu': keep those inputs in host memory (ZeRO-R's P_a+cpu)")
@@ -120,6 +126,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         cfg.prefetch = False
     cfg.quantized_weights = cfg.quantized_weights or args.quantized_weights
     cfg.quantized_gradients = cfg.quantized_gradients or args.quantized_gradients
+    if args.no_overlap:
+        cfg.overlap = False
     if args.activation_checkpointing is not None:
         cfg.activation_checkpointing = args.activation_checkpointing
     cfg.save_dir, cfg.load_dir = args.save, args.load
@@ -131,6 +139,14 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if cfg.load_dir is not None:
         _check_checkpoint(cfg.load_dir, cfg)
     return cfg
+
+
+def network_from_args(args: argparse.Namespace):
+    """--network, else $MINIZERO_NETWORK, else None: the network model (minizero/network.py) of the run."""
+    try:
+        return parse_network(args.network) if args.network is not None else network_from_env()
+    except ValueError as e:
+        raise UsageError(f"--network: {e}" if args.network is not None else str(e)) from None
 
 
 def _check_periodic(args: argparse.Namespace) -> None:
@@ -186,6 +202,8 @@ def validate(cfg: TrainConfig) -> None:
         bad("--lr and --clip-grad-norm must be > 0")
     if cfg.bucket_size <= 0:
         bad("--bucket-size-mb must be > 0")
+    if not cfg.overlap and cfg.stage != 0:
+        bad(f"--no-overlap is for --stage 0 (DDP), got --stage {cfg.stage}")
     if cfg.grad_accum < 1 or cfg.batch_size < 1:
         bad("--grad-accum and --batch-size must be >= 1")
     if cfg.batch_size % (cfg.world_size * cfg.grad_accum):
@@ -204,10 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         cfg = config_from_args(args)
+        network = network_from_args(args)
     except UsageError as e:
         print(f"minizero.run: error: {e}", file=sys.stderr)
         return 2
     cfg.log_every = 0 if args.quiet else max(1, cfg.steps // 10)
+    comm.set_network(network)             # here under torchrun; minizero.launch hands it to its ranks
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
         if under_torchrun:
@@ -221,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"minizero.run: {e}", file=sys.stderr)
         return 1
     if is_reporter:
-        summary = summarize(cfg, results)
+        summary = summarize(cfg, results, network)
         emit(format_table(summary), summary, args.json)
     if under_torchrun:
         # Everything is reported and written, and the process group is destroyed. A torchrun rank that

@@ -113,6 +113,11 @@ CONCEPTS = [
      "FSDP2 offloads parameters and gradients; minizero the optimizer (and parameters in stage 3)"),
     ("PyTorch", "torch.distributed reduce_scatter_tensor / all_gather_into_tensor", "minizero.comm.reduce_scatter",
      "and minizero.comm.all_gather: the only callers, with a byte tally"),
+    ("DeepSpeed", "comms_logger (per-collective time, algbw / busbw = algbw · 2(n-1)/n)", "minizero.network.Network",
+     "a model, not a measurement: each collective waits for its ring's hops·α + bytes/β on a modelled cluster; "
+     "tally() splits intra/inter-node bytes"),
+    ("DeepSpeed", "overlap_comm: false", "minizero.reducer.GradBuckets",
+     "wrap(model, 0, overlap=False): every bucket after backward, to measure what overlap hides"),
 ]
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -39,7 +39,8 @@ def theory(cfg: TrainConfig, num_params: int, num_frozen: int = 0) -> dict:
                                                quantized_gradients=cfg.quantized_gradients)}
 
 
-def summarize(cfg: TrainConfig, results: list[dict]) -> dict:
+def summarize(cfg: TrainConfig, results: list[dict], network=None) -> dict:
+    """The run's results and theory in one dict (network: the minizero.network.Network it modelled, if any)."""
     num_params, num_frozen = results[0]["num_params"], results[0]["num_frozen"]
     losses = [statistics.fmean(r["losses"][i] for r in results) for i in range(len(results[0]["losses"]))]
     times = results[0]["step_times"][1:] or results[0]["step_times"]     # step 1 includes warm-up
@@ -54,6 +55,7 @@ def summarize(cfg: TrainConfig, results: list[dict]) -> dict:
         # fp16: the loss scale after the last step and the steps skipped on overflow (every rank agrees)
         "loss_scale": results[0]["loss_scale"],
         "skipped_steps": results[0]["skipped_steps"],
+        "network": None if network is None else str(network),
     }
 
 
@@ -77,6 +79,10 @@ def format_table(summary: dict) -> str:
     losses = summary["losses"]
     lines.append(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "
                  f"median step time {summary['step_time_s'] * 1e3:.1f} ms")
+    if summary.get("network"):
+        sent = summary["ranks"][0]["comm_bytes_per_step"]
+        lines.append(f"network model {summary['network']}: rank 0 sent {kb(sent['intra_node']).strip()} kB per "
+                     f"step inside its node, {kb(sent['inter_node']).strip()} kB across nodes")
     if summary["dtype"] == "fp16":
         lines.append(f"fp16 loss scale {summary['loss_scale']:g}; {summary['skipped_steps']} steps skipped on overflow")
     return "\n".join(lines)

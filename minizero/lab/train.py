@@ -59,6 +59,7 @@ class TrainConfig:
     prefetch: bool = True                                   # stage 3
     quantized_weights: bool = False                         # stage 3: ZeRO++ qwZ (minizero/quantize.py)
     quantized_gradients: bool = False                       # stages 2-3: ZeRO++ qgZ
+    overlap: bool = True                                    # stage 0: False all-reduces after backward
     model: str = "default"                                  # GPTConfig.named(...)
     model_overrides: dict = field(default_factory=dict)
     seed: int = 0
@@ -92,6 +93,8 @@ class TrainConfig:
             opts["reduce_dtype"] = self.reduce_dtype
         if self.stage in (0, 2):
             opts["bucket_size"] = self.bucket_size
+        if self.stage == 0 and not self.overlap:
+            opts["overlap"] = False
         if self.stage == 3:
             opts["prefetch"] = self.prefetch
         for name in ("quantized_weights", "quantized_gradients"):       # only when on: wrap checks the stage
