@@ -22,7 +22,9 @@ from minizero.zero3 import Zero3
 
 ENGINES = dict(zip(STAGES, (DDP, Zero1, Zero2, Zero3)))
 # Options beyond dtype, reduce_dtype, loss_scale, offload and clip_grad_norm (which every stage takes), by stage.
-STAGE_OPTIONS = {0: {"bucket_size"}, 1: set(), 2: {"bucket_size"}, 3: {"units", "prefetch"}}
+# shard_group_size: HSDP / MiCS, hpz_group_size: ZeRO++'s hpZ ([Note: hierarchical sharding], engine.py).
+STAGE_OPTIONS = {0: {"bucket_size"}, 1: {"shard_group_size"}, 2: {"bucket_size", "shard_group_size"},
+                 3: {"units", "prefetch", "shard_group_size", "hpz_group_size"}}
 
 
 def engine_class(stage: int) -> type[Engine]:
@@ -32,10 +34,12 @@ def engine_class(stage: int) -> type[Engine]:
     return ENGINES[stage]
 
 
-def check(stage: int, dtype: str = "fp32", offload: bool | str = False, reduce_dtype: str | None = None) -> None:
-    """Raise ValueError (one line) if wrap would refuse this stage, dtype, offload or reduce_dtype: for
-    callers that want to know before they build a model or start processes."""
-    engine_class(stage).check(dtype, offload, reduce_dtype)
+def check(stage: int, dtype: str = "fp32", offload: bool | str = False, reduce_dtype: str | None = None, *,
+          shard_group_size: int | None = None, hpz_group_size: int | None = None,
+          world_size: int | None = None) -> None:
+    """Raise ValueError (one line) if wrap would refuse this stage, dtype, offload, reduce_dtype or group
+    sizes at `world_size` ranks: for callers that want to know before they build a model or start processes."""
+    engine_class(stage).check(dtype, offload, reduce_dtype, shard_group_size, hpz_group_size, world_size)
 
 
 def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
@@ -50,7 +54,9 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
     options:   dtype ("fp32" | "bf16" | "fp16"), reduce_dtype (None | "fp32": bf16/fp16 gradients reduced
                and accumulated in fp32; engine.py), loss_scale (fp16: None = dynamic, a number = static, a
                dict = dynamic options; minizero/loss_scale.py), clip_grad_norm, bucket_size (bytes; stages 0, 2),
-               units and prefetch (stage 3).
+               units and prefetch (stage 3), shard_group_size (stages 1-3: partition within groups of S
+               ranks, replicate across them; HSDP / MiCS) and hpz_group_size (stage 3: ZeRO++'s hpZ,
+               backward's all-gather within groups of R ranks, a node); see engine.py and zero3.py.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")

@@ -91,7 +91,8 @@ class Zero2(Zero1):
                 self._stage_gradient(p, b)
         staging = self._staging_buffer(b)
         self._track_peak()                               # buckets in flight: the gradient peak
-        return comm.reduce_scatter(self.layout.my_partition(staging, b), staging, op="avg", async_op=True)
+        return comm.reduce_scatter(self.layout.my_partition(staging, b), staging, op="avg", async_op=True,
+                                   group=self.shard_group)        # [Note: hierarchical sharding]
 
     def _accumulate_bucket(self, b) -> None:
         staging = self.staging.pop(b.index)

@@ -57,6 +57,8 @@ class TrainConfig:
     optimizer_params: dict = field(default_factory=dict)    # extra keyword arguments (betas, momentum...)
     bucket_size: float = DEFAULT_BUCKET_BYTES               # bytes per gradient bucket (stages 0, 2)
     prefetch: bool = True                                   # stage 3
+    shard_group_size: int | None = None       # stages 1-3: partition within groups of S ranks (HSDP / MiCS)
+    hpz_group_size: int | None = None         # stage 3: backward's all-gather within R ranks (ZeRO++ hpZ)
     model: str = "default"                                  # GPTConfig.named(...)
     model_overrides: dict = field(default_factory=dict)
     seed: int = 0
@@ -94,6 +96,9 @@ class TrainConfig:
             opts["prefetch"] = self.prefetch
         if self.activation_checkpointing:
             opts["activation_checkpointing"] = self.activation_checkpointing
+        for name in ("shard_group_size", "hpz_group_size"):
+            if getattr(self, name) is not None:
+                opts[name] = getattr(self, name)
         return opts
 
 
