@@ -19,6 +19,7 @@ from _checks import AWKWARD, assert_matches_reference, assert_memory_matches_for
 
 import minizero
 from minizero import comm
+from minizero.checkpoint import read_manifest
 from minizero.lab.data import global_batch, local_batch
 from minizero.lab.model import GPTConfig, make_model
 from minizero.lab.peers import peer_worker
@@ -76,8 +77,13 @@ def everything(directory: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return minizero.launch(everything, N, str(tmp_path_factory.mktemp("ckpt")))
+def checkpoint_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoint_dir):
+    return minizero.launch(everything, N, checkpoint_dir)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -129,7 +135,9 @@ def test_hpz_secondary_partition_costs_psi_over_r_until_backward(runs):
         assert m["after_step"] == m["between"]                   # freed by backward
 
 
-def test_checkpoint_at_s_below_n_resumes_exactly_and_reshards(runs):
+def test_checkpoint_at_s_below_n_resumes_exactly_and_reshards(runs, checkpoint_dir):
+    manifest = read_manifest(checkpoint_dir)          # the checkpoint of S ranks: the first group's files
+    assert manifest["world_size"] == S and set(manifest["files"]) == {"rank0.pt", "rank1.pt", "replicated.pt"}
     for r in runs:
         for key, value in r["stage2_clip"]["state_dict"].items():
             assert torch.equal(r["resumed"]["state_dict"][key], value), key
