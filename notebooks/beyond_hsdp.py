@@ -12,10 +12,10 @@ each collective's group (memory.step_collectives, memory.group_ranks); once comm
 
 from __future__ import annotations
 
-from build_notebooks import code, md
-
 
 def cells() -> list:
+    # imported here, not at the top: build_notebooks imports this module
+    from build_notebooks import code, md
     return [
         md("""
         ## Hierarchical sharding: shard within a group, replicate across groups (HSDP, MiCS)
