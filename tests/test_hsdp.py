@@ -27,7 +27,10 @@ from minizero.lab.reference import tolerance
 from minizero.lab.report import theory
 from minizero.lab.train import TrainConfig, loss_fn, train_worker
 from minizero.memory import (
+    comm_volume,
     comm_volume_by_kind,
+    comm_volume_by_node,
+    estimate,
     estimate_breakdown,
     secondary_partition_bytes,
     within_padding,
@@ -147,6 +150,21 @@ def test_checkpoint_at_s_below_n_resumes_exactly_and_reshards(runs, checkpoint_d
         for key, value in r["stage2_clip"]["state_dict"].items():
             assert torch.equal(r["resumed"]["state_dict"][key], value), key
             assert (r["resharded"]["state_dict"][key].double() - value.double()).abs().max() <= 1e-6, key
+
+
+def test_formulas_without_processes():
+    psi, n = 1200, 8
+    assert estimate(psi, n, 3, shard_group_size=4) == estimate(psi, 4, 3) == 16 * psi / 4
+    assert estimate(psi, n, 1, shard_group_size=n) == estimate(psi, n, 1)
+    # hierarchical all-reduce: the same total bytes (stages 1-2), only 2(N/S-1)/N·Ψ of them between groups
+    by_node = comm_volume_by_node(psi, n, 2, 4, shard_group_size=4)
+    assert comm_volume(psi, n, 2, shard_group_size=4) == pytest.approx(comm_volume(psi, n, 2))
+    assert by_node == pytest.approx({"intra_node": 2 * 3 / 4 * 2 * psi, "inter_node": 2 * (2 - 1) / n * 2 * psi})
+    # hpZ with R = ranks per node: inter-node 3(N-1)/N·Ψ -> 2(N-1)/N·Ψ, the backward all-gather intra-node
+    plain, hpz = (comm_volume_by_node(psi, n, 3, 4, hpz_group_size=r) for r in (None, 4))
+    assert plain == pytest.approx({"intra_node": 0, "inter_node": 3 * (n - 1) / n * 2 * psi})
+    assert hpz == pytest.approx({"intra_node": 3 / 4 * 2 * psi, "inter_node": 2 * (n - 1) / n * 2 * psi})
+    assert secondary_partition_bytes(psi, 4) == 2 * psi / 4
 
 
 @pytest.mark.parametrize("kwargs, message", [
