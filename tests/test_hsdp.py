@@ -21,6 +21,7 @@ import minizero
 from minizero import comm
 from minizero.checkpoint import read_manifest
 from minizero.lab.data import global_batch, local_batch
+from minizero.lab.deepspeed_config import ConfigError, load_deepspeed_config
 from minizero.lab.model import GPTConfig, make_model
 from minizero.lab.peers import peer_worker
 from minizero.lab.reference import tolerance
@@ -165,6 +166,16 @@ def test_formulas_without_processes():
     assert plain == pytest.approx({"intra_node": 0, "inter_node": 3 * (n - 1) / n * 2 * psi})
     assert hpz == pytest.approx({"intra_node": 3 / 4 * 2 * psi, "inter_node": 2 * (n - 1) / n * 2 * psi})
     assert secondary_partition_bytes(psi, 4) == 2 * psi / 4
+
+
+def test_deepspeed_config_keys():
+    overrides, warnings = load_deepspeed_config(
+        {"zero_optimization": {"stage": 3, "mics_shard_size": 2, "zero_hpz_partition_size": 2}}, 4)
+    assert overrides["shard_group_size"] == 2 and overrides["hpz_group_size"] == 2 and warnings == []
+    off, _ = load_deepspeed_config({"zero_optimization": {"mics_shard_size": -1, "zero_hpz_partition_size": 1}}, 4)
+    assert "shard_group_size" not in off and "hpz_group_size" not in off          # DeepSpeed's "off"
+    with pytest.raises(ConfigError, match="shard_group_size must be a divisor of the world size 4"):
+        load_deepspeed_config({"zero_optimization": {"stage": 2, "mics_shard_size": 3}}, 4)
 
 
 @pytest.mark.parametrize("kwargs, message", [
