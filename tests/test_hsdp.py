@@ -50,6 +50,8 @@ CONFIGS = {
     "stage2_clip": TrainConfig(stage=2, shard_group_size=S, grad_accum=2, clip_grad_norm=0.3, **BASE),
     "stage3": TrainConfig(stage=3, shard_group_size=S, **BASE),
     "stage3_hpz": TrainConfig(stage=3, hpz_group_size=R, **BASE),
+    # both groups, parameter shards on the host (the secondaries stay on the device)
+    "stage3_S2_hpz_offload": TrainConfig(stage=3, shard_group_size=S, hpz_group_size=R, offload="params", **BASE),
 }
 PEER = TrainConfig(stage=3, shard_group_size=S, world_size=N, steps=3, batch_size=16, grad_accum=2,
                    model="tiny", optimizer="sgd", lr=0.5, return_state=True)
