@@ -10,8 +10,6 @@ One launch at N = 4 runs every configuration, FSDP2's HSDP and the hpZ memory pr
 from __future__ import annotations
 
 import functools
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,6 +18,7 @@ from _checks import AWKWARD, assert_matches_reference, assert_memory_matches_for
 import minizero
 from minizero import comm
 from minizero.checkpoint import read_manifest
+from minizero.cli.run import main as run_main
 from minizero.lab.data import global_batch, local_batch
 from minizero.lab.deepspeed_config import ConfigError, load_deepspeed_config
 from minizero.lab.model import GPTConfig, make_model
@@ -192,8 +191,12 @@ def test_bad_group_sizes_are_one_line_errors(kwargs, message):
         check(**kwargs, world_size=4)
 
 
-def test_cli_flags_and_bad_input():
-    p = subprocess.run([sys.executable, "-m", "minizero.run", "--stage", "1", "--world-size", "4",
-                        "--shard-group-size", "3"], check=False, capture_output=True, text=True, timeout=60)
-    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
-    assert "shard_group_size must be a divisor of the world size 4" in p.stderr
+@pytest.mark.parametrize("flags, message", [
+    (["--stage", "1", "--shard-group-size", "3"], "shard_group_size must be a divisor of the world size 4"),
+    (["--stage", "0", "--shard-group-size", "2"], "shard_group_size needs ZeRO stage 1, 2 or 3"),
+    (["--stage", "2", "--hpz-group-size", "2"], "hpz_group_size needs stage 3"),
+])
+def test_cli_bad_group_sizes_exit_2_with_one_line(flags, message, capsys):
+    assert run_main([*flags, "--world-size", "4"]) == 2          # before any process starts
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
