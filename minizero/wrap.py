@@ -22,9 +22,11 @@ from minizero.zero3 import Zero3
 
 ENGINES = dict(zip(STAGES, (DDP, Zero1, Zero2, Zero3)))
 # Options beyond COMMON_OPTIONS and offload (which every stage takes), by stage.
+# shard_group_size: HSDP / MiCS, hpz_group_size: ZeRO++'s hpZ ([Note: hierarchical sharding], engine.py).
 QUANTIZED = {"quantized_gradients", "quantization_block"}    # ZeRO++ qgZ (quantize.py): stages 2-3
-STAGE_OPTIONS = {0: {"bucket_size", "overlap"}, 1: set(), 2: {"bucket_size"} | QUANTIZED,
-                 3: {"units", "prefetch", "quantized_weights"} | QUANTIZED}      # qwZ: stage 3's forward
+STAGE_OPTIONS = {0: {"bucket_size", "overlap"}, 1: {"shard_group_size"},
+                 2: {"bucket_size", "shard_group_size"} | QUANTIZED,
+                 3: {"units", "prefetch", "shard_group_size", "hpz_group_size", "quantized_weights"} | QUANTIZED}
 COMMON_OPTIONS = {"dtype", "reduce_dtype", "loss_scale", "clip_grad_norm"}
 
 
@@ -35,10 +37,12 @@ def engine_class(stage: int) -> type[Engine]:
     return ENGINES[stage]
 
 
-def check(stage: int, dtype: str = "fp32", offload: bool | str = False, reduce_dtype: str | None = None) -> None:
-    """Raise ValueError (one line) if wrap would refuse this stage, dtype, offload or reduce_dtype: for
-    callers that want to know before they build a model or start processes."""
-    engine_class(stage).check(dtype, offload, reduce_dtype)
+def check(stage: int, dtype: str = "fp32", offload: bool | str = False, reduce_dtype: str | None = None, *,
+          shard_group_size: int | None = None, hpz_group_size: int | None = None,
+          world_size: int | None = None) -> None:
+    """Raise ValueError (one line) if wrap would refuse this stage, dtype, offload, reduce_dtype or group
+    sizes at `world_size` ranks: for callers that want to know before they build a model or start processes."""
+    engine_class(stage).check(dtype, offload, reduce_dtype, shard_group_size, hpz_group_size, world_size)
 
 
 def check_options(stage: int, options) -> None:
@@ -62,9 +66,11 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
     options:   dtype ("fp32" | "bf16" | "fp16"), reduce_dtype (None | "fp32": bf16/fp16 gradients reduced
                and accumulated in fp32; engine.py), loss_scale (fp16: None = dynamic, a number = static, a
                dict = dynamic options; minizero/loss_scale.py), clip_grad_norm, bucket_size (bytes; stages 0, 2),
-               overlap (stage 0; False: all-reduce every bucket after backward), units and prefetch (stage 3);
-               ZeRO++ (quantize.py): quantized_weights (stage 3's forward
-               all-gather in int8, qwZ), quantized_gradients (stages 2-3: the reduce-scatter, qgZ),
+               overlap (stage 0; False: all-reduce every bucket after backward), units and prefetch (stage 3),
+               shard_group_size (stages 1-3: partition within groups of S ranks, replicate across them; HSDP /
+               MiCS) and hpz_group_size (stage 3: ZeRO++'s hpZ, backward's all-gather within groups of R
+               ranks, a node; see engine.py and zero3.py); ZeRO++ (quantize.py): quantized_weights (stage 3's
+               forward all-gather in int8, qwZ), quantized_gradients (stages 2-3: the reduce-scatter, qgZ),
                quantization_block (elements per fp32 scale, default quantize.BLOCK).
     """
     if not isinstance(model, nn.Module):

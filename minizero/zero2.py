@@ -97,8 +97,9 @@ class Zero2(Zero1):
         self._track_peak()                               # buckets in flight: the gradient peak
         if self.quantized_gradients:                     # ZeRO++ qgZ: int8 chunks in an all-to-all (quantize.py)
             return quantize.reduce_scatter(self.layout.my_partition(staging, b), staging,
-                                           self.quantization_block, async_op=True)
-        return comm.reduce_scatter(self.layout.my_partition(staging, b), staging, op="avg", async_op=True)
+                                           self.quantization_block, async_op=True, group=self.shard_group)
+        return comm.reduce_scatter(self.layout.my_partition(staging, b), staging, op="avg", async_op=True,
+                                   group=self.shard_group)        # [Note: hierarchical sharding]
 
     def _accumulate_bucket(self, b) -> None:
         staging = self.staging.pop(b.index)

@@ -31,6 +31,18 @@ partition to the device first. The optimizer always steps on the host then (offl
 quantized_weights=True (ZeRO++ qwZ, quantize.py): forward's all-gather sends the partitions as int8 blocks,
 Ψ(1 + 4/B) bytes instead of Ψ·2; backward's stays exact. quantized_gradients=True: qgZ, as in stage 2.
 
+shard_group_size=S: partitions of S ranks, replicated across N/S groups ([Note: hierarchical sharding],
+engine.py): the all-gathers and the reduce-scatter run within the shard group.
+
+[Note: hpZ] ZeRO++'s hierarchical partitioning (hpz_group_size=R, DeepSpeed's zero_hpz_partition_size;
+R = ranks_per_node): when a unit's forward all-gather completes, each rank also keeps `secondary`, the
+1/R of the full unit it owns within its node's group of R ranks (engine.hpz_group). Backward's all-gather
+then runs within the node from those secondaries, (R-1)/R·Ψ_u, instead of across all S (N) ranks: of the
+3Ψ a step sends, only the forward all-gather and the reduce-scatter cross nodes: 3Ψ -> 2Ψ inter-node.
+The price: the secondaries, Ψ/R more parameter memory from each unit's forward to its backward (freed by
+its post_backward, or when backward ends), so the parameter peak at the start of backward rises by Ψ/R
+(memory.secondary_partition_bytes).
+
 [Note: recompute] Activation checkpointing (torch.utils.checkpoint, Hugging Face's
 gradient_checkpointing_enable()) runs a unit's forward again inside backward, hooks included. That forward
 must neither free the unit afterwards (its backward is about to use the parameters) nor prefetch in
@@ -85,11 +97,12 @@ class Unit:
         self.numel = sum(p.numel() for p in self.params)
         layout, home = engine.layout, engine.param_shard.device
         self.full, self.shard = self._build(bucket, layout, lambda b: layout.shard(engine.param_shard, b))
-        self.frozen_bucket = (FlatLayout.build([frozen], engine.world_size, engine.rank).buckets[0]
+        self.frozen_bucket = (FlatLayout.build([frozen], layout.world_size, layout.rank).buckets[0]
                               if frozen else None)
         self.frozen_full, self.frozen_shard = self._build(       # [Ψ_f,u padded], [Ψ_f,u / N] of its own
             self.frozen_bucket, layout, lambda b: torch.empty(b.shard_numel, dtype=engine.dtype, device=home))
         self.state, self.training_state = GATHERED, IDLE
+        self.secondary: list[torch.Tensor] | None = None  # hpZ: [Ψ_u / R] per buffer, forward to backward
         self._in_flight: list = []                        # (all-gather handle, its input) while IN_FLIGHT
         self.free()                                       # ... which is released right away
 
@@ -120,15 +133,20 @@ class Unit:
         if self.state == GATHERED or (self.state == IN_FLIGHT and async_op):
             return
         if self.state == FREE:
-            for full, shard in self._buffers():
+            node = self.training_state == PRE_BACKWARD and self.secondary is not None    # [Note: hpZ]
+            for i, (full, shard) in enumerate(self._buffers()):
                 full.untyped_storage().resize_(full.numel() * full.element_size())   # allocate
-                mine = shard
-                if self.engine.offload_params:            # host -> device, explicit (also on a CPU run)
+                if node:                                  # backward: within the node, from the secondaries
+                    mine, group = self.secondary[i], self.engine.hpz_group
+                else:                                     # from the partitions of the shard group
+                    mine, group = shard, self.engine.shard_group
+                if self.engine.offload_params and not node:   # host -> device, explicit (also on a CPU run)
                     mine = mine.to(full.device, copy=True, non_blocking=True)
                 if forward and self.engine.quantized_weights:           # qwZ: int8 on the wire (quantize.py)
-                    handle = quantize.all_gather(full, mine, self.engine.quantization_block, async_op=True)
+                    handle = quantize.all_gather(full, mine, self.engine.quantization_block, async_op=True,
+                                                 group=group)
                 else:
-                    handle = comm.all_gather(full, mine, async_op=True)     # <- the essential line of stage 3
+                    handle = comm.all_gather(full, mine, async_op=True, group=group)  # <- the essential line of stage 3
                 self._in_flight.append((handle, mine))
             self.state = IN_FLIGHT
             self.engine._record("prefetch" if async_op else "gather", self)
@@ -136,7 +154,16 @@ class Unit:
                 return
         self._wait()
         self.state = GATHERED
+        if self.engine.hpz_group is not None and self.training_state == FORWARD:
+            self.keep_secondary()
         self.engine._track_peak()                         # units gathered: the parameter peak
+
+    def keep_secondary(self) -> None:
+        """hpZ [Note: hpZ]: keep this rank's 1/R of the full unit (its slice within the node's group), from
+        which the node rebuilds the unit for backward without crossing nodes."""
+        group = self.engine.hpz_group
+        i, r = comm.group_rank(group), comm.group_size(group)
+        self.secondary = [full[i * (full.numel() // r):][: full.numel() // r].clone() for full, _ in self._buffers()]
 
     def free(self) -> None:
         """Release `full`: 0 bytes, shape kept, so the parameters stay views of it."""
@@ -157,7 +184,7 @@ class Unit:
         """The full parameters were written (engine.gathered(modifier_rank=...)): keep this rank's part."""
         for full, shard in self._buffers():
             if full.numel():
-                shard.copy_(full[self.engine.rank * shard.numel():][: shard.numel()])
+                shard.copy_(full[self.engine.layout.rank * shard.numel():][: shard.numel()])
 
     def reduce_scatter_grads(self):
         """Stage 2's reduce-scatter of this unit's gradients (Zero2.reduce_scatter_grads): the async handle."""
@@ -194,6 +221,7 @@ class Unit:
         next unit's backward starts (pre_backward) or backward ends."""
         handle = self.reduce_scatter_grads()
         self.training_state = IDLE
+        self.secondary = None                             # hpZ: its backward all-gather is done
         if self.frozen_bucket is None:
             self.free()
         else:
@@ -303,6 +331,7 @@ class Zero3(Zero2):
         for unit in self.units:                           # and units a prefetch gathered after it
             unit.free()
             unit.training_state = IDLE
+            unit.secondary = None                         # hpZ: units with nothing to train keep it till now
 
     # --- step: nothing to gather, the shards were updated in place ---------------------------------------
     def _after_step(self) -> None:
@@ -334,4 +363,6 @@ class Zero3(Zero2):
         extra = super()._extra_tensors(category)
         if category == shard_category:
             extra = extra + [self.param_shard] + [u.frozen_shard for u in self.units]
+        if category == "params":                          # hpZ's secondaries live on the device
+            extra = extra + [t for u in self.units for t in (u.secondary or [])]
         return extra

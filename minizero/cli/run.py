@@ -7,6 +7,8 @@
     python -m minizero.run --stage 3 --quantized-weights --quantized-gradients   # ZeRO++ int8 communication
     python -m minizero.run --stage 0 --network 1gbps,10us,ranks_per_node=2 [--no-overlap]   # a modelled network
     python -m minizero.run --config examples/ds_config_zero2_offload.json --world-size 4   # DeepSpeed JSON
+    python -m minizero.run --stage 3 --world-size 4 --shard-group-size 2    # HSDP / MiCS: shard in pairs
+    python -m minizero.run --stage 3 --world-size 4 --hpz-group-size 2      # ZeRO++ hpZ: nodes of 2 ranks
     torchrun --nproc-per-node 4 -m minizero.run --stage 3        # uses torchrun's process group
 
 Ends with a per-rank table: measured parameter / gradient / optimizer / offloaded bytes next to the ZeRO
@@ -67,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--network", default=None, metavar="SPEC",
                    help="model a cluster network, e.g. 1gbps,10us,ranks_per_node=2 (minizero/network.py; "
                         "default: $MINIZERO_NETWORK, else none)")
+    p.add_argument("--shard-group-size", type=int, default=None, metavar="S",
+                   help="stages 1-3: partition within groups of S consecutive ranks, replicate across the "
+                        "N/S groups (HSDP / DeepSpeed MiCS); S must divide the world size")
+    p.add_argument("--hpz-group-size", type=int, default=None, metavar="R",
+                   help="stage 3: keep a secondary partition within groups of R ranks (a node) so backward's "
+                        "all-gather stays inside them (ZeRO++ hpZ, DeepSpeed's zero_hpz_partition_size)")
     p.add_argument("--activation-checkpointing", nargs="?", const=True, default=None, choices=["cpu"],
                    metavar="cpu", help="recompute each block's forward in backward, keeping only its input; "
                                        "'cpu': keep those inputs in host memory (ZeRO-R's P_a+cpu)")
@@ -109,7 +117,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     pairs = {"stage": args.stage, "world_size": args.world_size, "steps": args.steps, "dtype": args.dtype,
              "backend": args.backend, "batch_size": args.batch_size, "grad_accum": args.grad_accum,
              "clip_grad_norm": args.clip_grad_norm, "optimizer": args.optimizer, "lr": args.lr,
-             "model": args.model, "seed": args.seed, "reduce_dtype": args.reduce_dtype}
+             "model": args.model, "seed": args.seed, "reduce_dtype": args.reduce_dtype,
+             "shard_group_size": args.shard_group_size, "hpz_group_size": args.hpz_group_size}
     for name, value in pairs.items():
         if value is not None:
             setattr(cfg, name, value)
@@ -183,7 +192,8 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.offload is True:
         cfg.offload = "optimizer"
     try:
-        check(cfg.stage, cfg.dtype, cfg.offload, cfg.reduce_dtype)    # the engines' own rules (minizero.wrap)
+        check(cfg.stage, cfg.dtype, cfg.offload, cfg.reduce_dtype,   # the engines' own rules (minizero.wrap)
+              shard_group_size=cfg.shard_group_size, hpz_group_size=cfg.hpz_group_size, world_size=cfg.world_size)
         check_options(cfg.stage, set(cfg.engine_options()) - {"activation_checkpointing"})
         scaler_for(cfg.dtype, cfg.loss_scale)             # ... and the loss scaler's
     except (ValueError, TypeError) as e:

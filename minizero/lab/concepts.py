@@ -118,6 +118,15 @@ CONCEPTS = [
      "tally() splits intra/inter-node bytes"),
     ("DeepSpeed", "overlap_comm: false", "minizero.reducer.GradBuckets",
      "wrap(model, 0, overlap=False): every bucket after backward, to measure what overlap hides"),
+    ("PyTorch", "FSDP2 HSDP: fully_shard(mesh=2-D DeviceMesh ('replicate', 'shard'))", "minizero.comm.mesh",
+     ("wrap(shard_group_size=S), stages 1-3: shard in rows of S ranks, replicate across the N/S columns "
+      "([Note: hierarchical sharding], engine.py); tested against FSDP2's HSDP")),
+    ("DeepSpeed", "MiCS (mics_shard_size, hierarchical gradient all-reduce)", "minizero.engine.Engine.step",
+     ("gradients reduce-scattered in the shard group, the partition all-reduced across groups at step(); "
+      "memory with S in place of N (minizero.memory.estimate(shard_group_size=S))")),
+    ("DeepSpeed", "ZeRO++ hpZ (zero_hpz_partition_size, secondary partition)", "minizero.zero3.Unit.keep_secondary",
+     ("wrap(3, hpz_group_size=R): backward's all-gather within a node; inter-node bytes 3Ψ -> 2Ψ for Ψ/R "
+      "more parameter memory (minizero.memory.comm_volume_by_node, secondary_partition_bytes)")),
 ]
 
 ROOT = Path(__file__).resolve().parents[2]

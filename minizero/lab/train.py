@@ -60,6 +60,8 @@ class TrainConfig:
     quantized_weights: bool = False                         # stage 3: ZeRO++ qwZ (minizero/quantize.py)
     quantized_gradients: bool = False                       # stages 2-3: ZeRO++ qgZ
     overlap: bool = True                                    # stage 0: False all-reduces after backward
+    shard_group_size: int | None = None       # stages 1-3: partition within groups of S ranks (HSDP / MiCS)
+    hpz_group_size: int | None = None         # stage 3: backward's all-gather within R ranks (ZeRO++ hpZ)
     model: str = "default"                                  # GPTConfig.named(...)
     model_overrides: dict = field(default_factory=dict)
     seed: int = 0
@@ -102,6 +104,9 @@ class TrainConfig:
                 opts[name] = True
         if self.activation_checkpointing:
             opts["activation_checkpointing"] = self.activation_checkpointing
+        for name in ("shard_group_size", "hpz_group_size"):
+            if getattr(self, name) is not None:
+                opts[name] = getattr(self, name)
         return opts
 
 
