@@ -6,10 +6,9 @@ minizero.lab.quantized.quantized_experiment (launched ranks import it from the p
 
 from __future__ import annotations
 
-from build_notebooks import code, md
-
 
 def cells() -> list:
+    from build_notebooks import code, md     # imported here, not at the top: build_notebooks imports this module
     return [
         md("""
         ## ZeRO++ qwZ and qgZ: send int8, keep everything else exact

@@ -747,7 +747,18 @@ def beyond_try() -> list:
     ]
 
 
-BEYOND_SECTIONS = [beyond_intro, beyond_network_model, beyond_overlap, beyond_prefetch, beyond_bandwidth, beyond_try]
+def beyond_hierarchical() -> list:
+    from beyond_hsdp import cells            # HSDP / MiCS and ZeRO++'s hpZ: notebooks/beyond_hsdp.py
+    return cells()
+
+
+def beyond_quantized() -> list:
+    from beyond_quant import cells           # ZeRO++'s qwZ and qgZ: notebooks/beyond_quant.py
+    return cells()
+
+
+BEYOND_SECTIONS = [beyond_intro, beyond_network_model, beyond_overlap, beyond_prefetch, beyond_bandwidth,
+                   beyond_hierarchical, beyond_quantized, beyond_try]
 NOTEBOOKS["08_beyond"] = [cell for section in BEYOND_SECTIONS for cell in section()]
 
 
