@@ -35,6 +35,7 @@ from minizero.memory import (
     secondary_partition_bytes,
     within_padding,
 )
+from minizero.network import Network
 from minizero.wrap import check
 
 N, S, R = 4, 2, 2
@@ -72,6 +73,8 @@ def hpz_memory_probe() -> dict:
 
 
 def everything(directory: str) -> dict:
+    # Nodes of R ranks for the tally's intra/inter-node split (an infinitely fast network: no delays).
+    comm.set_network(Network(ranks_per_node=R))
     out = {name: train_worker(cfg) for name, cfg in CONFIGS.items()}
     out["fsdp2_hsdp"] = peer_worker(PEER, "fsdp2_hsdp")
     out["ours_vs_peer"] = train_worker(PEER)
@@ -128,13 +131,33 @@ def test_bytes_per_kind_of_collective(runs, name):
         expected = comm_volume_by_kind(res["num_params"] - res["num_frozen"], N, cfg.stage, bytes_per_elem=elem,
                                        frozen=res["num_frozen"], shard_group_size=cfg.shard_group_size,
                                        hpz_group_size=cfg.hpz_group_size)
-        got = {k: v for k, v in res["comm_bytes_per_step"].items() if k != "total"}
+        got = {k: v for k, v in res["comm_bytes_per_step"].items() if k not in ("total", "intra_node", "inter_node")}
         assert got.keys() == expected.keys(), (name, got, expected)
         for kind in expected:
             assert within_padding(got[kind], expected[kind], N, times=2), (
                 f"{name} rank {res['rank']}: {kind} {got[kind]:.0f} bytes, formula {expected[kind]:.0f}")
         total = theory(cfg, res["num_params"], res["num_frozen"])["comm_bytes_per_step"]
         assert within_padding(res["comm_bytes_per_step"]["total"], total, N, times=3)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_bytes_inside_and_across_nodes(runs, name):
+    """Nodes of R = 2 ranks: the tally's intra/inter-node split (comm.py, by the group a collective runs
+    in) equals memory.comm_volume_by_node. hpZ keeps backward's all-gather inside the node: 3Ψ -> 2Ψ."""
+    cfg = CONFIGS[name]
+    for r in runs:
+        res = r[name]
+        expected = comm_volume_by_node(res["num_params"] - res["num_frozen"], N, cfg.stage, R, rank=res["rank"],
+                                       bytes_per_elem=4, frozen=res["num_frozen"],
+                                       shard_group_size=cfg.shard_group_size, hpz_group_size=cfg.hpz_group_size)
+        for where in ("intra_node", "inter_node"):
+            assert within_padding(res["comm_bytes_per_step"][where], expected[where], N, times=3), (
+                f"{name} rank {res['rank']}: {where} {res['comm_bytes_per_step'][where]:.0f}, "
+                f"formula {expected[where]:.0f}")
+    if cfg.hpz_group_size and not cfg.shard_group_size:
+        plain = comm_volume_by_node(1000, N, 3, R, bytes_per_elem=4)
+        hpz = comm_volume_by_node(1000, N, 3, R, bytes_per_elem=4, hpz_group_size=R)
+        assert hpz["inter_node"] == pytest.approx(plain["inter_node"] * 2 / 3)
 
 
 def test_hpz_secondary_partition_costs_psi_over_r_until_backward(runs):
