@@ -8,8 +8,8 @@
 This folder is the ZeRO implementation, read in this order:
     comm.py -> flat.py -> reducer.py -> optim.py -> engine.py -> ddp.py -> zero1.py -> zero2.py -> zero3.py
     (units.py) -> offload.py, then wrap.py, launcher.py and construct.py (the public API: wrap, launch,
-    sharded_init), memory/ (the paper's formulas and the byte counter), activations.py (ZeRO-R) and
-    checkpoint.py.
+    sharded_init), memory/ (the paper's formulas and the byte counter), activations.py (ZeRO-R),
+    checkpoint.py and network.py (comm's model of a cluster network, off by default).
 Beside it, never imported by it (tests/test_layout.py checks): lab/ (the small GPT, the data, the training
 loop, the single-process reference, PyTorch's peers, the experiments behind the notebooks, the benchmark)
 and cli/ (the commands). The short modules run.py, bench.py, scale.py, consolidate.py and grade.py only

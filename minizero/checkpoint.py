@@ -26,8 +26,9 @@ Format (format_version 1), one directory:
     ckpt/v3/replicated.pt   what every rank holds identically and never steps, written by rank 0:
                               {name: tensor} of the frozen parameters and buffers, in the model's dtype
 
-manifest.json: "format", "format_version", "version" (the v3 directory), "step", "stage", "world_size",
-"dtype", "offload", "optimizer" (class name), "num_params" (Ψ), "buckets" ([{"numel", "padded_numel",
+manifest.json: "format", "format_version", "version" (the v3 directory), "step", "stage", "world_size" (N,
+or S with shard_group_size: the rank files), "dtype", "offload", "optimizer" (class name), "num_params" (Ψ),
+"buckets" ([{"numel", "padded_numel",
 "shard_numel" (elements per rank file), "params": [{"name", "shape", "offset"}]}]), "state_dict" (every
 key of model.state_dict() in order: {"key", "source", "shape", "trainable"}; the tied embedding/head
 weight is two keys with one source) and "files" ({"rank0.pt": {"bytes", "sha256"}, ...}).
@@ -111,8 +112,12 @@ def save(engine, directory: str) -> None:
     version = comm.all_gather_object(version)[0]             # everyone writes where rank 0 decided
     vdir = os.path.join(directory, version)
     os.makedirs(vdir, exist_ok=True)
-    mine = f"rank{engine.rank}.pt"
-    files = {mine: _write_torch(os.path.join(vdir, mine), _shard_state(engine))}
+    files = {}
+    # shard_group_size=S < N: the N/S groups hold the same partitions; the first group's S files are the
+    # checkpoint, as if saved by S ranks ([Note: hierarchical sharding], engine.py)
+    if engine.replicate_group is None or engine.replicate_group.index == 0:
+        mine = f"rank{engine.layout.rank}.pt"
+        files[mine] = _write_torch(os.path.join(vdir, mine), _shard_state(engine))
     replicated = _replicated_state(engine)                    # collective: stage 3 gathers frozen parameters
     if engine.rank == 0:
         files["replicated.pt"] = _write_torch(os.path.join(vdir, "replicated.pt"), replicated)
@@ -135,7 +140,7 @@ def describe(engine) -> dict:
                            for p, off in zip(b.params, b.offsets)]}
                for b in engine.layout.buckets]
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "stage": engine.stage,
-            "world_size": engine.world_size, "dtype": str(engine.dtype).removeprefix("torch."),
+            "world_size": engine.layout.world_size, "dtype": str(engine.dtype).removeprefix("torch."),
             "offload": getattr(engine, "offload", False),
             "optimizer": type(engine.optimizer.optimizer).__name__,
             "num_params": sum(p.numel() for p in engine.module.parameters()),
@@ -361,8 +366,8 @@ def load(engine, path: str) -> None:
         check_compatible(saved, engine, path)
         if saved.get("format") == UNIVERSAL:
             restore = functools.partial(_restore_universal, engine, saved)
-        elif saved["world_size"] == engine.world_size and saved["buckets"] == describe(engine)["buckets"]:
-            shard = read_file(path, saved, f"rank{engine.rank}.pt")    # same layout: my file is my shard
+        elif saved["world_size"] == engine.layout.world_size and saved["buckets"] == describe(engine)["buckets"]:
+            shard = read_file(path, saved, f"rank{engine.layout.rank}.pt")   # same layout: my file is my shard
             replicated = read_file(path, saved, "replicated.pt")
             frozen = {e["key"]: replicated[e["source"]] for e in saved["state_dict"] if not e["trainable"]}
             restore = functools.partial(_restore, engine, shard["masters"], shard["optimizer"], frozen,

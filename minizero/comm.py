@@ -3,8 +3,9 @@
 Run its tests:      python -m pytest tests/test_comm.py
 See it explained:   notebooks/00_communication.ipynb
 
-Every stage talks to the other ranks through the five functions below (all_reduce, reduce_scatter,
-all_gather, broadcast, and the teaching-only ring_all_reduce). Keeping them in one place buys two things:
+Every stage talks to the other ranks through the functions below (all_reduce, reduce_scatter, all_gather,
+broadcast, all_to_all, and the teaching-only ring_all_reduce). Each takes an optional `group`: a subset of the
+ranks (see `Group`) for the designs beyond the paper that shard within a node and replicate across nodes. Keeping them in one place buys two things:
 
 1. A byte tally. Each call adds to a per-rank counter the bytes that a bandwidth-optimal *ring* sends per
    rank for it. With N ranks and a tensor of S bytes (always the *full* size, before sharding):
@@ -19,6 +20,11 @@ all_gather, broadcast, and the teaching-only ring_all_reduce). Keeping them in o
 
 2. One switch between gloo (CPU processes on a laptop) and NCCL (one process per GPU).
 
+3. A place to model the network (minizero/network.py; off by default). The tally also splits its bytes by
+   where the ring runs: "intra_node" (the group lies inside one node of ranks_per_node() consecutive ranks)
+   or "inter_node" (it spans nodes). With `set_network(...)` or MINIZERO_NETWORK, each collective is also
+   booked on this rank's link and completes no earlier than a ring on that network would.
+
 How a process group gets here: `minizero.launch` calls `init(rank, world_size, ...)` in each child;
 under `torchrun`, `init()` reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment.
 """
@@ -31,6 +37,15 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
+
+from minizero.network import (
+    Link,
+    ModeledHandle,
+    Network,
+    network_from_env,
+    parse_network,
+    sleep_until,
+)
 
 # Collectives wait this long for a missing peer before raising. A dead peer is normally noticed much sooner
 # by the launcher (it kills the survivors); this bound covers torchrun and anything the launcher cannot see.
@@ -59,6 +74,8 @@ def init(rank: int | None = None, world_size: int | None = None, *, backend: str
     else:
         dist.init_process_group(backend, rank=rank, world_size=world_size, store=store, timeout=timeout)
     reset_tally()
+    if _network is None:
+        set_network(network_from_env())                      # MINIZERO_NETWORK, if set
 
 
 def destroy(wait_for_peers: bool = False) -> None:
@@ -100,32 +117,142 @@ def barrier() -> None:
 
 
 # --------------------------------------------------------------------------------------------------------
-# Byte tally (per rank, per kind of collective)
+# Groups: collectives over a subset of the ranks
+# --------------------------------------------------------------------------------------------------------
+
+class Group:
+    """A subset of the ranks that run collectives among themselves: `ranks` (global ranks, in ring order),
+    this rank's `index` in it (-1 when not a member) and the backend's process group.
+
+    The paper's ZeRO shards over all N ranks (group=None everywhere). Hierarchical designs (HSDP / MiCS,
+    ZeRO++'s hpZ) shard within a group of S ranks and replicate across the N/S groups: two kinds of group.
+    """
+
+    def __init__(self, ranks: list[int]):
+        self.ranks = tuple(ranks)
+        self.index = self.ranks.index(rank()) if rank() in self.ranks else -1
+        # dist.new_group is collective: every rank must create every group, in the same order.
+        self.process_group = dist.new_group(list(ranks)) if world_size() > 1 else None
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def __repr__(self) -> str:
+        return f"Group{list(self.ranks)}"
+
+
+def mesh(shard_size: int) -> tuple[Group, Group]:
+    """Cut the N ranks into a 2-D mesh of N/S rows of S = shard_size consecutive ranks.
+
+    Returns this rank's (shard group: its row, replicate group: its column). With ranks_per_node = S a row is
+    one node, so the shard group's collectives stay inside the node. Every rank creates every group
+    (dist.new_group is collective), then keeps the two it belongs to.
+    """
+    n = world_size()
+    if shard_size < 1 or n % shard_size:
+        raise ValueError(f"a shard group of {shard_size} ranks does not divide the world size {n}")
+    rows = [Group(list(range(start, start + shard_size))) for start in range(0, n, shard_size)]
+    columns = [Group(list(range(index, n, shard_size))) for index in range(shard_size)]
+    return rows[rank() // shard_size], columns[rank() % shard_size]
+
+
+def group_size(group: Group | None) -> int:
+    return world_size() if group is None else group.size
+
+
+def group_rank(group: Group | None) -> int:
+    """This rank's position in `group` (its rank when group is None): which shard it owns."""
+    return rank() if group is None else group.index
+
+
+def _pg(group: Group | None):
+    return None if group is None else group.process_group
+
+
+# --------------------------------------------------------------------------------------------------------
+# Byte tally (per rank, per kind of collective, and intra- / inter-node) and the network model
 # --------------------------------------------------------------------------------------------------------
 
 _tally: Counter = Counter()
+_span: Counter = Counter()              # the same bytes, by where their ring runs: intra_node / inter_node
+_network: Network | None = None         # set_network, or MINIZERO_NETWORK at init; None: off
+link = Link()                           # this rank's link under the model (link.history = [] records it)
 
 
 def reset_tally() -> None:
     _tally.clear()
+    _span.clear()
 
 
 def tally() -> dict[str, float]:
-    """Bytes this rank has sent since the last reset, by kind, plus their 'total'."""
+    """Bytes this rank has sent since the last reset, by kind, plus their 'total', split into 'intra_node'
+    and 'inter_node' (intra + inter = total)."""
     out = dict(_tally)
     out["total"] = sum(_tally.values())
+    out["intra_node"], out["inter_node"] = _span["intra_node"], _span["inter_node"]
     return out
 
 
 def ring_bytes(kind: str, full_bytes: int, n: int) -> float:
     """Bytes one rank sends in a bandwidth-optimal ring for a collective over a tensor of `full_bytes`."""
     factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
-              "all_gather": (n - 1) / n, "broadcast": (n - 1) / n}[kind]
+              "all_gather": (n - 1) / n, "broadcast": (n - 1) / n, "all_to_all": (n - 1) / n}[kind]
     return factor * full_bytes
 
 
-def _count(kind: str, full: torch.Tensor) -> None:
-    _tally[kind] += ring_bytes(kind, full.numel() * full.element_size(), world_size())
+def set_network(model: Network | str | None) -> None:
+    """Model the network from now on: a Network, a spec ("1gbps,10us,ranks_per_node=2": network.py) or
+    None (off). Set in the parent, minizero.launch hands it to the ranks it starts."""
+    global _network
+    _network = parse_network(model) if isinstance(model, str) else model
+    link.free_at = 0.0
+
+
+def network() -> Network | None:
+    return _network
+
+
+def ranks_per_node() -> int:
+    """Ranks per node: the network model's; without one, torchrun's LOCAL_WORLD_SIZE, else every rank
+    (minizero.launch runs them all on one machine)."""
+    if _network is not None:
+        return _network.ranks_per_node
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
+
+
+def spans_nodes(group: Group | None) -> bool:
+    """Does the group's ring cross a node boundary (ranks r and s are on one node iff r // R == s // R)?"""
+    ranks, per_node = (range(world_size()) if group is None else group.ranks), ranks_per_node()
+    return len({r // per_node for r in ranks}) > 1
+
+
+def _count(kind: str, full: torch.Tensor, group: Group | None = None) -> float | None:
+    """Tally a collective over `full` (its whole size) and book it (_book)."""
+    n = group_size(group)
+    return _book(kind, kind, ring_bytes(kind, full.numel() * full.element_size(), n), n, group)
+
+
+def _book(tally_kind: str, kind: str, sent: float, n: int, group: Group | None) -> float | None:
+    """Add `sent` bytes to the tally; with a network model, book the ring of `kind` on this rank's link:
+    returns when the modelled ring will have finished (time.perf_counter seconds), else None."""
+    _tally[tally_kind] += sent
+    inter = spans_nodes(group)
+    _span["inter_node" if inter else "intra_node"] += sent
+    if _network is None or n == 1:
+        return None
+    return link.book(_network.time(kind, sent, n, inter), kind)
+
+
+def _modeled(handle, done_at: float | None, async_op: bool):
+    """The collective's result under the model: an async handle that waits until done_at as well, or (a
+    synchronous call) return only at done_at. Without a model, the backend's own."""
+    if done_at is None:
+        return handle
+    if async_op:
+        return ModeledHandle(handle, done_at)
+    sleep_until(done_at)
+    return None
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -139,49 +266,67 @@ class _Done:
         return True
 
 
-def all_reduce(tensor: torch.Tensor, op: str = "avg", async_op: bool = False):
+def all_reduce(tensor: torch.Tensor, op: str = "avg", async_op: bool = False, group: Group | None = None):
     """In place: every rank ends with op(tensor over ranks). DDP's gradient averaging."""
-    _count("all_reduce", tensor)
-    if world_size() == 1:
+    done_at = _count("all_reduce", tensor, group)
+    if group_size(group) == 1:
         return _Done() if async_op else None
-    return dist.all_reduce(tensor, op=_OPS[op], async_op=async_op)
+    return _modeled(dist.all_reduce(tensor, op=_OPS[op], async_op=async_op, group=_pg(group)), done_at, async_op)
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "avg", async_op: bool = False):
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "avg", async_op: bool = False,
+                   group: Group | None = None):
     """input [N * n] on every rank -> output [n] on rank r = op over ranks of input[r*n:(r+1)*n].
 
     `output` may be rank r's slice of `input` itself (in place): stage 1 uses that to average its own
     partition of the gradient without a second buffer.
     """
-    assert input.numel() == output.numel() * world_size(), "reduce_scatter: input must be N x output"
-    _count("reduce_scatter", input)
-    if world_size() == 1:
+    assert input.numel() == output.numel() * group_size(group), "reduce_scatter: input must be N x output"
+    done_at = _count("reduce_scatter", input, group)
+    if group_size(group) == 1:
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return _Done() if async_op else None
-    return dist.reduce_scatter_single(output, input, op=_OPS[op], async_op=async_op)
+    return _modeled(dist.reduce_scatter_single(output, input, op=_OPS[op], async_op=async_op, group=_pg(group)),
+                    done_at, async_op)
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False, group: Group | None = None):
     """input [n] from every rank -> output [N * n] on every rank, rank r's input at output[r*n:(r+1)*n].
 
     `input` may be this rank's slice of `output` (in place), which is how ZeRO rebuilds full parameters.
     """
-    assert output.numel() == input.numel() * world_size(), "all_gather: output must be N x input"
-    _count("all_gather", output)
-    if world_size() == 1:
+    assert output.numel() == input.numel() * group_size(group), "all_gather: output must be N x input"
+    done_at = _count("all_gather", output, group)
+    if group_size(group) == 1:
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return _Done() if async_op else None
-    return dist.all_gather_single(output, input, async_op=async_op)
+    return _modeled(dist.all_gather_single(output, input, async_op=async_op, group=_pg(group)), done_at, async_op)
 
 
-def broadcast(tensor: torch.Tensor, src: int = 0, async_op: bool = False):
-    """In place: every rank ends with rank `src`'s tensor. Used once, to start all replicas equal."""
-    _count("broadcast", tensor)
-    if world_size() == 1:
+def broadcast(tensor: torch.Tensor, src: int = 0, async_op: bool = False, group: Group | None = None):
+    """In place: every rank ends with rank `src`'s tensor (src: a global rank). Starts all replicas equal."""
+    done_at = _count("broadcast", tensor, group)
+    if group_size(group) == 1:
         return _Done() if async_op else None
-    return dist.broadcast(tensor, src=src, async_op=async_op)
+    return _modeled(dist.broadcast(tensor, src=src, async_op=async_op, group=_pg(group)), done_at, async_op)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, async_op: bool = False, group: Group | None = None):
+    """input [N * n] -> output [N * n]: chunk j of rank r's input lands as chunk r of rank j's output.
+
+    A transpose of who-holds-what. Each rank keeps one chunk and sends N-1: (N-1)/N of the input. ZeRO++'s
+    quantized gradient reduce-scatter (qgZ) uses it to send int8 chunks, summed by the receiver.
+    """
+    assert output.numel() == input.numel() and input.numel() % group_size(group) == 0, \
+        "all_to_all: input and output must be the same N x n"
+    done_at = _count("all_to_all", input, group)
+    if group_size(group) == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return _Done() if async_op else None
+    return _modeled(dist.all_to_all_single(output, input, async_op=async_op, group=_pg(group)), done_at, async_op)
 
 
 def all_gather_object(obj) -> list:
@@ -221,13 +366,14 @@ def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     chunks = padded.view(n, chunk)                              # chunks[i]: [chunk]
     incoming = torch.empty(chunk, dtype=flat.dtype, device=flat.device)
     right, left = (r + 1) % n, (r - 1) % n
+    # tallied (and, with a network model, timed) as the 2(N-1) hops of chunk bytes it sends
+    done_at = _book("ring_all_reduce", "all_reduce", 2 * (n - 1) * chunk * flat.element_size(), n, None)
 
     def exchange(send_idx: int) -> None:
         # Post the send and the receive together so neither neighbour waits on the other (no deadlock).
         ops = [dist.P2POp(dist.isend, chunks[send_idx], right), dist.P2POp(dist.irecv, incoming, left)]
         for req in dist.batch_isend_irecv(ops):
             req.wait()
-        _tally["ring_all_reduce"] += chunk * flat.element_size()
 
     for s in range(n - 1):                                      # phase 1: reduce-scatter
         exchange((r - s) % n)
@@ -239,4 +385,5 @@ def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     flat.copy_(padded[: flat.numel()])
     if flat.data_ptr() != tensor.data_ptr():                    # non-contiguous input: write back
         tensor.copy_(flat.view_as(tensor))
+    _modeled(None, done_at, async_op=False)
     return tensor

@@ -19,6 +19,8 @@ How (PyTorch DDP's design, reduced to its essentials):
      (reducer.GradBuckets), overlapping the rest of backward;
   5. step: every rank runs the same optimizer step on the same averaged gradients, so replicas stay equal.
 Inside `engine.no_sync()` backward only accumulates into the buffer; the next synced backward reduces it.
+`overlap=False` launches every bucket after backward instead (step 4 off): the baseline that shows, under
+a network model (minizero/network.py), how much communication the overlap hides.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ class DDP(Engine):
     stage = 0
     sharded = False                 # every rank steps all parameters
 
-    def __init__(self, model, optimizer, *, bucket_size: float = DEFAULT_BUCKET_BYTES, **kwargs):
+    def __init__(self, model, optimizer, *, bucket_size: float = DEFAULT_BUCKET_BYTES, overlap: bool = True,
+                 **kwargs):
         super().__init__(model, optimizer, **kwargs)
         groups = split_into_buckets(list(reversed(self.trainable)), bucket_size)
         # Nothing is partitioned, so buckets need no padding: the tally is exactly 2(N-1)/N·Ψ.
@@ -46,7 +49,8 @@ class DDP(Engine):
         # [Ψ] in reduce_dtype; p.grad are views of it, or added into it (fp32 reduce: flat.point_grads_into)
         self.flat_grads = torch.zeros_like(self.flat_params, dtype=self.grad_dtype)
         self.layout.point_grads_into(self.flat_grads)
-        self.reducer = GradBuckets(self.layout.buckets, launch=self._all_reduce_bucket, mark=self._mark)
+        self.reducer = GradBuckets(self.layout.buckets, launch=self._all_reduce_bucket, mark=self._mark,
+                                   overlap=overlap)
         self.optimizer = ShardOptimizer([self._bucket_params(b) for b in self.layout.buckets],
                                         self.optimizer_factory)
 

@@ -20,6 +20,19 @@ Each stage (ddp.py, zero1.py, zero2.py, zero3.py) subclasses `Engine` and fills 
     _zero_grad()        clear gradients for the next step
 and sets `self.layout` (flat.FlatLayout), `self.optimizer` (optim.ShardOptimizer) and `self.sharded`.
 
+[Note: hierarchical sharding] The paper's ZeRO partitions over all N ranks. shard_group_size=S (stages
+1-3; FSDP2's HSDP, DeepSpeed's MiCS) partitions within groups of S consecutive ranks (`shard_group`, one
+row of comm.mesh(S)) and replicates across the N/S groups (`replicate_group`, the ranks that hold the same
+partition: one column). Per rank, S replaces N in every sharded term of the memory formulas. The flat
+layout cuts each bucket into S partitions (its shard index: comm.group_rank(shard_group)); gradients are
+reduce-scattered within the shard group (the average over its S ranks) and, at step(), this rank's
+partition is all-reduced across the replicate group (the average over the N/S groups): the average over
+all N. Parameters are all-gathered within the shard group. With S a node's size every collective but
+that small all-reduce (2(N/S-1)/(N/S)·Ψ/S) stays inside the node. S = N (the default, None) is the
+paper's ZeRO: shard_group and replicate_group are None and nothing here changes a byte. The marked lines
+in zero1/zero2/zero3 pass group=self.shard_group; ZeRO++'s hpZ (hpz_group_size, zero3.py) adds a third
+group, a node's R ranks, for stage 3's backward all-gather.
+
 Measurement: memory() gives this rank's model-state bytes and the activations' peak (activations.py);
 `engine.memory_timeline = []` records one (time, event, bytes by category) per event from then on: the
 end of each unit's forward, the start of its backward, each gradient bucket launched and arrived, the end
@@ -48,8 +61,9 @@ class Engine:
 
     def __init__(self, model: nn.Module, optimizer, *, dtype: str = "fp32", offload: bool | str = False,
                  clip_grad_norm: float | None = None, loss_scale: float | dict | None = None,
-                 reduce_dtype: str | None = None):
-        self.check(dtype, offload, reduce_dtype)
+                 reduce_dtype: str | None = None, shard_group_size: int | None = None,
+                 hpz_group_size: int | None = None):
+        self.check(dtype, offload, reduce_dtype, shard_group_size, hpz_group_size)
         # fp16: the loss is multiplied by S before backward, the gradients divided by it in step()
         self.scaler = scaler_for(dtype, loss_scale)
         if clip_grad_norm is not None and not clip_grad_norm > 0:
@@ -64,6 +78,10 @@ class Engine:
         self.offload = offload
         self.clip_grad_norm = clip_grad_norm
         self.rank, self.world_size, self.device = comm.rank(), comm.world_size(), comm.device()
+        # [Note: hierarchical sharding]: who this rank shards with (None: all N) and replicates with
+        full = shard_group_size in (None, self.world_size)
+        self.shard_group, self.replicate_group = (None, None) if full else comm.mesh(shard_group_size)
+        self.hpz_group = None if hpz_group_size is None else comm.mesh(hpz_group_size)[0]   # zero3.py: hpZ
         self._sync = True
         self._peak = {"peak": 0, "peak_params": 0}
         self._now: dict[str, int] | None = None       # bytes by category, counted on [Note: counted peaks]
@@ -85,9 +103,13 @@ class Engine:
         self.memory_timeline: list[tuple[float, str, dict[str, int]]] | None = None   # [] records (_mark)
 
     @classmethod
-    def check(cls, dtype: str = "fp32", offload: bool | str = False, reduce_dtype: str | None = None) -> None:
-        """The rules for dtype, offload and reduce_dtype, in one place: the engine checks them when it is
-        built, and wrap.check / the CLI call this before anything is built (or any process started)."""
+    def check(cls, dtype: str = "fp32", offload: bool | str = False, reduce_dtype: str | None = None,
+              shard_group_size: int | None = None, hpz_group_size: int | None = None,
+              world_size: int | None = None) -> None:
+        """The rules for dtype, offload, reduce_dtype and the group sizes, in one place: the engine checks
+        them when it is built, and wrap.check / the CLI call this before anything is built (or any process
+        started; world_size: the N to check against, default this process group's)."""
+        cls._check_groups(shard_group_size, hpz_group_size, comm.world_size() if world_size is None else world_size)
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         # Reducing in more precision than the compute is the point; in less (fp32 compute, bf16 reduce) it
@@ -101,6 +123,22 @@ class Engine:
         if offload == "params":
             raise ValueError(f"offload='params' needs stage 3 (stage {cls.stage} keeps full parameters)")
         raise ValueError(f"offload must be one of {cls.offload_choices} for stage {cls.stage}, got {offload!r}")
+
+    @classmethod
+    def _check_groups(cls, shard: int | None, hpz: int | None, n: int) -> None:
+        """S (shard_group_size) divides N; R (hpz_group_size) divides S: a node's ranks hold whole
+        partitions of the shard group's. [Note: hierarchical sharding]"""
+        def size(x):
+            return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+        if shard is not None and cls.stage == 0:
+            raise ValueError("shard_group_size needs ZeRO stage 1, 2 or 3 (DDP partitions nothing)")
+        if hpz is not None and cls.stage != 3:
+            raise ValueError(f"hpz_group_size needs stage 3 (stage {cls.stage} does not gather parameters in backward)")
+        if shard is not None and not (size(shard) and n % shard == 0):
+            raise ValueError(f"shard_group_size must be a divisor of the world size {n} (1 <= S <= N), got {shard!r}")
+        s = n if shard is None else shard
+        if hpz is not None and not (size(hpz) and s % hpz == 0):
+            raise ValueError(f"hpz_group_size must be a divisor of the shard group size {s}, got {hpz!r}")
 
     def _broadcast_from_rank0(self) -> None:
         """All replicas start from rank 0's weights and buffers, whatever each process initialised."""
@@ -137,6 +175,9 @@ class Engine:
     # --- step ---------------------------------------------------------------------------------------
     def step(self) -> None:
         grads = self._grad_parts()
+        if self.replicate_group is not None:               # [Note: hierarchical sharding]
+            for g in grads:                                # average over the N/S groups: now over all N
+                comm.all_reduce(g, op="avg", group=self.replicate_group)
         if self.scaler is not None:                        # fp16: the gradients are still S times too large
             grads = self.scaler.unscale(grads)             # fp32 / S; None: some rank overflowed
         if grads is not None:                              # (None: every rank skips this step, loss_scale.py)
@@ -159,7 +200,7 @@ class Engine:
         for g in grads:
             squares += g.float().pow(2).sum()
         if self.sharded:
-            comm.all_reduce(squares, op="sum")                 # sum of squares over all partitions
+            comm.all_reduce(squares, op="sum", group=self.shard_group)   # sum of squares over all partitions
         norm = squares.sqrt()
         scale = (self.clip_grad_norm / (norm + 1e-6)).clamp(max=1.0)
         for g in grads:
@@ -185,7 +226,8 @@ class Engine:
             full = master
             if self.sharded:                                   # rebuild the bucket from N partitions
                 full = torch.empty(b.padded_numel, dtype=torch.float32, device=self.device)
-                comm.all_gather(full, master.to(self.device).contiguous())   # host masters: offload
+                comm.all_gather(full, master.to(self.device).contiguous(),   # host masters: offload
+                                group=self.shard_group)
             for p, view in b.views(full):
                 values[id(p)] = view.detach().cpu().clone()
         out = {}

@@ -21,6 +21,17 @@ How the processes start, and why not plain `fork`:
 
 Failure handling: if any rank raises or dies, `launch` kills the others at once (they may be blocked in
 a collective waiting for the dead one) and raises RuntimeError naming the rank and its exception.
+A rank that runs out of memory says so in that one line ("rank 2 failed: out of memory (...)"), one
+killed by a signal names the signal (SIGKILL is also what the kernel's OOM killer sends).
+
+Memory cap (`memory_cap=` bytes per rank): each child sets its RLIMIT_DATA before running fn, so an
+allocation past the cap fails in that rank (torch: RuntimeError "can't allocate memory") instead of
+taking the machine's memory from everyone: how to show "this does not fit" without filling the machine
+(python -m minizero.scale --rss). RLIMIT_DATA counts a process's private writable memory, torch's own
+included (0.3 GB of an idle rank here): what allocations take. Not RLIMIT_AS: it counts every mapping
+(0.8 GB of an idle rank here, mostly torch's shared libraries; a CUDA process reserves far more address
+space than it uses). Not RLIMIT_RSS: Linux ignores it. Only the soft limit is set, so a failing rank can
+lift it to report.
 Results come back as `torch.save` bytes through a pipe, not as shared-memory tensors, so a worker may
 exit before the parent reads them.
 """
@@ -32,14 +43,18 @@ import io
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import resource
+import signal
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from minizero import comm
+from minizero.network import network_from_env
 
 _GRACE_S = 5.0          # after a failure, how long survivors get between SIGTERM and SIGKILL
 _SETTLE_S = 1.0         # after a first failure, how long to collect other reports before naming the cause
@@ -67,14 +82,25 @@ def _context(start_method: str | None, fn: Callable) -> mp.context.BaseContext:
     return ctx
 
 
-def _worker(rank: int, world_size: int, port: int, backend: str | None, payload: bytes, conn) -> None:
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether exc is an allocation that failed: Python's MemoryError, torch's CUDA OutOfMemoryError, or
+    torch's CPU allocator refused by the OS ("can't allocate memory", errno 12)."""
+    return isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(exc)
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str | None, payload: bytes, conn,
+            memory_cap: int | None = None, network=None) -> None:
     """Body of each child process: join the group, run fn, send back ("ok", result) or ("error", ...)."""
     # Ranks share the machine's cores; more threads than cores per rank only adds contention.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
     try:
+        if memory_cap is not None:
+            resource.setrlimit(resource.RLIMIT_DATA, (memory_cap, hard))
         fn, args = _loads(payload)
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=datetime.timedelta(seconds=60))
         comm.init(rank, world_size, backend=backend, store=store)
+        comm.set_network(network)       # the parent's, not the environment the forkserver started with
         result = fn(*args)
         comm.destroy(wait_for_peers=True)
         conn.send(("ok", _dumps(result)))
@@ -82,7 +108,13 @@ def _worker(rank: int, world_size: int, port: int, backend: str | None, payload:
         hint = ""
         if isinstance(exc, AttributeError) and "Can't get attribute" in str(exc):
             hint = " (the worker function must be importable: define it in a module, not a notebook cell)"
-        conn.send(("error", f"{type(exc).__name__}: {exc}{hint}", traceback.format_exc()))
+        # The rank is finished: lift its cap, so that reporting cannot fail for the memory it was denied.
+        resource.setrlimit(resource.RLIMIT_DATA, (hard, hard))
+        message = f"{type(exc).__name__}: {exc}{hint}"
+        if _out_of_memory(exc):
+            cap = f" under its cap of {memory_cap / 1e6:.0f} MB" if memory_cap is not None else ""
+            message = f"out of memory{cap} ({' '.join(message.split())})"
+        conn.send(("error", message, traceback.format_exc()))
     finally:
         comm.destroy()
         conn.close()
@@ -102,28 +134,35 @@ def _stop(procs: list) -> None:
 
 
 def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None,
-           start_method: str | None = None, timeout: float | None = None) -> list:
+           start_method: str | None = None, timeout: float | None = None, memory_cap: int | None = None) -> list:
     """Run fn(*args) on `world_size` ranks; return the list of their return values, by rank.
 
     backend: "gloo" (CPU) or "nccl" (one GPU per rank); default NCCL when CUDA is available.
     timeout: seconds for the whole run (None: no limit); past it every rank is killed.
+    memory_cap: bytes of private memory each rank may hold, torch's own included (RLIMIT_DATA; None: no cap).
     Raises RuntimeError("rank R failed: ...") if any rank raises or dies; no child outlives the call.
+    The ranks model the network this process has (comm.set_network, else MINIZERO_NETWORK; network.py).
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     if backend == "nccl" and world_size > torch.cuda.device_count():
         raise ValueError(f"nccl needs one GPU per rank: world_size={world_size}, "
                          f"GPUs={torch.cuda.device_count()}")
+    if memory_cap is not None and not (isinstance(memory_cap, int) and not isinstance(memory_cap, bool)
+                                       and memory_cap > 0):
+        raise ValueError(f"memory_cap must be a positive number of bytes, got {memory_cap!r}")
     ctx = _context(start_method, fn)
     # The parent hosts the rendezvous store on a port the OS picks, so there is no race for a free port.
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
     payload = _dumps((fn, args))
+    network = comm.network() or network_from_env()
     procs, conns = [], []
     try:
         for rank in range(world_size):
             recv_end, send_end = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_worker, args=(rank, world_size, store.port, backend, payload, send_end),
+            p = ctx.Process(target=_worker, args=(rank, world_size, store.port, backend, payload, send_end,
+                                                 memory_cap, network),
                             name=f"minizero-rank{rank}", daemon=True)
             p.start()
             send_end.close()            # the child holds the only writer now: EOF means it died
@@ -135,6 +174,17 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None
         for c in conns:
             c.close()
         del store
+
+
+def _died(exitcode: int | None) -> str:
+    """Why a rank that sent nothing is gone, in words: a negative exit code is the signal that killed it."""
+    text = f"process died (exit code {exitcode}) before returning a result"
+    if exitcode is not None and exitcode < 0:
+        name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() else f"signal {-exitcode}"
+        text += f": killed by {name}"
+        if -exitcode == signal.SIGKILL:
+            text += " (also what the kernel's OOM killer sends when the machine runs out of memory)"
+    return text
 
 
 def _collect(procs: list, conns: list, timeout: float | None) -> list:
@@ -160,8 +210,7 @@ def _collect(procs: list, conns: list, timeout: float | None) -> list:
                 msg = conns[r].recv()
             except EOFError:             # the pipe closed without a message: the process died
                 procs[r].join(1.0)
-                failures[r] = (float("-inf"), f"process died (exit code {procs[r].exitcode}) "
-                                              "before returning a result")
+                failures[r] = (float("-inf"), _died(procs[r].exitcode))
                 continue
             if msg[0] == "error":
                 failures[r] = (time.monotonic(), f"{msg[1]}\n--- traceback of rank {r} ---\n{msg[2]}")

@@ -14,6 +14,10 @@ in stage 3 a bucket is a unit). The mechanism is the one PyTorch DDP's Reducer u
     bounds the memory of buffers in flight (what keeps stage 2's gradient memory at ~Ψ/N);
   * `finish()` at the end of backward launches what never became ready (parameters that got no gradient
     this step: unused ones, which are then reduced as zeros on every rank) and waits for everything.
+
+`overlap=False` is the variant without overlap, for comparison (DDP's `wrap(model, 0, overlap=False)`):
+nothing is launched during backward, `finish()` launches every bucket after it. Over loopback the two
+take the same time; under a network model (minizero/network.py) the difference is the hidden communication.
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ class GradBuckets:
     is told when a bucket is launched and when it has arrived (engine.memory_timeline)."""
 
     def __init__(self, buckets: list[Bucket], launch: Callable, done: Callable | None = None,
-                 on_grad: Callable | None = None, max_in_flight: int = 2, mark: Callable = lambda event: None):
+                 on_grad: Callable | None = None, max_in_flight: int = 2, mark: Callable = lambda event: None,
+                 overlap: bool = True):
         self.buckets = buckets
+        self.overlap = overlap
         self.launch, self.done, self.on_grad, self.mark = launch, done, on_grad, mark
         self.max_in_flight = max_in_flight
         self._bucket_of = {p: i for i, b in enumerate(buckets) for p in b.params}
@@ -52,7 +58,8 @@ class GradBuckets:
         if self.on_grad is not None:
             self.on_grad(p, self.buckets[i])
         self._missing[i] -= 1
-        self._launch_ready()
+        if self.overlap:
+            self._launch_ready()
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self._missing[self._next] == 0:

@@ -21,8 +21,13 @@ from minizero.units import default_units
 from minizero.zero3 import Zero3
 
 ENGINES = dict(zip(STAGES, (DDP, Zero1, Zero2, Zero3)))
-# Options beyond dtype, reduce_dtype, loss_scale, offload and clip_grad_norm (which every stage takes), by stage.
-STAGE_OPTIONS = {0: {"bucket_size"}, 1: set(), 2: {"bucket_size"}, 3: {"units", "prefetch"}}
+# Options beyond COMMON_OPTIONS and offload (which every stage takes), by stage.
+# shard_group_size: HSDP / MiCS, hpz_group_size: ZeRO++'s hpZ ([Note: hierarchical sharding], engine.py).
+QUANTIZED = {"quantized_gradients", "quantization_block"}    # ZeRO++ qgZ (quantize.py): stages 2-3
+STAGE_OPTIONS = {0: {"bucket_size", "overlap"}, 1: {"shard_group_size"},
+                 2: {"bucket_size", "shard_group_size"} | QUANTIZED,
+                 3: {"units", "prefetch", "shard_group_size", "hpz_group_size", "quantized_weights"} | QUANTIZED}
+COMMON_OPTIONS = {"dtype", "reduce_dtype", "loss_scale", "clip_grad_norm"}
 
 
 def engine_class(stage: int) -> type[Engine]:
@@ -32,10 +37,21 @@ def engine_class(stage: int) -> type[Engine]:
     return ENGINES[stage]
 
 
-def check(stage: int, dtype: str = "fp32", offload: bool | str = False, reduce_dtype: str | None = None) -> None:
-    """Raise ValueError (one line) if wrap would refuse this stage, dtype, offload or reduce_dtype: for
-    callers that want to know before they build a model or start processes."""
-    engine_class(stage).check(dtype, offload, reduce_dtype)
+def check(stage: int, dtype: str = "fp32", offload: bool | str = False, reduce_dtype: str | None = None, *,
+          shard_group_size: int | None = None, hpz_group_size: int | None = None,
+          world_size: int | None = None) -> None:
+    """Raise ValueError (one line) if wrap would refuse this stage, dtype, offload, reduce_dtype or group
+    sizes at `world_size` ranks: for callers that want to know before they build a model or start processes."""
+    engine_class(stage).check(dtype, offload, reduce_dtype, shard_group_size, hpz_group_size, world_size)
+
+
+def check_options(stage: int, options) -> None:
+    """Raise TypeError (one line) if `stage` does not take one of the option names in `options`."""
+    unknown = sorted(set(options) - COMMON_OPTIONS - STAGE_OPTIONS[engine_class(stage).stage])
+    if unknown:
+        takers = sorted({s for name in unknown for s, names in STAGE_OPTIONS.items() if name in names})
+        where = f" (only stage {' and '.join(map(str, takers))})" if takers else ""
+        raise TypeError(f"stage {stage} does not take option(s) {', '.join(unknown)}{where}")
 
 
 def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
@@ -50,14 +66,17 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
     options:   dtype ("fp32" | "bf16" | "fp16"), reduce_dtype (None | "fp32": bf16/fp16 gradients reduced
                and accumulated in fp32; engine.py), loss_scale (fp16: None = dynamic, a number = static, a
                dict = dynamic options; minizero/loss_scale.py), clip_grad_norm, bucket_size (bytes; stages 0, 2),
-               units and prefetch (stage 3).
+               overlap (stage 0; False: all-reduce every bucket after backward), units and prefetch (stage 3),
+               shard_group_size (stages 1-3: partition within groups of S ranks, replicate across them; HSDP /
+               MiCS) and hpz_group_size (stage 3: ZeRO++'s hpZ, backward's all-gather within groups of R
+               ranks, a node; see engine.py and zero3.py); ZeRO++ (quantize.py): quantized_weights (stage 3's
+               forward all-gather in int8, qwZ), quantized_gradients (stages 2-3: the reduce-scatter, qgZ),
+               quantization_block (elements per fp32 scale, default quantize.BLOCK).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     engine = engine_class(stage)
-    unknown = sorted(set(options) - {"dtype", "reduce_dtype", "loss_scale", "clip_grad_norm"} - STAGE_OPTIONS[stage])
-    if unknown:
-        raise TypeError(f"stage {stage} does not take option(s) {', '.join(unknown)}")
+    check_options(stage, options)
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("model has no trainable parameters (every parameter has requires_grad=False)")
     if any(p.is_meta for p in model.parameters()):
@@ -70,8 +89,12 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
                                          and not isinstance(options["bucket_size"], bool)
                                          and options["bucket_size"] > 0):
         raise ValueError(f"bucket_size must be a positive number of bytes, got {options['bucket_size']!r}")
-    if "prefetch" in options and not isinstance(options["prefetch"], bool):
-        raise TypeError(f"prefetch must be True or False, got {options['prefetch']!r}")
+    for flag in ("prefetch", "overlap", "quantized_weights", "quantized_gradients"):
+        if flag in options and not isinstance(options[flag], bool):
+            raise TypeError(f"{flag} must be True or False, got {options[flag]!r}")
+    block = options.get("quantization_block", 1)
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"quantization_block must be a positive number of elements, got {block!r}")
     if "units" in options:
         mine = {id(m) for m in model.modules()}
         if not (isinstance(options["units"], (list, tuple, nn.ModuleList))

@@ -43,7 +43,9 @@ class Zero1(Engine):
 
     def __init__(self, model, optimizer, **kwargs):
         super().__init__(model, optimizer, **kwargs)
-        self.layout = FlatLayout.build(self._param_groups(), self.world_size, self.rank)
+        # N partitions, or S with shard_group_size: [Note: hierarchical sharding] in engine.py
+        self.layout = FlatLayout.build(self._param_groups(), comm.group_size(self.shard_group),
+                                       comm.group_rank(self.shard_group))
         self._init_parameters()
         self._init_gradients()
         self.optimizer = self._make_optimizer([self._my_params(b) for b in self.layout.buckets])
@@ -79,7 +81,7 @@ class Zero1(Engine):
         for b in self.layout.buckets:
             full = self.layout.full(self.flat_grads, b)
             mine = self.layout.my_partition(full, b)
-            comm.reduce_scatter(mine, full, op="avg")    # in place: my partition receives the average
+            comm.reduce_scatter(mine, full, op="avg", group=self.shard_group)   # in place: mine gets the average
             parts.append(mine)
         return parts
 
@@ -90,7 +92,7 @@ class Zero1(Engine):
     def _after_step(self) -> None:
         for b in self.layout.buckets:
             full = self.layout.full(self.flat_params, b)
-            comm.all_gather(full, self.layout.my_partition(full, b))     # in place: my partition is input
+            comm.all_gather(full, self.layout.my_partition(full, b), group=self.shard_group)   # in place: mine is input
 
     def _extra_tensors(self, category):
         return [self.flat_grads] if category == "grads" else []

@@ -28,6 +28,20 @@ Read zero2.py first: this file is what stage 3 changes, told as what happens to 
     forward gathers what it needs.
 offload="params" (ZeRO-Infinity style) keeps param_shard in host memory; each gather copies the unit's
 partition to the device first. The optimizer always steps on the host then (offload.py).
+quantized_weights=True (ZeRO++ qwZ, quantize.py): forward's all-gather sends the partitions as int8 blocks,
+Ψ(1 + 4/B) bytes instead of Ψ·2; backward's stays exact. quantized_gradients=True: qgZ, as in stage 2.
+
+shard_group_size=S: partitions of S ranks, replicated across N/S groups ([Note: hierarchical sharding],
+engine.py): the all-gathers and the reduce-scatter run within the shard group.
+
+[Note: hpZ] ZeRO++'s hierarchical partitioning (hpz_group_size=R, DeepSpeed's zero_hpz_partition_size;
+R = ranks_per_node): when a unit's forward all-gather completes, each rank also keeps `secondary`, the
+1/R of the full unit it owns within its node's group of R ranks (engine.hpz_group). Backward's all-gather
+then runs within the node from those secondaries, (R-1)/R·Ψ_u, instead of across all S (N) ranks: of the
+3Ψ a step sends, only the forward all-gather and the reduce-scatter cross nodes: 3Ψ -> 2Ψ inter-node.
+The price: the secondaries, Ψ/R more parameter memory from each unit's forward to its backward (freed by
+its post_backward, or when backward ends), so the parameter peak at the start of backward rises by Ψ/R
+(memory.secondary_partition_bytes).
 
 [Note: recompute] Activation checkpointing (torch.utils.checkpoint, Hugging Face's
 gradient_checkpointing_enable()) runs a unit's forward again inside backward, hooks included. That forward
@@ -53,7 +67,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from minizero import comm, construct
+from minizero import comm, construct, quantize
 from minizero.flat import Bucket, FlatLayout
 from minizero.units import assign_units, default_units
 from minizero.zero1 import Zero1
@@ -83,11 +97,12 @@ class Unit:
         self.numel = sum(p.numel() for p in self.params)
         layout, home = engine.layout, engine.param_shard.device
         self.full, self.shard = self._build(bucket, layout, lambda b: layout.shard(engine.param_shard, b))
-        self.frozen_bucket = (FlatLayout.build([frozen], engine.world_size, engine.rank).buckets[0]
+        self.frozen_bucket = (FlatLayout.build([frozen], layout.world_size, layout.rank).buckets[0]
                               if frozen else None)
         self.frozen_full, self.frozen_shard = self._build(       # [Ψ_f,u padded], [Ψ_f,u / N] of its own
             self.frozen_bucket, layout, lambda b: torch.empty(b.shard_numel, dtype=engine.dtype, device=home))
         self.state, self.training_state = GATHERED, IDLE
+        self.secondary: list[torch.Tensor] | None = None  # hpZ: [Ψ_u / R] per buffer, forward to backward
         self._in_flight: list = []                        # (all-gather handle, its input) while IN_FLIGHT
         self.free()                                       # ... which is released right away
 
@@ -112,18 +127,27 @@ class Unit:
         return [(self.full, self.shard), (self.frozen_full, self.frozen_shard)]
 
     # --- buffers --------------------------------------------------------------------------------------
-    def gather(self, async_op: bool = False) -> None:
-        """Materialize `full` from the N shards (async_op: only start doing so, a prefetch)."""
+    def gather(self, async_op: bool = False, forward: bool = False) -> None:
+        """Materialize `full` from the N shards (async_op: only start doing so, a prefetch). forward: for
+        the unit's forward, which ZeRO++'s qwZ gathers in int8 (quantized_weights; backward stays exact)."""
         if self.state == GATHERED or (self.state == IN_FLIGHT and async_op):
             return
         if self.state == FREE:
-            for full, shard in self._buffers():
+            node = self.training_state == PRE_BACKWARD and self.secondary is not None    # [Note: hpZ]
+            for i, (full, shard) in enumerate(self._buffers()):
                 full.untyped_storage().resize_(full.numel() * full.element_size())   # allocate
                 self.engine._count("params", full.untyped_storage().nbytes())   # [Note: counted peaks]
-                mine = shard
-                if self.engine.offload_params:            # host -> device, explicit (also on a CPU run)
+                if node:                                  # backward: within the node, from the secondaries
+                    mine, group = self.secondary[i], self.engine.hpz_group
+                else:                                     # from the partitions of the shard group
+                    mine, group = shard, self.engine.shard_group
+                if self.engine.offload_params and not node:   # host -> device, explicit (also on a CPU run)
                     mine = mine.to(full.device, copy=True, non_blocking=True)
-                handle = comm.all_gather(full, mine, async_op=True)     # <- the essential line of stage 3
+                if forward and self.engine.quantized_weights:           # qwZ: int8 on the wire (quantize.py)
+                    handle = quantize.all_gather(full, mine, self.engine.quantization_block, async_op=True,
+                                                 group=group)
+                else:
+                    handle = comm.all_gather(full, mine, async_op=True, group=group)  # <- the essential line of stage 3
                 self._in_flight.append((handle, mine))
             self.state = IN_FLIGHT
             self.engine._record("prefetch" if async_op else "gather", self)
@@ -131,7 +155,23 @@ class Unit:
                 return
         self._wait()
         self.state = GATHERED
+        if self.engine.hpz_group is not None and self.training_state == FORWARD:
+            self.keep_secondary()
         self.engine._note_peak()                          # units gathered: the parameter peak
+
+    def keep_secondary(self) -> None:
+        """hpZ [Note: hpZ]: keep this rank's 1/R of the full unit (its slice within the node's group), from
+        which the node rebuilds the unit for backward without crossing nodes."""
+        group = self.engine.hpz_group
+        i, r = comm.group_rank(group), comm.group_size(group)
+        self.drop_secondary()
+        self.secondary = [full[i * (full.numel() // r):][: full.numel() // r].clone() for full, _ in self._buffers()]
+        self.engine._count("params", sum(t.nbytes for t in self.secondary))     # [Note: counted peaks]
+
+    def drop_secondary(self) -> None:
+        if self.secondary is not None:
+            self.engine._count("params", -sum(t.nbytes for t in self.secondary))
+        self.secondary = None
 
     def free(self) -> None:
         """Release `full`: 0 bytes, shape kept, so the parameters stay views of it."""
@@ -153,7 +193,7 @@ class Unit:
         """The full parameters were written (engine.gathered(modifier_rank=...)): keep this rank's part."""
         for full, shard in self._buffers():
             if full.numel():
-                shard.copy_(full[self.engine.rank * shard.numel():][: shard.numel()])
+                shard.copy_(full[self.engine.layout.rank * shard.numel():][: shard.numel()])
 
     def reduce_scatter_grads(self):
         """Stage 2's reduce-scatter of this unit's gradients (Zero2.reduce_scatter_grads): the async handle."""
@@ -165,7 +205,7 @@ class Unit:
             self.gather()                                 # reentrant: its first use in this backward
             return
         self.training_state = FORWARD
-        self.gather()
+        self.gather(forward=True)
         self.engine._prefetch_after(self, self.engine.forward_order)
 
     def post_forward(self) -> None:
@@ -190,6 +230,7 @@ class Unit:
         next unit's backward starts (pre_backward) or backward ends."""
         handle = self.reduce_scatter_grads()
         self.training_state = IDLE
+        self.drop_secondary()                             # hpZ: its backward all-gather is done
         if self.frozen_bucket is None:
             self.free()
         else:
@@ -205,13 +246,16 @@ class Zero3(Zero2):
     unit_class = Unit        # what units are made of: exercise 5's grader brings a Unit with the learner's hooks
 
     def __init__(self, model, optimizer, *, units: list[nn.Module] | None = None, prefetch: bool = True,
-                 **kwargs):
+                 quantized_weights: bool = False, quantized_gradients: bool = False,
+                 quantization_block: int = quantize.BLOCK, **kwargs):
         self.prefetch = prefetch
+        self.quantized_weights = quantized_weights                 # ZeRO++ qwZ, qgZ: quantize.py
+        self.quantized_gradients, self.quantization_block = quantized_gradients, quantization_block
         self.offload_params = kwargs.get("offload") == "params"
         self.timeline: list[tuple[float, str, int]] | None = None       # set to [] to record events
         chosen = default_units(model) if units is None else units
         self._unit_modules, self._unit_params, self._unit_frozen = assign_units(model, chosen)
-        # Not Zero2.__init__: its one option, bucket_size, means nothing here (stage 3's buckets are units).
+        # Not Zero2.__init__: its bucket_size means nothing here (stage 3's buckets are units).
         Zero1.__init__(self, model, optimizer, **kwargs)
         self.finished: list[Unit] = []          # backward done, frozen parameters still gathered (post_backward)
         self._gathered_for_user: list[list[Unit]] = []          # by engine.gathered(), innermost last
@@ -269,7 +313,7 @@ class Zero3(Zero2):
         # the next unit's all-gather runs while this one computes
         following = order.index(unit) + 1
         if self.prefetch and following < len(order):
-            order[following].gather(async_op=True)
+            order[following].gather(async_op=True, forward=order is self.forward_order)
 
     def _record(self, event: str, unit: Unit) -> None:
         if self.timeline is not None:   # (time, "gather" | "prefetch" | "free", bucket index)
@@ -296,6 +340,7 @@ class Zero3(Zero2):
         for unit in self.units:                           # and units a prefetch gathered after it
             unit.free()
             unit.training_state = IDLE
+            unit.drop_secondary()                         # hpZ: units with nothing to train keep it till now
 
     # --- step: nothing to gather, the shards were updated in place ---------------------------------------
     def _after_step(self) -> None:
@@ -327,4 +372,6 @@ class Zero3(Zero2):
         extra = super()._extra_tensors(category)
         if category == shard_category:
             extra = extra + [self.param_shard] + [u.frozen_shard for u in self.units]
+        if category == "params":                          # hpZ's secondaries live on the device
+            extra = extra + [t for u in self.units for t in (u.secondary or [])]
         return extra

@@ -577,6 +577,191 @@ NOTEBOOKS["07_activations"] = [
 ]
 
 
+# --------------------------------------------------------------------------------------------------------
+# 08_beyond: the designs beyond the ZeRO paper, one function per section. Each returns its cells; the
+# notebook is their concatenation, so adding a section (HSDP, hpZ, ZeRO++: notebooks/beyond_*.py) is one
+# entry in BEYOND_SECTIONS.
+# --------------------------------------------------------------------------------------------------------
+
+def beyond_intro() -> list:
+    return [
+        md("""
+        # 08 · Beyond the paper: a network model that makes overlap visible
+
+        On one machine the ranks talk over loopback, so communication is almost free next to compute, and what
+        the later ZeRO papers are about cannot be seen: whether DDP's bucketed all-reduce really hides behind
+        backward, what stage 3's prefetch buys, what stage 3's 3Ψ costs next to 2Ψ. This notebook turns on
+        minizero's **network model** and measures exactly that.
+        """),
+        code("""
+        import os
+        import network_plots                              # notebooks/network_plots.py: this notebook's figures
+        from minizero.lab import demo, network_runs
+        from minizero.lab.train import TrainConfig
+
+        SMALL = os.environ.get("MINIZERO_SMALL") == "1"     # CI: the tiny model
+        MODEL = "tiny" if SMALL else "default"
+        BASE = TrainConfig(stage=0, world_size=2, steps=4, batch_size=8, model=MODEL, backend="gloo",
+                           bucket_size=network_runs.BASE.bucket_size if not SMALL else 400)
+        print(f"model {MODEL!r}, N = {BASE.world_size}, {BASE.steps} steps per run")
+        """),
+    ]
+
+
+def beyond_network_model() -> list:
+    return [
+        md("""
+        ## The model, and what it leaves out
+
+        `minizero/network.py` describes a cluster: nodes of `ranks_per_node` consecutive ranks, a bandwidth β
+        and a latency α per hop between nodes (and, optionally, inside a node: unlimited by default). Turn it on
+        with `comm.set_network("1gbps,10us,ranks_per_node=2")`, `MINIZERO_NETWORK=...` or `python -m
+        minizero.run --network ...`. Every collective then still runs for real over gloo (its values stay
+        exact), but its handle's `wait()` returns no earlier than a ring on that network would have finished:
+
+        $$t = \\text{hops} \\cdot \\alpha + \\frac{\\text{bytes one rank sends}}{\\beta}, \\qquad
+        \\text{all-reduce over } n: 2(n-1) \\text{ hops}, \\; 2\\frac{n-1}{n} S \\text{ bytes}$$
+
+        with the inter-node α, β as soon as the ring crosses a node boundary (the slowest link sets the pace of
+        a ring). A rank's link is one resource: collectives queue on it one after another, so an asynchronous
+        all-reduce issued from a backward hook runs *while autograd computes*, and a synchronous one blocks.
+
+        **Left out**, so real clusters do worse: ranks of a node sharing its NICs (contention), protocol and
+        message-size effects (NCCL's trees), the CPU time of the real gloo collective, clock skew between ranks.
+        """),
+        code("""
+        from minizero import comm
+        from minizero.network import parse_network
+        net = parse_network("1gbps,10us,ranks_per_node=2")
+        print(repr(net))                                      # bytes/s and seconds
+        for n in (2, 4, 8, 64):
+            sent = comm.ring_bytes("all_reduce", 100e6, n)          # a 100 MB gradient all-reduce
+            print(f"N = {n:>2}: {sent / 1e6:6.1f} MB sent per rank, "
+                  f"{net.time('all_reduce', sent, n, inter_node=True) * 1e3:7.1f} ms at 1 Gb/s across nodes")
+        """),
+    ]
+
+
+def beyond_overlap() -> list:
+    return [
+        md("""
+        ## Overlap made visible: DDP with and without it
+
+        Bandwidth is picked relative to this machine (`minizero/lab/network_runs.py`): one launch first trains
+        DDP with no network to measure a step's compute time T, then models the bandwidth at which DDP's
+        all-reduce takes ρ·T. At ρ = 1 communication is as long as compute. `wrap(model, 0, overlap=False)`
+        is DDP that launches every bucket after backward instead of from the autograd hooks.
+
+        The same launch also runs stage 3 with and without prefetch and the bandwidth sweep of the next
+        sections (one launch, about 20 short runs).
+        """),
+        code("""
+        out = network_runs.measure(network_runs.overlap_runs(1.0) + network_runs.sweep_runs(), BASE)
+        runs = network_runs.by_label(out)
+        print(f"compute T = {out['compute_s'] * 1e3:.1f} ms per step; DDP all-reduces {out['allreduce_bytes'] / 1e3:.0f} kB")
+        for label in ("DDP", "DDP, no overlap", "stage 3", "stage 3, no prefetch"):
+            r = runs[label]
+            print(f"{label:22} {r['network']:32} step {r['step_time_s'] * 1e3:6.1f} ms (fastest of {BASE.steps - 1})")
+        network_plots.step_times(out, ["DDP", "DDP, no overlap"]);
+        """),
+        md("""
+        The fastest step of each run (the CPU is shared: other work slows steps at random, never speeds them
+        up), as recorded: the orange bars are the modelled link busy, the blue ticks the blocks' compute events. With overlap, the first buckets go out while backward still computes the earlier layers; without
+        it, the link idles through backward and the step waits for all of it afterwards.
+        """),
+        code("""
+        network_plots.timelines(out, ["DDP", "DDP, no overlap"]);
+        """),
+    ]
+
+
+def beyond_prefetch() -> list:
+    return [
+        md("""
+        ## Prefetch in stage 3
+
+        Stage 3 all-gathers each unit before its forward and again before its backward. With prefetch
+        (`wrap(..., prefetch=True)`, the default) the next unit's all-gather is issued while the current unit
+        computes; without it every gather waits in front of its unit.
+        """),
+        code("""
+        network_plots.step_times(out, ["stage 3", "stage 3, no prefetch"]);
+        network_plots.timelines(out, ["stage 3", "stage 3, no prefetch"]);
+        """),
+    ]
+
+
+def beyond_bandwidth() -> list:
+    return [
+        md("""
+        ## Stages 0-3 as bandwidth falls
+
+        The same ratios for every stage: ρ = 0.25, 1, 4 (the bandwidth falls by 16×). Stages 0-2 send 2Ψ per
+        step, stage 3 3Ψ; stages 1 and 2 also move their all-gather *after* the step, where nothing is left to
+        hide it behind. The dashed lines are the same stage with no network.
+        """),
+        code("""
+        network_plots.bandwidth_sweep(out);
+        """),
+        md("""
+        Where the bytes go: every collective of stages 0-3 spans all N ranks, so as soon as there is more than one
+        node, every byte crosses nodes (`comm.tally()["inter_node"]`). Hierarchical designs exist to change
+        that split.
+        """),
+        code("""
+        for stage in range(4):
+            sent = runs[f"stage {stage}, ratio 1.0"]["comm"]
+            print(f"stage {stage}: {sent['total'] / 1e3:7.1f} kB per step, {sent['intra_node'] / 1e3:6.1f} kB inside "
+                  f"nodes, {sent['inter_node'] / 1e3:7.1f} kB across")
+        demo.export("network_8", {"network": out});       # for tests/test_notebooks.py
+        """),
+    ]
+
+
+def beyond_try() -> list:
+    return [
+        md("""
+        ## Try it
+
+        The model's prediction at any bandwidth, from the runs above: each stage's compute T (no network) and
+        bytes per step S give C = S / β; a step takes between max(T, C) (all communication hidden) and T + C
+        (none hidden). The measurements above fall in between: DDP hides most of its all-reduce, stage 1 and 2's
+        parameter all-gather after the step hides nothing.
+        """),
+        code("""
+        from ipywidgets import FloatLogSlider, interact
+        interact(lambda mbps: network_plots.prediction(out, mbps),
+                 mbps=FloatLogSlider(value=out["runs"][0]["bandwidth"] * 8 / 1e6, base=10, min=-1, max=4, step=0.05,
+                                     description="Mb/s"));
+        """),
+        md("""
+        **What to try**
+
+        - `python -m minizero.run --stage 0 --world-size 2 --network 100mbps` and again with `--no-overlap`;
+          `--stage 3` with `--no-prefetch`.
+        - A latency-bound network (`1tbps,1ms`): many small buckets now cost hops, not bytes; raise
+          `--bucket-size-mb`.
+        - `ranks_per_node=2` at N = 4: stage 3's collectives still all cross nodes. Which collectives would you keep
+          inside a node?
+        """),
+    ]
+
+
+def beyond_hierarchical() -> list:
+    from beyond_hsdp import cells            # HSDP / MiCS and ZeRO++'s hpZ: notebooks/beyond_hsdp.py
+    return cells()
+
+
+def beyond_quantized() -> list:
+    from beyond_quant import cells           # ZeRO++'s qwZ and qgZ: notebooks/beyond_quant.py
+    return cells()
+
+
+BEYOND_SECTIONS = [beyond_intro, beyond_network_model, beyond_overlap, beyond_prefetch, beyond_bandwidth,
+                   beyond_hierarchical, beyond_quantized, beyond_try]
+NOTEBOOKS["08_beyond"] = [cell for section in BEYOND_SECTIONS for cell in section()]
+
+
 def main() -> None:
     for name, cells in NOTEBOOKS.items():
         cells = copy.deepcopy(cells)                 # SETUP is shared; ids differ per notebook

@@ -36,6 +36,23 @@ def collectives() -> dict:
     comm.ring_all_reduce(y.t())
     out["ring_matches"] = torch.allclose(y, expected, atol=1e-6)
     out["tally_ring"] = comm.tally()["ring_all_reduce"]
+    # all_to_all: chunk j of rank r's input [r*10 + j] lands as chunk r of rank j's output.
+    sent = torch.arange(n, dtype=torch.float32) + 10 * r
+    received = torch.empty(n)
+    comm.all_to_all(received, sent)
+    out["all_to_all"] = received
+    if n % 2 == 0:                                                 # a 2-D mesh: rows of 2 ranks
+        shard, replicate = comm.mesh(2)
+        z = torch.full((3,), float(r))
+        comm.all_reduce(z, op="sum", group=shard)
+        out["row_sum"], out["row"] = z, shard.ranks
+        w = torch.full((3,), float(r))
+        comm.all_reduce(w, op="sum", group=replicate)
+        out["column_sum"], out["column"] = w, replicate.ranks
+        comm.reset_tally()
+        part = torch.empty(2)
+        comm.reduce_scatter(part, torch.arange(4.0) + r, op="sum", group=shard)
+        out["row_reduce_scatter"], out["tally_group"] = part, comm.tally()["reduce_scatter"]
     return out
 
 

@@ -1,14 +1,17 @@
 """minizero.bench: every stage next to PyTorch's peer in one launch (tiny model, N = 2, 2 steps), and
-its one-line usage errors; minizero.scale's searches (the tiny model's largest micro-batch at N = 2).
+its one-line usage errors; minizero.scale's searches (the tiny model's largest micro-batch at N = 2) and
+its --rss demo under a real per-rank memory cap (N = 2, a 10.4 M GPT).
 Run: python -m pytest tests/test_bench.py -q"""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
-from minizero.lab import bench, scale
+import minizero
+from minizero.lab import bench, rss, scale
 from minizero.memory import activation_bytes, comm_volume, estimate
 
 
@@ -62,7 +65,9 @@ def test_the_activation_meter_is_timed_on_and_off_and_only_observes(report):
                                   ["--stages", "5"], ["--world-size", "3"], ["--bogus"],
                                   ["--scale", "--budget-mb", "0"], ["--scale", "--world-size", "0"],
                                   ["--scale", "--micro-batch", "--model", "huge"], ["--scale", "--model", "tiny"],
-                                  ["--scale", "--micro-batch", "--budget-mb", "-1"]])
+                                  ["--scale", "--micro-batch", "--budget-mb", "-1"], ["--scale", "--rss-cap-mb", "9"],
+                                  ["--scale", "--rss", "--world-size", "1"], ["--scale", "--rss", "--rss-cap-mb", "0"],
+                                  ["--scale", "--rss", "--world-size", "2", "4"], ["--scale", "--rss", "--budget-mb", "4"]])
 def test_bad_input_is_one_line_and_exit_2(argv, capsys):
     assert bench.main(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -124,3 +129,25 @@ def test_measured_micro_batch_is_the_estimate_less_what_is_in_flight(micro_batch
 def test_micro_batch_table_names_every_variant(micro_batches):
     text = scale.format_table(micro_batches)
     assert all(v in text for v, _, _ in scale.VARIANTS) and "plain |  ckpt" in text and "N = 2" in text
+
+
+def test_under_a_memory_cap_ddp_runs_out_and_stage_3_trains():
+    """The real-memory story at N = 2 with C = 150 MB: a GPT whose DDP model states (16Ψ) exceed C. DDP's
+    ranks hit their RLIMIT_DATA and the launcher says which rank ran out of memory, in one line and
+    quickly (nothing hangs); stage 3 trains under the same cap, resident above the baseline at least its
+    formula's 16Ψ/N and less than C."""
+    with pytest.raises(ValueError, match="memory_cap"):
+        minizero.launch(rss.capped_worker, 2, memory_cap=0)
+    report = rss.capped_runs(150, world_size=2, variants=rss.VARIANTS[:2])
+    ddp, stage3 = report["rows"]
+    assert 16 * report["num_params"] > report["cap_bytes"]
+    assert not ddp["trained"], "DDP trained under the cap: was the cap set in the ranks?"
+    cap_mb = f"{report['limit_bytes'] / 1e6:.0f}"
+    assert re.match(rf"rank [01] failed: out of memory under its cap of {cap_mb} MB \(RuntimeError: .*can't allocate",
+                    ddp["error"]), ddp["error"]
+    assert ddp["seconds"] < 30
+    assert stage3["trained"], stage3.get("error")
+    assert stage3["formula"] == 16 * report["num_params"] / 2
+    assert stage3["formula"] <= stage3["above_baseline"] < report["cap_bytes"], stage3
+    text = rss.format_rss_table(report)
+    assert "DDP: rank" in text and "out of memory" in text and "trained in" in text

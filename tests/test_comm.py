@@ -40,6 +40,28 @@ def test_tally_counts_ring_bytes(results):
     assert out["tally_ring"] == pytest.approx(2 * (n - 1) * chunk * 4)
 
 
+def test_all_to_all_transposes_chunks(results):
+    n, res = results
+    for r, out in enumerate(res):
+        assert torch.equal(out["all_to_all"], torch.arange(n, dtype=torch.float32) * 10 + r), f"rank {r}"
+
+
+def test_mesh_groups_reduce_within_rows_and_columns(results):
+    n, res = results
+    if n % 2:
+        pytest.skip("a mesh of rows of 2 needs an even world size")
+    for r, out in enumerate(res):
+        row, column = list(range(r - r % 2, r - r % 2 + 2)), list(range(r % 2, n, 2))
+        assert list(out["row"]) == row and list(out["column"]) == column, f"rank {r}"
+        assert torch.equal(out["row_sum"], torch.full((3,), float(sum(row)))), f"rank {r}: row"
+        assert torch.equal(out["column_sum"], torch.full((3,), float(sum(column)))), f"rank {r}: column"
+        # within the row of 2: index i gets chunk i of sum over the row of (arange(4) + rank)
+        i = r % 2
+        expected = 2 * torch.arange(2 * i, 2 * i + 2.0) + sum(row)
+        assert torch.equal(out["row_reduce_scatter"], expected), f"rank {r}: reduce-scatter in the row"
+        assert out["tally_group"] == pytest.approx((2 - 1) / 2 * 4 * 4)     # ring bytes over 2 ranks
+
+
 def test_single_process_without_a_group_is_a_no_op():
     x = torch.ones(4)
     comm.reset_tally()

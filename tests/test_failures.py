@@ -89,6 +89,7 @@ def test_a_killed_rank_ends_the_run():
     message = str(info.value).splitlines()[0]
     # the survivors' "connection reset" errors may reach the parent first: launch must still blame rank 1
     assert message.startswith("rank 1 failed: process died (exit code -9)"), message[:200]
+    assert "killed by SIGKILL" in message, message[:200]      # also what the kernel's OOM killer sends
 
 
 def test_cli_exits_nonzero_naming_the_rank_and_leaves_nothing(tmp_path):

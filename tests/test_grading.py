@@ -43,6 +43,10 @@ MUTANTS = [
     ("test_ex08_global_overflow", "check_decisions", "ex08_inf_not_nan",
      r"rank \d, step 2: .* returned False, expected True: rank 0's partition held a nan .*isfinite"),
     ("test_ex08_global_overflow", "check_training", "ex08_inf_not_nan", r"differs from minizero's by up to nan"),
+    ("test_ex09_block_quantize", "check_error_bound", "ex09_scale_255",
+     r"rows \[3, 50\]: element \d+ .* an error of \d.* x absmax/254 .* scale = absmax / 127"),
+    ("test_ex09_block_quantize", "check_bytes", "ex09_not_int8",
+     r"rank \d: the .* sent \d.* bytes .* with your quantize, \d.* with minizero's: q must be int8"),
 ]
 
 
@@ -59,7 +63,7 @@ def test_every_mutant_is_used_and_every_exercise_has_one():
     on_disk = {p.stem for p in (EXERCISES / "mutants").glob("ex*.py")}
     assert on_disk == {m[2] for m in MUTANTS}
     assert {m[2][:4] for m in MUTANTS} == {name[:4] for name in EXERCISE_NAMES}
-    assert len(EXERCISE_NAMES) == 8
+    assert len(EXERCISE_NAMES) == 9
 
 
 def grade(tmp_path, *flags) -> tuple[subprocess.CompletedProcess, dict | None]:

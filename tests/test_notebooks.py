@@ -44,6 +44,7 @@ EXPORTS = {
     "05_offload": ["offload_5", "loss_scale_5"],
     "06_compare": ["compare_6"],
     "07_activations": ["activations_7"],
+    "08_beyond": ["network_8"],
 }
 
 
@@ -79,6 +80,8 @@ def test_notebook_runs_and_its_plots_match_the_formulas(name, tmp_path, monkeypa
             check_activations(data["activations"], data["runs"], data["memory_timelines"])
         if "loss_scale" in data:
             check_loss_scale(data["loss_scale"])
+        if "network" in data:
+            check_network(data["network"])
 
 
 def check_loss_scale(run: dict) -> None:
@@ -100,6 +103,19 @@ def check_loss_scale(run: dict) -> None:
         owned = [t["step"] for t in res["trace"] if t["local_overflow"]]
         assert owned == [k for k, r in faults.items() if r == res["rank"]], f"rank {res['rank']}: {owned}"
         assert res["skipped_steps"] == len(faults)
+
+
+def check_network(out: dict) -> None:
+    """Under the network model: each run's bytes per step are the ring formula (memory.comm_volume,
+    recomputed here); with a model (one rank per node) they all cross nodes, without one (one machine) none
+    do; and the recorded step lasted at least as long as the modelled link was busy."""
+    for run in out["runs"]:
+        n, stage, sent = run["world_size"], run["stage"], run["comm"]
+        formula = comm_volume(run["num_params"], n, stage, bytes_per_elem=4)
+        assert within_padding(sent["total"], formula, n, times=3), f"{run['label']}: {sent['total']} vs {formula}"
+        assert sent["inter_node" if run["network"] else "intra_node"] == sent["total"], run["label"]
+        busy = sum(end - start for start, end, _ in run["timeline"]["transfers"])
+        assert (busy > 0) == (run["network"] is not None) and run["timeline"]["end"] >= busy, run["label"]
 
 
 def check_training_runs(records: list[dict]) -> None:

@@ -4,7 +4,11 @@
     python -m minizero.run --stage 3 --world-size 4 --dtype bf16 --offload params --json out.json
     python -m minizero.run --dtype fp16 [--loss-scale 1024]     # fp16: dynamic (or static) loss scaling
     python -m minizero.run --dtype bf16 --reduce-dtype fp32     # gradients reduced and accumulated in fp32
+    python -m minizero.run --stage 3 --quantized-weights --quantized-gradients   # ZeRO++ int8 communication
+    python -m minizero.run --stage 0 --network 1gbps,10us,ranks_per_node=2 [--no-overlap]   # a modelled network
     python -m minizero.run --config examples/ds_config_zero2_offload.json --world-size 4   # DeepSpeed JSON
+    python -m minizero.run --stage 3 --world-size 4 --shard-group-size 2    # HSDP / MiCS: shard in pairs
+    python -m minizero.run --stage 3 --world-size 4 --hpz-group-size 2      # ZeRO++ hpZ: nodes of 2 ranks
     torchrun --nproc-per-node 4 -m minizero.run --stage 3        # uses torchrun's process group
 
 Ends with a per-rank table: measured parameter / gradient / optimizer / offloaded bytes next to the ZeRO
@@ -27,7 +31,8 @@ from minizero.lab.report import format_table, summarize
 from minizero.lab.train import OPTIMIZERS, TrainConfig, train_worker
 from minizero.launcher import launch
 from minizero.loss_scale import scaler_for
-from minizero.wrap import check
+from minizero.network import network_from_env, parse_network
+from minizero.wrap import check, check_options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +61,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=None, help="learning rate (default 3e-3)")
     p.add_argument("--bucket-size-mb", type=float, default=None, help="gradient bucket size (default 25)")
     p.add_argument("--no-prefetch", action="store_true", help="stage 3: gather units only when needed")
+    p.add_argument("--quantized-weights", action="store_true",
+                   help="stage 3: forward's all-gather sends int8 blocks (ZeRO++ qwZ; minizero/quantize.py)")
+    p.add_argument("--quantized-gradients", action="store_true",
+                   help="stages 2-3: the gradient reduce-scatter sends int8 blocks (ZeRO++ qgZ)")
+    p.add_argument("--no-overlap", action="store_true", help="stage 0: all-reduce every bucket after backward")
+    p.add_argument("--network", default=None, metavar="SPEC",
+                   help="model a cluster network, e.g. 1gbps,10us,ranks_per_node=2 (minizero/network.py; "
+                        "default: $MINIZERO_NETWORK, else none)")
+    p.add_argument("--shard-group-size", type=int, default=None, metavar="S",
+                   help="stages 1-3: partition within groups of S consecutive ranks, replicate across the "
+                        "N/S groups (HSDP / DeepSpeed MiCS); S must divide the world size")
+    p.add_argument("--hpz-group-size", type=int, default=None, metavar="R",
+                   help="stage 3: keep a secondary partition within groups of R ranks (a node) so backward's "
+                        "all-gather stays inside them (ZeRO++ hpZ, DeepSpeed's zero_hpz_partition_size)")
     p.add_argument("--activation-checkpointing", nargs="?", const=True, default=None, choices=["cpu"],
                    metavar="cpu", help="recompute each block's forward in backward, keeping only its input; "
                                        "'cpu': keep those inputs in host memory (ZeRO-R's P_a+cpu)")
@@ -98,7 +117,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     pairs = {"stage": args.stage, "world_size": args.world_size, "steps": args.steps, "dtype": args.dtype,
              "backend": args.backend, "batch_size": args.batch_size, "grad_accum": args.grad_accum,
              "clip_grad_norm": args.clip_grad_norm, "optimizer": args.optimizer, "lr": args.lr,
-             "model": args.model, "seed": args.seed, "reduce_dtype": args.reduce_dtype}
+             "model": args.model, "seed": args.seed, "reduce_dtype": args.reduce_dtype,
+             "shard_group_size": args.shard_group_size, "hpz_group_size": args.hpz_group_size}
     for name, value in pairs.items():
         if value is not None:
             setattr(cfg, name, value)
@@ -113,6 +133,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         cfg.bucket_size = args.bucket_size_mb * 1e6
     if args.no_prefetch:
         cfg.prefetch = False
+    cfg.quantized_weights = cfg.quantized_weights or args.quantized_weights
+    cfg.quantized_gradients = cfg.quantized_gradients or args.quantized_gradients
+    if args.no_overlap:
+        cfg.overlap = False
     if args.activation_checkpointing is not None:
         cfg.activation_checkpointing = args.activation_checkpointing
     cfg.save_dir, cfg.load_dir = args.save, args.load
@@ -124,6 +148,14 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if cfg.load_dir is not None:
         _check_checkpoint(cfg.load_dir, cfg)
     return cfg
+
+
+def network_from_args(args: argparse.Namespace):
+    """--network, else $MINIZERO_NETWORK, else None: the network model (minizero/network.py) of the run."""
+    try:
+        return parse_network(args.network) if args.network is not None else network_from_env()
+    except ValueError as e:
+        raise UsageError(f"--network: {e}" if args.network is not None else str(e)) from None
 
 
 def _check_periodic(args: argparse.Namespace) -> None:
@@ -160,7 +192,9 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.offload is True:
         cfg.offload = "optimizer"
     try:
-        check(cfg.stage, cfg.dtype, cfg.offload, cfg.reduce_dtype)    # the engines' own rules (minizero.wrap)
+        check(cfg.stage, cfg.dtype, cfg.offload, cfg.reduce_dtype,   # the engines' own rules (minizero.wrap)
+              shard_group_size=cfg.shard_group_size, hpz_group_size=cfg.hpz_group_size, world_size=cfg.world_size)
+        check_options(cfg.stage, set(cfg.engine_options()) - {"activation_checkpointing"})
         scaler_for(cfg.dtype, cfg.loss_scale)             # ... and the loss scaler's
     except (ValueError, TypeError) as e:
         bad(str(e))
@@ -178,6 +212,8 @@ def validate(cfg: TrainConfig) -> None:
         bad("--lr and --clip-grad-norm must be > 0")
     if cfg.bucket_size <= 0:
         bad("--bucket-size-mb must be > 0")
+    if not cfg.overlap and cfg.stage != 0:
+        bad(f"--no-overlap is for --stage 0 (DDP), got --stage {cfg.stage}")
     if cfg.grad_accum < 1 or cfg.batch_size < 1:
         bad("--grad-accum and --batch-size must be >= 1")
     if cfg.batch_size % (cfg.world_size * cfg.grad_accum):
@@ -196,10 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         cfg = config_from_args(args)
+        network = network_from_args(args)
     except UsageError as e:
         print(f"minizero.run: error: {e}", file=sys.stderr)
         return 2
     cfg.log_every = 0 if args.quiet else max(1, cfg.steps // 10)
+    comm.set_network(network)             # here under torchrun; minizero.launch hands it to its ranks
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
         if under_torchrun:
@@ -213,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"minizero.run: {e}", file=sys.stderr)
         return 1
     if is_reporter:
-        summary = summarize(cfg, results)
+        summary = summarize(cfg, results, network)
         emit(format_table(summary), summary, args.json)
     if under_torchrun:
         # Everything is reported and written, and the process group is destroyed. A torchrun rank that

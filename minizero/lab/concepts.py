@@ -43,6 +43,12 @@ CONCEPTS = [
      "masters and state on the host, step on the host"),
     ("DeepSpeed", "offload_param.device = cpu (ZeRO-Infinity)", "minizero.zero3.Zero3._init_parameters",
      "parameter shards kept in host memory between uses"),
+    ("DeepSpeed", "zero_quantized_weights (ZeRO++ qwZ)", "minizero.quantize.all_gather",
+     "stage 3's forward all-gather in int8 blocks (Unit.gather); backward's all-gather stays exact"),
+    ("DeepSpeed", "zero_quantized_gradients (ZeRO++ qgZ)", "minizero.quantize.reduce_scatter",
+     "int8 chunks in one all-to-all, averaged in fp32 (ZeRO++: a 2-hop all-to-all of int4)"),
+    ("DeepSpeed", "ZeRO++ block-based quantization", "minizero.quantize.quantize",
+     "symmetric int8, one fp32 scale per block of B: error <= absmax/254, Ψ + 4Ψ/B bytes"),
     ("DeepSpeed", "gradient_clipping", "minizero.engine.Engine._clip", "global norm over all partitions"),
     ("DeepSpeed", "fp16.loss_scale / DynamicLossScaler (hysteresis, loss_scale_window)",
      "minizero.loss_scale.LossScaler", "scale the loss, unscale in fp32, skip on overflow, halve / double S"),
@@ -107,6 +113,20 @@ CONCEPTS = [
      "FSDP2 offloads parameters and gradients; minizero the optimizer (and parameters in stage 3)"),
     ("PyTorch", "torch.distributed reduce_scatter_tensor / all_gather_into_tensor", "minizero.comm.reduce_scatter",
      "and minizero.comm.all_gather: the only callers, with a byte tally"),
+    ("DeepSpeed", "comms_logger (per-collective time, algbw / busbw = algbw · 2(n-1)/n)", "minizero.network.Network",
+     "a model, not a measurement: each collective waits for its ring's hops·α + bytes/β on a modelled cluster; "
+     "tally() splits intra/inter-node bytes"),
+    ("DeepSpeed", "overlap_comm: false", "minizero.reducer.GradBuckets",
+     "wrap(model, 0, overlap=False): every bucket after backward, to measure what overlap hides"),
+    ("PyTorch", "FSDP2 HSDP: fully_shard(mesh=2-D DeviceMesh ('replicate', 'shard'))", "minizero.comm.mesh",
+     ("wrap(shard_group_size=S), stages 1-3: shard in rows of S ranks, replicate across the N/S columns "
+      "([Note: hierarchical sharding], engine.py); tested against FSDP2's HSDP")),
+    ("DeepSpeed", "MiCS (mics_shard_size, hierarchical gradient all-reduce)", "minizero.engine.Engine.step",
+     ("gradients reduce-scattered in the shard group, the partition all-reduced across groups at step(); "
+      "memory with S in place of N (minizero.memory.estimate(shard_group_size=S))")),
+    ("DeepSpeed", "ZeRO++ hpZ (zero_hpz_partition_size, secondary partition)", "minizero.zero3.Unit.keep_secondary",
+     ("wrap(3, hpz_group_size=R): backward's all-gather within a node; inter-node bytes 3Ψ -> 2Ψ for Ψ/R "
+      "more parameter memory (minizero.memory.comm_volume_by_node, secondary_partition_bytes)")),
 ]
 
 ROOT = Path(__file__).resolve().parents[2]

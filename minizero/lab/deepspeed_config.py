@@ -56,6 +56,12 @@ KEYS = {
     "zero_optimization.reduce_bucket_size": "bucket_size in bytes = elements x 2 (bf16) or 4 (fp32); "
                                             "stages 0 and 2 (stage 1 has one bucket, stage 3 one per unit)",
     "zero_optimization.stage3_prefetch_bucket_size": "prefetch (0 = off; any other size = one unit ahead)",
+    "zero_optimization.zero_quantized_weights": "quantized_weights: ZeRO++ qwZ, stage 3's forward all-gather in int8",
+    "zero_optimization.zero_quantized_gradients": "quantized_gradients: ZeRO++ qgZ, the gradient reduce-scatter in int8 "
+                                                  "(stages 2-3; one hop, not ZeRO++'s 2-hop int4)",
+    "zero_optimization.mics_shard_size": "shard_group_size (MiCS / HSDP: partitions within S ranks; -1 = off)",
+    "zero_optimization.zero_hpz_partition_size": "hpz_group_size (ZeRO++ hpZ, stage 3: backward's all-gather "
+                                                 "within R ranks; 1 = off)",
     "zero_optimization.offload_optimizer.pin_memory": "accepted: host buffers are pinned whenever CUDA is used",
     "zero_optimization.offload_param.pin_memory": "accepted: host buffers are pinned whenever CUDA is used",
     "optimizer.type": "optimizer: AdamW, Adam (= AdamW, as in DeepSpeed, unless adam_w_mode is false), SGD",
@@ -106,9 +112,8 @@ NOT_IMPLEMENTED = {
     "zero_optimization.stage3_max_reuse_distance": "units are freed right after use",
     "zero_optimization.stage3_param_persistence_threshold": "every unit is sharded, however small",
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": "use engine.full_state_dict()",
-    "zero_optimization.zero_quantized_weights": "ZeRO++ is not implemented: weights travel unquantized",
-    "zero_optimization.zero_quantized_gradients": "ZeRO++ is not implemented: gradients travel unquantized",
-    "zero_optimization.zero_hpz_partition_size": "ZeRO++ is not implemented: one partition per rank",
+    "zero_optimization.mics_hierarchical_params_gather": "parameters are all-gathered within the shard "
+                                                         "group in one step",
     "zero_optimization.offload_optimizer.buffer_count": "one host buffer per bucket",
     "zero_optimization.offload_optimizer.fast_init": "the host optimizer is built the ordinary way",
     "zero_optimization.offload_param.buffer_count": "one device buffer per gathered unit",
@@ -157,7 +162,7 @@ def load_deepspeed_config(source: str | os.PathLike | dict, world_size: int) -> 
     # train the same way here.
     out["clip_grad_norm"] = _number("gradient_clipping", flat.get("gradient_clipping", 1.0), minimum=0) or None
     _precision(flat, out)
-    _zero(flat, out, warnings)
+    _zero(flat, out, warnings, world_size)
     _optimizer(flat, out)
     if "activation_checkpointing" in raw:
         key = "activation_checkpointing.cpu_checkpointing"
@@ -286,7 +291,21 @@ def _precision(flat: dict, out: dict) -> None:
     out["loss_scale"] = float(static) if static else (dynamic or None)     # 0: dynamic, as in DeepSpeed
 
 
-def _zero(flat: dict, out: dict, warnings: list[str]) -> None:
+def _groups(flat: dict, out: dict, world_size: int) -> None:
+    """MiCS's shard size (-1: off) and ZeRO++ hpZ's partition size (1: off), checked by wrap's rules."""
+    for key, name, off in (("zero_optimization.mics_shard_size", "shard_group_size", -1),
+                           ("zero_optimization.zero_hpz_partition_size", "hpz_group_size", 1)):
+        if key in flat and _int(key, flat[key], minimum=-1) != off:
+            out[name] = flat[key]
+    if "stage" in out and ("shard_group_size" in out or "hpz_group_size" in out):   # else: the CLI checks
+        try:
+            check(out["stage"], shard_group_size=out.get("shard_group_size"),
+                  hpz_group_size=out.get("hpz_group_size"), world_size=world_size)
+        except ValueError as e:
+            raise ConfigError(f"zero_optimization: {e}") from None
+
+
+def _zero(flat: dict, out: dict, warnings: list[str], world_size: int) -> None:
     """zero_optimization: stage, offload, bucket sizes, prefetch; warnings for what minizero does not do."""
     stage = flat.get("zero_optimization.stage")
     offload = False
@@ -313,6 +332,11 @@ def _zero(flat: dict, out: dict, warnings: list[str]) -> None:
     key = "zero_optimization.stage3_prefetch_bucket_size"
     if key in flat:
         out["prefetch"] = _number(key, flat[key], minimum=0) > 0
+    for option in ("quantized_weights", "quantized_gradients"):      # the CLI checks the stage (wrap.check_options)
+        key = f"zero_optimization.zero_{option}"
+        if key in flat:
+            out[option] = _bool(key, flat[key])
+    _groups(flat, out, world_size)
     for key, instead in ALWAYS_ON.items():
         if key in flat and not _bool(key, flat[key]):
             warnings.append(f"'{key}: false' is not implemented: {instead}")

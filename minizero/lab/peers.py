@@ -9,6 +9,8 @@ The tests check that minizero ends where PyTorch ends, and the benchmark times b
     stage 3  <->  FSDP2 fully_shard per block and at the root                  ("fsdp2")
 (FSDP2 shards gradients as stage 2 does; without resharding after forward it keeps full parameters from
 forward to backward, the closest PyTorch has to stage 2.) Same model, initial weights, data, optimizer.
+shard_group_size=S  <->  FSDP2 HSDP: fully_shard on a 2-D DeviceMesh (N/S, S) ("replicate", "shard"),
+    ("fsdp2_hsdp"): shards in rows of S consecutive ranks, replicates across them, as comm.mesh(S).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import contextlib
 import time
 
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
@@ -51,11 +54,15 @@ def build_peer(cfg: TrainConfig, peer: str):
         else:
             optimizer = ZeroRedundancyOptimizer(params, optimizer_class=opt_cls, **opt_kwargs)
         return ddp, optimizer, ddp.no_sync
-    if peer in ("fsdp2", "fsdp2_no_reshard"):
-        reshard = peer == "fsdp2"
+    if peer in ("fsdp2", "fsdp2_no_reshard", "fsdp2_hsdp"):
+        reshard = peer != "fsdp2_no_reshard"
+        mesh = None
+        if peer == "fsdp2_hsdp":                  # rows of S ranks shard, columns replicate
+            s = cfg.shard_group_size or comm.world_size()
+            mesh = init_device_mesh(device.type, (comm.world_size() // s, s), mesh_dim_names=("replicate", "shard"))
         for block in model.blocks:
-            fully_shard(block, reshard_after_forward=reshard)
-        fully_shard(model, reshard_after_forward=reshard)
+            fully_shard(block, reshard_after_forward=reshard, mesh=mesh)
+        fully_shard(model, reshard_after_forward=reshard, mesh=mesh)
 
         @contextlib.contextmanager
         def no_sync():
@@ -66,7 +73,7 @@ def build_peer(cfg: TrainConfig, peer: str):
                 model.set_requires_gradient_sync(True)
         optimizer = opt_cls([p for p in model.parameters() if p.requires_grad], **opt_kwargs)
         return model, optimizer, no_sync
-    raise ValueError(f"unknown peer {peer!r}; choose from {sorted(PEER_OF_STAGE.values())}")
+    raise ValueError(f"unknown peer {peer!r}; choose from {sorted(PEER_OF_STAGE.values())} or fsdp2_hsdp")
 
 
 def peer_worker(cfg: TrainConfig, peer: str) -> dict:

@@ -26,7 +26,8 @@ def theory(cfg: TrainConfig, num_params: int, num_frozen: int = 0) -> dict:
     elem, trainable = element_bytes(cfg.dtype), num_params - num_frozen
     grad = grad_bytes(cfg.dtype, cfg.reduce_dtype)              # 4 with reduce_dtype="fp32"
     b = estimate_breakdown(trainable, cfg.world_size, cfg.stage, param_bytes=elem, grad_bytes=grad,
-                           k=run_k(cfg), offload=cfg.offload, frozen=num_frozen)
+                           k=run_k(cfg), offload=cfg.offload, frozen=num_frozen,
+                           shard_group_size=cfg.shard_group_size)
     m = cfg.model_config()
     rows = cfg.batch_size // (cfg.world_size * cfg.grad_accum)
     activations = activation_bytes(m.n_layer, m.n_embd, m.n_head, sequence_length(m.block_size), rows,
@@ -34,10 +35,15 @@ def theory(cfg: TrainConfig, num_params: int, num_frozen: int = 0) -> dict:
                                    checkpointing=cfg.activation_checkpointing)
     return {**b, "device_total": b["params"] + b["grads"] + b["optimizer"], "activations": activations,
             "comm_bytes_per_step": comm_volume(trainable, cfg.world_size, cfg.stage, bytes_per_elem=elem,
-                                               grad_bytes=grad, frozen=num_frozen)}
+                                               grad_bytes=grad, frozen=num_frozen,
+                                               quantized_weights=cfg.quantized_weights,
+                                               quantized_gradients=cfg.quantized_gradients,
+                                               shard_group_size=cfg.shard_group_size,
+                                               hpz_group_size=cfg.hpz_group_size)}
 
 
-def summarize(cfg: TrainConfig, results: list[dict]) -> dict:
+def summarize(cfg: TrainConfig, results: list[dict], network=None) -> dict:
+    """The run's results and theory in one dict (network: the minizero.network.Network it modelled, if any)."""
     num_params, num_frozen = results[0]["num_params"], results[0]["num_frozen"]
     losses = [statistics.fmean(r["losses"][i] for r in results) for i in range(len(results[0]["losses"]))]
     times = results[0]["step_times"][1:] or results[0]["step_times"]     # step 1 includes warm-up
@@ -45,6 +51,7 @@ def summarize(cfg: TrainConfig, results: list[dict]) -> dict:
         "stage": cfg.stage, "world_size": cfg.world_size, "num_params": num_params, "num_frozen": num_frozen,
         "dtype": cfg.dtype, "reduce_dtype": cfg.reduce_dtype,
         "offload": cfg.offload, "losses": losses,
+        "shard_group_size": cfg.shard_group_size, "hpz_group_size": cfg.hpz_group_size,
         "ranks": [{"rank": r["rank"], "memory": r["memory"], "comm_bytes_per_step": r["comm_bytes_per_step"]}
                   for r in results],
         "theory": theory(cfg, num_params, num_frozen),
@@ -52,6 +59,7 @@ def summarize(cfg: TrainConfig, results: list[dict]) -> dict:
         # fp16: the loss scale after the last step and the steps skipped on overflow (every rank agrees)
         "loss_scale": results[0]["loss_scale"],
         "skipped_steps": results[0]["skipped_steps"],
+        "network": None if network is None else str(network),
     }
 
 
@@ -60,6 +68,10 @@ def format_table(summary: dict) -> str:
     th = summary["theory"]
     off = f", offload={summary['offload']}" if summary["offload"] else ""
     reduce = f", gradients in {summary['reduce_dtype']}" if summary.get("reduce_dtype") else ""
+    if summary.get("shard_group_size"):
+        off += f", shard groups of S = {summary['shard_group_size']}"
+    if summary.get("hpz_group_size"):
+        off += f", hpZ groups of R = {summary['hpz_group_size']}"
     lines = [f"stage {summary['stage']}, N = {summary['world_size']}, Ψ = {summary['num_params']:,} "
              f"parameters, {summary['dtype']}{reduce}{off}   (kB per rank; theory = ZeRO paper)",
              f"{'rank':>4} {'params':>9} {'grads':>9} {'optim':>9} {'offload':>9} {'device':>9} "
@@ -75,6 +87,10 @@ def format_table(summary: dict) -> str:
     losses = summary["losses"]
     lines.append(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "
                  f"median step time {summary['step_time_s'] * 1e3:.1f} ms")
+    if summary.get("network"):
+        sent = summary["ranks"][0]["comm_bytes_per_step"]
+        lines.append(f"network model {summary['network']}: rank 0 sent {kb(sent['intra_node']).strip()} kB per "
+                     f"step inside its node, {kb(sent['inter_node']).strip()} kB across nodes")
     if summary["dtype"] == "fp16":
         lines.append(f"fp16 loss scale {summary['loss_scale']:g}; {summary['skipped_steps']} steps skipped on overflow")
     return "\n".join(lines)

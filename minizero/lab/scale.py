@@ -5,6 +5,7 @@ and (--micro-batch) the largest micro-batch a fixed GPT can train, with and with
     python -m minizero.scale --budget-mb 4 --world-size 1 2 4 8 --json scale.json
     python -m minizero.bench --scale --budget-mb 4               # the same
     python -m minizero.scale --micro-batch --budget-mb 8 [--model default]    # rows per rank, see below
+    python -m minizero.scale --rss [--rss-cap-mb 200]            # real memory under a real cap: lab/rss.py
 
 The model grows in width (n_embd, in steps of 4; n_layer stays 8), Ψ ≈ 12·n_layer·n_embd². A size
 *fits* when building it, wrapping it and taking two real training steps keeps engine.memory()'s device
@@ -286,13 +287,23 @@ def main(argv: list[str] | None = None) -> int:
     ap = OneLineParser(prog=prog, description=__doc__.split("\n")[0])
     ap.add_argument("--budget-mb", type=float, default=None,
                     help="per-rank device budget in MB (default 4; 8 with --micro-batch)")
-    ap.add_argument("--world-size", type=int, nargs="+", default=[1, 2, 4], help="N values (default 1 2 4)")
+    ap.add_argument("--world-size", type=int, nargs="+", default=None, help="N values (default 1 2 4; --rss: 4)")
     ap.add_argument("--micro-batch", action="store_true",
                     help="fixed model (--model): the largest micro-batch per stage, without and with checkpointing")
     ap.add_argument("--model", default=None, help=f"with --micro-batch: {' or '.join(MODEL_NAMES)} (default default)")
+    ap.add_argument("--rss", action="store_true",
+                    help="a GPT whose DDP model states exceed a per-rank memory cap: DDP runs out, stage 3 trains "
+                         "(measured RSS; lab/rss.py)")
+    ap.add_argument("--rss-cap-mb", type=float, default=None,
+                    help="with --rss: each rank's cap in MB beyond the baseline, what a rank holds whatever the model (default 200)")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
     try:
         args = ap.parse_args(argv)
+        if args.rss:
+            _check_rss(args)
+        elif args.rss_cap_mb is not None:
+            raise UsageError("--rss-cap-mb needs --rss")
+        args.world_size = args.world_size or ([4] if args.rss else [1, 2, 4])
         if args.budget_mb is None:
             args.budget_mb = 8.0 if args.micro_batch else 4.0
         if not args.budget_mb > 0:
@@ -307,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"--model must be one of {', '.join(MODEL_NAMES)}, got {args.model!r}")
     except UsageError as e:
         return fail(prog, str(e))
+    if args.rss:
+        return _rss(prog, args)
     try:
         if args.micro_batch:
             report = largest_micro_batches(args.budget_mb, tuple(args.world_size), args.model or "default")
@@ -316,4 +329,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prog}: {e}", file=sys.stderr)
         return 1
     emit(format_table(report), report, args.json)
+    return 0
+
+
+def _check_rss(args) -> None:
+    if args.micro_batch or args.budget_mb is not None or args.model is not None:
+        raise UsageError("--rss takes only --rss-cap-mb, --world-size and --json")
+    if args.world_size is not None and (len(args.world_size) != 1 or args.world_size[0] < 2):
+        raise UsageError(f"--rss takes one --world-size N >= 2, got {' '.join(map(str, args.world_size))}")
+    if args.rss_cap_mb is not None and not 0 < args.rss_cap_mb <= 2000:
+        raise UsageError(f"--rss-cap-mb must be in (0, 2000] (a quick CPU demo), got {args.rss_cap_mb:g}")
+
+
+def _rss(prog: str, args) -> int:
+    """--rss: lab/rss.py's capped runs (it imports this module: hence imported here)."""
+    from minizero.lab import rss
+    try:
+        report = rss.capped_runs(args.rss_cap_mb or rss.CAP_MB, args.world_size[0])
+    except RuntimeError as e:                 # the baseline launch failed: nothing to show
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 1
+    emit(rss.format_rss_table(report), report, args.json)
     return 0

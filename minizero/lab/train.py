@@ -57,6 +57,11 @@ class TrainConfig:
     optimizer_params: dict = field(default_factory=dict)    # extra keyword arguments (betas, momentum...)
     bucket_size: float = DEFAULT_BUCKET_BYTES               # bytes per gradient bucket (stages 0, 2)
     prefetch: bool = True                                   # stage 3
+    quantized_weights: bool = False                         # stage 3: ZeRO++ qwZ (minizero/quantize.py)
+    quantized_gradients: bool = False                       # stages 2-3: ZeRO++ qgZ
+    overlap: bool = True                                    # stage 0: False all-reduces after backward
+    shard_group_size: int | None = None       # stages 1-3: partition within groups of S ranks (HSDP / MiCS)
+    hpz_group_size: int | None = None         # stage 3: backward's all-gather within R ranks (ZeRO++ hpZ)
     model: str = "default"                                  # GPTConfig.named(...)
     model_overrides: dict = field(default_factory=dict)
     seed: int = 0
@@ -90,10 +95,18 @@ class TrainConfig:
             opts["reduce_dtype"] = self.reduce_dtype
         if self.stage in (0, 2):
             opts["bucket_size"] = self.bucket_size
+        if self.stage == 0 and not self.overlap:
+            opts["overlap"] = False
         if self.stage == 3:
             opts["prefetch"] = self.prefetch
+        for name in ("quantized_weights", "quantized_gradients"):       # only when on: wrap checks the stage
+            if getattr(self, name):
+                opts[name] = True
         if self.activation_checkpointing:
             opts["activation_checkpointing"] = self.activation_checkpointing
+        for name in ("shard_group_size", "hpz_group_size"):
+            if getattr(self, name) is not None:
+                opts[name] = getattr(self, name)
         return opts
 
 

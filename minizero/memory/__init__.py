@@ -18,6 +18,14 @@ the fp32 parameters are the master); bf16/fp16 with reduce_dtype="fp32" (engine.
 fp32: 2 + 4 + K (`grad_bytes`). Activations, buffers and temporary buffers are not model states:
 ZeRO-R (section 6) is about them, and `activation_bytes` estimates the activations of minizero's GPT.
 
+Beyond the paper, shard_group_size=S (HSDP / MiCS, [Note: hierarchical sharding] in minizero/engine.py):
+S replaces N in every sharded term (stage 3: (2 + 2 + K)Ψ/S), and a step sends, as the ring tally counts
+it, a reduce-scatter (S-1)/S·Ψ in the shard group, an all-reduce 2(N/S-1)/(N/S)·Ψ/S of this rank's
+partition across the N/S groups, and the all-gathers (S-1)/S·Ψ each (`step_collectives`). ZeRO++'s hpZ
+(hpz_group_size=R, zero3.py): backward's all-gather runs in a node's group of R ranks, (R-1)/R·Ψ, so the
+bytes crossing nodes fall from 3Ψ to 2Ψ (`comm_volume_by_node`), for Ψ/R more parameter memory between
+forward and backward (`secondary_partition_bytes`).
+
 Measured bytes equal these formulas up to padding (flat.py pads each bucket to a multiple of N):
 `within_padding` is the one statement of how far that can be.
 """
@@ -28,6 +36,8 @@ from typing import Iterable
 
 import torch
 
+from minizero import quantize
+from minizero.comm import ring_bytes
 from minizero.optim import DTYPES
 
 STAGES = (0, 1, 2, 3)                      # 0 = DDP; minizero.wrap has one engine per stage
@@ -62,9 +72,21 @@ def within_padding(measured: float, formula: float, world_size: int, times: int 
     return formula - 1e-6 <= measured <= formula + times * 8 * world_size * 16
 
 
+def _partitions(world_size: int, stage: int, shard_group_size: int | None) -> int:
+    """How many ranks share a partitioned term: N, or S with shard_group_size (stages 1-3)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size!r}")
+    if shard_group_size is None:
+        return world_size
+    if stage == 0 or shard_group_size < 1 or world_size % shard_group_size:
+        raise ValueError(f"shard_group_size needs stage 1-3 and must divide the world size {world_size}, "
+                         f"got {shard_group_size!r} at stage {stage}")
+    return shard_group_size
+
+
 def estimate_breakdown(num_params: int, world_size: int, stage: int, *, param_bytes: int = 2,
                        grad_bytes: int = 2, k: int = 12, offload: bool | str = False,
-                       frozen: int = 0) -> dict[str, float]:
+                       frozen: int = 0, shard_group_size: int | None = None) -> dict[str, float]:
     """Per-rank bytes by category, as the paper counts them, for Ψ = num_params trainable parameters.
 
     frozen=Ψ_f: parameters that are never trained (a fine-tuned model's base, LoRA's frozen weights).
@@ -75,12 +97,12 @@ def estimate_breakdown(num_params: int, world_size: int, stage: int, *, param_by
     offload=True (or "optimizer"): the KΨ/N optimizer states live in host memory (ZeRO-Offload), plus a
     fp32 host copy of the gradient partition to step on. offload="params" (stage 3): the parameter shard
     lives on the host between uses as well (ZeRO-Infinity's parameter offload).
+
+    shard_group_size=S: partitioned over S ranks, replicated over N/S groups: S in place of N.
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {', '.join(map(str, STAGES))} (0 = DDP), got {stage!r}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size!r}")
-    psi, n = float(num_params), world_size
+    psi, n = float(num_params), _partitions(world_size, stage, shard_group_size)
     params = param_bytes * (psi + frozen) / (n if stage >= 3 else 1)
     grads = grad_bytes * psi / (n if stage >= 2 else 1)
     optimizer = k * psi / (n if stage >= 1 else 1)
@@ -95,25 +117,124 @@ def estimate_breakdown(num_params: int, world_size: int, stage: int, *, param_by
 
 
 def estimate(num_params: int, world_size: int, stage: int, *, param_bytes: int = 2, grad_bytes: int = 2,
-             k: int = 12, offload: bool | str = False, frozen: int = 0) -> float:
+             k: int = 12, offload: bool | str = False, frozen: int = 0,
+             shard_group_size: int | None = None) -> float:
     """Per-rank model-state bytes on the compute device for ZeRO `stage` (0 = DDP); see module docstring
-    and estimate_breakdown (frozen=Ψ_f)."""
+    and estimate_breakdown (frozen=Ψ_f, shard_group_size=S)."""
     b = estimate_breakdown(num_params, world_size, stage, param_bytes=param_bytes, grad_bytes=grad_bytes,
-                           k=k, offload=offload, frozen=frozen)
+                           k=k, offload=offload, frozen=frozen, shard_group_size=shard_group_size)
     return b["params"] + b["grads"] + b["optimizer"]
 
 
+def secondary_partition_bytes(num_params: int, hpz_group_size: int, *, param_bytes: int = 2,
+                              frozen: int = 0) -> float:
+    """hpZ's price per rank: the secondary partition, param_bytes·(Ψ + Ψ_f)/R ([Note: hpZ] in zero3.py).
+    Not a model state between steps (estimate): it lives from each unit's forward to its backward, so it
+    raises the parameter peak at the start of backward (memory()["peak_params"]) by this much."""
+    return param_bytes * (num_params + frozen) / hpz_group_size
+
+
+def step_collectives(num_params: int, world_size: int, stage: int, *, bytes_per_elem: int = 2,
+                     grad_bytes: int | None = None, frozen: int = 0, shard_group_size: int | None = None,
+                     hpz_group_size: int | None = None, quantized_weights: bool = False,
+                     quantized_gradients: bool = False, block: int = quantize.BLOCK) -> list[dict]:
+    """The collectives of one step as the ring tally (comm.ring_bytes) counts them, one dict each: "kind",
+    "group" ("world", "shard": a row of S consecutive ranks, "replicate": a column, one rank of each
+    shard group, "hpz": a row of R ranks), "ranks" (its size) and "bytes" one rank sends.
+
+        stage 0      all-reduce of the gradients over N                         2(N-1)/N·Ψ
+        stages 1-3   reduce-scatter of the gradients in the shard group          (S-1)/S·Ψ
+                     with S < N: all-reduce of the partition across groups      2(N/S-1)/(N/S)·Ψ/S
+        stages 1-2   all-gather of the updated parameters in the shard group     (S-1)/S·Ψ
+        stage 3      forward all-gather (S-1)/S·(Ψ + Ψ_f), backward all-gather the same, or with hpZ
+                     within the node: (R-1)/R·(Ψ + Ψ_f)
+    S = N is the paper's (section 7): 2Ψ, 3Ψ times (N-1)/N. With S < N a step of stages 1-2 still sends
+    2(N-1)/N·Ψ in all, (S-1)/S·Ψ twice within the group plus 2(N/S-1)/N·Ψ across groups: the same bytes,
+    of which only the last leave the shard group. Gradients travel at grad_bytes each (default
+    bytes_per_elem; 4 with reduce_dtype="fp32"), parameters at bytes_per_elem. Frozen parameters (Ψ_f) are
+    never reduced.
+
+    ZeRO++ (quantize.py), int8 in blocks of `block`: quantized_gradients (stages 2-3) turns the reduce-scatter
+    into an all-to-all of Ψ + 4Ψ/B bytes (quantize.wire_bytes) instead of Ψ·grad_bytes; quantized_weights
+    (stage 3) sends forward's all-gather of Ψ + Ψ_f the same way: 3Ψ·2 = 6Ψ bytes of bf16 stage 3 become
+    Ψ(1 + 4/B) + 2Ψ + Ψ(1 + 4/B), about 4Ψ. Exact when B divides each rank's chunk of every bucket."""
+    n, psi = world_size, num_params
+    s = _partitions(world_size, stage, shard_group_size)
+    g, p = (bytes_per_elem if grad_bytes is None else grad_bytes), bytes_per_elem
+    rows = []
+
+    def add(kind, group, ranks, full_bytes):
+        rows.append({"kind": kind, "group": group, "ranks": ranks, "bytes": ring_bytes(kind, full_bytes, ranks)})
+    if stage == 0:
+        add("all_reduce", "world", n, psi * g)
+        return rows
+    if quantized_gradients:
+        add("all_to_all", "shard", s, quantize.wire_bytes(psi, block))
+    else:
+        add("reduce_scatter", "shard", s, psi * g)
+    if s < n:
+        add("all_reduce", "replicate", n // s, psi / s * g)
+    if stage < 3:
+        add("all_gather", "shard", s, psi * p)
+        return rows
+    if quantized_weights:
+        add("all_gather", "shard", s, quantize.wire_bytes(psi, block) + quantize.wire_bytes(frozen, block))
+    else:
+        add("all_gather", "shard", s, (psi + frozen) * p)                             # forward
+    if hpz_group_size is None:
+        add("all_gather", "shard", s, (psi + frozen) * p)                             # backward
+    else:
+        add("all_gather", "hpz", hpz_group_size, (psi + frozen) * p)                  # backward, in the node
+    return rows
+
+
 def comm_volume(num_params: int, world_size: int, stage: int, *, bytes_per_elem: int = 2,
-                grad_bytes: int | None = None, frozen: int = 0) -> float:
+                **options) -> float:
     """Bytes one rank sends per step in a ring (paper section 7): 2Ψ for stages 0-2, 3Ψ for stage 3,
-    each times (N-1)/N, which the paper rounds to 1. Frozen parameters (Ψ_f) are never reduced; stage 3
-    gathers them for forward and backward: + 2Ψ_f. Of those elements the gradients' (DDP's all-reduce,
-    2Ψ; stages 1-3's reduce-scatter, Ψ) travel at grad_bytes each (default bytes_per_elem; 4 with
-    reduce_dtype="fp32"), the parameters' all-gathers at bytes_per_elem."""
-    grads = 2 * num_params if stage == 0 else num_params
-    params = {0: 0, 1: num_params, 2: num_params, 3: 2 * num_params + 2 * frozen}[stage]
-    grad_bytes = bytes_per_elem if grad_bytes is None else grad_bytes
-    return (world_size - 1) / world_size * (grads * grad_bytes + params * bytes_per_elem)
+    each times (N-1)/N, which the paper rounds to 1: the sum of step_collectives (its options: grad_bytes,
+    frozen, shard groups, hpZ, ZeRO++'s quantization). Frozen parameters (Ψ_f) are never reduced; stage 3
+    gathers them for forward and backward: + 2Ψ_f."""
+    return sum(row["bytes"] for row in step_collectives(num_params, world_size, stage,
+                                                         bytes_per_elem=bytes_per_elem, **options))
+
+
+def comm_volume_by_kind(num_params: int, world_size: int, stage: int, **options) -> dict[str, float]:
+    """comm_volume per kind of collective (the keys of comm.tally()); options as step_collectives'."""
+    out: dict[str, float] = {}
+    for row in step_collectives(num_params, world_size, stage, **options):
+        out[row["kind"]] = out.get(row["kind"], 0.0) + row["bytes"]
+    return out
+
+
+def group_ranks(group: str, rank: int, world_size: int, shard_group_size: int | None = None,
+                hpz_group_size: int | None = None) -> list[int]:
+    """The global ranks of `rank`'s group of a step_collectives kind (comm.mesh's rows and columns)."""
+    n = world_size
+    s = n if shard_group_size is None else shard_group_size
+    if group == "world":
+        return list(range(n))
+    if group == "shard":
+        return list(range(rank // s * s, rank // s * s + s))
+    if group == "replicate":
+        return list(range(rank % s, n, s))
+    start = rank // hpz_group_size * hpz_group_size
+    return list(range(start, start + hpz_group_size))
+
+
+def comm_volume_by_node(num_params: int, world_size: int, stage: int, ranks_per_node: int, *, rank: int = 0,
+                        **options) -> dict[str, float]:
+    """comm_volume split as comm.tally()'s "intra_node" / "inter_node" (the network model's rule): a
+    collective whose group lies inside one node of ranks_per_node consecutive ranks is intra-node, one
+    whose group spans nodes is inter-node. Stage 3 with hpz_group_size = ranks_per_node: inter-node bytes
+    fall from 3(N-1)/N·Ψ to 2(N-1)/N·Ψ (forward all-gather + reduce-scatter); the backward all-gather,
+    (R-1)/R·Ψ, stays in the node."""
+    out = {"intra_node": 0.0, "inter_node": 0.0}
+    for row in step_collectives(num_params, world_size, stage, **options):
+        ranks = group_ranks(row["group"], rank, world_size, options.get("shard_group_size"),
+                            options.get("hpz_group_size"))
+        inside = len({r // ranks_per_node for r in ranks}) == 1
+        out["intra_node" if inside else "inter_node"] += row["bytes"]
+    return out
 
 
 def measure(groups: dict[str, Iterable[torch.Tensor]]) -> dict[str, int]:
