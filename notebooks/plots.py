@@ -477,9 +477,10 @@ def step_grid(steps: dict, phase: int):
     return fig
 
 
-def _stepper(first, compute, draw, count, choices: dict, key: tuple, play_ms: int = 1500):
-    """An ipywidgets control: a Dropdown per entry of `choices` (name -> options; a new setting calls
-    compute(**setting), cached), a Play button and a slider over draw(result, i) for i < count(result)."""
+def stepper(first, compute, draw, count, choices: dict, key: tuple, play_ms: int = 2000):
+    """An ipywidgets control, returned for the cell to show: a Dropdown per entry of `choices` (name ->
+    options, `key` the setting of `first`; a new setting calls compute(**setting), cached), a Play button
+    and a slider over draw(result, i) for i < count(result)."""
     import ipywidgets as w
     from IPython.display import display
     cache, current = {key: first}, {"result": first}
@@ -517,7 +518,7 @@ def _stepper(first, compute, draw, count, choices: dict, key: tuple, play_ms: in
         d.observe(choose, names="value")
     slider.observe(show, names="value")
     show()
-    display(w.VBox([w.HBox(list(drops.values())), w.HBox([play, slider]), out]))
+    return w.VBox([w.HBox(list(drops.values())), w.HBox([play, slider]), out])
 
 
 def step_widget(steps: dict, **choices):
@@ -526,7 +527,7 @@ def step_widget(steps: dict, **choices):
     (one launch, ~1 s; cached)."""
     from minizero.lab.stepthrough import StepConfig, record
     cfg = steps["config"]
-    _stepper(steps, lambda **setting: record(StepConfig(**{**cfg, **setting})), step_grid,
+    return stepper(steps, lambda **setting: record(StepConfig(**{**cfg, **setting})), step_grid,
              lambda s: len(s["phases"]), choices, tuple(cfg[name] for name in choices))
 
 
@@ -597,5 +598,5 @@ def ring_grid(ring: dict, s: int):
 def ring_widget(ring: dict, world_sizes=(2, 3, 4)):
     """The ring, interactive: Play or drag over the 2(N-1) exchanges; the Dropdown runs it on another N."""
     from minizero.lab.stepthrough import ring as run_ring
-    _stepper(ring, lambda world_size: run_ring(world_size, ring["numel"]), ring_grid,
+    return stepper(ring, lambda world_size: run_ring(world_size, ring["numel"]), ring_grid,
              lambda rg: len(rg["states"]), {"world_size": list(world_sizes)}, (ring["world_size"],))

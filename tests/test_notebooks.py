@@ -247,3 +247,35 @@ def check_lora(rows: list[dict]) -> None:
         assert r["construction_peak"]["normal"] == whole
         if n > 1:
             assert r["construction_peak"]["sharded_init"] < whole / 2 and r["params"] < whole / 2, r
+
+
+def test_a_widget_menu_computes_again_and_its_slider_follows(monkeypatch, capsys):
+    """plots.stepper, which every step-through and the ring use: a new menu value calls compute once (then
+    cached), the slider's range follows the new result, and a setting the engine refuses shows its line."""
+    pytest.importorskip("ipywidgets")
+    import matplotlib
+    matplotlib.use("Agg")
+    monkeypatch.syspath_prepend(str(NOTEBOOKS))
+    import matplotlib.pyplot as plt
+    import plots
+
+    calls = []
+
+    def compute(n):
+        calls.append(n)
+        if n == 5:
+            raise ValueError("five is refused")
+        return {"n": n}
+
+    box = plots.stepper({"n": 2}, compute, lambda result, i: plt.figure(), lambda result: result["n"],
+                        {"n": [2, 3, 5]}, (2,))
+    (menu,), (play, slider) = box.children[0].children, box.children[1].children
+    assert slider.max == 1 and calls == []
+    menu.value = 3
+    assert calls == [3] and slider.max == play.max == 2
+    menu.value = 2
+    menu.value = 3
+    assert calls == [3]                        # both settings cached
+    menu.value = 5
+    assert calls == [3, 5] and slider.max == 2
+    assert "five is refused" in capsys.readouterr().out        # (into the Output widget in a kernel)

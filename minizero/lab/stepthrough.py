@@ -246,15 +246,15 @@ def worker(cfg: StepConfig) -> dict:
 
 def record(cfg: StepConfig = StepConfig(), backend: str = "gloo") -> dict:
     """One launch: {"config", "buckets", "segments", "padded", "partitioned", "phases": [{"label", "kind",
-    "bucket", "ranks": [rank r's buffers], "activations": [bytes per rank]}]}; a phase that changed nothing
-    on any rank (DDP's end of backward) is left out."""
+    "bucket", "ranks": [rank r's buffers], "activations": [bytes per rank]}]}; the end of backward is left
+    out where it changed nothing on any rank (DDP: the last all-reduce ended it)."""
     per_rank = launch(worker, cfg.world_size, cfg, backend=backend)
     first = per_rank[0]
     phases = []
     for k, phase in enumerate(first["phases"]):
         ranks = [res["phases"][k]["buffers"] for res in per_rank]
         activations = [res["phases"][k]["activations"] for res in per_rank]
-        if phases and (ranks, activations) == (phases[-1]["ranks"], phases[-1]["activations"]):
+        if phase["kind"] == "backward" and (ranks, activations) == (phases[-1]["ranks"], phases[-1]["activations"]):
             continue
         phases.append({"label": phase["label"], "kind": phase["kind"], "bucket": phase["bucket"], "ranks": ranks,
                        "activations": activations})
@@ -296,6 +296,9 @@ def check(steps: dict) -> None:
     real = [j for j, v in enumerate(ref["start"]) if v is not None]
     buckets = {b["index"]: b for b in steps["buckets"]}
     n, phases, params = cfg.world_size, steps["phases"], "parameters" if cfg.stage < 3 else "parameter shard"
+    reduce = "all_reduce" if cfg.stage == 0 else "reduce_scatter"
+    reduced = [p["bucket"] for p in phases if p["kind"] in ("all_reduce", "reduce_scatter")]
+    assert sorted(reduced) == sorted(buckets), f"one {reduce} per bucket expected, got buckets {reduced}"
     for r, rank in enumerate(phases[0]["ranks"]):
         assert all(rank[params][j] is None or _close(rank[params][j], ref["start"][j]) for j in real), f"start, rank {r}"
     for k, phase in enumerate(phases):
