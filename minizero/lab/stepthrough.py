@@ -185,7 +185,10 @@ class _Recorder:
             e.optimizer.step = step
 
     def _collective(self, kind, real, *args, async_op: bool = False, **kwargs):
-        b = self._bucket_of(args[1] if kind == "reduce_scatter" else args[0])
+        full = args[1] if kind == "reduce_scatter" else args[0]
+        if not full.numel():                           # stage 3: a unit's empty buffer of frozen parameters
+            return real(*args, async_op=async_op, **kwargs)
+        b = self._bucket_of(full)
         name = self._name(b)
         if kind != "all_gather" and self.in_backward:
             self.snap(f"{name}: its gradients are complete, each rank's from its own rows", "ready", b)
