@@ -71,7 +71,7 @@ def test_every_notebook_has_a_control_and_ends_with_what_to_try():
         code = [c.source for c in nb.cells if c.cell_type == "code"]
         assert any(control in src for src in code for control in CONTROLS), f"{path.name}: no widget"
         last = nb.cells[-1]
-        assert last.cell_type == "markdown" and last.source.startswith("## What to try"), path.name
+        assert last.cell_type == "markdown" and last.source.startswith(("## What to try", "**What to try**")), path.name
 
 
 @pytest.mark.parametrize("name", sorted(EXPORTS))
