@@ -433,8 +433,9 @@ NOTEBOOKS["06_compare"] = [
     from minizero.lab import bench
     from minizero.lab.figures import bench_ratios
     BENCH_SIZES = ("tiny",) if SMALL else ("default", "1M")
+    PEERS = ("torch",) if SMALL else bench.PEER_FAMILIES     # CI: PyTorch's only (DeepSpeed: tests/test_bench.py)
     report = bench.compare((2,), sizes=BENCH_SIZES, steps=STEPS if SMALL else 6, repeats=1 if SMALL else 2,
-                           meter=False)
+                           peers=PEERS, meter=False)
     print(bench.format_table(report))
     assert all(p["max_param_diff"] < 1e-5 for p in report["pairs"]), "a peer ended elsewhere"
     bench_ratios(report);

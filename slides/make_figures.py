@@ -46,7 +46,7 @@ def measure(small: bool) -> dict:
     """Everything the figures need, as plain data (minizero.lab.figures: one launch per N)."""
     if small:
         data = survey((1, 2), width=16, budget_mb=0.5, timeline_model="tiny")
-        data["bench"] = bench.compare((2,), sizes=("tiny",), steps=2, repeats=1, meter=False)
+        data["bench"] = bench.compare((2,), sizes=("tiny",), steps=2, repeats=1, peers=("torch",), meter=False)
         return data
     data = survey((1, 2, 4), width=64, budget_mb=4.0, timeline_model="default")   # 64: the default GPT's width, 8 blocks
     data["bench"] = bench.compare((2,), sizes=("default", "1M"), steps=6, repeats=2, meter=False)

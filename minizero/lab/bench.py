@@ -1,5 +1,4 @@
-"""minizero against PyTorch's and DeepSpeed's implementation of every stage: time, memory, communication,
-result, from ~0.2M to ~50M parameters.
+"""minizero against PyTorch's and DeepSpeed's implementation of every stage, at ~0.2M to ~50M parameters.
 
     python -m minizero.bench                                        # N = 2 and 4, the default model
     python -m minizero.bench --world-size 2 --sizes 1M,8M,50M --steps 6 --repeats 2 --json bench.json
@@ -94,7 +93,7 @@ def peers_of(variant: str, families=PEER_FAMILIES) -> list[str]:
 
 
 def size_label(model: str) -> str:
-    """'8M = 8 x 288 (4 heads... ): Ψ = 8,005,824', the shape behind a size name and its real Ψ."""
+    """'8M: 8 blocks of width 288, Ψ = 8,005,824': the shape behind a size's name, and its real Ψ."""
     cfg = GPTConfig.named(model)
     return f"{model}: {cfg.n_layer} blocks of width {cfg.n_embd}, Ψ = {count_params(cfg):,}"
 
