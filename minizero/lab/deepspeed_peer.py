@@ -22,9 +22,10 @@ Running inside minizero.launch (what `join` does, and why):
     we mark the op incompatible in deepspeed.ops.__compatible_ops__, the dict DeepSpeed probes once per
     process and keeps for exactly such edits. deepspeed.comm then runs every collective on gloo.
 
-Fairness: fp32 on both sides; DeepSpeed keeps a separate fp32 master copy even in fp32 (minizero steps its
-fp32 parameters in place), which counts in its optimizer bytes; `gradient_clipping` is written explicitly
-(DeepSpeed clips at 1.0 when the key is absent, minizero clips only when asked).
+Fairness: fp32 on both sides; at stages 1-2 DeepSpeed keeps a separate fp32 master copy even in fp32
+(minizero steps its fp32 parameters in place), which counts in its optimizer bytes (at stage 3 its
+master is the fp32 partition itself, at stage 0 the parameters); `gradient_clipping` is written
+explicitly (DeepSpeed clips at 1.0 when the key is absent, minizero clips only when asked).
 """
 
 from __future__ import annotations
