@@ -47,6 +47,7 @@ def bench_ratios(report: dict):
     """minizero.bench's step-time ratios (minizero / peer) against Ψ: one panel per stage, one line per
     peer (a line style per N). Below the grey line at 1.0 minizero is faster. Returns the figure."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
     pairs = report["pairs"]
     variants = list(dict.fromkeys(p["variant"] for p in pairs))
     world_sizes = sorted({p["world_size"] for p in pairs})
@@ -61,6 +62,9 @@ def bench_ratios(report: dict):
                     ax.plot(*zip(*points), style, color=color, label=f"{peer}, N = {n}")
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_xscale("log")
+        sizes = sorted({p["num_params"] for p in here})
+        ax.set_xticks(sizes, [f"{psi / 1e6:.2g}M" for psi in sizes])     # the sizes measured, nothing between
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set(title=f"stage {variant}", xlabel="Ψ (parameters)")
         ax.legend(fontsize=7)
     axes[0][0].set_ylabel("step time minizero / peer")
