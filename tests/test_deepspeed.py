@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 
 import minizero
 from minizero.flat import padded_size
@@ -32,18 +33,23 @@ CONFIGS = {"stage 1": TrainConfig(stage=1, **BASE), "stage 2": TrainConfig(stage
 
 
 def both_sides(cfgs: list[TrainConfig]) -> list[dict]:
-    """Worker: per configuration, DeepSpeed's run and minizero's, their difference and their moments."""
+    """Worker: per configuration, minizero's run and DeepSpeed's, their difference and their moments; and
+    whether torch.nn.functional.linear is still torch's own afterwards."""
+    linear = torch.nn.functional.linear
     out = []
     for cfg in cfgs:
-        ds = deepspeed_peer.deepspeed_worker(cfg)
+        # minizero first: a DeepSpeed run that changed torch for the rest of the process (as its stage 3 does
+        # with memory_efficient_linear, see deepspeed_peer.ds_config) could not hide behind the next run
         engines = []
         mz = train_worker(cfg, make_engine=functools.partial(_kept, engines))
+        ds = deepspeed_peer.deepspeed_worker(cfg)
         layout = engines[0].layout
         out.append({"max_param_diff": max_abs_diff(mz["state_dict"], ds["state_dict"]),
                     "losses": (mz["losses"], ds["losses"]),
                     "moments": (deepspeed_peer.adam_moment_bytes(engines[0].optimizer.optimizer),
                                 ds["adam_moment_bytes"]),
-                    "layout": (layout.numel, layout.padded_numel)})
+                    "layout": (layout.numel, layout.padded_numel),
+                    "linear_untouched": torch.nn.functional.linear is linear})
     return out
 
 
@@ -89,6 +95,12 @@ def test_same_adam_moments_per_rank_up_to_padding(runs, name):
         assert N * ours - 8 * (padded - psi) == N * theirs - 8 * (ds_padded - psi) == 8 * psi
     if cfg.stage == 3:
         assert ds_padded > padded, "per-parameter padding: DeepSpeed pads more than minizero here"
+
+
+def test_deepspeed_leaves_torch_as_it_found_it(runs):
+    # The bench runs every side in the same processes, one after another: a peer that swapped a torch function
+    # process-wide would change the numerics (and the timing) of every run after it, minizero's included.
+    assert all(rank["linear_untouched"] for ranks in runs.values() for rank in ranks)
 
 
 def test_the_peer_config_reads_back_as_the_run():

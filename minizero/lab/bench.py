@@ -244,12 +244,12 @@ def format_table(report: dict) -> str:
     lines = [(f"minizero vs its peers{ds}, {c['steps']} steps x {c['repeats']} repeats, {c['backend']}, "
               f"{c['dtype']} AdamW, batch {c['batch_size']}; rank 0's device model states and bytes sent per step in MB")]
     lines += ["  " + size_label(s) for s in c["sizes"]]
-    lines.append(f"{'N':>2} {'size':>7} {'stage':>9} {'peer':<17}{'mz ms':>8}{'peer ms':>8}{'ratio':>7}"
+    lines.append(f"{'N':>2} {'size':>7} {'stage':>9} {'peer':<17}{'mz ms':>9}{'peer ms':>9}{'ratio':>7}"
                  f"{'mz dev':>10}{'peer dev':>10}{'mz comm':>10}{'peer comm':>10}{'max |Δp|':>10}")
     for p in report["pairs"]:
         dev = {side: sum(p["memory"][side][0][k] for k in DEVICE_KEYS) for side in SIDES}
         lines.append(f"{p['world_size']:>2} {p['size']:>7} {p['variant']:>9} {p['peer']:<17}"
-                     f"{p['step_time_s']['minizero'] * 1e3:8.2f}{p['step_time_s']['peer'] * 1e3:8.2f}"
+                     f"{p['step_time_s']['minizero'] * 1e3:9.1f}{p['step_time_s']['peer'] * 1e3:9.1f}"
                      f"{p['ratio']:7.2f} {mb(dev['minizero'])} {mb(dev['peer'])}"
                      f" {mb(p['comm_bytes_per_step']['minizero'])} {mb(p['comm_bytes_per_step']['peer'])}"
                      f"{p['max_param_diff']:10.1e}")

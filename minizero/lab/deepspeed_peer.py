@@ -57,7 +57,11 @@ def ds_config(cfg: TrainConfig) -> dict:
         raise ValueError("the DeepSpeed peer is compared in fp32, with Adam(W) and one micro-batch per step")
     zero = {"stage": cfg.stage,
             "reduce_bucket_size": int(cfg.bucket_size // 4),       # bytes -> fp32 elements
-            "stage3_param_persistence_threshold": 0}               # shard every parameter, however small
+            "stage3_param_persistence_threshold": 0,               # shard every parameter, however small
+            # Stage 3's default replaces torch.nn.functional.linear, process-wide and for good, with its own
+            # autograd function (it rounds differently: 8.5e-5 apart after 6 steps of the 1M GPT), so every
+            # later run in the process, minizero's and PyTorch's too, would compute with DeepSpeed's linear.
+            "memory_efficient_linear": False}
     if cfg.offload:
         if cfg.offload not in (True, "optimizer"):
             raise ValueError(f"the DeepSpeed peer offloads the optimizer only, got offload={cfg.offload!r}")
