@@ -557,6 +557,27 @@ NOTEBOOKS["06_compare"] = [
     demo.export("compare_6", {"runs": [rec for runs in stages.values() for rec in runs.values()]});
     """),
     md("""
+    ## Against PyTorch and DeepSpeed
+
+    `minizero.bench` trains the same GPT with minizero and with each stage's peer in one process group:
+    PyTorch's DDP, `ZeroRedundancyOptimizer` and FSDP2 (one `fully_shard` per block, as minizero's units),
+    and DeepSpeed's stages 0-3 and optimizer offload when it is installed (`pip install -e ".[peers]"`).
+    Runs alternate (minizero, peers, then the reverse), a step counts at its slowest rank, and the ratio
+    compares medians: below 1, minizero is faster. Every pair must end at the same parameters. Here two
+    small sizes; `python -m minizero.bench --sizes 1M,8M,50M` measures the sizes where real models live.
+    """),
+    code("""
+    from minizero.lab import bench
+    from minizero.lab.figures import bench_ratios
+    BENCH_SIZES = ("tiny",) if SMALL else ("default", "1M")
+    PEERS = ("torch",) if SMALL else bench.PEER_FAMILIES     # CI: PyTorch's only (DeepSpeed: tests/test_bench.py)
+    report = bench.compare((2,), sizes=BENCH_SIZES, steps=STEPS if SMALL else 6, repeats=1 if SMALL else 2,
+                           peers=PEERS, meter=False)
+    print(bench.format_table(report))
+    assert all(p["max_param_diff"] < 1e-5 for p in report["pairs"]), "a peer ended elsewhere"
+    bench_ratios(report);
+    """),
+    md("""
     ## Move a run to fewer ranks
 
     A checkpoint holds each rank's partition of the masters and of Adam's moments. The flat layout is
