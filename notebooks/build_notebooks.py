@@ -93,9 +93,52 @@ def measure_and_check(stage: int, title: str) -> list:
     ]
 
 
-def stage_notebook(stage: int, title: str, intro: str, number: int, exercise_text: str, extra=()) -> list:
+def step_through(name: str, config: str, choices: str, look: str) -> list:
+    """The "one step, rank by rank" cells: one launch of minizero.lab.stepthrough at StepConfig(config),
+    every phase printed (the static view, checked), then the widget over phases driven by `choices`."""
+    return [
+        md(f"""
+        ## One step, rank by rank
+
+        A model small enough to read every number: `Linear(2, 3)`, tanh, `Linear(3, 2)`, Ψ = 17 parameters (none
+        of N = 2, 3, 4 divides 17, so the flat buffer is padded), SGD with momentum 0.9 and lr 0.1 (the first
+        step is $p - 0.1\\,g$), 12 rows split over the ranks. `minizero.lab.stepthrough.record` wraps it with
+        `minizero.wrap`, trains one step on N processes and records what every rank holds after each phase, read
+        from the engine's own buffers. Each buffer is a grid: a row per rank, a column per element of the padded
+        flat buffer (the parameter each element belongs to is named on top). Dashed lines: partition boundaries
+        (partition r is rank r's); solid: bucket boundaries; grey: padding; blank: the rank does not hold that
+        element; bold and framed: changed in this phase. (The recorder lets one bucket communicate at a time, so
+        each collective is its own phase; minizero overlaps two.)
+
+        {textwrap.dedent(look).strip()}
+        """),
+        code(f"""
+        from minizero.lab import stepthrough
+
+        steps = stepthrough.record(stepthrough.StepConfig({config}))      # one launch
+        stepthrough.check(steps)       # every phase against one process stepping all 12 rows
+        print(plots.step_table(steps))           # every phase: each buffer that changed, on every rank
+        demo.export("{name}", {{"steps": steps}});   # tests/test_notebooks.py checks it again
+        """),
+        md("""
+        Press play or drag the slider through the phases. A menu records the step again with another setting
+        (one launch, about a second; each setting is kept once computed).
+        """),
+        code(f"""
+        plots.step_widget(steps, {choices})
+        """),
+    ]
+
+
+def what_to_try(text: str):
+    return md("## What to try\n\n" + textwrap.dedent(text).strip())
+
+
+def stage_notebook(stage: int, title: str, intro: str, number: int, exercise_text: str, extra=(), *,
+                   steps: list, try_text: str) -> list:
     return [md(f"# {title}\n\n" + textwrap.dedent(intro).strip()), exercise(number, exercise_text), SETUP,
-            *measure_and_check(stage, f"stage {stage}" if stage else "DDP"), *extra]
+            *steps, *measure_and_check(stage, f"stage {stage}" if stage else "DDP"), *extra,
+            what_to_try(try_text)]
 
 
 NOTEBOOKS = {}
@@ -149,6 +192,31 @@ NOTEBOOKS["00_communication"] = [
         assert res["ring_max_abs_diff"] < 1e-4
     """),
     md("""
+    ### The ring, exchange by exchange
+
+    `minizero.lab.stepthrough.ring` runs `minizero.comm.ring_all_reduce` on N processes and watches its
+    point-to-point exchanges: before each one, every rank's padded buffer and the chunk it sends to its
+    right neighbour. Rank r starts with 10 r + [1, 2, 3, 4, 5]: 5 elements in N chunks of ⌈5/N⌉, padded.
+    In the first N-1 exchanges the received chunk is *added*; after them rank r holds the complete sum of
+    chunk r+1. In the last N-1 it *replaces* the local chunk, and the finished sums travel once around the
+    ring.
+    """),
+    code("""
+    from minizero.lab import stepthrough
+
+    ring = stepthrough.ring(3)                     # one launch, 3 ranks
+    stepthrough.check_ring(ring)                   # each exchange adds (or copies) exactly the sent chunk
+    print(plots.ring_table(ring))
+    demo.export("ring_0", {"ring": ring});
+    """),
+    md("""
+    Green: the chunk the last exchange wrote; orange frame: the chunk each rank sends next. Press play or drag
+    the slider over the 2(N-1) exchanges; the menu runs the ring on another N.
+    """),
+    code("""
+    plots.ring_widget(ring)
+    """),
+    md("""
     ## Bytes moved, measured vs formula
 
     `comm.tally()` counts, per rank and per kind of collective, the bytes a bandwidth-optimal ring sends.
@@ -173,6 +241,13 @@ NOTEBOOKS["00_communication"] = [
     The time column is a rough guide only: gloo on a laptop's cores is not a network. What carries over
     to real clusters is the byte count: per-rank traffic of a ring collective barely depends on N.
     """),
+    what_to_try("""
+    In the ring widget, switch N and count the exchanges: 2(N-1), each moving one chunk of ⌈S/N⌉ elements,
+    so a rank sends 2(N-1)/N·S whatever N. Find the exchange after which rank r first holds a complete sum
+    (the end of the reduce-scatter half) and check it is chunk r+1. In the byte table, set `NUMEL` to a
+    number no N divides and see the ring's padding in the sent bytes. Then do exercise 1: build the ring
+    from send and recv yourself.
+    """),
 ]
 
 NOTEBOOKS["01_ddp"] = stage_notebook(0, "01 · DDP: the baseline ZeRO starts from", """
@@ -188,7 +263,19 @@ NOTEBOOKS["01_ddp"] = stage_notebook(0, "01 · DDP: the baseline ZeRO starts fro
 
     Communication per step: one all-reduce of the gradients, $2\\Psi\\frac{N-1}{N}$ elements.
     (Here in fp32: $b_p = b_g = 4$, and Adam's K = 8 with no separate master copy; also 16Ψ.)
-    """, 1, "gradient buckets that all-reduce during backward.", extra=[
+    """, 1, "gradient buckets that all-reduce during backward.", steps=step_through("steps_0", "stage=0", "stage=[0, 1, 2, 3], world_size=[2, 3, 4]", """
+    What to look for: when a bucket's gradients are complete every rank holds its *own* gradients (its own
+    rows); the bucket's all-reduce replaces them with the average, on every rank, while backward goes on with
+    the next bucket. The step then does the same update on every rank, and every rank keeps the whole
+    momentum (the optimizer state, K bytes per parameter): N identical copies of everything, the
+    redundancy ZeRO removes. Pick stage 1, 2 or 3 in the menu to see what each removes.
+    """), try_text="""
+    In the step-through, switch N between 2, 3 and 4: the averaged gradient is the same every time (it is the
+    gradient of the same 12 rows), only each rank's own gradients change. Switch to stage 1 and compare the
+    momentum row. Above, set `DTYPE = "bf16"` in the setup cell and run all: the parameter and gradient bars
+    halve, the optimizer bar grows (fp32 master weights join Adam's moments), and the reference check loosens
+    to bf16's tolerance. Then do exercise 2: build the bucket hook yourself.
+    """, extra=[
     md("""
     ## Same training as one process
 
@@ -212,7 +299,19 @@ NOTEBOOKS["02_zero1"] = stage_notebook(1, "02 · ZeRO stage 1 (P_os): shard the 
     partitions (`minizero/flat.py`). After backward a **reduce-scatter** gives rank r the averaged gradient
     of its partition (half an all-reduce: Ψ); it steps that partition; an **all-gather** (Ψ) shares the
     updated parameters. Total 2Ψ per step: the same as DDP.
-    """, 2, "partition a flat buffer and step only your partition.")
+    """, 2, "partition a flat buffer and step only your partition.", steps=step_through("steps_1", "stage=1", "stage=[0, 1, 2, 3], world_size=[2, 3, 4]", """
+    What to look for: after backward every rank holds its own full gradients. The reduce-scatter averages
+    partition r into rank r only: the rest of its gradient buffer keeps its own, now stale, values that
+    nobody reads. The step updates partition r on rank r only, and only there does momentum exist (KΨ/N):
+    for one phase the ranks hold *different* parameters, until the all-gather hands every rank every
+    updated partition. 17 elements padded to a multiple of N: the last partition carries the padding.
+    """), try_text="""
+    In the step-through, try N = 2, 3 and 4 and watch where the partition boundaries cut the parameters: a
+    weight can straddle two ranks (as in DeepSpeed), and the padding moves with N. Check one stepped element
+    by hand: new = old - 0.1 × averaged gradient (the momentum buffer is the gradient at the first step).
+    Above, the optimizer bar falls as KΨ/N (K = 8 here: fp32 Adam's two moments, no separate master copy)
+    while parameters and gradients stay. Then do exercise 3: partition the flat buffer and step only yours.
+    """)
 
 NOTEBOOKS["03_zero2"] = stage_notebook(2, "03 · ZeRO stage 2 (P_os+g): shard the gradients too", """
     A rank only ever uses the gradient of its own partition, so it need not keep the rest
@@ -225,7 +324,18 @@ NOTEBOOKS["03_zero2"] = stage_notebook(2, "03 · ZeRO stage 2 (P_os+g): shard th
     Communication is unchanged: reduce-scatter Ψ + all-gather Ψ = 2Ψ per step, now overlapped with
     backward. (The measured *peak* during backward adds the buckets in flight; the plot shows what
     persists.)
-    """, 3, "reduce-scatter a gradient bucket into a shard during backward.")
+    """, 3, "reduce-scatter a gradient bucket into a shard during backward.", steps=step_through("steps_2", "stage=2", "stage=[0, 1, 2, 3], world_size=[2, 3, 4]", """
+    What to look for: gradients now live in two places. *Gradients in flight* is a bucket's full gradients,
+    from the moment they are complete until its reduce-scatter arrives; the *gradient shard* (Ψ/N) is the
+    only gradient memory that persists. Bucket 0 (the last layer, whose gradients backward produces first) is
+    reduce-scattered into the shard while bucket 1 is still being computed; after backward the in-flight row
+    is empty and each rank holds only the averaged gradients of its own partitions.
+    """), try_text="""
+    In the step-through, switch between stage 1 and stage 2 at the same N and compare the gradient rows at the
+    end of backward: a full buffer per rank against a shard. Try N = 4: each bucket is padded to a multiple of
+    4 on its own, so padding appears in both buckets. Above, the gradient bar should be Ψ/N of the DDP one.
+    Then do exercise 4: reduce-scatter a bucket into the shard from the backward hook.
+    """)
 
 NOTEBOOKS["04_zero3"] = stage_notebook(3, "04 · ZeRO stage 3 (P_os+g+p): shard the parameters", """
     Stage 3 (`minizero/zero3.py`) also keeps only 1/N of the parameters. The model is cut into *units*
@@ -238,7 +348,20 @@ NOTEBOOKS["04_zero3"] = stage_notebook(3, "04 · ZeRO stage 3 (P_os+g+p): shard 
 
     plus the few units gathered at a time. Communication: all-gather Ψ (forward) + all-gather Ψ
     (backward) + reduce-scatter Ψ = **3Ψ**, 1.5× DDP, the price of not replicating parameters.
-    """, 4, "the pre-forward / post-forward hooks that gather and free a unit.", extra=[
+    """, 4, "the pre-forward / post-forward hooks that gather and free a unit.", steps=step_through("steps_3", "stage=3", "stage=[0, 1, 2, 3], world_size=[2, 3, 4]", """
+    What to look for: between uses a rank holds only its *parameter shard*; the parameters row is empty except
+    while a unit (here each Linear) is gathered. Each unit is all-gathered for its forward and freed, gathered
+    again for its backward, its gradients reduce-scattered into the gradient shard, and freed. The step updates
+    the shard in place and nothing is gathered after it: the next forward gathers what it needs. (Prefetch is
+    off here, so each gather is its own phase; with prefetch the next unit's all-gather would already be in
+    flight.)
+    """), try_text="""
+    In the step-through, count the collectives per unit at stage 3 (two all-gathers, one reduce-scatter: the
+    3Ψ) against stage 2 (one reduce-scatter per bucket and one all-gather after the step: 2Ψ). In the unit
+    timeline, run with `MODEL = "default"` and compare the peak parameters with prefetch on and off. In the
+    LoRA section, change the world sizes and watch the frozen parameters shrink as 1/N. Then do exercise 5:
+    the hooks that gather and free a unit.
+    """, extra=[
     md("""
     ## When is each unit gathered?
 
@@ -317,6 +440,13 @@ NOTEBOOKS["05_offload"] = [
     """),
     exercise(5, "the host-side optimizer step: copy down, step, copy up."),
     SETUP,
+    *step_through("steps_5", "stage=2, offload=True", "stage=[1, 2, 3], world_size=[2, 3, 4], offload=[True, False]", """
+    What to look for: with the optimizer offloaded, the master weights, the momentum and an fp32 copy of the
+    gradient partition live in host memory (the rows marked host). At the step, rank r copies its averaged
+    gradient partition down (*gradients (host)*), the CPU steps the host master weights, and the updated
+    partition is copied up into the device parameters, which the all-gather then shares. The device keeps
+    parameters and the gradient shard only.
+    """),
     code("""
     from minizero.lab.train import TrainConfig
     base = dict(dtype=DTYPE, steps=STEPS, model=MODEL, batch_size=24)
@@ -381,6 +511,13 @@ NOTEBOOKS["05_offload"] = [
     code("""
     demo.export("loss_scale_5", {"loss_scale": fp16});
     """),
+    what_to_try("""
+    In the step-through, turn offload off and on at the same stage: the host rows appear and the device
+    keeps no optimizer state; at stage 3 the parameter shard stays on the device here (`offload="params"`
+    would move it too). In the fp16 section, change `FAULTS` so two ranks overflow in the same step, or
+    `SCALING["hysteresis"]` to 1, and predict the trajectory before you run it. Then do exercises 6 (the host
+    step) and 8 (the global overflow check).
+    """),
 ]
 
 NOTEBOOKS["06_compare"] = [
@@ -418,6 +555,27 @@ NOTEBOOKS["06_compare"] = [
     """),
     code("""
     demo.export("compare_6", {"runs": [rec for runs in stages.values() for rec in runs.values()]});
+    """),
+    md("""
+    ## Against PyTorch and DeepSpeed
+
+    `minizero.bench` trains the same GPT with minizero and with each stage's peer in one process group:
+    PyTorch's DDP, `ZeroRedundancyOptimizer` and FSDP2 (one `fully_shard` per block, as minizero's units),
+    and DeepSpeed's stages 0-3 and optimizer offload when it is installed (`pip install -e ".[peers]"`).
+    Runs alternate (minizero, peers, then the reverse), a step counts at its slowest rank, and the ratio
+    compares medians: below 1, minizero is faster. Every pair must end at the same parameters. Here two
+    small sizes; `python -m minizero.bench --sizes 1M,8M,50M` measures the sizes where real models live.
+    """),
+    code("""
+    from minizero.lab import bench
+    from minizero.lab.figures import bench_ratios
+    BENCH_SIZES = ("tiny",) if SMALL else ("default", "1M")
+    PEERS = ("torch",) if SMALL else bench.PEER_FAMILIES     # CI: PyTorch's only (DeepSpeed: tests/test_bench.py)
+    report = bench.compare((2,), sizes=BENCH_SIZES, steps=STEPS if SMALL else 6, repeats=1 if SMALL else 2,
+                           peers=PEERS, meter=False)
+    print(bench.format_table(report))
+    assert all(p["max_param_diff"] < 1e-5 for p in report["pairs"]), "a peer ended elsewhere"
+    bench_ratios(report);
     """),
     md("""
     ## Move a run to fewer ranks
@@ -479,6 +637,12 @@ NOTEBOOKS["06_compare"] = [
     from minizero.lab.concepts import to_markdown
     Markdown(to_markdown(link_prefix="../").split("\\n", 5)[5])   # the table, without the page's header
     """),
+    what_to_try("""
+    In the estimator, find the smallest N at which a 7.5 B model fits 16 GB per GPU under each stage, and
+    how much bf16 saves over fp32. Move the run above to another N (`FROM`, `TO`) or to stage 3 and check
+    the resumed run still matches the uninterrupted one. Run the notebook with `MINIZERO_SMALL` unset to
+    measure the default model: the memory lines should still sit on the formulas.
+    """),
 ]
 
 NOTEBOOKS["07_activations"] = [
@@ -500,6 +664,15 @@ NOTEBOOKS["07_activations"] = [
     """),
     exercise(7, "checkpoint a unit: an autograd Function that keeps only the inputs and recomputes in backward."),
     SETUP,
+    *step_through("steps_7", "stage=3, checkpointing=True",
+                  "checkpointing=[True, False], stage=[0, 1, 2, 3], world_size=[2, 3, 4]", """
+    What to look for here: the title of each phase gives the bytes each rank has saved for backward at that
+    moment (`engine.activations.alive`). They rise through forward and fall to zero through backward; with
+    checkpointing on, every unit keeps only its input and is recomputed in backward, at stage 3 after its
+    parameters were gathered for it. Switch checkpointing off and compare the peak: for this tiny model
+    checkpointing keeps *more*, because a Linear saves nothing but its input anyway. It pays off for units
+    whose forward saves much more than their input, like the transformer blocks measured below.
+    """),
     md("""
     ## Measured next to the estimate, across sequence length and micro-batch
 
@@ -573,6 +746,13 @@ NOTEBOOKS["07_activations"] = [
     code("""
     demo.export("activations_7", {"runs": [rec for runs in measured.values() for rec in runs.values()],
                                   "activations": rows, "memory_timelines": timelines});
+    """),
+    what_to_try("""
+    In the step-through, turn checkpointing off and on at stage 0 and at stage 3 and compare the bytes saved
+    for backward phase by phase. In the sweep, add a longer sequence to `SEQS` (64, say) and watch the
+    attention term $a \\cdot s^2 \\cdot b$ take over without checkpointing. In the timeline, compare stage 0
+    and stage 3 with checkpointing: the parameters rise and fall with each block's backward only at stage 3.
+    Then do exercise 7: checkpoint a unit yourself.
     """),
 ]
 

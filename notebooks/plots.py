@@ -379,3 +379,224 @@ def loss_scale_trajectory(run: dict):
     ax.legend(fontsize=8, loc="lower left")
     fig.tight_layout()
     return fig
+
+
+# --- one step, rank by rank (minizero.lab.stepthrough): notebooks 00-05 and 07 -------------------------
+def _cells(values) -> np.ndarray:
+    return np.array([[np.nan if v is None else v for v in row] for row in values], dtype=float)
+
+
+def _pad_columns(buckets: list[dict]) -> set[int]:
+    return {j for b in buckets for j in range(b["start"] + b["numel"], b["start"] + b["padded"])}
+
+
+def _boundaries(steps: dict) -> list[tuple[int, str]]:
+    """(column, "bucket" | "partition") where a bucket or, when partitioned, a rank's partition starts."""
+    out = []
+    for b in steps["buckets"]:
+        out.append((b["start"], "bucket"))
+        if steps["partitioned"]:
+            out += [(b["start"] + q * b["shard"], "partition") for q in range(1, b["padded"] // b["shard"])]
+    return out
+
+
+def step_table(steps: dict) -> str:
+    """Every phase as text: each buffer that changed, one line per rank (· not held, pad: padding,
+    | a partition boundary, ‖ a bucket boundary). The static view of the step-through."""
+    pad, cuts = _pad_columns(steps["buckets"]), dict(_boundaries(steps))
+    lines, previous = [], None
+
+    def cell(j, v):
+        sep = {"bucket": " ‖", "partition": " |"}.get(cuts.get(j), "") if j else ""
+        return sep + ("     ·" if v is None else "   pad" if j in pad else f"{v:6.2f}")
+
+    for k, phase in enumerate(steps["phases"]):
+        lines.append(f"[{k}] {phase['label']}")
+        for name in phase["ranks"][0]:
+            rows = [rank[name] for rank in phase["ranks"]]
+            if previous is not None and rows == [rank[name] for rank in previous["ranks"]]:
+                continue
+            for r, row in enumerate(rows):
+                lines.append(f"    {name if r == 0 else '':>22} rank {r}" + "".join(cell(j, v) for j, v in enumerate(row)))
+        previous = phase
+    return "\n".join(lines)
+
+
+def step_grid(steps: dict, phase: int):
+    """One phase of the step-through: per buffer, a grid with a row per rank and a column per element of
+    the padded flat buffer; values in the cells, blank where a rank does not hold the element, padding
+    hatched, partition boundaries dashed and bucket boundaries solid, values that changed in this phase
+    in bold with a black frame."""
+    ph, phases = steps["phases"][phase], steps["phases"]
+    prev = phases[phase - 1] if phase else None
+    names, n, cols = list(ph["ranks"][0]), len(ph["ranks"]), steps["padded"]
+    pad = _pad_columns(steps["buckets"])
+    fig, axes = plt.subplots(len(names), 1, figsize=(0.62 * cols + 2.6, (0.34 * n + 0.5) * len(names) + 1.5),
+                             squeeze=False)
+    cmap = plt.get_cmap("coolwarm").copy()
+    cmap.set_bad("white")
+    for ax, name in zip(axes[:, 0], names):
+        vals = _cells([rank[name] for rank in ph["ranks"]])
+        everything = np.concatenate([_cells([rank[name] for rank in p["ranks"]]).ravel() for p in phases])
+        scale = np.nanmax(np.abs(everything)) if np.isfinite(everything).any() else 1.0
+        ax.imshow(np.ma.masked_invalid(vals), cmap=cmap, vmin=-scale, vmax=scale, aspect="auto")
+        before = _cells([rank[name] for rank in prev["ranks"]]) if prev else np.full_like(vals, np.nan)
+        for j in sorted(pad):
+            ax.axvspan(j - 0.5, j + 0.5, facecolor="0.85", edgecolor="none")
+        for r in range(n):
+            for j in range(cols):
+                if np.isnan(vals[r, j]) or j in pad:
+                    continue
+                changed = prev is not None and vals[r, j] != before[r, j]
+                ax.text(j, r, f"{vals[r, j]:.2f}", ha="center", va="center", fontsize=7,
+                        fontweight="bold" if changed else "normal")
+                if changed:
+                    ax.add_patch(plt.Rectangle((j - 0.5, r - 0.5), 1, 1, fill=False, edgecolor="black", linewidth=1.2))
+        for x, kind in _boundaries(steps):
+            ax.axvline(x - 0.5, color="black", linewidth=2.2 if kind == "bucket" else 1.2,
+                       linestyle="-" if kind == "bucket" else "--")
+        ax.set_yticks(range(n), [f"rank {r}" for r in range(n)], fontsize=8)
+        ax.set_yticks(np.arange(n + 1) - 0.5, minor=True)
+        ax.grid(which="minor", axis="y", color="white", linewidth=2)
+        ax.tick_params(which="minor", length=0)
+        ax.set_xticks([])
+        ax.set_xlim(-0.5, cols - 0.5)
+        ax.set_title(name, fontsize=9, loc="left")
+    top = axes[0, 0]
+    for name, start, numel in steps["segments"]:
+        top.annotate(name, (start + numel / 2 - 0.5, -0.5), xytext=(0, 14), textcoords="offset points",
+                     ha="center", fontsize=8, color="0.3", annotation_clip=False)
+    cfg = steps["config"]
+    what = STAGE_NAMES[cfg["stage"]] + (", optimizer offloaded" if cfg["offload"] else "") + \
+        (", activation checkpointing" if cfg["checkpointing"] else "")
+    saved = ", ".join(f"{a} B" for a in ph["activations"])
+    fig.suptitle(f"{what}, N = {n}: phase {phase} of {len(phases) - 1}\n{ph['label']}\n"
+                 f"saved for backward per rank: {saved}", fontsize=10)
+    fig.subplots_adjust(left=1.1 / fig.get_figwidth(), right=0.99, top=1 - 1.45 / fig.get_figheight(),
+                        bottom=0.1 / fig.get_figheight(), hspace=0.5)
+    return fig
+
+
+def stepper(first, compute, draw, count, choices: dict, key: tuple, play_ms: int = 2000):
+    """An ipywidgets control, returned for the cell to show: a Dropdown per entry of `choices` (name ->
+    options, `key` the setting of `first`; a new setting calls compute(**setting), cached), a Play button
+    and a slider over draw(result, i) for i < count(result)."""
+    import ipywidgets as w
+    from IPython.display import display
+    cache, current = {key: first}, {"result": first}
+    drops = {name: w.Dropdown(options=opts, value=value, description=name)
+             for (name, opts), value in zip(choices.items(), key)}
+    play = w.Play(interval=play_ms, max=count(first) - 1, description="play")
+    slider = w.IntSlider(min=0, max=count(first) - 1, value=0, description="phase")
+    w.jslink((play, "value"), (slider, "value"))
+    out = w.Output()
+
+    def show(*_):
+        with out:
+            out.clear_output(wait=True)
+            fig = draw(current["result"], slider.value)
+            display(fig)
+            plt.close(fig)
+
+    def choose(*_):
+        setting = tuple(d.value for d in drops.values())
+        if setting not in cache:
+            try:
+                cache[setting] = compute(**dict(zip(drops, setting)))
+            except (ValueError, RuntimeError) as exc:     # a setting the engine refuses: its one line
+                with out:
+                    out.clear_output()
+                    print(f"{exc}".splitlines()[0])
+                return
+        current["result"] = cache[setting]
+        last = count(current["result"]) - 1
+        slider.value = min(slider.value, last)
+        slider.max = play.max = last
+        show()
+
+    for d in drops.values():
+        d.observe(choose, names="value")
+    slider.observe(show, names="value")
+    show()
+    return w.VBox([w.HBox(list(drops.values())), w.HBox([play, slider]), out])
+
+
+def step_widget(steps: dict, **choices):
+    """The step-through, interactive: Play or drag over the phases; each Dropdown (a StepConfig field ->
+    its options, e.g. stage=[0, 1, 2, 3], world_size=[2, 3, 4]) records the step again with that setting
+    (one launch, ~1 s; cached)."""
+    from minizero.lab.stepthrough import StepConfig, record
+    cfg = steps["config"]
+    return stepper(steps, lambda **setting: record(StepConfig(**{**cfg, **setting})), step_grid,
+             lambda s: len(s["phases"]), choices, tuple(cfg[name] for name in choices))
+
+
+def ring_table(ring: dict) -> str:
+    """The ring all-reduce as text: each rank's padded buffer before each exchange and at the end, and
+    which chunk it sends to its right neighbour."""
+    n, c = ring["world_size"], ring["chunk"]
+    lines = []
+    for s, state in enumerate(ring["states"]):
+        if s < len(ring["sends"]):
+            phase = "reduce-scatter: the received chunk is added" if s < n - 1 else \
+                "all-gather: the received chunk replaces the local one"
+            lines.append(f"exchange {s + 1} of {2 * (n - 1)} ({phase})")
+        else:
+            lines.append("result: the sum on every rank")
+        for r, row in enumerate(state):
+            chunks = " |".join("".join(f"{v:6.0f}" for v in row[i * c:(i + 1) * c]) for i in range(n))
+            sends = f"   sends chunk {ring['sends'][s][r]} to rank {(r + 1) % n}" if s < len(ring["sends"]) else ""
+            lines.append(f"    rank {r}:{chunks}{sends}")
+    return "\n".join(lines)
+
+
+def ring_grid(ring: dict, s: int):
+    """State s of the ring all-reduce (0: the inputs; 2(N-1): the sums): one row per rank, chunks between
+    the dashed lines, padding hatched; green: the chunk the last exchange wrote, orange frame: the chunk
+    the rank sends next to its right neighbour."""
+    n, c, numel = ring["world_size"], ring["chunk"], ring["numel"]
+    vals = _cells(ring["states"][s])
+    fig, ax = plt.subplots(figsize=(0.75 * n * c + 3.2, 0.5 * n + 1.4))
+    ax.imshow(np.zeros_like(vals), cmap="Greys", vmin=0, vmax=1, aspect="auto")
+    for r in range(n):
+        if s > 0:                                            # written by the last exchange
+            i = ring["sends"][s - 1][(r - 1) % n]
+            ax.add_patch(plt.Rectangle((i * c - 0.5, r - 0.5), c, 1, facecolor="tab:green", alpha=0.35))
+        if s < len(ring["sends"]):                           # sent next
+            i = ring["sends"][s][r]
+            ax.add_patch(plt.Rectangle((i * c - 0.5, r - 0.45), c, 0.9, fill=False, edgecolor="tab:orange",
+                                       linewidth=2.5))
+            ax.annotate(f"chunk {i} → rank {(r + 1) % n}", (n * c - 0.5, r), xytext=(8, 0),
+                        textcoords="offset points", va="center", fontsize=8, color="tab:orange",
+                        annotation_clip=False)
+        for j in range(n * c):
+            if j >= numel:
+                ax.add_patch(plt.Rectangle((j - 0.5, r - 0.5), 1, 1, facecolor="0.88", hatch="///",
+                                           edgecolor="0.65", linewidth=0))
+            else:
+                ax.text(j, r, f"{vals[r, j]:.0f}", ha="center", va="center", fontsize=9)
+    for i in range(1, n):
+        ax.axvline(i * c - 0.5, color="black", linestyle="--", linewidth=1.2)
+    ax.set_yticks(range(n), [f"rank {r}" for r in range(n)])
+    ax.set_yticks(np.arange(n + 1) - 0.5, minor=True)
+    ax.grid(which="minor", axis="y", color="white", linewidth=2)
+    ax.tick_params(which="minor", length=0)
+    ax.set_xticks([i * c + (c - 1) / 2 for i in range(n)], [f"chunk {i}" for i in range(n)])
+    steps = len(ring["sends"])
+    if s == 0:
+        what = "the inputs (rank r: 10 r + 1, 2, ...)"
+    elif s <= n - 1:
+        what = f"after exchange {s} of {steps}: reduce-scatter, the received chunk was added"
+    else:
+        what = f"after exchange {s} of {steps}: all-gather, the received chunk replaced the local one"
+    ax.set_title(f"ring all-reduce, N = {n}: {what}" + (" (done: the sum everywhere)" if s == steps else ""),
+                 fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def ring_widget(ring: dict, world_sizes=(2, 3, 4)):
+    """The ring, interactive: Play or drag over the 2(N-1) exchanges; the Dropdown runs it on another N."""
+    from minizero.lab.stepthrough import ring as run_ring
+    return stepper(ring, lambda world_size: run_ring(world_size, ring["numel"]), ring_grid,
+             lambda rg: len(rg["states"]), {"world_size": list(world_sizes)}, (ring["world_size"],))

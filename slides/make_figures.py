@@ -6,8 +6,9 @@
 
 What is measured: every stage (and stage 3 + offload) wraps the same GPT and takes two AdamW steps at
 N = 1, 2, 4 (engine.memory() and the byte tally); the largest model each stage trains within a budget
-(minizero.scale); one stage-3 step's gather/free timeline (minizero.lab.demo). minizero.lab.figures runs
-it all, one launch per N. Only the paper-sized figure is the formula alone (minizero.memory), since nobody
+(minizero.scale); one stage-3 step's gather/free timeline (minizero.lab.demo); minizero's step time
+against PyTorch's and DeepSpeed's at two model sizes (minizero.bench, N = 2; its figure is
+minizero.lab.figures.bench_ratios, as in notebook 06). minizero.lab.figures runs it all, one launch per N. Only the paper-sized figure is the formula alone (minizero.memory), since nobody
 measures 7.5 B parameters on a laptop.
 """
 
@@ -24,8 +25,9 @@ matplotlib.use("Agg")                       # a script: draw to files, never to 
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from minizero.lab import bench  # noqa: E402
 from minizero.lab.demo import unit_intervals  # noqa: E402
-from minizero.lab.figures import survey  # noqa: E402
+from minizero.lab.figures import bench_ratios, survey  # noqa: E402
 from minizero.lab.scale import VARIANTS  # noqa: E402
 from minizero.memory import comm_volume, estimate_breakdown  # noqa: E402
 
@@ -33,7 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, "build", "figures")
 COLORS = {"params": "tab:blue", "grads": "tab:orange", "optimizer": "tab:green", "offloaded": "tab:purple"}
 LABELS = [label for label, _, _ in VARIANTS]
-FIGURES = ("paper_7_5b", "memory_vs_n", "breakdown", "comm", "tradeoff", "scale", "zero3_timeline")
+FIGURES = ("paper_7_5b", "memory_vs_n", "breakdown", "comm", "tradeoff", "scale", "zero3_timeline", "bench_ratio")
 
 
 def device_bytes(memory: dict) -> float:
@@ -43,8 +45,12 @@ def device_bytes(memory: dict) -> float:
 def measure(small: bool) -> dict:
     """Everything the figures need, as plain data (minizero.lab.figures: one launch per N)."""
     if small:
-        return survey((1, 2), width=16, budget_mb=0.5, timeline_model="tiny")
-    return survey((1, 2, 4), width=64, budget_mb=4.0, timeline_model="default")   # 64: the default GPT's width, 8 blocks
+        data = survey((1, 2), width=16, budget_mb=0.5, timeline_model="tiny")
+        data["bench"] = bench.compare((2,), sizes=("tiny",), steps=2, repeats=1, peers=("torch",), meter=False)
+        return data
+    data = survey((1, 2, 4), width=64, budget_mb=4.0, timeline_model="default")   # 64: the default GPT's width, 8 blocks
+    data["bench"] = bench.compare((2,), sizes=("default", "1M"), steps=6, repeats=2, meter=False)
+    return data
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -165,6 +171,11 @@ def fig_zero3_timeline(data):
                      f"{rec['peak_params'] / 1e3:.0f} kB", fontsize=9)
     axes[-1].set_xlabel("ms into the step (blue: forward use, red: backward use, pale: prefetched)")
     return fig
+
+
+def fig_bench_ratio(data):
+    """minizero's median step time over each peer's, per stage, against the model's size."""
+    return bench_ratios(data["bench"])
 
 
 def _probe(data, n, label):

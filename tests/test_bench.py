@@ -1,6 +1,7 @@
-"""minizero.bench: every stage next to PyTorch's peer in one launch (tiny model, N = 2, 2 steps), and
-its one-line usage errors; minizero.scale's searches (the tiny model's largest micro-batch at N = 2) and
-its --rss demo under a real per-rank memory cap (N = 2, a 10.4 M GPT).
+"""minizero.bench: every stage next to PyTorch's peer and DeepSpeed (when installed) in one launch (tiny
+model, N = 2, 2 steps), the sizes it can compare at, and its one-line usage errors; minizero.scale's searches
+(the tiny model's largest micro-batch at N = 2) and its --rss demo under a real per-rank memory cap (N = 2, a
+10.4 M GPT).
 Run: python -m pytest tests/test_bench.py -q"""
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import re
 import pytest
 
 import minizero
-from minizero.lab import bench, rss, scale
+from minizero.lab import bench, deepspeed_peer, rss, scale
+from minizero.lab.model import GPT, SIZES, GPTConfig, count_params
 from minizero.memory import activation_bytes, comm_volume, estimate
 
 
@@ -25,44 +27,58 @@ def report(tmp_path_factory):
 
 
 def test_every_pair_is_reported(report):
-    assert [(p["world_size"], p["stage"], p["peer"]) for p in report["pairs"]] == [
-        (2, 0, "ddp"), (2, 1, "zero_redundancy"), (2, 2, "fsdp2_no_reshard"), (2, 3, "fsdp2")]
+    torch_peers = [("0", "ddp"), ("1", "zero_redundancy"), ("2", "fsdp2_no_reshard"), ("3", "fsdp2")]
+    ds = [(v, "deepspeed") for v in bench.VARIANTS] if deepspeed_peer.available() else []
+    expected = sorted(torch_peers + ds, key=lambda vp: list(bench.VARIANTS).index(vp[0]))
+    assert [(p["world_size"], p["variant"], p["peer"]) for p in report["pairs"]] == [(2, v, p) for v, p in expected]
     for p in report["pairs"]:
         assert p["ratio"] > 0 and all(t > 0 for t in p["step_time_s"].values())
-        for impl in bench.IMPLS:
-            assert len(p["memory"][impl]) == 2 and all(set(m) == set(bench.MEMORY_KEYS) for m in p["memory"][impl])
+        for side in bench.SIDES:
+            assert len(p["memory"][side]) == 2 and all(set(m) == set(bench.MEMORY_KEYS) for m in p["memory"][side])
+    assert report["config"]["sizes"] == {"tiny": count_params(GPTConfig.named("tiny"))}
 
 
-def test_minizero_ends_where_pytorch_ends(report):
+def test_minizero_ends_where_every_peer_ends(report):
     for p in report["pairs"]:
-        assert p["max_param_diff"] < 1e-5, (p["stage"], p["max_param_diff"])
-        assert p["final_loss"]["minizero"] == pytest.approx(p["final_loss"]["torch"], abs=1e-5)
+        assert p["max_param_diff"] < 1e-5, (p["variant"], p["peer"], p["max_param_diff"])
+        assert p["final_loss"]["minizero"] == pytest.approx(p["final_loss"]["peer"], abs=1e-5)
 
 
 def test_memory_and_comm_are_the_stages(report):
-    by_stage = {p["stage"]: p for p in report["pairs"]}
-    device = {s: sum(p["memory"]["minizero"][0].values()) for s, p in by_stage.items()}
+    by_stage = {p["stage"]: p for p in report["pairs"] if p["peer"] in bench.PEER_COLLECTIVES}   # PyTorch's
+    device = {s: sum(p["memory"]["minizero"][0][k] for k in bench.DEVICE_KEYS) for s, p in by_stage.items()}
     assert device[0] > device[1] > device[2] > device[3]              # each stage shards one more thing
-    torch_ddp = sum(by_stage[0]["memory"]["torch"][0].values())
+    torch_ddp = sum(by_stage[0]["memory"]["peer"][0].values())
     assert device[0] == pytest.approx(torch_ddp, rel=0.01)           # both replicate everything
     psi = by_stage[0]["num_params"]
-    for s, p in by_stage.items():                                    # minizero's tally: 2Ψ or 3Ψ (+ padding)
-        assert p["comm_bytes_per_step"]["minizero"] == pytest.approx(comm_volume(psi, 2, s, bytes_per_elem=4),
+    for p in report["pairs"]:                                        # minizero's tally: 2Ψ or 3Ψ (+ padding)
+        assert p["comm_bytes_per_step"]["minizero"] == pytest.approx(comm_volume(psi, 2, p["stage"], bytes_per_elem=4),
                                                                      rel=0.01)
     # ZeroRedundancyOptimizer all-reduces, then broadcasts the stepped partitions: 3Ψ, not stage 1's 2Ψ
-    assert by_stage[1]["comm_bytes_per_step"]["torch"] == pytest.approx(1.5 * by_stage[0]["comm_bytes_per_step"]["torch"])
+    assert by_stage[1]["comm_bytes_per_step"]["peer"] == pytest.approx(1.5 * by_stage[0]["comm_bytes_per_step"]["peer"])
+    offload = [p for p in report["pairs"] if p["offload"]]
+    assert all(p["memory"]["minizero"][0]["offloaded"] > 0 and p["memory"]["minizero"][0]["optimizer"] == 0
+               for p in offload)
 
 
 def test_the_activation_meter_is_timed_on_and_off_and_only_observes(report):
-    for p in report["pairs"]:
-        m = p["meter"]
+    assert [m["variant"] for m in report["meter"]] == list(bench.VARIANTS)
+    for m in report["meter"]:
         assert all(t > 0 for t in m["step_time_s"].values()) and m["cost"] > -1
         assert min(m["activations"]["on"]) > 0 and m["activations"]["off"] == [0, 0], "off: the meter never ran"
-        assert m["losses"]["on"] == m["losses"]["off"], p["stage"]           # bit for bit
+        assert m["losses"]["on"] == m["losses"]["off"], m["variant"]           # bit for bit
+
+
+def test_sizes_are_what_they_say():
+    for name in SIZES:
+        psi = count_params(GPTConfig.named(name))
+        assert psi == pytest.approx(float(name[:-1]) * 1e6, rel=0.01) and f"{psi:,}" in bench.size_label(name)
+    assert GPT(GPTConfig.named("1M")).num_params() == count_params(GPTConfig.named("1M"))
 
 
 @pytest.mark.parametrize("argv", [["--world-size", "1"], ["--steps", "1"], ["--model", "huge"],
                                   ["--stages", "5"], ["--world-size", "3"], ["--bogus"],
+                                  ["--sizes", "3M"], ["--sizes", ""], ["--peers", "jax"],
                                   ["--scale", "--budget-mb", "0"], ["--scale", "--world-size", "0"],
                                   ["--scale", "--micro-batch", "--model", "huge"], ["--scale", "--model", "tiny"],
                                   ["--scale", "--micro-batch", "--budget-mb", "-1"], ["--scale", "--rss-cap-mb", "9"],

@@ -223,7 +223,7 @@ def run_all_cells(driver, lab: dict, name: str) -> list:
 def widget_cells(name: str, root: pathlib.Path) -> list[int]:
     """Indices (among code cells) of the cells that build an ipywidgets control."""
     cells = [c for c in json.loads((root / f"{name}.ipynb").read_text())["cells"] if c["cell_type"] == "code"]
-    return [i for i, c in enumerate(cells) if re.search(r"\bipywidgets\b|\binteract(ive)?\(", "".join(c["source"]))]
+    return [i for i, c in enumerate(cells) if re.search(r"\bipywidgets\b|\binteract(ive)?\(|\bplots\.\w+_widget\(", "".join(c["source"]))]
 
 
 def check_cells(cells: list, widgets: list[int]):

@@ -15,6 +15,7 @@ import pathlib
 
 import pytest
 
+from minizero.lab import stepthrough
 from minizero.lab.reference import tolerance
 from minizero.lab.train import state_bytes
 from minizero.memory import (
@@ -36,16 +37,21 @@ CELL_TIMEOUT_S = 300
 
 # notebook -> the files it exports
 EXPORTS = {
-    "00_communication": ["00_communication"],
-    "01_ddp": ["stage_0"],
-    "02_zero1": ["stage_1"],
-    "03_zero2": ["stage_2"],
-    "04_zero3": ["stage_3", "timeline_3", "lora_3"],
-    "05_offload": ["offload_5", "loss_scale_5"],
+    "00_communication": ["00_communication", "ring_0"],
+    "01_ddp": ["stage_0", "steps_0"],
+    "02_zero1": ["stage_1", "steps_1"],
+    "03_zero2": ["stage_2", "steps_2"],
+    "04_zero3": ["stage_3", "timeline_3", "lora_3", "steps_3"],
+    "05_offload": ["offload_5", "loss_scale_5", "steps_5"],
     "06_compare": ["compare_6"],
-    "07_activations": ["activations_7"],
+    "07_activations": ["activations_7", "steps_7"],
     "08_beyond": ["network_8"],
 }
+# the collectives a stage's step-through must show, in order of first appearance
+STEP_COLLECTIVES = {0: ["all_reduce"], 1: ["reduce_scatter", "all_gather"], 2: ["reduce_scatter", "all_gather"],
+                    3: ["all_gather", "reduce_scatter"]}
+# what drives a notebook's interactive control (ipywidgets): every notebook has one
+CONTROLS = ("plots.step_widget(", "plots.ring_widget(", "interact(")
 
 
 def test_every_notebook_is_tested():
@@ -57,6 +63,15 @@ def test_notebooks_are_committed_without_outputs():
         nb = nbformat.read(path, as_version=4)
         for cell in nb.cells:
             assert not cell.get("outputs") and not cell.get("execution_count"), f"{path.name} has outputs"
+
+
+def test_every_notebook_has_a_control_and_ends_with_what_to_try():
+    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        code = [c.source for c in nb.cells if c.cell_type == "code"]
+        assert any(control in src for src in code for control in CONTROLS), f"{path.name}: no widget"
+        last = nb.cells[-1]
+        assert last.cell_type == "markdown" and last.source.startswith(("## What to try", "**What to try**")), path.name
 
 
 @pytest.mark.parametrize("name", sorted(EXPORTS))
@@ -82,6 +97,36 @@ def test_notebook_runs_and_its_plots_match_the_formulas(name, tmp_path, monkeypa
             check_loss_scale(data["loss_scale"])
         if "network" in data:
             check_network(data["network"])
+        if "steps" in data:
+            check_steps(data["steps"], int(export.split("_")[1]))
+        if "ring" in data:
+            check_ring(data["ring"])
+
+
+def check_steps(steps: dict, notebook: int) -> None:
+    """The step-through: stepthrough.check replays every phase against one process stepping the whole batch
+    (each reduced bucket = the mean of the ranks' own gradients = the whole batch's gradient, on the owning
+    rank only; the step changes the owned partition only; the last phase holds the one-process result);
+    and the stage's collectives are there, on at least 2 ranks, with the padding N forces."""
+    cfg = steps["config"]
+    assert cfg["stage"] == {0: 0, 1: 1, 2: 2, 3: 3, 5: cfg["stage"], 7: cfg["stage"]}[notebook], cfg
+    assert 2 <= cfg["world_size"] <= 4 and len(steps["phases"][0]["ranks"]) == cfg["world_size"]
+    stepthrough.check(steps)
+    kinds = [p["kind"] for p in steps["phases"] if p["kind"] in ("all_reduce", "reduce_scatter", "all_gather")]
+    assert list(dict.fromkeys(kinds)) == STEP_COLLECTIVES[cfg["stage"]], kinds
+    assert kinds.count(STEP_COLLECTIVES[cfg["stage"]][0]) >= 2 or cfg["stage"] == 1, kinds    # per bucket / unit
+    if notebook == 5:
+        assert cfg["offload"] and any("(host)" in name for name in steps["phases"][-1]["ranks"][0])
+    if notebook == 7:
+        assert cfg["checkpointing"] and max(max(p["activations"]) for p in steps["phases"]) > 0
+
+
+def check_ring(ring: dict) -> None:
+    """Every exchange of comm.ring_all_reduce moved one chunk to the right neighbour, added (first N-1) or
+    copied (last N-1) there, and every rank ends with the sum."""
+    stepthrough.check_ring(ring)
+    n = ring["world_size"]
+    assert n >= 3 and ring["numel"] % n, "a ring of 3+ ranks over a size N does not divide shows more"
 
 
 def check_loss_scale(run: dict) -> None:
@@ -202,3 +247,35 @@ def check_lora(rows: list[dict]) -> None:
         assert r["construction_peak"]["normal"] == whole
         if n > 1:
             assert r["construction_peak"]["sharded_init"] < whole / 2 and r["params"] < whole / 2, r
+
+
+def test_a_widget_menu_computes_again_and_its_slider_follows(monkeypatch, capsys):
+    """plots.stepper, which every step-through and the ring use: a new menu value calls compute once (then
+    cached), the slider's range follows the new result, and a setting the engine refuses shows its line."""
+    pytest.importorskip("ipywidgets")
+    import matplotlib
+    matplotlib.use("Agg")
+    monkeypatch.syspath_prepend(str(NOTEBOOKS))
+    import matplotlib.pyplot as plt
+    import plots
+
+    calls = []
+
+    def compute(n):
+        calls.append(n)
+        if n == 5:
+            raise ValueError("five is refused")
+        return {"n": n}
+
+    box = plots.stepper({"n": 2}, compute, lambda result, i: plt.figure(), lambda result: result["n"],
+                        {"n": [2, 3, 5]}, (2,))
+    (menu,), (play, slider) = box.children[0].children, box.children[1].children
+    assert slider.max == 1 and calls == []
+    menu.value = 3
+    assert calls == [3] and slider.max == play.max == 2
+    menu.value = 2
+    menu.value = 3
+    assert calls == [3]                        # both settings cached
+    menu.value = 5
+    assert calls == [3, 5] and slider.max == 2
+    assert "five is refused" in capsys.readouterr().out        # (into the Output widget in a kernel)

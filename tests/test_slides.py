@@ -57,6 +57,12 @@ def test_measurements_show_zero(figures):
     assert ratio["2"] > 1.2 * ratio["1"]                       # stage 3 fits more with every rank added
 
 
+def test_bench_pairs_every_stage_with_a_peer(figures):
+    pairs = json.loads((figures / "measurements.json").read_text())["bench"]["pairs"]
+    assert {p["variant"] for p in pairs} >= {"0", "1", "2", "3"}
+    assert all(p["ratio"] > 0 and p["max_param_diff"] < 1e-5 for p in pairs)
+
+
 def test_deck_is_self_contained(deck):
     n, html = deck
     assert 15 <= n <= 25

@@ -5,6 +5,7 @@
     reference.py           the oracle: one process training on the global batch; the tolerances
     report.py              the paper's formulas for a run, next to what it measured
     peers.py               PyTorch's own DDP / ZeroRedundancyOptimizer / FSDP2, trained the same way
+    deepspeed_peer.py      DeepSpeed's ZeRO stages 0-3 and offload, inside minizero.launch (extra [peers])
     bench.py scale.py      experiments: minizero vs PyTorch; the largest model each stage fits
     demo.py figures.py     what the notebooks and the slides run
     deepspeed_config.py    DeepSpeed-style JSON configs; concepts.py: the concept map; grade.py: exercises

@@ -1,32 +1,38 @@
-"""minizero against PyTorch's own implementation of every stage: time, memory, communication, result.
+"""minizero against PyTorch's and DeepSpeed's implementation of every stage, at ~0.2M to ~50M parameters.
 
     python -m minizero.bench                                        # N = 2 and 4, the default model
-    python -m minizero.bench --world-size 2 --steps 20 --repeats 5 --json bench.json
+    python -m minizero.bench --world-size 2 --sizes 1M,8M,50M --steps 6 --repeats 2 --json bench.json
+    python -m minizero.bench --peers torch                          # PyTorch's peers only
     python -m minizero.bench --scale --budget-mb 4                  # the scale demo (minizero.scale)
     python -m minizero.bench --scale --micro-batch                  # ... its largest micro-batch per stage
 
-Pairs (minizero.lab.peers builds PyTorch's side, trained by the same loop as minizero.lab.train):
-    stage 0  <->  torch.nn.parallel.DistributedDataParallel
-    stage 1  <->  torch.distributed.optim.ZeroRedundancyOptimizer (over DDP)
-    stage 2  <->  FSDP2 fully_shard per block + root, reshard_after_forward=False
-    stage 3  <->  FSDP2 fully_shard per block + root
-Same GPT, same initial weights, same data, fp32, same AdamW, same world size, gloo on the CPU.
+Pairs (minizero.lab.peers builds PyTorch's side, minizero.lab.deepspeed_peer DeepSpeed's; both are trained
+by the same loop as minizero.lab.train):
+    stage 0        <->  torch DistributedDataParallel                          DeepSpeed stage 0
+    stage 1        <->  ZeroRedundancyOptimizer (over DDP)                     DeepSpeed stage 1
+    stage 2        <->  FSDP2 fully_shard per block + root, no reshard         DeepSpeed stage 2
+    stage 3        <->  FSDP2 fully_shard per block + root                     DeepSpeed stage 3, blocks as leaves
+    stage 2 + offload   (PyTorch has no optimizer offload without stage 3)     DeepSpeed offload_optimizer cpu
+Stage 3 gathers the same units on every side: minizero's default units are the GPT's blocks, FSDP2 is
+fully_shard-ed per block, DeepSpeed fetches each block at once (set_z3_leaf_modules). DeepSpeed pairs run
+when it is installed (pip install -e ".[peers]"). Same GPT (--sizes: minizero.lab.model.SIZES), initial
+weights, data, fp32, AdamW, world size, gloo on the CPU.
 
 How it is fair: one launch per world size runs every pair in the same processes; within a repeat each
-pair runs minizero and PyTorch back to back, in alternating order (AB, then BA, ...), so a slow patch of
-a shared machine hits both sides alike. A step's time is the slowest rank's (collectives make every rank
-wait for it); the first step of every run is warm-up and dropped; the ratio compares medians.
-Every rank computes with one intra-op thread, so both sides see the same CPU however many cores exist.
+configuration runs minizero and its peers back to back, in alternating order (A B C, then C B A, ...), so
+a slow patch of a shared machine hits every side alike. A step's time is the slowest rank's (collectives
+make every rank wait for it); the first step of every run is warm-up and dropped; the ratio compares
+medians. Every rank computes with one intra-op thread, so every side sees the same CPU.
 
-Reported per pair: ratio = median step time minizero / PyTorch; per-rank model-state bytes (minizero's
-engine.memory(); PyTorch's counted from its parameters, .grad and optimizer state by
-minizero.memory.measure); bytes sent per step (minizero's tally; for PyTorch the ring formula of the
-collectives it issues: it has no tally); and the largest |parameter difference| after the run.
+Reported per pair: ratio = median step time minizero / peer; per-rank model-state bytes (minizero's
+engine.memory(); the peers' counted from their parameters, gradients and optimizer state by
+minizero.memory.measure); bytes sent per step (minizero's tally; for the peers the ring formula of the
+collectives they issue: they keep no tally); and the largest |parameter difference| after the run.
 
-And what minizero's own measurement costs: engine(x) runs the forward under the activation meter
-(activations.py: a saved-tensor hook per tensor forward saves, engine.memory()["activations"]);
-`engine.activations.enabled = False` turns it off. Both run the same loop (meter_worker), in alternating
-order like the pairs, and must end at the same losses: the meter only observes.
+And what minizero's own measurement costs (the default run only, not with --sizes): engine(x) runs the
+forward under the activation meter (activations.py: a saved-tensor hook per tensor forward saves,
+engine.memory()["activations"]); `engine.activations.enabled = False` turns it off. Both run the same
+loop (meter_worker), in alternating order like the pairs, and must end at the same losses.
 """
 
 from __future__ import annotations
@@ -40,21 +46,27 @@ import torch
 
 from minizero import comm
 from minizero.cli import OneLineParser, UsageError, emit, fail
-from minizero.lab.model import MODEL_NAMES, make_model
+from minizero.lab import deepspeed_peer
+from minizero.lab.model import MODEL_NAMES, SIZES, GPTConfig, count_params, make_model
 from minizero.lab.peers import PEER_OF_STAGE, peer_worker
 from minizero.lab.reference import max_abs_diff
 from minizero.lab.train import TrainConfig, forward_backward, train_worker
 from minizero.launcher import launch
+from minizero.memory import comm_volume
 from minizero.wrap import wrap
 
-IMPLS = ("minizero", "torch")
+SIDES = ("minizero", "peer")
 METER = ("meter on", "meter off")       # minizero with and without the activation meter (meter_worker)
-MEMORY_KEYS = ("params", "grads", "optimizer")
+MEMORY_KEYS = ("params", "grads", "optimizer", "offloaded")
+DEVICE_KEYS = MEMORY_KEYS[:3]           # what stays on the compute device (offloaded: host memory)
+VARIANTS = {"0": (0, False), "1": (1, False), "2": (2, False), "3": (3, False), "2+offload": (2, True)}
+PEER_FAMILIES = ("torch", "deepspeed")
 
 # The collectives each PyTorch peer issues per step, each over the full Ψ (the ring bytes of comm.py).
 # ZeroRedundancyOptimizer sits on DDP: a full all-reduce, then each rank broadcasts the partition it
 # stepped (N broadcasts of Ψ/N: Ψ). That is 3Ψ where ZeRO stage 1 needs 2Ψ (reduce-scatter + all-gather).
 # FSDP2 does not gather its root unit a second time for backward; the few root parameters are ignored.
+# DeepSpeed implements the paper: 2Ψ at stages 0-2, 3Ψ at stage 3 (minizero.memory.comm_volume).
 PEER_COLLECTIVES = {
     "ddp": ("all_reduce",),
     "zero_redundancy": ("all_reduce", "broadcast"),
@@ -63,10 +75,27 @@ PEER_COLLECTIVES = {
 }
 
 
-def peer_comm_bytes(peer: str, num_params: int, world_size: int, bytes_per_elem: int = 4) -> float:
-    """Bytes one rank sends per step in a ring for PyTorch's `peer` (fp32: 4 bytes per element)."""
+def peer_comm_bytes(peer: str, num_params: int, world_size: int, stage: int = 0, bytes_per_elem: int = 4) -> float:
+    """Bytes one rank sends per step in a ring for `peer` at `stage` (fp32: 4 bytes per element)."""
+    if peer == deepspeed_peer.PEER:
+        return comm_volume(num_params, world_size, stage, bytes_per_elem=bytes_per_elem)
     full = num_params * bytes_per_elem
     return sum(comm.ring_bytes(kind, full, world_size) for kind in PEER_COLLECTIVES[peer])
+
+
+def peers_of(variant: str, families=PEER_FAMILIES) -> list[str]:
+    """The peers a variant is compared with: PyTorch's for its stage (none for offload), DeepSpeed if installed."""
+    stage, offload = VARIANTS[variant]
+    out = [PEER_OF_STAGE[stage]] if "torch" in families and not offload else []
+    if "deepspeed" in families and deepspeed_peer.available():
+        out.append(deepspeed_peer.PEER)
+    return out
+
+
+def size_label(model: str) -> str:
+    """'8M: 8 blocks of width 288, Ψ = 8,005,824': the shape behind a size's name, and its real Ψ."""
+    cfg = GPTConfig.named(model)
+    return f"{model}: {cfg.n_layer} blocks of width {cfg.n_embd}, Ψ = {count_params(cfg):,}"
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -90,36 +119,46 @@ def meter_worker(cfg: TrainConfig, meter: bool) -> dict:
     return {"step_times": step_times, "losses": losses, "activations": engine.memory()["activations"]}
 
 
-def bench_worker(cfgs: list[TrainConfig], repeats: int) -> list[dict]:
-    """Per configuration: step times of every repeat of both sides (and of minizero with the activation
-    meter on and off), memory and comm of the first repeat, and the max |minizero - PyTorch| over all
-    parameters after it (both full state dicts, on this rank)."""
+def _run(impl: str, cfg: TrainConfig) -> dict:
+    if impl == "minizero":
+        return train_worker(cfg)
+    if impl in METER:
+        return meter_worker(cfg, impl == "meter on")
+    if impl == deepspeed_peer.PEER:
+        return deepspeed_peer.deepspeed_worker(cfg)
+    return peer_worker(cfg, impl)
+
+
+def bench_worker(jobs: list[tuple[TrainConfig, list[str]]], repeats: int, meter: bool) -> list[dict]:
+    """Per (configuration, its peers): step times of every repeat of every side (and of minizero with the
+    activation meter on and off), memory and comm of the first repeat, and the max |minizero - peer| over
+    all parameters after it (full state dicts, on this rank)."""
     torch.set_num_threads(1)
-    out = [{"times": {impl: [] for impl in IMPLS + METER}} for _ in cfgs]
+    out = []
+    for cfg, peers in jobs:
+        impls = ["minizero", *peers] + (list(METER) if meter else [])
+        out.append({"impls": impls, "times": {impl: [] for impl in impls}})
     for rep in range(repeats):
-        for cfg, record in zip(cfgs, out):
+        for (cfg, peers), record in zip(jobs, out):
             run_cfg = dataclasses.replace(cfg, return_state=rep == 0)
             results = {}
-            for impl in (IMPLS + METER) if rep % 2 == 0 else (IMPLS[::-1] + METER[::-1]):
-                comm.barrier()                  # both sides start from the same line
-                if impl == "minizero":
-                    results[impl] = train_worker(run_cfg)
-                elif impl == "torch":
-                    results[impl] = peer_worker(run_cfg, PEER_OF_STAGE[cfg.stage])
-                else:
-                    results[impl] = meter_worker(cfg, impl == "meter on")
+            for impl in record["impls"] if rep % 2 == 0 else record["impls"][::-1]:
+                comm.barrier()                  # every side starts from the same line
+                results[impl] = _run(impl, cfg if impl in METER else run_cfg)
                 record["times"][impl].append(results[impl]["step_times"])
-            if rep == 0:
+            if rep > 0:
+                continue
+            if meter:
                 record["meter_losses"] = {m: results[m]["losses"] for m in METER}
                 record["meter_activations"] = {m: results[m]["activations"] for m in METER}
-            if rep == 0:
-                mz, pt = results["minizero"], results["torch"]
-                record["max_param_diff"] = max_abs_diff(mz.pop("state_dict"), pt.pop("state_dict"))
-                record["num_params"] = mz["num_params"]
-                record["memory"] = {"minizero": mz["memory"], "torch": pt["memory"]}
-                record["peak"] = mz["peak"]
-                record["comm"] = mz["comm_bytes_per_step"]["total"]
-                record["final_loss"] = {"minizero": mz["losses"][-1], "torch": pt["losses"][-1]}
+            mz = results["minizero"]
+            state = mz.pop("state_dict")
+            record["max_param_diff"] = {p: max_abs_diff(state, results[p].pop("state_dict")) for p in peers}
+            record["num_params"] = mz["num_params"]
+            record["memory"] = {impl: results[impl]["memory"] for impl in ["minizero", *peers]}
+            record["peak"] = mz["peak"]
+            record["comm"] = mz["comm_bytes_per_step"]["total"]
+            record["final_loss"] = {impl: results[impl]["losses"][-1] for impl in ["minizero", *peers]}
     return out
 
 
@@ -127,78 +166,103 @@ def bench_worker(cfgs: list[TrainConfig], repeats: int) -> list[dict]:
 # Parent: one launch per world size, then the table
 # --------------------------------------------------------------------------------------------------------
 
-def compare(world_sizes=(2, 4), *, steps: int = 10, repeats: int = 3, model: str = "default",
-            stages=(0, 1, 2, 3), batch_size: int = 16) -> dict:
-    """{"config": ..., "pairs": [one record per (N, stage)]}; see the module docstring for the fields."""
-    pairs = []
+def compare(world_sizes=(2, 4), *, sizes=("default",), steps: int = 10, repeats: int = 3,
+            variants=tuple(VARIANTS), peers=PEER_FAMILIES, meter: bool = True, batch_size: int = 16) -> dict:
+    """{"config": ..., "pairs": [one record per (N, size, variant, peer)], "meter": [one per (N, size,
+    variant)] when meter}; see the module docstring for the fields."""
+    pairs, meters = [], []
     for n in world_sizes:
-        cfgs = [TrainConfig(stage=s, world_size=n, steps=steps, model=model, batch_size=batch_size,
-                            backend="gloo") for s in stages]
-        per_rank = launch(bench_worker, n, cfgs, repeats, backend="gloo")
-        for i, cfg in enumerate(cfgs):
+        jobs = []
+        for size in sizes:
+            for v in variants:
+                stage, offload = VARIANTS[v]
+                cfg = TrainConfig(stage=stage, offload=offload, world_size=n, steps=steps, model=size,
+                                  batch_size=batch_size, backend="gloo")
+                jobs.append((cfg, peers_of(v, peers), v))
+        per_rank = launch(bench_worker, n, [(cfg, ps) for cfg, ps, _ in jobs], repeats, meter, backend="gloo")
+        for i, (cfg, ps, v) in enumerate(jobs):
             ranks = [rank_records[i] for rank_records in per_rank]
-            pairs.append(_pair_record(cfg, ranks))
-    return {"config": {"world_sizes": list(world_sizes), "steps": steps, "repeats": repeats,
-                       "model": model, "batch_size": batch_size, "backend": "gloo", "dtype": "fp32",
-                       "optimizer": "adamw", "threads_per_rank": 1},
-            "pairs": pairs}
+            pairs += [_pair_record(cfg, v, p, ranks) for p in ps]
+            if meter:
+                meters.append(_meter_record(cfg, v, ranks))
+    report = {"config": {"world_sizes": list(world_sizes), "sizes": {s: count_params(GPTConfig.named(s))
+                                                                        for s in sizes},
+                         "steps": steps, "repeats": repeats, "batch_size": batch_size, "backend": "gloo",
+                         "dtype": "fp32", "optimizer": "adamw", "threads_per_rank": 1,
+                         "peers": list(peers), "deepspeed": deepspeed_peer.available()},
+              "pairs": pairs}
+    if meter:
+        report["meter"] = meters
+    return report
 
 
-def _pair_record(cfg: TrainConfig, ranks: list[dict]) -> dict:
-    peer = PEER_OF_STAGE[cfg.stage]
+def _pair_record(cfg: TrainConfig, variant: str, peer: str, ranks: list[dict]) -> dict:
     first = ranks[0]
-    medians = {impl: statistics.median(_slowest_rank_steps(ranks, impl)) for impl in IMPLS + METER}
+    medians = {side: statistics.median(_slowest_rank_steps(ranks, impl))
+               for side, impl in zip(SIDES, ("minizero", peer))}
     psi = first["num_params"]
     return {
-        "world_size": cfg.world_size, "stage": cfg.stage, "peer": peer, "num_params": psi,
-        "step_time_s": {impl: medians[impl] for impl in IMPLS},
-        "ratio": medians["minizero"] / medians["torch"],
-        # the activation meter: minizero's step time with it on and off, what it saw, the losses of both
-        "meter": {"step_time_s": {m.split()[1]: medians[m] for m in METER},
-                  "cost": medians["meter on"] / medians["meter off"] - 1,
-                  "activations": {m.split()[1]: [r["meter_activations"][m] for r in ranks] for m in METER},
-                  "losses": {m.split()[1]: first["meter_losses"][m] for m in METER}},
-        "memory": {impl: [{k: r["memory"][impl][k] for k in MEMORY_KEYS} for r in ranks] for impl in IMPLS},
+        "world_size": cfg.world_size, "size": cfg.model, "num_params": psi, "variant": variant,
+        "stage": cfg.stage, "offload": bool(cfg.offload), "peer": peer,
+        "step_time_s": medians,
+        "ratio": medians["minizero"] / medians["peer"],
+        "memory": {side: [{k: r["memory"][impl].get(k, 0) for k in MEMORY_KEYS} for r in ranks]
+                   for side, impl in zip(SIDES, ("minizero", peer))},
         "minizero_peak": [r["peak"] for r in ranks],
         "comm_bytes_per_step": {"minizero": first["comm"],
-                                "torch": peer_comm_bytes(peer, psi, cfg.world_size)},
-        "max_param_diff": max(r["max_param_diff"] for r in ranks),
-        "final_loss": first["final_loss"],
+                                "peer": peer_comm_bytes(peer, psi, cfg.world_size, cfg.stage)},
+        "max_param_diff": max(r["max_param_diff"][peer] for r in ranks),
+        "final_loss": {"minizero": first["final_loss"]["minizero"], "peer": first["final_loss"][peer]},
     }
+
+
+def _meter_record(cfg: TrainConfig, variant: str, ranks: list[dict]) -> dict:
+    """The activation meter: minizero's step time with it on and off, what it saw, the losses of both."""
+    first = ranks[0]
+    medians = {m: statistics.median(_slowest_rank_steps(ranks, m)) for m in METER}
+    return {"world_size": cfg.world_size, "size": cfg.model, "variant": variant, "stage": cfg.stage,
+            "step_time_s": {m.split()[1]: medians[m] for m in METER},
+            "cost": medians["meter on"] / medians["meter off"] - 1,
+            "activations": {m.split()[1]: [r["meter_activations"][m] for r in ranks] for m in METER},
+            "losses": {m.split()[1]: first["meter_losses"][m] for m in METER}}
 
 
 def _slowest_rank_steps(ranks: list[dict], impl: str) -> list[float]:
     """Each step's time on its slowest rank, warm-up steps (the first of every run) dropped."""
     out = []
-    for rep, per_rank_runs in enumerate(zip(*(r["times"][impl] for r in ranks))):
+    for per_rank_runs in zip(*(r["times"][impl] for r in ranks)):
         steps = [max(ts) for ts in zip(*per_rank_runs)]
         out += steps[1:] or steps
     return out
 
 
 def format_table(report: dict) -> str:
-    kb = lambda x: f"{x / 1e3:8.1f}"      # noqa: E731
+    def mb(x: float) -> str:
+        return f"{x / 1e6:9.3f}"
     c = report["config"]
-    lines = [f"minizero vs PyTorch, model {c['model']}, {c['steps']} steps x {c['repeats']} repeats, "
-             f"{c['backend']}, {c['dtype']} AdamW, rank 0's model states in kB",
-             f"{'N':>2} {'stage':>5} {'peer':<17}{'mz ms':>7}{'pt ms':>7}{'ratio':>7}"
-             f"{'mz dev kB':>10}{'pt dev kB':>10}{'mz comm':>9}{'pt comm':>9}{'max |Δp|':>10}"]
+    ds = "" if c["deepspeed"] or "deepspeed" not in c["peers"] else " (DeepSpeed not installed: pip install -e '.[peers]')"
+    lines = [(f"minizero vs its peers{ds}, {c['steps']} steps x {c['repeats']} repeats, {c['backend']}, "
+              f"{c['dtype']} AdamW, batch {c['batch_size']}; rank 0's device model states and bytes sent per step in MB")]
+    lines += ["  " + size_label(s) for s in c["sizes"]]
+    lines.append(f"{'N':>2} {'size':>7} {'stage':>9} {'peer':<17}{'mz ms':>9}{'peer ms':>9}{'ratio':>7}"
+                 f"{'mz dev':>10}{'peer dev':>10}{'mz comm':>10}{'peer comm':>10}{'max |Δp|':>10}")
     for p in report["pairs"]:
-        dev = {impl: sum(p["memory"][impl][0].values()) for impl in IMPLS}
-        lines.append(f"{p['world_size']:>2} {p['stage']:>5} {p['peer']:<17}"
-                     f"{p['step_time_s']['minizero'] * 1e3:7.2f}{p['step_time_s']['torch'] * 1e3:7.2f}"
-                     f"{p['ratio']:7.2f}  {kb(dev['minizero'])}  {kb(dev['torch'])}"
-                     f" {kb(p['comm_bytes_per_step']['minizero'])} {kb(p['comm_bytes_per_step']['torch'])}"
+        dev = {side: sum(p["memory"][side][0][k] for k in DEVICE_KEYS) for side in SIDES}
+        lines.append(f"{p['world_size']:>2} {p['size']:>7} {p['variant']:>9} {p['peer']:<17}"
+                     f"{p['step_time_s']['minizero'] * 1e3:9.1f}{p['step_time_s']['peer'] * 1e3:9.1f}"
+                     f"{p['ratio']:7.2f} {mb(dev['minizero'])} {mb(dev['peer'])}"
+                     f" {mb(p['comm_bytes_per_step']['minizero'])} {mb(p['comm_bytes_per_step']['peer'])}"
                      f"{p['max_param_diff']:10.1e}")
-    lines.append("ratio = median step time minizero / PyTorch (< 1: minizero faster). PyTorch comm: ring "
-                 "formula of its collectives.")
-    lines.append("")
-    lines.append("the activation meter (engine(x) vs engine.module(x), same loop): minizero's median step time")
-    lines.append(f"{'N':>2} {'stage':>5}{'on ms':>8}{'off ms':>8}{'cost':>8}{'activ. kB':>11}")
-    for p in report["pairs"]:
-        m = p["meter"]
-        lines.append(f"{p['world_size']:>2} {p['stage']:>5}{m['step_time_s']['on'] * 1e3:8.2f}"
-                     f"{m['step_time_s']['off'] * 1e3:8.2f}{m['cost'] * 100:7.1f}%{m['activations']['on'][0] / 1e3:11.1f}")
+    lines.append("ratio = median step time minizero / peer (< 1: minizero faster). Peer comm: ring formula of "
+                 "its collectives. dev: params + grads + optimizer on the compute device (offloaded: host).")
+    if "meter" in report:
+        lines.append("")
+        lines.append("the activation meter (engine(x) vs engine.module(x), same loop): minizero's median step time")
+        lines.append(f"{'N':>2} {'stage':>9}{'on ms':>8}{'off ms':>8}{'cost':>8}{'activ. kB':>11}")
+        for m in report["meter"]:
+            lines.append(f"{m['world_size']:>2} {m['variant']:>9}{m['step_time_s']['on'] * 1e3:8.2f}"
+                         f"{m['step_time_s']['off'] * 1e3:8.2f}{m['cost'] * 100:7.1f}%"
+                         f"{m['activations']['on'][0] / 1e3:11.1f}")
     return "\n".join(lines)
 
 
@@ -215,19 +279,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world-size", type=int, nargs="+", default=[2, 4], help="one or more N (default 2 4)")
     ap.add_argument("--steps", type=int, default=10, help="steps per run (default 10, the first is warm-up)")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each side per pair (default 3)")
-    ap.add_argument("--model", default="default", help=" or ".join(MODEL_NAMES))
-    ap.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], help="stages to compare")
+    ap.add_argument("--model", default="default", help=f"{' or '.join(MODEL_NAMES)}: the one size without --sizes")
+    ap.add_argument("--sizes", default=None, metavar="S,S,...",
+                    help=f"model sizes, comma-separated, from {','.join(SIZES)} (and {','.join(MODEL_NAMES)}); "
+                         "skips the activation meter's timing")
+    ap.add_argument("--stages", nargs="+", default=list(VARIANTS), help=f"among {' '.join(VARIANTS)} (default all)")
+    ap.add_argument("--peers", default=",".join(PEER_FAMILIES),
+                    help="torch and/or deepspeed, comma-separated (default both; deepspeed when installed)")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
     ap.add_argument("--scale", action="store_true", help="run the scale demo instead (see minizero.scale; "
                     "takes --budget-mb, --world-size, --micro-batch, --model, --json)")
     try:
         args = ap.parse_args(argv)
-        _validate(args)
+        sizes, peers = _validate(args)
     except UsageError as e:
         return fail(prog, str(e))
     try:
-        report = compare(tuple(args.world_size), steps=args.steps, repeats=args.repeats, model=args.model,
-                         stages=tuple(args.stages))
+        report = compare(tuple(args.world_size), sizes=sizes, steps=args.steps, repeats=args.repeats,
+                         variants=tuple(args.stages), peers=peers, meter=args.sizes is None)
     except RuntimeError as e:                       # a rank failed: the launcher says which and why
         print(f"{prog}: {e}", file=sys.stderr)
         return 1
@@ -235,14 +304,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _validate(args) -> None:
+def _validate(args) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(sizes, peer families) from the flags, or UsageError."""
     if any(n < 2 for n in args.world_size):
-        raise UsageError("--world-size: every N must be >= 2 (PyTorch's peers need a group)")
+        raise UsageError("--world-size: every N must be >= 2 (the peers need a group)")
     if args.steps < 2 or args.repeats < 1:
         raise UsageError("--steps must be >= 2 (the first is warm-up) and --repeats >= 1")
     if args.model not in MODEL_NAMES:
         raise UsageError(f"--model must be one of {', '.join(MODEL_NAMES)}, got {args.model!r}")
-    if not set(args.stages) <= set(PEER_OF_STAGE):
-        raise UsageError(f"--stages must be among 0 1 2 3, got {' '.join(map(str, args.stages))}")
+    sizes = tuple(args.sizes.split(",")) if args.sizes is not None else (args.model,)
+    known = tuple(SIZES) + MODEL_NAMES
+    if not sizes or not set(sizes) <= set(known):
+        raise UsageError(f"--sizes must be among {','.join(known)}, got {args.sizes!r}")
+    if not set(args.stages) <= set(VARIANTS):
+        raise UsageError(f"--stages must be among {' '.join(VARIANTS)}, got {' '.join(args.stages)}")
+    peers = tuple(args.peers.split(","))
+    if not peers or not set(peers) <= set(PEER_FAMILIES):
+        raise UsageError(f"--peers must be among {','.join(PEER_FAMILIES)}, got {args.peers!r}")
+    if peers == ("deepspeed",) and not deepspeed_peer.available():
+        raise UsageError("--peers deepspeed: DeepSpeed is not installed (DS_BUILD_OPS=0 pip install -e '.[peers]')")
     if any(16 % n for n in args.world_size):
         raise UsageError("--world-size: the batch of 16 rows must split evenly (N in 2, 4, 8, 16)")
+    return sizes, peers

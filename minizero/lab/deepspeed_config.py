@@ -111,6 +111,8 @@ NOT_IMPLEMENTED = {
     "zero_optimization.stage3_max_live_parameters": "units in flight: the current one and one prefetched",
     "zero_optimization.stage3_max_reuse_distance": "units are freed right after use",
     "zero_optimization.stage3_param_persistence_threshold": "every unit is sharded, however small",
+    "zero_optimization.memory_efficient_linear": "torch.nn.functional.linear is never replaced (DeepSpeed's "
+                                                 "stage 3 swaps in its own, process-wide)",
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": "use engine.full_state_dict()",
     "zero_optimization.mics_hierarchical_params_gather": "parameters are all-gathered within the shard "
                                                          "group in one step",

@@ -36,10 +36,12 @@ class GPTConfig:
 
     @classmethod
     def named(cls, name: str, **overrides) -> "GPTConfig":
-        """One of MODEL_NAMES: 'default' (~0.2 M params) or 'tiny' (a few thousand, awkward odd sizes)."""
-        if name not in PRESETS:
-            raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODEL_NAMES)}")
-        return cls(**{**PRESETS[name], **overrides})
+        """One of MODEL_NAMES: 'default' (~0.2 M params) or 'tiny' (a few thousand, awkward odd sizes); or
+        one of the benchmark's SIZES ('1M' ... '50M')."""
+        shapes = {**PRESETS, **SIZES}
+        if name not in shapes:
+            raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODEL_NAMES + tuple(SIZES))}")
+        return cls(**{**shapes[name], **overrides})
 
 
 # The models every command accepts by name (--model): the one list of them.
@@ -48,6 +50,17 @@ PRESETS = {
     "tiny": dict(n_layer=2, n_head=1, n_embd=14, block_size=17, mlp_ratio=3),
 }
 MODEL_NAMES = tuple(PRESETS)
+
+# The sizes `python -m minizero.bench --sizes 1M,8M,50M` compares at: the default GPT made wider (and
+# deeper), so that optimizer locality, overlap and copies matter as they do in real models. Ψ (count_params,
+# which the bench prints) is within 1 % of each name. One place for them: GPTConfig.named accepts these too.
+SIZES = {
+    "1M": {"n_layer": 4, "n_head": 4, "n_embd": 144},     # Ψ = 1,009,440
+    "2M": {"n_layer": 4, "n_head": 4, "n_embd": 204},     # Ψ = 2,017,560
+    "8M": {"n_layer": 8, "n_head": 8, "n_embd": 288},     # Ψ = 8,005,824
+    "20M": {"n_layer": 8, "n_head": 8, "n_embd": 456},    # Ψ = 20,030,256
+    "50M": {"n_layer": 8, "n_head": 8, "n_embd": 720},    # Ψ = 49,874,400
+}
 
 
 class CausalSelfAttention(nn.Module):

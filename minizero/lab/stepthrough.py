@@ -1,0 +1,403 @@
+"""One training step, rank by rank: what every rank holds after each phase, recorded from a real engine.
+
+    from minizero.lab import stepthrough
+    steps = stepthrough.record(stepthrough.StepConfig(stage=2, world_size=3))    # one minizero.launch
+    steps["phases"][k]["label"], steps["phases"][k]["ranks"][r]["gradient shard"]
+    stepthrough.check(steps)          # every phase against one process stepping the whole batch
+    ring = stepthrough.ring(3)        # minizero.comm.ring_all_reduce, exchange by exchange
+
+Notebooks 01-05 and 07 draw `record` (notebooks/plots.py: step_table, step_grid, step_widget), notebook 00
+draws `ring`; tests/test_notebooks.py runs `check` and `check_ring` on what the notebooks export.
+
+The model is tiny on purpose: Linear(2, 3), tanh, Linear(3, 2), Ψ = 17, which none of N = 2, 3, 4 divides,
+so every value fits on screen and padding shows. Every buffer is drawn in the coordinates of the engine's
+flat layout (flat.FlatLayout): element j of a rank's row is element j of the padded flat buffer, and a
+rank that does not hold element j (another rank's partition, a freed unit) has None there.
+
+How the phases are observed without a hook in minizero itself (tooling watching the engine, for one step):
+  * minizero.comm's all_reduce, reduce_scatter and all_gather are wrapped: a snapshot before a gradient
+    collective during backward (each rank's own gradients) and one after it. The wrapped collectives run
+    synchronously, so no snapshot reads a buffer a collective is still writing;
+  * the reducer keeps one bucket in flight (minizero lets two overlap), so the phases come bucket by bucket;
+  * stage 3: each unit's free (its gathers are the all-gathers above), prefetch off;
+  * the optimizer's step, the end of forward and the end of backward.
+None of it changes a value: `check` compares every phase with one process stepping the whole batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+from collections import OrderedDict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from minizero import comm
+from minizero.launcher import launch
+from minizero.wrap import wrap
+
+GRADIENTS = ("gradients", "gradients in flight")     # the local, full gradients a collective reduces
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    stage: int = 2
+    world_size: int = 3
+    offload: bool = False              # stages 1-3: the optimizer (masters, momentum) in host memory
+    checkpointing: bool = False        # activation checkpointing of the units (notebook 07)
+    lr: float = 0.1                    # SGD with momentum: step 1 is p - lr * g, easy to follow by eye
+    momentum: float = 0.9
+    bucket_elems: int = 8              # stages 0 and 2: two buckets (8 and 9 elements)
+    rows: int = 12                     # global batch: 12 rows, 12 / N per rank
+    seed: int = 0
+
+
+def tiny_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(OrderedDict(l1=nn.Linear(2, 3), act=nn.Tanh(), l2=nn.Linear(3, 2)))
+
+
+def global_batch(cfg: StepConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(cfg.seed + 1)
+    return torch.randn(cfg.rows, 2, generator=g), torch.randn(cfg.rows, 2, generator=g)
+
+
+def _optimizer(cfg: StepConfig):
+    return functools.partial(torch.optim.SGD, lr=cfg.lr, momentum=cfg.momentum)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The recorder, inside each rank
+# --------------------------------------------------------------------------------------------------------
+
+class _Done:
+    def wait(self) -> bool:
+        return True
+
+
+class _Recorder:
+    def __init__(self, engine):
+        self.engine, self.phases, self.in_backward = engine, [], False
+        names = {id(p): name for name, p in engine.module.named_parameters()}
+        self.segments = [(names[id(p)], b.start + off, p.numel())
+                         for b in engine.layout.buckets for p, off in zip(b.params, b.offsets)]
+
+    def _bucket_of(self, t: torch.Tensor):
+        e, ptr = self.engine, t.data_ptr()
+        for b in e.layout.buckets:
+            flats = [getattr(e, name, None) for name in ("flat_params", "flat_grads")]
+            if any(f is not None and f[b.start:].data_ptr() == ptr for f in flats):
+                return b
+            staged = getattr(e, "staging", {}).get(b.index)
+            if staged is not None and staged.data_ptr() == ptr:
+                return b
+        for unit in getattr(e, "units", []):
+            if unit.bucket is not None and unit.full.numel() and unit.full.data_ptr() == ptr:
+                return unit.bucket
+        raise AssertionError("a collective on a buffer the recorder does not know")
+
+    def _name(self, b) -> str:
+        units = getattr(self.engine, "_unit_of_bucket", None)
+        return f"unit {units[b.index].name}" if units else f"bucket {b.index}"
+
+    def snap(self, label: str, kind: str, bucket=None) -> None:
+        self.phases.append({"label": label, "kind": kind, "bucket": None if bucket is None else bucket.index,
+                            "buffers": self.state(), "activations": self.engine.activations.alive})
+
+    def state(self) -> dict[str, list]:
+        """Every buffer this rank holds now, in flat coordinates (None: not held here)."""
+        e, layout = self.engine, self.engine.layout
+        out = {}
+
+        def empty():
+            return torch.full((layout.padded_numel,), math.nan)
+
+        def put(vec, start, values):
+            vec[start: start + values.numel()] = values.detach().float().cpu().reshape(-1)
+            return vec
+
+        def owned(b):                                  # where this rank's part of bucket b starts
+            return b.start + (e.rank * b.shard_numel if e.sharded else 0)
+
+        if e.stage < 3:
+            out["parameters"] = put(empty(), 0, e.flat_params)
+        else:
+            full, shard = empty(), empty()
+            for unit in e.units:
+                if unit.bucket is not None:
+                    if unit.full.untyped_storage().size():     # allocated: gathered, or being gathered
+                        put(full, unit.bucket.start, unit.full)
+                    put(shard, owned(unit.bucket), unit.shard)
+            out["parameters"], out["parameter shard"] = full, shard
+        if e.stage < 2:
+            out["gradients"] = put(empty(), 0, e.flat_grads)
+        else:
+            in_flight, shard = empty(), empty()
+            for index, staged in e.staging.items():
+                put(in_flight, layout.buckets[index].start, staged)
+            for b in layout.buckets:
+                put(shard, owned(b), layout.shard(e.grad_shard, b))
+            out["gradients in flight"], out["gradient shard"] = in_flight, shard
+        opt = e.optimizer                              # its parts: one per bucket, this rank's (stages 1-3)
+        where = " (host)" if e.offload else ""
+        if any(m.data_ptr() != p.data_ptr() for m, p in zip(opt.masters, opt.param_parts)):
+            out["master weights" + where] = empty()    # a separate fp32 copy (offload, bf16)
+        if hasattr(opt, "host_grads"):
+            out["gradients (host)"] = empty()          # offload: what the host steps on
+        out["momentum" + where] = empty()
+        for i, (b, master) in enumerate(zip(layout.buckets, opt.masters)):
+            if "master weights" + where in out:
+                put(out["master weights" + where], owned(b), master)
+            if "gradients (host)" in out:
+                put(out["gradients (host)"], owned(b), opt.host_grads[i])
+            momentum = opt.optimizer.state.get(master, {}).get("momentum_buffer")
+            if momentum is not None:
+                put(out["momentum" + where], owned(b), momentum)
+        return {name: [None if math.isnan(v) else v for v in vec.tolist()] for name, vec in out.items()}
+
+    @contextlib.contextmanager
+    def watching(self):
+        """For one step: the wrapped collectives, one bucket in flight, each unit's free, the optimizer."""
+        e = self.engine
+        saved = {kind: getattr(comm, kind) for kind in ("all_reduce", "reduce_scatter", "all_gather")}
+        for kind, real in saved.items():
+            setattr(comm, kind, functools.partial(self._collective, kind, real))
+        reducer = getattr(e, "reducer", None)
+        if reducer is not None:
+            in_flight, reducer.max_in_flight = reducer.max_in_flight, 1
+        for unit in getattr(e, "units", []):
+            unit.free = functools.partial(self._free, unit, unit.free)
+        step = e.optimizer.step
+        e.optimizer.step = self._step
+        try:
+            yield
+        finally:
+            for kind, real in saved.items():
+                setattr(comm, kind, real)
+            if reducer is not None:
+                reducer.max_in_flight = in_flight
+            for unit in getattr(e, "units", []):
+                del unit.free
+            e.optimizer.step = step
+
+    def _collective(self, kind, real, *args, async_op: bool = False, **kwargs):
+        full = args[1] if kind == "reduce_scatter" else args[0]
+        if not full.numel():                           # stage 3: a unit's empty buffer of frozen parameters
+            return real(*args, async_op=async_op, **kwargs)
+        b = self._bucket_of(full)
+        name = self._name(b)
+        if kind != "all_gather" and self.in_backward:
+            self.snap(f"{name}: its gradients are complete, each rank's from its own rows", "ready", b)
+        real(*args, async_op=False, **kwargs)
+        if kind == "all_reduce":
+            self.snap(f"all-reduce {name}: every rank holds the average of all ranks' gradients", kind, b)
+        elif kind == "reduce_scatter":
+            self.snap(f"reduce-scatter {name}: rank r's partition r holds the average (the rest is stale)",
+                      kind, b)
+        elif self.engine.stage == 3:
+            when = "for its backward" if self.in_backward else "for its forward"
+            self.snap(f"all-gather {name} {when}: its full parameters on every rank", kind, b)
+        else:
+            self.snap(f"all-gather {name}: every rank's updated partition, on every rank", kind, b)
+        return _Done() if async_op else None
+
+    def _free(self, unit, real) -> None:
+        was = unit.state
+        real()
+        if was != "free":
+            self.snap(f"free unit {unit.name}: only the shard is left", "free", unit.bucket)
+
+    def _step(self, grads) -> None:
+        type(self.engine.optimizer).step(self.engine.optimizer, grads)
+        what = "its partition" if self.engine.sharded else "every parameter (all ranks the same)"
+        self.snap(f"optimizer step: each rank updates {what}", "step")
+
+
+def worker(cfg: StepConfig) -> dict:
+    """Worker: wrap the tiny model at cfg.stage, train one step on this rank's rows, recording every phase."""
+    r, n = comm.rank(), comm.world_size()
+    options = {0: {"bucket_size": 4 * cfg.bucket_elems}, 1: {}, 2: {"bucket_size": 4 * cfg.bucket_elems},
+               3: {"prefetch": False}}[cfg.stage]
+    engine = wrap(tiny_model(cfg.seed), cfg.stage, _optimizer(cfg), offload=cfg.offload,
+                  activation_checkpointing=cfg.checkpointing, **options)
+    x, y = (t[r * cfg.rows // n: (r + 1) * cfg.rows // n] for t in global_batch(cfg))
+    rec = _Recorder(engine)
+    with rec.watching():
+        rec.snap("start: every rank holds rank 0's initial parameters", "start")
+        loss = nn.functional.mse_loss(engine(x), y)
+        rec.snap("forward: each rank on its own rows", "forward")
+        rec.in_backward = True
+        engine.backward(loss)
+        rec.in_backward = False
+        rec.snap("end of backward", "backward")
+        engine.step()
+    # The last phase against the engine's own result: full_state_dict all-gathers the masters.
+    final, state = rec.phases[-1]["buffers"], engine.full_state_dict()
+    held = final["parameters" if cfg.stage < 3 else "parameter shard"]
+    for name, start, numel in rec.segments:
+        for got, want in zip(held[start: start + numel], state[name].reshape(-1).tolist()):
+            assert got is None or got == want, f"rank {r}, {name}: recorded {got}, the engine holds {want}"
+    return {"phases": rec.phases, "segments": rec.segments, "loss": loss.item(),
+            "buckets": [{"index": b.index, "start": b.start, "numel": b.numel, "padded": b.padded_numel,
+                         "shard": b.shard_numel} for b in engine.layout.buckets],
+            "partitioned": engine.sharded, "padded": engine.layout.padded_numel}
+
+
+def record(cfg: StepConfig = StepConfig(), backend: str = "gloo") -> dict:
+    """One launch: {"config", "buckets", "segments", "padded", "partitioned", "phases": [{"label", "kind",
+    "bucket", "ranks": [rank r's buffers], "activations": [bytes per rank]}]}; the end of backward is left
+    out where it changed nothing on any rank (DDP: the last all-reduce ended it)."""
+    per_rank = launch(worker, cfg.world_size, cfg, backend=backend)
+    first = per_rank[0]
+    phases = []
+    for k, phase in enumerate(first["phases"]):
+        ranks = [res["phases"][k]["buffers"] for res in per_rank]
+        activations = [res["phases"][k]["activations"] for res in per_rank]
+        if phase["kind"] == "backward" and (ranks, activations) == (phases[-1]["ranks"], phases[-1]["activations"]):
+            continue
+        phases.append({"label": phase["label"], "kind": phase["kind"], "bucket": phase["bucket"], "ranks": ranks,
+                       "activations": activations})
+    return {"config": dataclasses.asdict(cfg), "buckets": first["buckets"], "segments": first["segments"],
+            "padded": first["padded"], "partitioned": first["partitioned"], "phases": phases,
+            "losses": [res["loss"] for res in per_rank]}
+
+
+# --------------------------------------------------------------------------------------------------------
+# The checks: every phase against one process stepping the whole batch
+# --------------------------------------------------------------------------------------------------------
+
+def reference(cfg: StepConfig, segments, padded: int) -> dict[str, list]:
+    """One process, the whole batch, plain torch.optim: the gradient and the stepped parameters, laid out
+    in the engine's flat coordinates (None at padding)."""
+    model = tiny_model(cfg.seed)
+    x, y = global_batch(cfg)
+    nn.functional.mse_loss(model(x), y).backward()
+    params = dict(model.named_parameters())
+    out = {"start": [None] * padded, "grad": [None] * padded}
+    for name, start, numel in segments:
+        out["start"][start: start + numel] = params[name].detach().reshape(-1).tolist()
+        out["grad"][start: start + numel] = params[name].grad.reshape(-1).tolist()
+    _optimizer(cfg)(model.parameters()).step()
+    out["stepped"] = [None] * padded
+    for name, start, numel in segments:
+        out["stepped"][start: start + numel] = params[name].detach().reshape(-1).tolist()
+    return out
+
+
+def _close(a, b, tol: float = 1e-6) -> bool:
+    return a is not None and b is not None and abs(a - b) <= tol * (1 + abs(b))
+
+
+def check(steps: dict) -> None:
+    """Raise AssertionError naming the phase, the rank and the element where a recording is wrong."""
+    cfg = StepConfig(**steps["config"])
+    ref = reference(cfg, steps["segments"], steps["padded"])
+    real = [j for j, v in enumerate(ref["start"]) if v is not None]
+    buckets = {b["index"]: b for b in steps["buckets"]}
+    n, phases, params = cfg.world_size, steps["phases"], "parameters" if cfg.stage < 3 else "parameter shard"
+    reduce = "all_reduce" if cfg.stage == 0 else "reduce_scatter"
+    reduced = [p["bucket"] for p in phases if p["kind"] in ("all_reduce", "reduce_scatter")]
+    assert sorted(reduced) == sorted(buckets), f"one {reduce} per bucket expected, got buckets {reduced}"
+    for r, rank in enumerate(phases[0]["ranks"]):
+        assert all(rank[params][j] is None or _close(rank[params][j], ref["start"][j]) for j in real), f"start, rank {r}"
+    for k, phase in enumerate(phases):
+        where = f"phase {k} ({phase['label']})"
+        if phase["kind"] in ("all_reduce", "reduce_scatter"):
+            b = buckets[phase["bucket"]]
+            before, after = phases[k - 1]["ranks"], phase["ranks"]
+            key = next(name for name in GRADIENTS if name in after[0])
+            for j in range(b["start"], b["start"] + b["numel"]):
+                local = [rank[key][j] for rank in before]
+                assert None not in local, f"{where}: rank {local.index(None)} lacks its gradient {j} before"
+                assert _close(sum(local) / n, ref["grad"][j]), f"{where}: element {j}: the ranks' mean " \
+                    f"{sum(local) / n} is not the whole batch's gradient {ref['grad'][j]}"
+                for r, rank in enumerate(after):
+                    mine = phase["kind"] == "all_reduce" or (j - b["start"]) // b["shard"] == r
+                    want = ref["grad"][j] if mine else local[r]
+                    assert _close(rank[key][j], want), f"{where}: rank {r}, element {j}: {rank[key][j]}, " \
+                        f"expected {'the average ' if mine else 'its own gradient '}{want}"
+        if phase["kind"] == "step":
+            for r, rank in enumerate(phase["ranks"]):
+                held = rank[params]
+                for j in real:
+                    mine = not steps["partitioned"] or (j - _bucket_at(steps, j)["start"]) // _bucket_at(
+                        steps, j)["shard"] == r
+                    want = ref["stepped"][j] if mine else ref["start"][j]
+                    if held[j] is not None or mine:
+                        assert _close(held[j], want), f"{where}: rank {r}, parameter element {j}: {held[j]}, " \
+                            f"expected {'the stepped ' if mine else 'the unchanged '}{want}"
+    last = phases[-1]["ranks"]
+    for r, rank in enumerate(last):
+        held = rank[params]
+        for j in real:
+            assert held[j] is None or _close(held[j], ref["stepped"][j]), f"end: rank {r}, element {j}"
+        if cfg.stage < 3:
+            assert None not in [held[j] for j in real], f"end: rank {r} lacks parameters"
+    if cfg.stage == 3:                      # each unit: gathered for forward and for backward, then freed
+        for b in steps["buckets"]:
+            kinds = [p["kind"] for p in phases if p["bucket"] == b["index"] and p["kind"] in ("all_gather", "free")]
+            assert kinds == ["all_gather", "free"] * 2, f"unit of bucket {b['index']}: {kinds}"
+
+
+def _bucket_at(steps: dict, j: int) -> dict:
+    return next(b for b in steps["buckets"] if b["start"] <= j < b["start"] + b["padded"])
+
+
+# --------------------------------------------------------------------------------------------------------
+# Notebook 00: minizero.comm.ring_all_reduce, exchange by exchange
+# --------------------------------------------------------------------------------------------------------
+
+def ring_worker(numel: int) -> dict:
+    """Worker: rank r sums 10 r + [1, 2, ..., numel] with comm.ring_all_reduce, while its point-to-point
+    exchanges are observed: before each one, the rank's padded buffer and the chunk it sends."""
+    r = comm.rank()
+    tensor = 10.0 * r + torch.arange(1, numel + 1, dtype=torch.float32)
+    inputs, states, sends, real = tensor.tolist(), [], [], dist.batch_isend_irecv
+
+    def observed(ops):
+        send = next(op for op in ops if op.op is dist.isend)
+        states.append(send.tensor._base.tolist())             # the ring's padded buffer, as it is now
+        sends.append(send.tensor.storage_offset() // send.tensor.numel())
+        return real(ops)
+
+    dist.batch_isend_irecv = observed
+    try:
+        comm.ring_all_reduce(tensor)
+    finally:
+        dist.batch_isend_irecv = real
+    padding = states[-1][numel:]                               # chunk sums of zeros stay zeros
+    return {"inputs": inputs, "states": states + [tensor.tolist() + padding], "sends": sends}
+
+
+def ring(world_size: int, numel: int = 5, backend: str = "gloo") -> dict:
+    """One launch: {"world_size", "numel", "chunk", "inputs": by rank, "states": [state before exchange s
+    (the last: the result), by rank], "sends": [chunk each rank sends at exchange s, by rank]}."""
+    per_rank = launch(ring_worker, world_size, numel, backend=backend)
+    steps = len(per_rank[0]["sends"])
+    return {"world_size": world_size, "numel": numel, "chunk": -(-numel // world_size),
+            "inputs": [p["inputs"] for p in per_rank],
+            "states": [[p["states"][s] for p in per_rank] for s in range(steps + 1)],
+            "sends": [[p["sends"][s] for p in per_rank] for s in range(steps)]}
+
+
+def check_ring(ring: dict) -> None:
+    """2(N-1) exchanges; at each, rank r receives chunk i from rank r-1 and adds it (the first N-1) or takes
+    it (the rest), nothing else changes; the end: the sum on every rank."""
+    n, c, states, sends = ring["world_size"], ring["chunk"], ring["states"], ring["sends"]
+    assert len(sends) == 2 * (n - 1), f"{len(sends)} exchanges for N = {n}"
+    for s, sent in enumerate(sends):
+        for r in range(n):
+            left, i = (r - 1) % n, sent[(r - 1) % n]
+            for j, (now, before) in enumerate(zip(states[s + 1][r], states[s][r])):
+                if j // c != i:
+                    assert now == before, f"exchange {s}: rank {r} changed element {j}, not in chunk {i}"
+                else:
+                    want = states[s][left][j] + (before if s < n - 1 else 0)
+                    assert math.isclose(now, want, abs_tol=1e-5), f"exchange {s}: rank {r}, element {j}: {now}"
+    total = [sum(col) for col in zip(*ring["inputs"])]
+    for r, final in enumerate(states[-1]):
+        assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(final, total)), f"rank {r}: {final}"
