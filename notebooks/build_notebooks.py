@@ -938,7 +938,8 @@ def beyond_hierarchical_steps() -> list:
         paper's ZeRO: no all-reduce across groups; S = 1: groups of one rank, so the all-reduce across them is
         DDP's and every rank steps every parameter).
         """, heading="One step, rank by rank: shard groups of 2 at N = 4")
-    cells[1].source = "import plots                # notebooks/plots.py: the step-through's grids\n" + cells[1].source
+    cells[1].source = "import plots                # notebooks/plots.py: the step-through's grids (self-contained)\n" + \
+        cells[1].source.replace("from minizero.lab import stepthrough", "from minizero.lab import demo, stepthrough")
     return cells
 
 
