@@ -902,6 +902,9 @@ def beyond_try() -> list:
           `--bucket-size-mb`.
         - `ranks_per_node=2` at N = 4: stage 3's collectives still all cross nodes. Which collectives would you keep
           inside a node?
+        - The step-through with ZeRO++'s hpZ: `plots.step_widget(stepthrough.record(stepthrough.StepConfig(stage=3,
+          world_size=4, hpz_group_size=2)))`: each unit's backward all-gather now reads the "secondary partition
+          (hpZ)" kept from its forward, within pairs of ranks.
         """),
     ]
 
@@ -938,8 +941,9 @@ def beyond_hierarchical_steps() -> list:
         paper's ZeRO: no all-reduce across groups; S = 1: groups of one rank, so the all-reduce across them is
         DDP's and every rank steps every parameter).
         """, heading="One step, rank by rank: shard groups of 2 at N = 4")
-    cells[1].source = "import plots                # notebooks/plots.py: the step-through's grids (self-contained)\n" + \
-        cells[1].source.replace("from minizero.lab import stepthrough", "from minizero.lab import demo, stepthrough")
+    imports = "import plots                # notebooks/plots.py: the step-through's grids\n"    # self-contained
+    cells[1].source = imports + cells[1].source.replace("from minizero.lab import stepthrough",
+                                                        "from minizero.lab import demo, stepthrough")
     return cells
 
 

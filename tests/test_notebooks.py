@@ -115,7 +115,8 @@ def check_steps(steps: dict, notebook: int) -> None:
     shard groups of S < N ranks, so owners are one rank per group and each bucket's partition is all-reduced
     across the groups after the reduce-scatter within them (stepthrough.check, group-aware)."""
     cfg = steps["config"]
-    assert cfg["stage"] == {0: 0, 1: 1, 2: 2, 3: 3, 5: cfg["stage"], 7: cfg["stage"], 8: cfg["stage"]}[notebook], cfg
+    assert cfg["stage"] == {0: 0, 1: 1, 2: 2, 3: 3, 5: cfg["stage"], 7: cfg["stage"], 8: cfg["stage"]}[notebook], \
+        cfg
     assert 2 <= cfg["world_size"] <= 4 and len(steps["phases"][0]["ranks"]) == cfg["world_size"]
     grouped = notebook == 8
     assert grouped == (cfg.get("shard_group_size") is not None), cfg
@@ -124,7 +125,8 @@ def check_steps(steps: dict, notebook: int) -> None:
     stepthrough.check(steps)
     kinds = [p["kind"] for p in steps["phases"]
              if p["kind"] in ("all_reduce", "reduce_scatter", "all_gather", "all_reduce_across")]
-    assert list(dict.fromkeys(kinds)) == (GROUPED_COLLECTIVES if grouped else STEP_COLLECTIVES)[cfg["stage"]], kinds
+    expected = (GROUPED_COLLECTIVES if grouped else STEP_COLLECTIVES)[cfg["stage"]]
+    assert list(dict.fromkeys(kinds)) == expected, kinds
     assert kinds.count(STEP_COLLECTIVES[cfg["stage"]][0]) >= 2 or cfg["stage"] == 1, kinds    # per bucket / unit
     for k, phase in enumerate(steps["phases"]):      # recorded after it ran: the groups' means became all N's
         assert phase["kind"] != "all_reduce_across" or phase["ranks"] != steps["phases"][k - 1]["ranks"], k

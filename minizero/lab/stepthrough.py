@@ -7,7 +7,8 @@
     ring = stepthrough.ring(3)        # minizero.comm.ring_all_reduce, exchange by exchange
 
 Notebooks 01-05, 07 and 08 (hierarchical sharding: StepConfig(shard_group_size=2, world_size=4)) draw
-`record` (notebooks/plots.py: step_table, step_grid, step_widget), notebook 00 draws `ring`; tests/test_notebooks.py runs `check` and `check_ring` on what the notebooks export.
+`record` (notebooks/plots.py: step_table, step_grid, step_widget), notebook 00 draws `ring`;
+tests/test_notebooks.py runs `check` and `check_ring` on what the notebooks export.
 
 The model is tiny on purpose: Linear(2, 3), tanh, Linear(3, 2), Ψ = 17, which none of N = 2, 3, 4 divides,
 so every value fits on screen and padding shows. Every buffer is drawn in the coordinates of the engine's
@@ -16,9 +17,9 @@ rank that does not hold element j (another rank's partition, a freed unit) has N
 
 How the phases are observed without a hook in minizero itself (tooling watching the engine, for one step):
   * minizero.comm's all_reduce, reduce_scatter and all_gather are wrapped: a snapshot before a gradient
-    collective during backward (each rank's own gradients) and one after it. Each names its group: with
-    shard groups, step()'s all-reduce across them is its own phase, "all_reduce_across". The wrapped collectives run
-    synchronously, so no snapshot reads a buffer a collective is still writing;
+    collective during backward (each rank's own gradients) and one after it. The wrapped collectives run
+    synchronously, so no snapshot reads a buffer a collective is still writing. Each names its group: with
+    shard groups (shard_group_size), step()'s all-reduce across them is a phase of its own, "all_reduce_across";
   * the reducer keeps one bucket in flight (minizero lets two overlap), so the phases come bucket by bucket;
   * stage 3: each unit's free (its gathers are the all-gathers above), prefetch off;
   * the optimizer's step, the end of forward and the end of backward.
@@ -51,8 +52,8 @@ class StepConfig:
     world_size: int = 3
     offload: bool = False              # stages 1-3: the optimizer (masters, momentum) in host memory
     checkpointing: bool = False        # activation checkpointing of the units (notebook 07)
-    shard_group_size: int | None = None   # stages 1-3: HSDP / MiCS, partitions within rows of S ranks (notebook 08)
-    hpz_group_size: int | None = None  # stage 3: ZeRO++'s hpZ, backward's all-gather within rows of R ranks
+    shard_group_size: int | None = None   # stages 1-3: HSDP / MiCS, partitioned within rows of S ranks (nb 08)
+    hpz_group_size: int | None = None     # stage 3: ZeRO++'s hpZ, backward's all-gather within rows of R ranks
     lr: float = 0.1                    # SGD with momentum: step 1 is p - lr * g, easy to follow by eye
     momentum: float = 0.9
     bucket_elems: int = 8              # stages 0 and 2: two buckets (8 and 9 elements)
@@ -99,11 +100,11 @@ class _Recorder:
             staged = getattr(e, "staging", {}).get(b.index)
             if staged is not None and staged.data_ptr() == ptr:
                 return b
-            # step()'s all-reduce across the replicate group: this rank's partition of the gradients
-            parts = [e.layout.shard(getattr(e, "grad_shard", None), b) if e.stage >= 2 else
-                     e.layout.my_partition(e.layout.full(e.flat_grads, b), b)] if e.replicate_group else []
-            if any(part.data_ptr() == ptr for part in parts):
-                return b
+            if e.replicate_group is not None:          # step()'s all-reduce across the shard groups: this
+                part = (e.layout.shard(e.grad_shard, b) if e.stage >= 2 else   # rank's partition of the gradients
+                        e.layout.my_partition(e.layout.full(e.flat_grads, b), b))
+                if part.data_ptr() == ptr:
+                    return b
         for unit in getattr(e, "units", []):
             if unit.bucket is not None and unit.full.numel() and unit.full.data_ptr() == ptr:
                 return unit.bucket
@@ -384,6 +385,10 @@ def check(steps: dict) -> None:
                 for j in range(b["start"], b["start"] + b["numel"]):
                     assert _close(rank["parameters"][j], ref["start"][j]), f"{where}: rank {r}, element {j}: " \
                         f"{rank['parameters'][j]}, expected {ref['start'][j]}"
+        for r, rank in enumerate(phase["ranks"]):          # hpZ: kept from forward's gather, before the step
+            for j, v in enumerate(rank.get("secondary partition (hpZ)", [])):
+                assert v is None or j not in real or _close(v, ref["start"][j]), \
+                    f"{where}: rank {r}, secondary element {j}: {v}, expected {ref['start'][j]}"
         if phase["kind"] == "step":
             for r, rank in enumerate(phase["ranks"]):
                 held = rank[params]
