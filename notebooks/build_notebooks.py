@@ -93,12 +93,12 @@ def measure_and_check(stage: int, title: str) -> list:
     ]
 
 
-def step_through(name: str, config: str, choices: str, look: str) -> list:
+def step_through(name: str, config: str, choices: str, look: str, heading: str = "One step, rank by rank") -> list:
     """The "one step, rank by rank" cells: one launch of minizero.lab.stepthrough at StepConfig(config),
     every phase printed (the static view, checked), then the widget over phases driven by `choices`."""
     return [
         md(f"""
-        ## One step, rank by rank
+        ## {heading}
 
         A model small enough to read every number: `Linear(2, 3)`, tanh, `Linear(3, 2)`, Ψ = 17 parameters (none
         of N = 2, 3, 4 divides 17, so the flat buffer is padded), SGD with momentum 0.9 and lr 0.1 (the first
@@ -923,6 +923,9 @@ def beyond_try() -> list:
           `--bucket-size-mb`.
         - `ranks_per_node=2` at N = 4: stage 3's collectives still all cross nodes. Which collectives would you keep
           inside a node?
+        - The step-through with ZeRO++'s hpZ: `plots.step_widget(stepthrough.record(stepthrough.StepConfig(stage=3,
+          world_size=4, hpz_group_size=2)))`: each unit's backward all-gather now reads the "secondary partition
+          (hpZ)" kept from its forward, within pairs of ranks.
         """),
     ]
 
@@ -932,13 +935,46 @@ def beyond_hierarchical() -> list:
     return cells()
 
 
+def beyond_hierarchical_steps() -> list:
+    """Hierarchical sharding, one step rank by rank: stage 2 with shard groups of 2 at N = 4."""
+    cells = step_through("steps_8", "stage=2, world_size=4, shard_group_size=2",
+                         "stage=[1, 2, 3], shard_group_size=[1, 2, 4]", """
+        **Shard groups of S = 2 at N = 4** (`shard_group_size=2`, `[Note: hierarchical sharding]` in
+        `minizero/engine.py`). `comm.mesh(2)` cuts the 4 ranks into rows of 2 consecutive ranks, the *shard
+        groups* {0, 1} and {2, 3} (`engine.shard_group`), and columns {0, 2} and {1, 3}, the *replicate groups*
+        (`engine.replicate_group`): the ranks that hold the same partition. So each bucket is cut into S = 2
+        partitions, not N = 4: rank r owns partition r mod 2 of its row, and ranks 0 and 2 hold the same one.
+        Watch the phases in order:
+
+        1. **reduce-scatter within each shard group**, bucket by bucket during backward: rank r's partition
+           holds the average of *its group's* 6 rows, not yet the whole batch's; ranks 0 and 2 hold different
+           values of the same partition (the end of backward shows both in the gradient shard);
+        2. **all-reduce across the groups**, one per bucket at the start of `step()`: each partition is
+           averaged over its column, the N/S = 2 ranks that own it, so every owner now holds the whole batch's
+           gradient: the average over all N. It is the only collective that leaves a shard group
+           (2(N/S - 1)/(N/S) · Ψ/S elements per rank);
+        3. **the optimizer step** on each rank's partition: ranks 0 and 2 compute the same update (replicas);
+        4. **all-gather within each shard group**: every rank has every updated parameter again.
+
+        `stepthrough.check` replays it: after the reduce-scatter each owner holds its group's mean, after
+        the all-reduce the whole batch's gradient, and at the end every rank the one-process step. The menu
+        changes the stage (stage 3: the all-gathers of each unit also stay in the group) and S (S = 4 is the
+        paper's ZeRO: no all-reduce across groups; S = 1: groups of one rank, so the all-reduce across them is
+        DDP's and every rank steps every parameter).
+        """, heading="One step, rank by rank: shard groups of 2 at N = 4")
+    imports = "import plots                # notebooks/plots.py: the step-through's grids\n"    # self-contained
+    cells[1].source = imports + cells[1].source.replace("from minizero.lab import stepthrough",
+                                                        "from minizero.lab import demo, stepthrough")
+    return cells
+
+
 def beyond_quantized() -> list:
     from beyond_quant import cells           # ZeRO++'s qwZ and qgZ: notebooks/beyond_quant.py
     return cells()
 
 
 BEYOND_SECTIONS = [beyond_intro, beyond_network_model, beyond_overlap, beyond_prefetch, beyond_bandwidth,
-                   beyond_hierarchical, beyond_quantized, beyond_try]
+                   beyond_hierarchical, beyond_hierarchical_steps, beyond_quantized, beyond_try]
 NOTEBOOKS["08_beyond"] = [cell for section in BEYOND_SECTIONS for cell in section()]
 
 

@@ -381,7 +381,7 @@ def loss_scale_trajectory(run: dict):
     return fig
 
 
-# --- one step, rank by rank (minizero.lab.stepthrough): notebooks 00-05 and 07 -------------------------
+# --- one step, rank by rank (minizero.lab.stepthrough): notebooks 00-05, 07 and 08 -----------------------
 def _cells(values) -> np.ndarray:
     return np.array([[np.nan if v is None else v for v in row] for row in values], dtype=float)
 
@@ -468,7 +468,9 @@ def step_grid(steps: dict, phase: int):
                      ha="center", fontsize=8, color="0.3", annotation_clip=False)
     cfg = steps["config"]
     what = STAGE_NAMES[cfg["stage"]] + (", optimizer offloaded" if cfg["offload"] else "") + \
-        (", activation checkpointing" if cfg["checkpointing"] else "")
+        (", activation checkpointing" if cfg["checkpointing"] else "") + \
+        (f", shard groups of {cfg['shard_group_size']} ranks" if cfg.get("shard_group_size") else "") + \
+        (f", hpZ groups of {cfg['hpz_group_size']} ranks" if cfg.get("hpz_group_size") else "")
     saved = ", ".join(f"{a} B" for a in ph["activations"])
     fig.suptitle(f"{what}, N = {n}: phase {phase} of {len(phases) - 1}\n{ph['label']}\n"
                  f"saved for backward per rank: {saved}", fontsize=10)

@@ -45,11 +45,15 @@ EXPORTS = {
     "05_offload": ["offload_5", "loss_scale_5", "steps_5"],
     "06_compare": ["compare_6"],
     "07_activations": ["activations_7", "steps_7"],
-    "08_beyond": ["network_8"],
+    "08_beyond": ["network_8", "steps_8"],
 }
 # the collectives a stage's step-through must show, in order of first appearance
 STEP_COLLECTIVES = {0: ["all_reduce"], 1: ["reduce_scatter", "all_gather"], 2: ["reduce_scatter", "all_gather"],
                     3: ["all_gather", "reduce_scatter"]}
+# notebook 08, shard groups of S < N ranks (HSDP / MiCS): the all-reduce across the groups comes in between
+GROUPED_COLLECTIVES = {1: ["reduce_scatter", "all_reduce_across", "all_gather"],
+                       2: ["reduce_scatter", "all_reduce_across", "all_gather"],
+                       3: ["all_gather", "reduce_scatter", "all_reduce_across"]}
 # what drives a notebook's interactive control (ipywidgets): every notebook has one
 CONTROLS = ("plots.step_widget(", "plots.ring_widget(", "interact(")
 
@@ -107,14 +111,25 @@ def check_steps(steps: dict, notebook: int) -> None:
     """The step-through: stepthrough.check replays every phase against one process stepping the whole batch
     (each reduced bucket = the mean of the ranks' own gradients = the whole batch's gradient, on the owning
     rank only; the step changes the owned partition only; the last phase holds the one-process result);
-    and the stage's collectives are there, on at least 2 ranks, with the padding N forces."""
+    and the stage's collectives are there, on at least 2 ranks, with the padding N forces. Notebook 08:
+    shard groups of S < N ranks, so owners are one rank per group and each bucket's partition is all-reduced
+    across the groups after the reduce-scatter within them (stepthrough.check, group-aware)."""
     cfg = steps["config"]
-    assert cfg["stage"] == {0: 0, 1: 1, 2: 2, 3: 3, 5: cfg["stage"], 7: cfg["stage"]}[notebook], cfg
+    assert cfg["stage"] == {0: 0, 1: 1, 2: 2, 3: 3, 5: cfg["stage"], 7: cfg["stage"], 8: cfg["stage"]}[notebook], \
+        cfg
     assert 2 <= cfg["world_size"] <= 4 and len(steps["phases"][0]["ranks"]) == cfg["world_size"]
+    grouped = notebook == 8
+    assert grouped == (cfg.get("shard_group_size") is not None), cfg
+    if grouped:
+        assert cfg["stage"] >= 1 and 1 < cfg["shard_group_size"] < cfg["world_size"], cfg
     stepthrough.check(steps)
-    kinds = [p["kind"] for p in steps["phases"] if p["kind"] in ("all_reduce", "reduce_scatter", "all_gather")]
-    assert list(dict.fromkeys(kinds)) == STEP_COLLECTIVES[cfg["stage"]], kinds
+    kinds = [p["kind"] for p in steps["phases"]
+             if p["kind"] in ("all_reduce", "reduce_scatter", "all_gather", "all_reduce_across")]
+    expected = (GROUPED_COLLECTIVES if grouped else STEP_COLLECTIVES)[cfg["stage"]]
+    assert list(dict.fromkeys(kinds)) == expected, kinds
     assert kinds.count(STEP_COLLECTIVES[cfg["stage"]][0]) >= 2 or cfg["stage"] == 1, kinds    # per bucket / unit
+    for k, phase in enumerate(steps["phases"]):      # recorded after it ran: the groups' means became all N's
+        assert phase["kind"] != "all_reduce_across" or phase["ranks"] != steps["phases"][k - 1]["ranks"], k
     if notebook == 5:
         assert cfg["offload"] and any("(host)" in name for name in steps["phases"][-1]["ranks"][0])
     if notebook == 7:

@@ -6,8 +6,9 @@
     stepthrough.check(steps)          # every phase against one process stepping the whole batch
     ring = stepthrough.ring(3)        # minizero.comm.ring_all_reduce, exchange by exchange
 
-Notebooks 01-05 and 07 draw `record` (notebooks/plots.py: step_table, step_grid, step_widget), notebook 00
-draws `ring`; tests/test_notebooks.py runs `check` and `check_ring` on what the notebooks export.
+Notebooks 01-05, 07 and 08 (hierarchical sharding: StepConfig(shard_group_size=2, world_size=4)) draw
+`record` (notebooks/plots.py: step_table, step_grid, step_widget), notebook 00 draws `ring`;
+tests/test_notebooks.py runs `check` and `check_ring` on what the notebooks export.
 
 The model is tiny on purpose: Linear(2, 3), tanh, Linear(3, 2), Ψ = 17, which none of N = 2, 3, 4 divides,
 so every value fits on screen and padding shows. Every buffer is drawn in the coordinates of the engine's
@@ -17,7 +18,8 @@ rank that does not hold element j (another rank's partition, a freed unit) has N
 How the phases are observed without a hook in minizero itself (tooling watching the engine, for one step):
   * minizero.comm's all_reduce, reduce_scatter and all_gather are wrapped: a snapshot before a gradient
     collective during backward (each rank's own gradients) and one after it. The wrapped collectives run
-    synchronously, so no snapshot reads a buffer a collective is still writing;
+    synchronously, so no snapshot reads a buffer a collective is still writing. Each names its group: with
+    shard groups (shard_group_size), step()'s all-reduce across them is a phase of its own, "all_reduce_across";
   * the reducer keeps one bucket in flight (minizero lets two overlap), so the phases come bucket by bucket;
   * stage 3: each unit's free (its gathers are the all-gathers above), prefetch off;
   * the optimizer's step, the end of forward and the end of backward.
@@ -38,6 +40,7 @@ from torch import nn
 
 from minizero import comm
 from minizero.launcher import launch
+from minizero.wrap import check as check_settings
 from minizero.wrap import wrap
 
 GRADIENTS = ("gradients", "gradients in flight")     # the local, full gradients a collective reduces
@@ -49,6 +52,8 @@ class StepConfig:
     world_size: int = 3
     offload: bool = False              # stages 1-3: the optimizer (masters, momentum) in host memory
     checkpointing: bool = False        # activation checkpointing of the units (notebook 07)
+    shard_group_size: int | None = None   # stages 1-3: HSDP / MiCS, partitioned within rows of S ranks (nb 08)
+    hpz_group_size: int | None = None     # stage 3: ZeRO++'s hpZ, backward's all-gather within rows of R ranks
     lr: float = 0.1                    # SGD with momentum: step 1 is p - lr * g, easy to follow by eye
     momentum: float = 0.9
     bucket_elems: int = 8              # stages 0 and 2: two buckets (8 and 9 elements)
@@ -95,6 +100,11 @@ class _Recorder:
             staged = getattr(e, "staging", {}).get(b.index)
             if staged is not None and staged.data_ptr() == ptr:
                 return b
+            if e.replicate_group is not None:          # step()'s all-reduce across the shard groups: this
+                part = (e.layout.shard(e.grad_shard, b) if e.stage >= 2 else   # rank's partition of the gradients
+                        e.layout.my_partition(e.layout.full(e.flat_grads, b), b))
+                if part.data_ptr() == ptr:
+                    return b
         for unit in getattr(e, "units", []):
             if unit.bucket is not None and unit.full.numel() and unit.full.data_ptr() == ptr:
                 return unit.bucket
@@ -121,7 +131,7 @@ class _Recorder:
             return vec
 
         def owned(b):                                  # where this rank's part of bucket b starts
-            return b.start + (e.rank * b.shard_numel if e.sharded else 0)
+            return b.start + (e.layout.rank * b.shard_numel if e.sharded else 0)   # rank within its shard group
 
         if e.stage < 3:
             out["parameters"] = put(empty(), 0, e.flat_params)
@@ -133,6 +143,12 @@ class _Recorder:
                         put(full, unit.bucket.start, unit.full)
                     put(shard, owned(unit.bucket), unit.shard)
             out["parameters"], out["parameter shard"] = full, shard
+            if e.hpz_group is not None:                # [Note: hpZ] in zero3.py: forward to backward
+                secondary, i, r = empty(), comm.group_rank(e.hpz_group), comm.group_size(e.hpz_group)
+                for unit in e.units:
+                    if unit.bucket is not None and unit.secondary is not None:
+                        put(secondary, unit.bucket.start + i * (unit.full.numel() // r), unit.secondary[0])
+                out["secondary partition (hpZ)"] = secondary
         if e.stage < 2:
             out["gradients"] = put(empty(), 0, e.flat_grads)
         else:
@@ -188,21 +204,31 @@ class _Recorder:
         full = args[1] if kind == "reduce_scatter" else args[0]
         if not full.numel():                           # stage 3: a unit's empty buffer of frozen parameters
             return real(*args, async_op=async_op, **kwargs)
-        b = self._bucket_of(full)
-        name = self._name(b)
+        e, b = self.engine, self._bucket_of(full)
+        name, group = self._name(b), kwargs.get("group")
         if kind != "all_gather" and self.in_backward:
             self.snap(f"{name}: its gradients are complete, each rank's from its own rows", "ready", b)
         real(*args, async_op=False, **kwargs)
-        if kind == "all_reduce":
+        # [Note: hierarchical sharding]: group is the shard group (a row of S ranks), the replicate group
+        # (a column: the ranks holding the same partition) or hpZ's row of R ranks; None: all N
+        within = "" if group is None else f" within each group of {group.size}"
+        if kind == "all_reduce" and group is not None and group is e.replicate_group:
+            self.snap(f"all-reduce {name} across the {group.size} shard groups: partition p of every group "
+                      f"holds the average over all N ranks", "all_reduce_across", b)
+        elif kind == "all_reduce":
             self.snap(f"all-reduce {name}: every rank holds the average of all ranks' gradients", kind, b)
+        elif kind == "reduce_scatter" and group is not None:
+            self.snap(f"reduce-scatter {name}{within}: each rank's partition holds its group's average "
+                      f"(the rest is stale)", kind, b)
         elif kind == "reduce_scatter":
             self.snap(f"reduce-scatter {name}: rank r's partition r holds the average (the rest is stale)",
                       kind, b)
-        elif self.engine.stage == 3:
+        elif e.stage == 3:
             when = "for its backward" if self.in_backward else "for its forward"
-            self.snap(f"all-gather {name} {when}: its full parameters on every rank", kind, b)
+            hpz = " (hpZ: from the secondary partitions)" if group is not None and group is e.hpz_group else ""
+            self.snap(f"all-gather {name} {when}{within}{hpz}: its full parameters on every rank", kind, b)
         else:
-            self.snap(f"all-gather {name}: every rank's updated partition, on every rank", kind, b)
+            self.snap(f"all-gather {name}{within}: every rank's updated partition, on every rank", kind, b)
         return _Done() if async_op else None
 
     def _free(self, unit, real) -> None:
@@ -222,6 +248,8 @@ def worker(cfg: StepConfig) -> dict:
     r, n = comm.rank(), comm.world_size()
     options = {0: {"bucket_size": 4 * cfg.bucket_elems}, 1: {}, 2: {"bucket_size": 4 * cfg.bucket_elems},
                3: {"prefetch": False}}[cfg.stage]
+    groups = {"shard_group_size": cfg.shard_group_size, "hpz_group_size": cfg.hpz_group_size}
+    options.update({name: size for name, size in groups.items() if size is not None})
     engine = wrap(tiny_model(cfg.seed), cfg.stage, _optimizer(cfg), offload=cfg.offload,
                   activation_checkpointing=cfg.checkpointing, **options)
     x, y = (t[r * cfg.rows // n: (r + 1) * cfg.rows // n] for t in global_batch(cfg))
@@ -251,6 +279,8 @@ def record(cfg: StepConfig = StepConfig(), backend: str = "gloo") -> dict:
     """One launch: {"config", "buckets", "segments", "padded", "partitioned", "phases": [{"label", "kind",
     "bucket", "ranks": [rank r's buffers], "activations": [bytes per rank]}]}; the end of backward is left
     out where it changed nothing on any rank (DDP: the last all-reduce ended it)."""
+    check_settings(cfg.stage, offload=cfg.offload, shard_group_size=cfg.shard_group_size,  # one line, no launch
+                   hpz_group_size=cfg.hpz_group_size, world_size=cfg.world_size)
     per_rank = launch(worker, cfg.world_size, cfg, backend=backend)
     first = per_rank[0]
     phases = []
@@ -293,15 +323,31 @@ def _close(a, b, tol: float = 1e-6) -> bool:
 
 
 def check(steps: dict) -> None:
-    """Raise AssertionError naming the phase, the rank and the element where a recording is wrong."""
+    """Raise AssertionError naming the phase, the rank and the element where a recording is wrong.
+
+    With shard_group_size=S < N ([Note: hierarchical sharding] in minizero/engine.py): rank r owns
+    partition r % S of its row of S consecutive ranks; the reduce-scatter averages over the row, one
+    all-reduce per bucket across the rows ("all_reduce_across") then gives every owner the whole-batch mean."""
     cfg = StepConfig(**steps["config"])
     ref = reference(cfg, steps["segments"], steps["padded"])
     real = [j for j, v in enumerate(ref["start"]) if v is not None]
     buckets = {b["index"]: b for b in steps["buckets"]}
     n, phases, params = cfg.world_size, steps["phases"], "parameters" if cfg.stage < 3 else "parameter shard"
+    s = cfg.shard_group_size or n                       # shard group: ranks s·(r // s) ... s·(r // s) + s - 1
+
+    def row(r):
+        return range(r - r % s, r - r % s + s)
+
+    def owns(r, j):                                     # rank r steps element j (every rank: DDP)
+        b = _bucket_at(steps, j)
+        return not steps["partitioned"] or (j - b["start"]) // b["shard"] == r % s
+
     reduce = "all_reduce" if cfg.stage == 0 else "reduce_scatter"
     reduced = [p["bucket"] for p in phases if p["kind"] in ("all_reduce", "reduce_scatter")]
     assert sorted(reduced) == sorted(buckets), f"one {reduce} per bucket expected, got buckets {reduced}"
+    across = [p["bucket"] for p in phases if p["kind"] == "all_reduce_across"]
+    assert sorted(across) == (sorted(buckets) if s < n else []), \
+        f"shard groups of {s} of {n} ranks: one all-reduce across the groups per bucket expected, got {across}"
     for r, rank in enumerate(phases[0]["ranks"]):
         assert all(rank[params][j] is None or _close(rank[params][j], ref["start"][j]) for j in real), f"start, rank {r}"
     for k, phase in enumerate(phases):
@@ -316,16 +362,38 @@ def check(steps: dict) -> None:
                 assert _close(sum(local) / n, ref["grad"][j]), f"{where}: element {j}: the ranks' mean " \
                     f"{sum(local) / n} is not the whole batch's gradient {ref['grad'][j]}"
                 for r, rank in enumerate(after):
-                    mine = phase["kind"] == "all_reduce" or (j - b["start"]) // b["shard"] == r
-                    want = ref["grad"][j] if mine else local[r]
+                    mine = phase["kind"] == "all_reduce" or owns(r, j)
+                    want = sum(local[q] for q in row(r)) / s if mine else local[r]
                     assert _close(rank[key][j], want), f"{where}: rank {r}, element {j}: {rank[key][j]}, " \
-                        f"expected {'the average ' if mine else 'its own gradient '}{want}"
+                        f"expected {'its group average ' if mine else 'its own gradient '}{want}"
+        if phase["kind"] == "all_reduce_across":       # each owner's partition: its row's mean -> all N's
+            b = buckets[phase["bucket"]]
+            key = "gradients" if cfg.stage == 1 else "gradient shard"
+            before, after = phases[k - 1]["ranks"], phase["ranks"]
+            for j in range(b["start"], b["start"] + b["numel"]):
+                owners = [r for r in range(n) if owns(r, j)]              # one per shard group
+                assert len(owners) == n // s, f"{where}: element {j} owned by {owners}"
+                for r in owners:
+                    assert _close(after[r][key][j], ref["grad"][j]), f"{where}: rank {r}, element {j}: " \
+                        f"{after[r][key][j]}, expected the whole batch's gradient {ref['grad'][j]}"
+                for r in range(n):
+                    if r not in owners:
+                        assert after[r][key][j] == before[r][key][j], f"{where}: rank {r} changed element {j}"
+        if phase["kind"] == "all_gather" and cfg.stage == 3:   # a unit's full parameters, before the step
+            b = buckets[phase["bucket"]]
+            for r, rank in enumerate(phase["ranks"]):
+                for j in range(b["start"], b["start"] + b["numel"]):
+                    assert _close(rank["parameters"][j], ref["start"][j]), f"{where}: rank {r}, element {j}: " \
+                        f"{rank['parameters'][j]}, expected {ref['start'][j]}"
+        for r, rank in enumerate(phase["ranks"]):          # hpZ: kept from forward's gather, before the step
+            for j, v in enumerate(rank.get("secondary partition (hpZ)", [])):
+                assert v is None or j not in real or _close(v, ref["start"][j]), \
+                    f"{where}: rank {r}, secondary element {j}: {v}, expected {ref['start'][j]}"
         if phase["kind"] == "step":
             for r, rank in enumerate(phase["ranks"]):
                 held = rank[params]
                 for j in real:
-                    mine = not steps["partitioned"] or (j - _bucket_at(steps, j)["start"]) // _bucket_at(
-                        steps, j)["shard"] == r
+                    mine = owns(r, j)
                     want = ref["stepped"][j] if mine else ref["start"][j]
                     if held[j] is not None or mine:
                         assert _close(held[j], want), f"{where}: rank {r}, parameter element {j}: {held[j]}, " \
