@@ -152,9 +152,20 @@ def mesh(shard_size: int) -> tuple[Group, Group]:
     n = world_size()
     if shard_size < 1 or n % shard_size:
         raise ValueError(f"a shard group of {shard_size} ranks does not divide the world size {n}")
-    rows = [Group(list(range(start, start + shard_size))) for start in range(0, n, shard_size)]
-    columns = [Group(list(range(index, n, shard_size))) for index in range(shard_size)]
+    rows = [Group(row_of(start, shard_size)) for start in range(0, n, shard_size)]
+    columns = [Group(column_of(index, shard_size, n)) for index in range(shard_size)]
     return rows[rank() // shard_size], columns[rank() % shard_size]
+
+
+def row_of(r: int, size: int) -> list[int]:
+    """Rank r's row of the mesh: the `size` consecutive ranks it shards with (its node when size = R)."""
+    start = r // size * size
+    return list(range(start, start + size))
+
+
+def column_of(r: int, size: int, n: int) -> list[int]:
+    """Rank r's column of the mesh: one rank of each row, the ranks that hold the same partition."""
+    return list(range(r % size, n, size))
 
 
 def group_size(group: Group | None) -> int:
@@ -222,8 +233,13 @@ def ranks_per_node() -> int:
 
 
 def spans_nodes(group: Group | None) -> bool:
-    """Does the group's ring cross a node boundary (ranks r and s are on one node iff r // R == s // R)?"""
-    ranks, per_node = (range(world_size()) if group is None else group.ranks), ranks_per_node()
+    """Does the group's ring cross a node boundary?"""
+    return ranks_span_nodes(range(world_size()) if group is None else group.ranks, ranks_per_node())
+
+
+def ranks_span_nodes(ranks, per_node: int) -> bool:
+    """Whether these ranks sit on more than one node (ranks r and s share a node iff r // R == s // R).
+    The one rule for the tally's split and for memory.comm_volume_by_node."""
     return len({r // per_node for r in ranks}) > 1
 
 

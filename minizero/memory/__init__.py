@@ -37,7 +37,7 @@ from typing import Iterable
 import torch
 
 from minizero import quantize
-from minizero.comm import ring_bytes
+from minizero.comm import column_of, ranks_span_nodes, ring_bytes, row_of
 from minizero.optim import DTYPES
 
 STAGES = (0, 1, 2, 3)                      # 0 = DDP; minizero.wrap has one engine per stage
@@ -214,11 +214,10 @@ def group_ranks(group: str, rank: int, world_size: int, shard_group_size: int | 
     if group == "world":
         return list(range(n))
     if group == "shard":
-        return list(range(rank // s * s, rank // s * s + s))
+        return row_of(rank, s)
     if group == "replicate":
-        return list(range(rank % s, n, s))
-    start = rank // hpz_group_size * hpz_group_size
-    return list(range(start, start + hpz_group_size))
+        return column_of(rank, s, n)
+    return row_of(rank, hpz_group_size)
 
 
 def comm_volume_by_node(num_params: int, world_size: int, stage: int, ranks_per_node: int, *, rank: int = 0,
@@ -232,8 +231,7 @@ def comm_volume_by_node(num_params: int, world_size: int, stage: int, ranks_per_
     for row in step_collectives(num_params, world_size, stage, **options):
         ranks = group_ranks(row["group"], rank, world_size, options.get("shard_group_size"),
                             options.get("hpz_group_size"))
-        inside = len({r // ranks_per_node for r in ranks}) == 1
-        out["intra_node" if inside else "inter_node"] += row["bytes"]
+        out["inter_node" if ranks_span_nodes(ranks, ranks_per_node) else "intra_node"] += row["bytes"]
     return out
 
 
