@@ -22,6 +22,7 @@ take the same time; under a network model (minizero/network.py) the difference i
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from typing import Callable
 
@@ -45,9 +46,16 @@ class GradBuckets:
         self._in_flight: deque = deque()
         self.overlapped = 0          # buckets the last backward launched before it ended (observability)
         self._reset()
+        # The hook holds the reducer weakly. A parameter keeps its post-accumulate-grad hooks in its C++
+        # autograd metadata, where Python's cycle collector cannot follow them: a strong reference would
+        # close the cycle parameter -> hook -> reducer -> engine -> model -> parameter, which nothing ever
+        # frees. Every engine built in a process (a sweep, the bench, a notebook cell run again) would then
+        # keep its model states for good (the bench's ranks grew run after run, until the kernel's OOM killer
+        # stopped them at 50M parameters, N = 4).
+        hook = _weakly(self._on_grad_ready)
         for b in buckets:
             for p in b.params:
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                p.register_post_accumulate_grad_hook(hook)
 
     def _reset(self) -> None:
         self._missing = [len(b.params) for b in self.buckets]     # gradients not yet produced, per bucket
@@ -86,3 +94,14 @@ class GradBuckets:
         while self._in_flight:
             self._wait_oldest()
         self._reset()
+
+
+def _weakly(method: Callable) -> Callable:
+    """`method` through a weak reference to its object: does nothing once the object is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        live = ref()
+        if live is not None:
+            live(*args)
+    return call

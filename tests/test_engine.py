@@ -53,3 +53,24 @@ def test_memory_timeline_of_one_step(stage):
     assert len(after_forward) == 1, "stage 3 frees each block after its forward; stages 0-2 keep all"
     if stage == 3:                                    # and gathers it again for its backward
         assert all(bytes_at[f"backward {i}"]["params"] > min(after_forward) for i in blocks)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_an_engine_no_longer_used_is_freed(stage):
+    """Nothing keeps an engine alive but its user: the bench builds dozens in one process, and each kept
+    its model states while gradient hooks held it strongly (reducer._weakly explains the cycle)."""
+    import functools
+    import gc
+    import weakref
+
+    from minizero.lab.data import global_batch
+    from minizero.lab.model import GPTConfig, make_model
+    from minizero.lab.train import loss_fn
+    engine = minizero.wrap(make_model(GPTConfig()), stage, functools.partial(torch.optim.AdamW, lr=1e-3))
+    x, y = global_batch(0, 8, 32)
+    engine.backward(loss_fn(engine(x), y))
+    engine.step()
+    alive = weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert alive() is None, f"stage {stage}: the engine outlived its last reference"

@@ -50,6 +50,7 @@ from minizero.lab import deepspeed_peer
 from minizero.lab.model import MODEL_NAMES, SIZES, GPTConfig, count_params, make_model
 from minizero.lab.peers import PEER_OF_STAGE, peer_worker
 from minizero.lab.reference import max_abs_diff
+from minizero.lab.rss import release_freed_memory
 from minizero.lab.train import TrainConfig, forward_backward, train_worker
 from minizero.launcher import launch
 from minizero.memory import comm_volume
@@ -143,6 +144,7 @@ def bench_worker(jobs: list[tuple[TrainConfig, list[str]]], repeats: int, meter:
             run_cfg = dataclasses.replace(cfg, return_state=rep == 0)
             results = {}
             for impl in record["impls"] if rep % 2 == 0 else record["impls"][::-1]:
+                release_freed_memory()          # the last run's memory back to the OS (lab/rss.py)
                 comm.barrier()                  # every side starts from the same line
                 results[impl] = _run(impl, cfg if impl in METER else run_cfg)
                 record["times"][impl].append(results[impl]["step_times"])
