@@ -38,6 +38,17 @@ def test_every_pair_is_reported(report):
     assert report["config"]["sizes"] == {"tiny": count_params(GPTConfig.named("tiny"))}
 
 
+def test_the_profile_splits_every_step_into_its_phases(report):
+    for p in report["pairs"]:
+        for side in bench.SIDES:
+            phases = p["phase_s"][side]
+            assert list(phases) == list(bench.PHASES) and all(t > 0 for t in phases.values()), (p["variant"], side)
+            # each phase's slowest rank may differ from the step's: the sum is near the step, not equal
+            assert 0.5 < sum(phases.values()) / p["step_time_s"][side] < 1.5, (p["variant"], p["peer"], side, phases)
+    profile = bench.format_table(report, phases=True).split("where the time goes")[1].split("activation meter")[0]
+    assert len([line for line in profile.splitlines() if line.count(" / ") == len(bench.PHASES)]) == len(report["pairs"])
+
+
 def test_minizero_ends_where_every_peer_ends(report):
     for p in report["pairs"]:
         assert p["max_param_diff"] < 1e-5, (p["variant"], p["peer"], p["max_param_diff"])

@@ -3,6 +3,7 @@
     python -m minizero.bench                                        # N = 2 and 4, the default model
     python -m minizero.bench --world-size 2 --sizes 1M,8M,50M --steps 6 --repeats 2 --json bench.json
     python -m minizero.bench --peers torch                          # PyTorch's peers only
+    python -m minizero.bench --world-size 4 --sizes 8M --stages 2 --phases    # where each side's time goes
     python -m minizero.bench --scale --budget-mb 4                  # the scale demo (minizero.scale)
     python -m minizero.bench --scale --micro-batch                  # ... its largest micro-batch per stage
 
@@ -27,7 +28,9 @@ medians. Every rank computes with one intra-op thread, so every side sees the sa
 Reported per pair: ratio = median step time minizero / peer; per-rank model-state bytes (minizero's
 engine.memory(); the peers' counted from their parameters, gradients and optimizer state by
 minizero.memory.measure); bytes sent per step (minizero's tally; for the peers the ring formula of the
-collectives they issue: they keep no tally); and the largest |parameter difference| after the run.
+collectives they issue: they keep no tally); the largest |parameter difference| after the run; and the
+profile (--phases): the median time of forward, backward (with the collectives it waits for) and the
+optimizer step (with what it communicates) on each side, which says where a ratio comes from.
 
 And what minizero's own measurement costs (the default run only, not with --sizes): engine(x) runs the
 forward under the activation meter (activations.py: a saved-tensor hook per tensor forward saves,
@@ -62,6 +65,7 @@ MEMORY_KEYS = ("params", "grads", "optimizer", "offloaded")
 DEVICE_KEYS = MEMORY_KEYS[:3]           # what stays on the compute device (offloaded: host memory)
 VARIANTS = {"0": (0, False), "1": (1, False), "2": (2, False), "3": (3, False), "2+offload": (2, True)}
 PEER_FAMILIES = ("torch", "deepspeed")
+PHASES = ("forward", "backward", "step")     # minizero.lab.train.forward_backward and timed_step
 
 # The collectives each PyTorch peer issues per step, each over the full Ψ (the ring bytes of comm.py).
 # ZeroRedundancyOptimizer sits on DDP: a full all-reduce, then each rank broadcasts the partition it
@@ -138,7 +142,8 @@ def bench_worker(jobs: list[tuple[TrainConfig, list[str]]], repeats: int, meter:
     out = []
     for cfg, peers in jobs:
         impls = ["minizero", *peers] + (list(METER) if meter else [])
-        out.append({"impls": impls, "times": {impl: [] for impl in impls}})
+        out.append({"impls": impls, "times": {impl: [] for impl in impls},
+                    "phases": {impl: [] for impl in impls if impl not in METER}})
     for rep in range(repeats):
         for (cfg, peers), record in zip(jobs, out):
             run_cfg = dataclasses.replace(cfg, return_state=rep == 0)
@@ -148,6 +153,8 @@ def bench_worker(jobs: list[tuple[TrainConfig, list[str]]], repeats: int, meter:
                 comm.barrier()                  # every side starts from the same line
                 results[impl] = _run(impl, cfg if impl in METER else run_cfg)
                 record["times"][impl].append(results[impl]["step_times"])
+                if impl not in METER:
+                    record["phases"][impl].append(results[impl]["phase_times"])
             if rep > 0:
                 continue
             if meter:
@@ -208,6 +215,8 @@ def _pair_record(cfg: TrainConfig, variant: str, peer: str, ranks: list[dict]) -
         "stage": cfg.stage, "offload": bool(cfg.offload), "peer": peer,
         "step_time_s": medians,
         "ratio": medians["minizero"] / medians["peer"],
+        "phase_s": {side: {phase: statistics.median(_slowest_rank_steps(ranks, impl, phase)) for phase in PHASES}
+                    for side, impl in zip(SIDES, ("minizero", peer))},
         "memory": {side: [{k: r["memory"][impl].get(k, 0) for k in MEMORY_KEYS} for r in ranks]
                    for side, impl in zip(SIDES, ("minizero", peer))},
         "minizero_peak": [r["peak"] for r in ranks],
@@ -229,16 +238,19 @@ def _meter_record(cfg: TrainConfig, variant: str, ranks: list[dict]) -> dict:
             "losses": {m.split()[1]: first["meter_losses"][m] for m in METER}}
 
 
-def _slowest_rank_steps(ranks: list[dict], impl: str) -> list[float]:
-    """Each step's time on its slowest rank, warm-up steps (the first of every run) dropped."""
+def _slowest_rank_steps(ranks: list[dict], impl: str, phase: str | None = None) -> list[float]:
+    """Each step's time (or one phase's: PHASES) on its slowest rank, warm-up steps (the first of every
+    run) dropped."""
     out = []
-    for per_rank_runs in zip(*(r["times"][impl] for r in ranks)):
+    runs = (r["times"][impl] if phase is None else [[t[phase] for t in run] for run in r["phases"][impl]]
+            for r in ranks)
+    for per_rank_runs in zip(*runs):
         steps = [max(ts) for ts in zip(*per_rank_runs)]
         out += steps[1:] or steps
     return out
 
 
-def format_table(report: dict) -> str:
+def format_table(report: dict, phases: bool = False) -> str:
     def mb(x: float) -> str:
         return f"{x / 1e6:9.3f}"
     c = report["config"]
@@ -257,6 +269,15 @@ def format_table(report: dict) -> str:
                      f"{p['max_param_diff']:10.1e}")
     lines.append("ratio = median step time minizero / peer (< 1: minizero faster). Peer comm: ring formula of "
                  "its collectives. dev: params + grads + optimizer on the compute device (offloaded: host).")
+    if phases:
+        lines.append("")
+        lines.append("where the time goes: median ms of each phase on the slowest rank, minizero / peer "
+                     "(backward includes the collectives it waits for; step: the optimizer step and what it communicates)")
+        lines.append(f"{'N':>2} {'size':>7} {'stage':>9} {'peer':<17}" + "".join(f"{ph:>18}" for ph in PHASES))
+        for p in report["pairs"]:
+            mz, peer = p["phase_s"]["minizero"], p["phase_s"]["peer"]
+            lines.append(f"{p['world_size']:>2} {p['size']:>7} {p['variant']:>9} {p['peer']:<17}"
+                         + "".join(f"{mz[ph] * 1e3:9.1f} /{peer[ph] * 1e3:7.1f}" for ph in PHASES))
     if "meter" in report:
         lines.append("")
         lines.append("the activation meter (engine(x) vs engine.module(x), same loop): minizero's median step time")
@@ -288,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stages", nargs="+", default=list(VARIANTS), help=f"among {' '.join(VARIANTS)} (default all)")
     ap.add_argument("--peers", default=",".join(PEER_FAMILIES),
                     help="torch and/or deepspeed, comma-separated (default both; deepspeed when installed)")
+    ap.add_argument("--phases", action="store_true",
+                    help="also print each pair's profile: forward, backward and step times (always in --json)")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
     ap.add_argument("--scale", action="store_true", help="run the scale demo instead (see minizero.scale; "
                     "takes --budget-mb, --world-size, --micro-batch, --model, --json)")
@@ -302,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:                       # a rank failed: the launcher says which and why
         print(f"{prog}: {e}", file=sys.stderr)
         return 1
-    emit(format_table(report), report, args.json)
+    emit(format_table(report, args.phases), report, args.json)
     return 0
 
 

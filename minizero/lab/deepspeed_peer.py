@@ -40,7 +40,7 @@ import torch
 
 from minizero import comm
 from minizero.lab.model import Block, make_model
-from minizero.lab.train import TrainConfig, forward_backward
+from minizero.lab.train import TrainConfig, forward_backward, timed_step
 from minizero.memory import measure
 
 PEER = "deepspeed"
@@ -108,18 +108,20 @@ def deepspeed_worker(cfg: TrainConfig) -> dict:
     """The loop of minizero.lab.train.train_worker with a DeepSpeed engine: losses, step times, memory
     (as held at the end of the last backward), Adam's moment bytes, and the full state if asked."""
     engine = build(cfg)
-    losses, step_times, memory = [], [], None
+    losses, step_times, phase_times, memory = [], [], [], None
     for step in range(cfg.steps):
-        start = time.perf_counter()
+        start, phases = time.perf_counter(), {}
         # one micro-batch per step (ds_config), so no_sync is never entered; DeepSpeed's own refuses stage 2-3
-        losses.append(forward_backward(cfg, step, engine, engine.backward, engine.no_sync))
+        losses.append(forward_backward(cfg, step, engine, engine.backward, engine.no_sync, phases))
         if step == cfg.steps - 1:
             memory = _memory(engine, cfg)
-        engine.step()
+        timed_step(engine.step, phases)
         if comm.device().type == "cuda":
             torch.cuda.synchronize()
         step_times.append(time.perf_counter() - start)
-    result = {"rank": comm.rank(), "losses": losses, "step_times": step_times, "memory": memory,
+        phase_times.append(phases)
+    result = {"rank": comm.rank(), "losses": losses, "step_times": step_times, "phase_times": phase_times,
+              "memory": memory,
               "adam_moment_bytes": adam_moment_bytes(_inner_optimizer(engine))}
     if cfg.return_state:
         result["state_dict"] = full_state_dict(engine)

@@ -16,6 +16,7 @@ shard_group_size=S  <->  FSDP2 HSDP: fully_shard on a 2-D DeviceMesh (N/S, S) ("
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 
 import torch
@@ -27,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from minizero import comm
 from minizero.lab.model import make_model
-from minizero.lab.train import OPTIMIZERS, TrainConfig, forward_backward
+from minizero.lab.train import OPTIMIZERS, TrainConfig, forward_backward, timed_step
 from minizero.memory import measure
 
 PEER_OF_STAGE = {0: "ddp", 1: "zero_redundancy", 2: "fsdp2_no_reshard", 3: "fsdp2"}
@@ -81,24 +82,31 @@ def peer_worker(cfg: TrainConfig, peer: str) -> dict:
     rank, device = comm.rank(), comm.device()
     module, optimizer, no_sync = build_peer(cfg, peer)
     params = [p for p in module.parameters() if p.requires_grad]
-    losses, step_times, memory = [], [], None
+    losses, step_times, phase_times, memory = [], [], [], None
     for step in range(cfg.steps):
-        start = time.perf_counter()
-        step_loss = forward_backward(cfg, step, module, torch.Tensor.backward, no_sync)
+        start, phases = time.perf_counter(), {}
+        step_loss = forward_backward(cfg, step, module, torch.Tensor.backward, no_sync, phases)
         if step == cfg.steps - 1:
             memory = _memory(module, optimizer)
-        if cfg.clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(params, cfg.clip_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
+        timed_step(functools.partial(_step, optimizer, params, cfg.clip_grad_norm), phases)
         if device.type == "cuda":
             torch.cuda.synchronize()
         step_times.append(time.perf_counter() - start)
+        phase_times.append(phases)
         losses.append(step_loss)
-    result = {"rank": rank, "losses": losses, "step_times": step_times, "memory": memory}
+    result = {"rank": rank, "losses": losses, "step_times": step_times, "phase_times": phase_times,
+              "memory": memory}
     if cfg.return_state:
         result["state_dict"] = full_state_dict(module)
     return result
+
+
+def _step(optimizer, params, clip_grad_norm) -> None:
+    """What engine.step() does, the PyTorch way: clip if asked, step, zero the gradients."""
+    if clip_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)
 
 
 def full_state_dict(module) -> dict[str, torch.Tensor]:

@@ -115,20 +115,36 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
 
 
-def forward_backward(cfg: TrainConfig, step: int, model, backward, no_sync) -> float:
+def forward_backward(cfg: TrainConfig, step: int, model, backward, no_sync, phases: dict | None = None) -> float:
     """One step's forward and backward on this rank's rows: `grad_accum` micro-batches, all but the last
-    inside no_sync(). Returns the step's loss. (peers.py drives PyTorch's implementations through it.)"""
+    inside no_sync(). Returns the step's loss. (peers.py drives PyTorch's implementations through it.)
+    phases, if given, receives the seconds spent in "forward" (model and loss) and "backward" (backward(),
+    including the collectives it waits for), summed over micro-batches: the bench's profile."""
     rank, n, device = comm.rank(), comm.world_size(), comm.device()
     x, y = global_batch(step, cfg.batch_size, cfg.model_config().block_size, seed=cfg.seed)
     step_loss = 0.0
+    times = dict.fromkeys(("forward", "backward"), 0.0)
     for micro in range(cfg.grad_accum):
         xm, ym = local_batch(x, y, rank, n, micro, cfg.grad_accum)
         last = micro == cfg.grad_accum - 1
         with contextlib.nullcontext() if last else no_sync():
+            start = time.perf_counter()
             loss = loss_fn(model(xm.to(device)), ym.to(device)) / cfg.grad_accum
+            middle = time.perf_counter()
             backward(loss)
+            times["forward"] += middle - start
+            times["backward"] += time.perf_counter() - middle
         step_loss += loss.item()
+    if phases is not None:
+        phases.update(times)
     return step_loss
+
+
+def timed_step(step_fn, phases: dict) -> None:
+    """Run the optimizer step, its seconds into phases["step"] (the profile's third phase)."""
+    start = time.perf_counter()
+    step_fn()
+    phases["step"] = time.perf_counter() - start
 
 
 def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
@@ -151,18 +167,19 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
     if fault:
         fault.arm(engine)
     device = comm.device()
-    losses, step_times, comm_per_step, loss_scales = [], [], [], []
+    losses, step_times, phase_times, comm_per_step, loss_scales = [], [], [], [], []
     memory = None
     for step in range(engine.step_count, cfg.steps):
         comm.reset_tally()
-        start = time.perf_counter()
-        step_loss = forward_backward(cfg, step, engine, engine.backward, engine.no_sync)
+        start, phases = time.perf_counter(), {}
+        step_loss = forward_backward(cfg, step, engine, engine.backward, engine.no_sync, phases)
         if step == cfg.steps - 1:
             memory = engine.memory()              # as held at the end of backward (optimizer state exists)
-        engine.step()
+        timed_step(engine.step, phases)
         if device.type == "cuda":
             torch.cuda.synchronize()
         step_times.append(time.perf_counter() - start)
+        phase_times.append(phases)
         comm_per_step.append(comm.tally())
         losses.append(step_loss)
         loss_scales.append(engine.loss_scale)     # S after the step (fp16; 1.0 otherwise)
@@ -182,6 +199,7 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
         "memory": memory,
         "comm_bytes_per_step": comm_per_step[-1] if comm_per_step else {},
         "step_times": step_times,
+        "phase_times": phase_times,                 # per step: seconds of forward, backward, step
         "num_params": model_num_params(engine),
         "num_frozen": sum(p.numel() for p in engine.frozen),
         "peak": engine.memory()["peak"],
