@@ -18,7 +18,9 @@ ranks (see `Group`) for the designs beyond the paper that shard within a node an
    moves 3Ψ (section 7): its Ψ counts the (N-1)/N factor as ~1. The tally does not time anything; it is
    what the algorithm must move, independent of what the backend really does underneath.
 
-2. One switch between gloo (CPU processes on a laptop) and NCCL (one process per GPU).
+2. One switch between gloo (CPU processes on a laptop) and NCCL (one process per GPU), and the place that
+   knows their costs: on gloo, reduce-scatter and all-gather run in another way that is faster there
+   ([Note: collectives on gloo] below).
 
 3. A place to model the network (minizero/network.py; off by default). The tally also splits its bytes by
    where the ring runs: "intra_node" (the group lies inside one node of ranks_per_node() consecutive ranks)
@@ -282,6 +284,54 @@ class _Done:
         return True
 
 
+class Joined:
+    """One handle for several collectives in flight: wait() waits for each, then runs `finish` once (what
+    is left to do locally when they are done: a copy out, a dequantization)."""
+
+    def __init__(self, handles: list, finish=None):
+        self.handles, self.finish = handles, finish
+
+    def wait(self) -> bool:
+        for handle in self.handles:
+            handle.wait()
+        if self.finish is not None:
+            self.finish()
+            self.finish = None                                    # wait() twice finishes once
+        return True
+
+
+def _started(handle, done_at: float | None, async_op: bool):
+    """A collective issued asynchronously, returned as the caller asked: its handle, or waited for."""
+    if not async_op:
+        handle.wait()
+    return _modeled(handle, done_at, async_op)
+
+
+# [Note: collectives on gloo] The ring formulas above are what a bandwidth-optimal implementation sends,
+# and NCCL's collectives are such rings. gloo's are not equally good. Measured on the 2-core machine this
+# project is developed on (loopback, fp32, one thread per rank; `python -m minizero.bench --collectives`):
+#
+#                              Ψ = 8M, N = 2    8M, N = 4    50M, N = 2    50M, N = 4
+#     all-reduce                   25 ms          60 ms        131 ms        329 ms
+#     reduce-scatter               55             90           249           570
+#     all-gather                   22             54           215           420
+#     N broadcasts of Ψ/N          11             30            65           200
+#
+# gloo's reduce-scatter, half an all-reduce on paper, takes up to twice as long as its all-reduce, and
+# its all-gather takes 2-4x as long as broadcasting each rank's piece. So on gloo minizero runs
+# reduce_scatter as an all-reduce of the input followed by a copy of this rank's part, and all_gather as
+# one broadcast per rank. More bytes move (an all-reduce sends twice a reduce-scatter's) but less time
+# passes. The tally still books the collective the algorithm asks for, with its ring bytes: the papers'
+# cost, and what NCCL sends. The price for callers: reduce_scatter's input is workspace, its contents
+# afterwards undefined on every backend (every stage's input is a buffer it is done with).
+# GLOO_WORKAROUNDS = False runs gloo's own collectives (the bench's --collectives compares both).
+GLOO_WORKAROUNDS = True
+
+
+def _on_gloo() -> bool:
+    return GLOO_WORKAROUNDS and backend() == "gloo"
+
+
 def all_reduce(tensor: torch.Tensor, op: str = "avg", async_op: bool = False, group: Group | None = None):
     """In place: every rank ends with op(tensor over ranks). DDP's gradient averaging."""
     done_at = _count("all_reduce", tensor, group)
@@ -295,16 +345,21 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "avg", a
     """input [N * n] on every rank -> output [n] on rank r = op over ranks of input[r*n:(r+1)*n].
 
     `output` may be rank r's slice of `input` itself (in place): stage 1 uses that to average its own
-    partition of the gradient without a second buffer.
+    partition of the gradient without a second buffer. The rest of `input` is workspace: undefined after.
     """
     assert input.numel() == output.numel() * group_size(group), "reduce_scatter: input must be N x output"
     done_at = _count("reduce_scatter", input, group)
+    mine = input.view(-1)[group_rank(group) * output.numel():][:output.numel()]       # [n]
     if group_size(group) == 1:
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return _Done() if async_op else None
-    return _modeled(dist.reduce_scatter_single(output, input, op=_OPS[op], async_op=async_op, group=_pg(group)),
-                    done_at, async_op)
+    if _on_gloo():                                        # [Note: collectives on gloo]
+        copy_out = None if output.data_ptr() == mine.data_ptr() else lambda: output.copy_(mine.view_as(output))
+        handle = Joined([dist.all_reduce(input, op=_OPS[op], async_op=True, group=_pg(group))], copy_out)
+    else:
+        handle = dist.reduce_scatter_single(output, input, op=_OPS[op], async_op=True, group=_pg(group))
+    return _started(handle, done_at, async_op)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False, group: Group | None = None):
@@ -312,13 +367,25 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False
 
     `input` may be this rank's slice of `output` (in place), which is how ZeRO rebuilds full parameters.
     """
-    assert output.numel() == input.numel() * group_size(group), "all_gather: output must be N x input"
+    n = group_size(group)
+    assert output.numel() == input.numel() * n, "all_gather: output must be N x input"
     done_at = _count("all_gather", output, group)
-    if group_size(group) == 1:
+    if n == 1:
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return _Done() if async_op else None
-    return _modeled(dist.all_gather_single(output, input, async_op=async_op, group=_pg(group)), done_at, async_op)
+    if _on_gloo():                                        # [Note: collectives on gloo]
+        m = input.numel()
+        pieces = [output.view(-1)[i * m:][:m] for i in range(n)]                  # N x [n]
+        mine = pieces[group_rank(group)]
+        if mine.data_ptr() != input.data_ptr():
+            mine.copy_(input.view(-1))
+        ranks = range(n) if group is None else group.ranks
+        handle = Joined([dist.broadcast(piece, src=src, async_op=True, group=_pg(group))
+                         for piece, src in zip(pieces, ranks) if m])
+    else:
+        handle = dist.all_gather_single(output, input, async_op=True, group=_pg(group))
+    return _started(handle, done_at, async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, async_op: bool = False, group: Group | None = None):

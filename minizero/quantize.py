@@ -80,25 +80,10 @@ def error_bound(scales: torch.Tensor, n: int, block: int = BLOCK) -> torch.Tenso
 # The two collectives ZeRO++ quantizes. Both return a handle whose wait() also dequantizes into `output`.
 # --------------------------------------------------------------------------------------------------------
 
-class _Dequantizing:
-    """The handle of a quantized collective: waits for the int8 values and their scales, then writes what
-    they stand for into the output (in fp32, cast to the output's dtype)."""
-
-    def __init__(self, handles: list, finish):
-        self.handles, self.finish = handles, finish
-
-    def wait(self) -> bool:
-        for handle in self.handles:
-            handle.wait()
-        if self.finish is not None:
-            self.finish()
-            self.finish = None                                    # wait() twice dequantizes once
-        return True
-
-
 def _started(handles: list, finish, async_op: bool):
-    """As comm's collectives: the handle when async_op, else done (None)."""
-    handle = _Dequantizing(handles, finish)
+    """As comm's collectives: the handle when async_op, else done (None). `finish` dequantizes into the
+    output (in fp32, cast to the output's dtype) once the int8 values and their scales have arrived."""
+    handle = comm.Joined(handles, finish)
     if async_op:
         return handle
     handle.wait()

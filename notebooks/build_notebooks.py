@@ -239,7 +239,11 @@ NOTEBOOKS["00_communication"] = [
     """),
     md("""
     The time column is a rough guide only: gloo on a laptop's cores is not a network. What carries over
-    to real clusters is the byte count: per-rank traffic of a ring collective barely depends on N.
+    to real clusters is the byte count: per-rank traffic of a ring collective barely depends on N. One
+    more reason: gloo's own reduce-scatter is slower than its all-reduce, and its all-gather slower than N
+    broadcasts, so on gloo `minizero.comm` runs them that way (`[Note: collectives on gloo]` in
+    `minizero/comm.py`; `python -m minizero.bench --collectives` times both). The tally still counts the
+    ring's bytes: what the algorithm needs, and what NCCL sends.
     """),
     what_to_try("""
     In the ring widget, switch N and count the exchanges: 2(N-1), each moving one chunk of ⌈S/N⌉ elements,
@@ -301,8 +305,9 @@ NOTEBOOKS["02_zero1"] = stage_notebook(1, "02 · ZeRO stage 1 (P_os): shard the 
     updated parameters. Total 2Ψ per step: the same as DDP.
     """, 2, "partition a flat buffer and step only your partition.", steps=step_through("steps_1", "stage=1", "stage=[0, 1, 2, 3], world_size=[2, 3, 4]", """
     What to look for: after backward every rank holds its own full gradients. The reduce-scatter averages
-    partition r into rank r only: the rest of its gradient buffer keeps its own, now stale, values that
-    nobody reads. The step updates partition r on rank r only, and only there does momentum exist (KΨ/N):
+    partition r into rank r only: the rest of its gradient buffer was the collective's workspace (blank:
+    nobody reads it again; on gloo minizero runs the reduce-scatter as an all-reduce, which is faster there,
+    see `[Note: collectives on gloo]` in `minizero/comm.py`). The step updates partition r on rank r only, and only there does momentum exist (KΨ/N):
     for one phase the ranks hold *different* parameters, until the all-gather hands every rank every
     updated partition. 17 elements padded to a multiple of N: the last partition carries the padding.
     """), try_text="""

@@ -101,6 +101,18 @@ def test_bad_input_is_one_line_and_exit_2(argv, capsys):
     assert "error" in err and len(err.splitlines()) == 1
 
 
+def test_collectives_are_timed_both_ways_and_agree(capsys):
+    """--collectives: every row on both sides, and the worker's check that comm's way and gloo's agree."""
+    from minizero.lab import collectives
+    report = collectives.measure((2,), (1000,), repeats=1)
+    (row,) = report["rows"]
+    assert list(row["ms"]) == ["all_reduce (backend)", "reduce_scatter (backend)", "reduce_scatter (minizero)",
+                               "all_gather (backend)", "all_gather (minizero)"]
+    assert all(t > 0 for t in row["ms"].values()) and row["backend"] == "gloo"
+    assert bench.main(["--collectives", "--numel", "0"]) == 2
+    assert "--numel must be" in capsys.readouterr().err
+
+
 def test_scale_table_names_every_variant():
     rows = [{"variant": v, "world_size": 1, "num_params": 100 * (i + 1), "width": 8} for i, (v, _, _) in
             enumerate(scale.VARIANTS)]

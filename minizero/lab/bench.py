@@ -6,6 +6,7 @@
     python -m minizero.bench --world-size 4 --sizes 8M --stages 2 --phases    # where each side's time goes
     python -m minizero.bench --scale --budget-mb 4                  # the scale demo (minizero.scale)
     python -m minizero.bench --scale --micro-batch                  # ... its largest micro-batch per stage
+    python -m minizero.bench --collectives                          # gloo's collectives vs comm's (lab/collectives.py)
 
 Pairs (minizero.lab.peers builds PyTorch's side, minizero.lab.deepspeed_peer DeepSpeed's; both are trained
 by the same loop as minizero.lab.train):
@@ -298,6 +299,10 @@ def main(argv: list[str] | None = None) -> int:
         from minizero.lab import scale
         argv.remove("--scale")
         return scale.main(argv)
+    if "--collectives" in argv:                 # gloo's collectives against comm's ways (lab/collectives.py)
+        from minizero.lab import collectives
+        argv.remove("--collectives")
+        return collectives.main(argv)
     ap = OneLineParser(prog=prog, description=__doc__.split("\n")[0])
     ap.add_argument("--world-size", type=int, nargs="+", default=[2, 4], help="one or more N (default 2 4)")
     ap.add_argument("--steps", type=int, default=10, help="steps per run (default 10, the first is warm-up)")
@@ -314,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
     ap.add_argument("--scale", action="store_true", help="run the scale demo instead (see minizero.scale; "
                     "takes --budget-mb, --world-size, --micro-batch, --model, --json)")
+    ap.add_argument("--collectives", action="store_true", help="time each collective as the backend and as "
+                    "minizero.comm run it instead (takes --world-size, --numel, --repeats, --json)")
     try:
         args = ap.parse_args(argv)
         sizes, peers = _validate(args)

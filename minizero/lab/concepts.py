@@ -112,7 +112,8 @@ CONCEPTS = [
     ("PyTorch", "FSDP2 CPUOffloadPolicy", "minizero.offload.HostShardOptimizer",
      "FSDP2 offloads parameters and gradients; minizero the optimizer (and parameters in stage 3)"),
     ("PyTorch", "torch.distributed reduce_scatter_tensor / all_gather_into_tensor", "minizero.comm.reduce_scatter",
-     "and minizero.comm.all_gather: the only callers, with a byte tally"),
+     ("and minizero.comm.all_gather: the only callers, with a byte tally; on gloo run as an all-reduce and as N "
+      "broadcasts, faster there ([Note: collectives on gloo], python -m minizero.bench --collectives)")),
     ("DeepSpeed", "comms_logger (per-collective time, algbw / busbw = algbw · 2(n-1)/n)", "minizero.network.Network",
      "a model, not a measurement: each collective waits for its ring's hops·α + bytes/β on a modelled cluster; "
      "tally() splits intra/inter-node bytes"),

@@ -144,7 +144,7 @@ def collectives_worker(numel: int, repeats: int = 3) -> dict:
     comm.all_reduce(t, op="sum")
     shown["all_reduce"] = t.tolist()
     mine = torch.empty(1, device=dev)
-    comm.reduce_scatter(mine, small, op="sum")
+    comm.reduce_scatter(mine, small.clone(), op="sum")          # its input is workspace (comm.py)
     shown["reduce_scatter"] = mine.tolist()
     gathered = torch.empty(n, device=dev)
     comm.all_gather(gathered, small[:1])

@@ -87,6 +87,7 @@ class _Done:
 class _Recorder:
     def __init__(self, engine):
         self.engine, self.phases, self.in_backward = engine, [], False
+        self.workspace: list[tuple[int, int]] = []     # flat ranges a reduce-scatter left undefined: None
         names = {id(p): name for name, p in engine.module.named_parameters()}
         self.segments = [(names[id(p)], b.start + off, p.numel())
                          for b in engine.layout.buckets for p, off in zip(b.params, b.offsets)]
@@ -173,6 +174,9 @@ class _Recorder:
             momentum = opt.optimizer.state.get(master, {}).get("momentum_buffer")
             if momentum is not None:
                 put(out["momentum" + where], owned(b), momentum)
+        for key in GRADIENTS:                          # what a reduce-scatter used as workspace (comm.py)
+            for start, stop in self.workspace if key in out else ():
+                out[key][start:stop] = math.nan
         return {name: [None if math.isnan(v) else v for v in vec.tolist()] for name, vec in out.items()}
 
     @contextlib.contextmanager
@@ -209,6 +213,9 @@ class _Recorder:
         if kind != "all_gather" and self.in_backward:
             self.snap(f"{name}: its gradients are complete, each rank's from its own rows", "ready", b)
         real(*args, async_op=False, **kwargs)
+        if kind == "reduce_scatter":                   # only this rank's partition is defined now
+            mine = b.start + e.layout.rank * b.shard_numel
+            self.workspace += [(b.start, mine), (mine + b.shard_numel, b.start + b.padded_numel)]
         # [Note: hierarchical sharding]: group is the shard group (a row of S ranks), the replicate group
         # (a column: the ranks holding the same partition) or hpZ's row of R ranks; None: all N
         within = "" if group is None else f" within each group of {group.size}"
@@ -219,9 +226,9 @@ class _Recorder:
             self.snap(f"all-reduce {name}: every rank holds the average of all ranks' gradients", kind, b)
         elif kind == "reduce_scatter" and group is not None:
             self.snap(f"reduce-scatter {name}{within}: each rank's partition holds its group's average "
-                      f"(the rest is stale)", kind, b)
+                      f"(the rest was workspace)", kind, b)
         elif kind == "reduce_scatter":
-            self.snap(f"reduce-scatter {name}: rank r's partition r holds the average (the rest is stale)",
+            self.snap(f"reduce-scatter {name}: rank r's partition r holds the average (the rest was workspace)",
                       kind, b)
         elif e.stage == 3:
             when = "for its backward" if self.in_backward else "for its forward"
@@ -362,10 +369,12 @@ def check(steps: dict) -> None:
                 assert _close(sum(local) / n, ref["grad"][j]), f"{where}: element {j}: the ranks' mean " \
                     f"{sum(local) / n} is not the whole batch's gradient {ref['grad'][j]}"
                 for r, rank in enumerate(after):
-                    mine = phase["kind"] == "all_reduce" or owns(r, j)
-                    want = sum(local[q] for q in row(r)) / s if mine else local[r]
+                    if phase["kind"] == "reduce_scatter" and not owns(r, j):     # the collective's workspace
+                        assert rank[key][j] is None, f"{where}: rank {r}, element {j}: not its partition, but shown"
+                        continue
+                    want = sum(local[q] for q in row(r)) / s
                     assert _close(rank[key][j], want), f"{where}: rank {r}, element {j}: {rank[key][j]}, " \
-                        f"expected {'its group average ' if mine else 'its own gradient '}{want}"
+                        f"expected its group average {want}"
         if phase["kind"] == "all_reduce_across":       # each owner's partition: its row's mean -> all N's
             b = buckets[phase["bucket"]]
             key = "gradients" if cfg.stage == 1 else "gradient shard"
