@@ -308,17 +308,17 @@ def _started(handle, done_at: float | None, async_op: bool):
 
 
 # [Note: collectives on gloo] The ring formulas above are what a bandwidth-optimal implementation sends,
-# and NCCL's collectives are such rings. gloo's are not equally good. Measured on the 2-core machine this
-# project is developed on (loopback, fp32, one thread per rank; `python -m minizero.bench --collectives`):
+# and NCCL's collectives are such rings. gloo's are not equally good. On the 2-core machine this project
+# is developed on (loopback, fp32, one thread per rank, ms; `python -m minizero.bench --collectives`):
 #
-#                              Ψ = 8M, N = 2    8M, N = 4    50M, N = 2    50M, N = 4
-#     all-reduce                   25 ms          60 ms        131 ms        329 ms
-#     reduce-scatter               55             90           249           570
-#     all-gather                   22             54           215           420
-#     N broadcasts of Ψ/N          11             30            65           200
+#     N   elements   all-reduce   reduce-scatter: gloo's / minizero's   all-gather: gloo's / minizero's
+#     2      8M          33                     44 / 36                           35 / 12
+#     2     50M         171                    315 / 150                         255 / 65
+#     4      8M          64                     71 / 53                           50 / 34
+#     4     50M         392                    626 / 361                         447 / 154
 #
-# gloo's reduce-scatter, half an all-reduce on paper, takes up to twice as long as its all-reduce, and
-# its all-gather takes 2-4x as long as broadcasting each rank's piece. So on gloo minizero runs
+# gloo's reduce-scatter, half an all-reduce on paper, takes longer than its whole all-reduce (1.8x at
+# 50M), and its all-gather 1.5-4x as long as broadcasting each rank's piece. So on gloo minizero runs
 # reduce_scatter as an all-reduce of the input followed by a copy of this rank's part, and all_gather as
 # one broadcast per rank. More bytes move (an all-reduce sends twice a reduce-scatter's) but less time
 # passes. The tally still books the collective the algorithm asks for, with its ring bytes: the papers'
