@@ -12,7 +12,8 @@ into N equal partitions; rank r owns partition r (a parameter may straddle two r
 
 Communication per step, 2Ψ·(N-1)/N in a ring, the same as DDP (the paper's point: P_os is free):
   * in step(): reduce-scatter the gradients. Not an all-reduce: a rank only steps its partition, so it
-    only needs *that* partition averaged, and reduce-scatter is exactly half of an all-reduce (Ψ).
+    only needs *that* partition averaged, and reduce-scatter is exactly half of an all-reduce (Ψ; in bytes:
+    on gloo comm.py runs it as an all-reduce, faster there, [Note: collectives on gloo]).
     It runs in place: rank r's partition of its full gradient buffer receives the average.
   * after the optimizer step: all-gather the updated partitions into every rank's parameters (Ψ).
 Stage 1 keeps it simple: one reduce-scatter per step, no overlap with backward (stage 2 adds that).
@@ -24,6 +25,8 @@ backward before the step would add into a mixed buffer; keeping the reduced part
 buffer backward adds into is exactly stage 2's gradient shard. So stage 1 pays knowingly: its
 reduce-scatter (Ψ(N-1)/N per rank) waits at the step instead of hiding behind backward, where DDP +
 ZeroRedundancyOptimizer overlaps its all-reduce (twice the bytes). Stage 2 is the answer when it matters.
+What that costs, measured (`python -m minizero.bench --world-size 2 --sizes 50M --stages 1 --phases`):
+backward 755 ms here against 957 ms there, the step 445 ms against 202 ms; the same time per step.
 """
 
 from __future__ import annotations
