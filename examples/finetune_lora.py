@@ -35,8 +35,10 @@ def build_model(checkpointing: bool) -> torch.nn.Module:
                         bos_token_id=None, eos_token_id=None)       # GPT-2's 50256 is not in this vocabulary
     model = GPT2LMHeadModel(config)
     if checkpointing:                     # non-reentrant: the variant that works with module hooks
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        # (activation_checkpointing_enable since transformers 5; the old name works in 4.x and 5.x)
+        if hasattr(model, "activation_checkpointing_enable"):      # transformers 5's name (the old one warns)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:                                                        # transformers 4.x
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # GPT-2's c_attn is a Conv1D, whose weight is stored [in, out]: fan_in_fan_out says so
     return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn"], fan_in_fan_out=True))
 

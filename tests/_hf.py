@@ -58,7 +58,11 @@ def build(case: Case) -> torch.nn.Module:
                                            n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                            bos_token_id=None, eos_token_id=None))   # 50256: not in VOCAB
     if case.checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers 5 renamed it (the old name warns); 4.x has only the old one
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if case.model == "lora":
         # GPT-2's c_attn is a Conv1D (weight stored [in, out]): fan_in_fan_out says so
         model = get_peft_model(model, LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True))
