@@ -349,12 +349,12 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "avg", a
     """
     assert input.numel() == output.numel() * group_size(group), "reduce_scatter: input must be N x output"
     done_at = _count("reduce_scatter", input, group)
-    mine = input.view(-1)[group_rank(group) * output.numel():][:output.numel()]       # [n]
     if group_size(group) == 1:
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return _Done() if async_op else None
     if _on_gloo():                                        # [Note: collectives on gloo]
+        mine = input.view(-1)[group_rank(group) * output.numel():][:output.numel()]   # [n]
         copy_out = None if output.data_ptr() == mine.data_ptr() else lambda: output.copy_(mine.view_as(output))
         handle = Joined([dist.all_reduce(input, op=_OPS[op], async_op=True, group=_pg(group))], copy_out)
     else:

@@ -158,12 +158,17 @@ def _memory(engine, cfg: TrainConfig) -> dict[str, int]:
     params = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]
     inner = _inner_optimizer(engine)
     stepped = [p for g in inner.param_groups for p in g["params"]]
-    state = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]
+    state = _state_tensors(inner)
     held = _tensors_held(engine.optimizer) + [p.grad for p in engine.module.parameters() if p.grad is not None]
     optimizer_key = "offloaded" if cfg.offload else "optimizer"
     out = measure({"params": params, optimizer_key: stepped + state, "grads": held})
     return {"params": out["params"], "grads": out["grads"], "optimizer": out.get("optimizer", 0),
             "offloaded": out.get("offloaded", 0)}
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every tensor in a torch optimizer's state (Adam's moments, its step counters)."""
+    return [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
 
 
 def _release(engine) -> None:
@@ -173,9 +178,7 @@ def _release(engine) -> None:
     its model states until the process ends; the bench runs dozens of engines in one process."""
     module_tensors = [t for p in engine.module.parameters() for t in (p, getattr(p, "ds_tensor", None), p.grad)
                       if t is not None]
-    inner = _inner_optimizer(engine)
-    state = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]
-    for t in module_tensors + state + _tensors_held(engine.optimizer):
+    for t in module_tensors + _state_tensors(_inner_optimizer(engine)) + _tensors_held(engine.optimizer):
         t.data = torch.empty(0, dtype=t.dtype, device=t.device)
 
 

@@ -111,6 +111,11 @@ class _Recorder:
                 return unit.bucket
         raise AssertionError("a collective on a buffer the recorder does not know")
 
+    def owned(self, b) -> int:
+        """Where this rank's part of bucket b starts, in flat coordinates (its rank within its shard group)."""
+        e = self.engine
+        return b.start + (e.layout.rank * b.shard_numel if e.sharded else 0)
+
     def _name(self, b) -> str:
         units = getattr(self.engine, "_unit_of_bucket", None)
         return f"unit {units[b.index].name}" if units else f"bucket {b.index}"
@@ -131,9 +136,6 @@ class _Recorder:
             vec[start: start + values.numel()] = values.detach().float().cpu().reshape(-1)
             return vec
 
-        def owned(b):                                  # where this rank's part of bucket b starts
-            return b.start + (e.layout.rank * b.shard_numel if e.sharded else 0)   # rank within its shard group
-
         if e.stage < 3:
             out["parameters"] = put(empty(), 0, e.flat_params)
         else:
@@ -142,7 +144,7 @@ class _Recorder:
                 if unit.bucket is not None:
                     if unit.full.untyped_storage().size():     # allocated: gathered, or being gathered
                         put(full, unit.bucket.start, unit.full)
-                    put(shard, owned(unit.bucket), unit.shard)
+                    put(shard, self.owned(unit.bucket), unit.shard)
             out["parameters"], out["parameter shard"] = full, shard
             if e.hpz_group is not None:                # [Note: hpZ] in zero3.py: forward to backward
                 secondary, i, r = empty(), comm.group_rank(e.hpz_group), comm.group_size(e.hpz_group)
@@ -157,7 +159,7 @@ class _Recorder:
             for index, staged in e.staging.items():
                 put(in_flight, layout.buckets[index].start, staged)
             for b in layout.buckets:
-                put(shard, owned(b), layout.shard(e.grad_shard, b))
+                put(shard, self.owned(b), layout.shard(e.grad_shard, b))
             out["gradients in flight"], out["gradient shard"] = in_flight, shard
         opt = e.optimizer                              # its parts: one per bucket, this rank's (stages 1-3)
         where = " (host)" if e.offload else ""
@@ -168,12 +170,12 @@ class _Recorder:
         out["momentum" + where] = empty()
         for i, (b, master) in enumerate(zip(layout.buckets, opt.masters)):
             if "master weights" + where in out:
-                put(out["master weights" + where], owned(b), master)
+                put(out["master weights" + where], self.owned(b), master)
             if "gradients (host)" in out:
-                put(out["gradients (host)"], owned(b), opt.host_grads[i])
+                put(out["gradients (host)"], self.owned(b), opt.host_grads[i])
             momentum = opt.optimizer.state.get(master, {}).get("momentum_buffer")
             if momentum is not None:
-                put(out["momentum" + where], owned(b), momentum)
+                put(out["momentum" + where], self.owned(b), momentum)
         for key in GRADIENTS:                          # what a reduce-scatter used as workspace (comm.py)
             for start, stop in self.workspace if key in out else ():
                 out[key][start:stop] = math.nan
@@ -214,7 +216,7 @@ class _Recorder:
             self.snap(f"{name}: its gradients are complete, each rank's from its own rows", "ready", b)
         real(*args, async_op=False, **kwargs)
         if kind == "reduce_scatter":                   # only this rank's partition is defined now
-            mine = b.start + e.layout.rank * b.shard_numel
+            mine = self.owned(b)
             self.workspace += [(b.start, mine), (mine + b.shard_numel, b.start + b.padded_numel)]
         # [Note: hierarchical sharding]: group is the shard group (a row of S ranks), the replicate group
         # (a column: the ranks holding the same partition) or hpZ's row of R ranks; None: all N
