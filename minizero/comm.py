@@ -152,11 +152,19 @@ def mesh(shard_size: int) -> tuple[Group, Group]:
     (dist.new_group is collective), then keeps the two it belongs to.
     """
     n = world_size()
-    if shard_size < 1 or n % shard_size:
-        raise ValueError(f"a shard group of {shard_size} ranks does not divide the world size {n}")
-    rows = [Group(row_of(start, shard_size)) for start in range(0, n, shard_size)]
+    row = row_group(shard_size)
     columns = [Group(column_of(index, shard_size, n)) for index in range(shard_size)]
-    return rows[rank() // shard_size], columns[rank() % shard_size]
+    return row, columns[rank() % shard_size]
+
+
+def row_group(size: int) -> Group:
+    """This rank's row of `size` consecutive ranks, alone (hpZ's node group needs no columns). Every rank
+    creates every row (dist.new_group is collective), then keeps its own."""
+    n = world_size()
+    if size < 1 or n % size:
+        raise ValueError(f"a shard group of {size} ranks does not divide the world size {n}")
+    rows = [Group(row_of(start, size)) for start in range(0, n, size)]
+    return rows[rank() // size]
 
 
 def row_of(r: int, size: int) -> list[int]:

@@ -81,7 +81,7 @@ class Engine:
         # [Note: hierarchical sharding]: who this rank shards with (None: all N) and replicates with
         full = shard_group_size in (None, self.world_size)
         self.shard_group, self.replicate_group = (None, None) if full else comm.mesh(shard_group_size)
-        self.hpz_group = None if hpz_group_size is None else comm.mesh(hpz_group_size)[0]   # zero3.py: hpZ
+        self.hpz_group = None if hpz_group_size is None else comm.row_group(hpz_group_size)   # zero3.py: hpZ
         self._sync = True
         self._peak = {"peak": 0, "peak_params": 0}
         self._now: dict[str, int] | None = None       # bytes by category, counted on [Note: counted peaks]
