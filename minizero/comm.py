@@ -34,6 +34,7 @@ under `torchrun`, `init()` reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT f
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 from collections import Counter
@@ -452,6 +453,47 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, async_op: bool = False
                   _copy_into(output, input))
 
 
+# --------------------------------------------------------------------------------------------------------
+# Routes: how one partition travels (ZeRO's variants as data, not as branches in the stages)
+# --------------------------------------------------------------------------------------------------------
+
+class Exact:
+    """The paper's codec: the values travel as they are stored."""
+
+    def all_gather(self, output, input, group, tag):
+        return all_gather(output, input, async_op=True, group=group, tag=tag)
+
+    def reduce_scatter(self, output, input, group, tag):
+        return reduce_scatter(output, input, op="avg", async_op=True, group=group, tag=tag)
+
+
+EXACT = Exact()
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """Which ranks a partition's collective runs over (`group`, None: all N), in what codec (EXACT, or
+    quantize.Int8Blocks: ZeRO++), and where its source lives (`home`: "device", or "host" with
+    offload="params", ZeRO-Infinity: copied to the compute device first). Route() is the paper's ZeRO;
+    HSDP, hpZ, parameter offload, qwZ and qgZ are other routes (zero2.py, zero3.py build them). Both
+    methods start the collective and return its async handle."""
+    group: Group | None = None
+    codec: Exact = EXACT
+    home: str = "device"
+
+    def source(self, partition: torch.Tensor) -> torch.Tensor:
+        """The partition where the collective reads it: on the compute device."""
+        if self.home == "host":                           # host -> device, explicit (also on a CPU run)
+            return partition.to(device(), copy=True, non_blocking=True)
+        return partition
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: str = ""):
+        return self.codec.all_gather(output, input, self.group, tag)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, tag: str = ""):
+        return self.codec.reduce_scatter(output, input, self.group, tag)
+
+
 def all_gather_object(obj) -> list:
     """Every rank's `obj`, by rank. For reporting results under torchrun, not for training: not tallied."""
     if world_size() == 1:
@@ -493,6 +535,7 @@ def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     modeled = _book("ring_all_reduce", "all_reduce", 2 * (n - 1) * chunk * flat.element_size(), n, None)
 
     def exchange(send_idx: int) -> None:
+        events.emit("ring exchange", buffer=padded, send=send_idx)   # [N * chunk], before the exchange
         # Post the send and the receive together so neither neighbour waits on the other (no deadlock).
         ops = [dist.P2POp(dist.isend, chunks[send_idx], right), dist.P2POp(dist.irecv, incoming, left)]
         for req in dist.batch_isend_irecv(ops):

@@ -38,6 +38,7 @@ With a torch.profiler running, each event is also a `minizero/<name>` label in t
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 from typing import Callable
 
@@ -75,13 +76,15 @@ def subscribed(subscriber: Subscriber):
 
 @contextlib.contextmanager
 def recorded(*names: str):
-    """A list of (name, fields) for the events named (all when none), emitted inside the block. Tensors
-    in the fields are left out: a record must not keep a buffer alive that the engine has freed."""
-    log: list[tuple[str, dict]] = []
+    """A list of (time.perf_counter(), name, fields) for the events named (all when none), emitted inside
+    the block. Tensors in the fields are left out: a record must not keep alive a buffer that the engine
+    has freed."""
+    log: list[tuple[float, str, dict]] = []
 
     def keep(name: str, fields: dict) -> None:
         if not names or name in names:
-            log.append((name, {k: v for k, v in fields.items() if not torch.is_tensor(v)}))
+            log.append((time.perf_counter(), name,
+                        {k: v for k, v in fields.items() if not torch.is_tensor(v)}))
     with subscribed(keep):
         yield log
 

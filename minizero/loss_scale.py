@@ -150,5 +150,5 @@ def found_overflow(grads: list[torch.Tensor]) -> bool:
     overflow]."""
     local = any(not torch.isfinite(g).all() for g in grads)
     flag = torch.tensor(float(local), device=comm.device())
-    comm.all_reduce(flag, op="max")                      # <- the essential line: one decision for all ranks
+    comm.all_reduce(flag, op="max", tag="fp16 overflow")   # <- the essential line: one decision for all ranks
     return bool(flag.item())

@@ -1,13 +1,13 @@
-"""Stage 3's units: which modules are gathered together, and which parameters each one owns.
+"""Which modules are stage 3's units, and which parameters each one owns (the Unit itself: unit.py).
 
     engine = minizero.wrap(model, 3, optimizer)                    # default_units(model)
     engine = minizero.wrap(model, 3, optimizer, units=list(model.blocks))
 
 Run its tests:  python -m pytest tests/test_zero3_units.py
 
-A unit is the granularity of stage 3 (zero3.py): its parameters are all-gathered before it runs and freed
-after, so the largest unit, not the model, bounds the parameter memory in flight. FSDP users choose units
-with a wrap policy (a transformer's blocks, or by size); DeepSpeed fetches module by module.
+A unit is the granularity of stage 3 (zero3.py): the largest unit, not the model, bounds the parameter
+memory in flight. FSDP users choose units with a wrap policy (a transformer's blocks, or by size);
+DeepSpeed fetches module by module.
 """
 
 from __future__ import annotations

@@ -42,7 +42,6 @@ from minizero.optim import ShardOptimizer
 
 class Zero1(Engine):
     stage = 1
-    offload_choices = (False, True, "optimizer")        # optimizer state on the host: offload.py
 
     def __init__(self, model, optimizer, **kwargs):
         super().__init__(model, optimizer, **kwargs)
@@ -84,7 +83,8 @@ class Zero1(Engine):
         for b in self.layout.buckets:
             full = self.layout.full(self.flat_grads, b)
             mine = self.layout.my_partition(full, b)
-            comm.reduce_scatter(mine, full, op="avg", group=self.shard_group)   # in place: mine gets the average
+            comm.reduce_scatter(mine, full, op="avg", group=self.shard_group,    # in place: mine gets
+                                tag=f"bucket {b.index}")                   # the average
             parts.append(mine)
         return parts
 
@@ -95,7 +95,8 @@ class Zero1(Engine):
     def _after_step(self) -> None:
         for b in self.layout.buckets:
             full = self.layout.full(self.flat_params, b)
-            comm.all_gather(full, self.layout.my_partition(full, b), group=self.shard_group)   # in place: mine is input
+            comm.all_gather(full, self.layout.my_partition(full, b), group=self.shard_group,
+                            tag=f"bucket {b.index}")                       # in place: mine is input
 
     def _extra_tensors(self, category):
         return [self.flat_grads] if category == "grads" else []

@@ -212,8 +212,6 @@ def validate(cfg: TrainConfig) -> None:
         bad("--lr and --clip-grad-norm must be > 0")
     if cfg.bucket_size <= 0:
         bad("--bucket-size-mb must be > 0")
-    if not cfg.overlap and cfg.stage != 0:
-        bad(f"--no-overlap is for --stage 0 (DDP), got --stage {cfg.stage}")
     if cfg.grad_accum < 1 or cfg.batch_size < 1:
         bad("--grad-accum and --batch-size must be >= 1")
     if cfg.batch_size % (cfg.world_size * cfg.grad_accum):

@@ -79,7 +79,7 @@ def _train(cfg: TrainConfig, block_sleep: float = 0.0) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         transfers = [(f["modeled"][0] - start, f["modeled"][1] - start, f["kind"])
-                     for _, f in issued if f["modeled"] is not None]
+                     for _, _, f in issued if f["modeled"] is not None]
         timelines.append({"events": [(t - start, event) for t, event in marks],
                           "transfers": transfers, "end": times[-1]})
     fastest = min(range(1, cfg.steps), key=times.__getitem__)

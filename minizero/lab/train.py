@@ -26,6 +26,7 @@ from minizero.lab.data import IGNORE, global_batch, local_batch
 from minizero.lab.faults import Fault
 from minizero.lab.model import GPTConfig, make_model
 from minizero.construct import sharded_init
+from minizero.options import takes
 from minizero.wrap import wrap
 
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
@@ -93,11 +94,11 @@ class TrainConfig:
             opts["loss_scale"] = self.loss_scale
         if self.reduce_dtype is not None:
             opts["reduce_dtype"] = self.reduce_dtype
-        if self.stage in (0, 2):
+        if takes(self.stage, "bucket_size"):
             opts["bucket_size"] = self.bucket_size
-        if self.stage == 0 and not self.overlap:
+        if not self.overlap:                                          # only when off: wrap checks the stage
             opts["overlap"] = False
-        if self.stage == 3:
+        if takes(self.stage, "prefetch"):
             opts["prefetch"] = self.prefetch
         for name in ("quantized_weights", "quantized_gradients"):       # only when on: wrap checks the stage
             if getattr(self, name):
