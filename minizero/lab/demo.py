@@ -429,16 +429,13 @@ class _FaultyScaler(LossScaler):
 
 def loss_scale_worker(cfg: TrainConfig, faults: dict[int, int]) -> dict:
     """Worker: train cfg (fp16) with _FaultyScaler as the engine's scaler; this rank's trace and losses."""
-    scalers = []
+    scaler = _FaultyScaler(cfg.loss_scale, faults)
 
     def build(model, stage, optimizer, **options):
-        engine = wrap(model, stage, optimizer, **options)
-        engine.scaler = _FaultyScaler(cfg.loss_scale, faults)      # the engine's public scaler
-        scalers.append(engine.scaler)
-        return engine
+        return wrap(model, stage, optimizer, **{**options, "loss_scale": scaler})   # a LossScaler as is
 
     result = train_worker(cfg, make_engine=build)
-    return {"rank": comm.rank(), "trace": scalers[-1].trace, "losses": result["losses"],
+    return {"rank": comm.rank(), "trace": scaler.trace, "losses": result["losses"],
             "skipped_steps": result["skipped_steps"]}
 
 

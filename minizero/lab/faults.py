@@ -7,8 +7,8 @@ Rank `rank` fails when step `step`'s first forward starts: it raises ("raise") o
 ("kill": SIGKILL to itself, as the kernel's OOM killer would). The fault is a forward pre-hook on the
 model, armed once after the engine is built, so the training loop knows nothing about it.
 "kill-in-save" (rank 0) dies instead inside the save made after `step` steps, every shard written and
-the manifest not yet: the worst moment for a checkpoint. checkpoint.write_atomic is replaced in that
-process only, so the implementation knows nothing about it either.
+the manifest not yet: the worst moment for a checkpoint. It listens for the "checkpoint commit" event
+(events.py), so the implementation knows nothing about it either.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import os
 import signal
 from dataclasses import dataclass
 
-from minizero import checkpoint, comm
+from minizero import comm, events
 
 
 @dataclass(frozen=True)
@@ -39,14 +39,10 @@ class Fault:
         if comm.rank() != self.rank:
             return
         if self.mode == "kill-in-save":
-            write = checkpoint.write_atomic
-
-            def write_or_die(path, data):
-                if path.endswith(checkpoint.MANIFEST) and engine.step_count == self.step:
+            def die_before_commit(name, fields):
+                if name == "checkpoint commit" and engine.step_count == self.step:
                     os.kill(os.getpid(), signal.SIGKILL)          # the shards are on disk, uncommitted
-                write(path, data)
-
-            checkpoint.write_atomic = write_or_die
+            events.subscribe(die_before_commit)
             return
 
         def fail(module, args):
