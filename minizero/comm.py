@@ -278,10 +278,11 @@ class _Done:
 
 class Joined:
     """One handle for several collectives in flight: wait() waits for each, then runs `finish` once (what
-    is left to do locally when they are done: a copy out, a dequantization)."""
+    is left to do locally when they are done: a copy out, a dequantization). `keep`: tensors the
+    collectives read, held until they are done."""
 
-    def __init__(self, handles: list, finish=None):
-        self.handles, self.finish = handles, finish
+    def __init__(self, handles: list, finish=None, keep=None):
+        self.handles, self.finish, self.keep = handles, finish, keep
 
     def wait(self) -> bool:
         for handle in self.handles:
@@ -289,6 +290,7 @@ class Joined:
         if self.finish is not None:
             self.finish()
             self.finish = None                                    # wait() twice finishes once
+        self.keep = None
         return True
 
 
@@ -481,13 +483,10 @@ class Route:
     codec: Exact = EXACT
     home: str = "device"
 
-    def source(self, partition: torch.Tensor) -> torch.Tensor:
-        """The partition where the collective reads it: on the compute device."""
-        if self.home == "host":                           # host -> device, explicit (also on a CPU run)
-            return partition.to(device(), copy=True, non_blocking=True)
-        return partition
-
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: str = ""):
+        if self.home == "host":                           # host -> device, explicit (also on a CPU run)
+            input = input.to(device(), copy=True, non_blocking=True)
+            return Joined([self.codec.all_gather(output, input, self.group, tag)], keep=input)
         return self.codec.all_gather(output, input, self.group, tag)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, tag: str = ""):

@@ -125,6 +125,14 @@ def full_value(param: torch.Tensor) -> torch.Tensor:
     return flat[: part.numel].view(part.shape)
 
 
+def take_value(param: torch.Tensor) -> torch.Tensor:
+    """Stage 3 building a unit: the parameter's full value (gathered if built partitioned), after which
+    its partition is forgotten (its chunk freed)."""
+    value = full_value(param) if partition_of(param) is not None else param.detach()
+    forget(param)
+    return value
+
+
 def forget(param: torch.Tensor) -> None:
     """Drop a parameter's partition once stage 3 has its values in a unit (its chunk is freed)."""
     if hasattr(param, "_minizero_partition"):

@@ -352,7 +352,7 @@ class Engine:
 
     # [Note: counted peaks] Stage 3 wants the peak where it happens, at each unit gathered and each
     # gradient bucket in flight: several times a step. Re-measuring every storage there (_track_peak)
-    # cost 12-25 % of a stage-3 step on a 2M-parameter model. Between two measurements, the only model
+    # would cost a noticeable part of a step (docs/performance.md). Between two measurements, the only model
     # states that come and go in a step are the buffers the stages allocate and free themselves (a unit's
     # full parameters and hpZ's secondaries, a bucket's staging buffer): their events carry the bytes in
     # and out (_COUNTED), and the moments of _PEAKS compare the running count with the peak. Autograd's

@@ -124,6 +124,17 @@ class FlatLayout:
                 view.copy_(p.detach())
         return flat
 
+    @staticmethod
+    def flatten_bucket(b: Bucket, dtype: torch.dtype, device: torch.device,
+                       value_of=lambda p: p.detach()) -> torch.Tensor:
+        """A new buffer [padded_numel] of one bucket, holding value_of(p) of each parameter (padding
+        zero), and the parameters made views of it (stage 3: a unit's full buffer)."""
+        full = torch.zeros(b.padded_numel, dtype=dtype, device=device)
+        for p, view in b.views(full):
+            view.copy_(value_of(p))
+        FlatLayout.point_bucket_into(b, full)
+        return full
+
     def point_params_into(self, flat: torch.Tensor) -> None:
         """Make every parameter a view of `flat`: writing the buffer (an all-gather) updates the model.
         The parameters' old storage is freed once nothing else refers to it."""

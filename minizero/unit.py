@@ -2,9 +2,9 @@
 
     python -m pytest tests/test_zero3.py
 
-A unit's parameters are all-gathered before it runs and freed after, so the largest unit, not the model,
-bounds the parameter memory in flight (which modules are units: units.py). FSDP2's FSDPParamGroup is the
-industrial version of `Unit`, with the same explicit states.
+A unit's parameters are all-gathered before it runs and freed after, so the largest unit, not the
+model, bounds the parameters in flight (which modules are units: units.py). FSDP2's FSDPParamGroup is
+the industrial version of `Unit`, with the same explicit states.
 """
 
 from __future__ import annotations
@@ -12,21 +12,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from minizero import comm, events
-from minizero.flat import Bucket, partition
+from minizero.flat import partition
 
-FREE, IN_FLIGHT, GATHERED = "free", "in flight", "gathered"              # what unit.full holds
-IDLE, FORWARD, PRE_BACKWARD = "idle", "forward", "pre-backward"          # where the step is, for the unit
+FREE, IN_FLIGHT, GATHERED = "free", "in flight", "gathered"          # what unit.full holds
+IDLE, FORWARD, PRE_BACKWARD = "idle", "forward", "pre-backward"      # where the step is, for the unit
 
 
 @dataclass(frozen=True)
 class UnitRoutes:
     """How a unit's partitions travel (comm.Route: group, codec, home), chosen once by zero3.py.
-    forward: the all-gather before forward (ZeRO++'s qwZ: int8); exact: every other all-gather (for
-    backward, for engine.gathered()); node: hpZ's backward all-gather within a node, from the secondary
-    partitions, or None. The paper's ZeRO: forward = exact = comm.Route(), node = None."""
+    forward: the all-gather before forward (qwZ: int8); exact: every other (backward's, gathered()'s);
+    node: hpZ's backward all-gather within a node, from the secondaries. The paper: Route(), Route()."""
     forward: comm.Route
     exact: comm.Route
     node: comm.Route | None = None
@@ -35,32 +33,27 @@ class UnitRoutes:
 class Unit:
     """One unit: its module, its buffers, its state, and what each hook does to it.
 
-    full   [Ψ_u padded]  the unit's trainable parameters end to end; the module's parameters are views of
-                         it. Its storage is 0 bytes while FREE (shape kept), allocated while IN_FLIGHT/GATHERED.
-    shard  [Ψ_u / N]     this rank's partition, a view into the engine's param_shard: all that persists
-                         between uses, updated in place by the optimizer.
-    frozen_full, frozen_shard   the same for the unit's frozen parameters (empty if it has none): gathered
-                         and freed with `full`, never reduced or stepped.
-    secondary            hpZ ([Note: hpZ] in zero3.py): [Ψ_u / R] per buffer, kept from forward to backward.
-    training_state       IDLE -pre_forward-> FORWARD -post_forward-> IDLE; engine.backward() -> PRE_BACKWARD
-                         -post_backward-> IDLE. A forward starting in PRE_BACKWARD is a recompute.
-    The engine (zero3.Zero3) builds the buffers and calls the hooks; the unit calls back only its public
-    prefetch_after, free_finished, keep_till_backward_ends and reduce_scatter_grads.
+    full [Ψ_u padded]  its trainable parameters end to end, the module's parameters views of it:
+                       0 bytes while FREE (shape kept), allocated while IN_FLIGHT / GATHERED.
+    shard [Ψ_u / N]    this rank's partition, a view into param_shard: all that persists.
+    frozen_full, frozen_shard: the same for its frozen parameters (empty if none); secondary: hpZ's.
+    training_state     IDLE -pre_forward-> FORWARD -post_forward-> IDLE; engine.backward() ->
+                       PRE_BACKWARD -post_backward-> IDLE (a forward in PRE_BACKWARD recomputes).
+    zero3.Zero3 builds it and calls the hooks; it calls back only the engine's public methods.
     """
 
-    def __init__(self, engine, module: nn.Module, name: str, index: int, routes: UnitRoutes,
-                 bucket: Bucket | None, buffers: list[tuple[torch.Tensor, torch.Tensor]],
-                 frozen_bucket: Bucket | None):
-        self.engine, self.module, self.name, self.index, self.routes = engine, module, name, index, routes
-        self.tag = f"unit {index} ({name})"              # what its collectives are for (event stream)
-        self.bucket, self.frozen_bucket = bucket, frozen_bucket
+    def __init__(self, engine, module, name: str, index: int, routes: UnitRoutes, bucket,
+                 buffers: list[tuple[torch.Tensor, torch.Tensor]], frozen_bucket):
+        self.engine, self.module, self.name, self.index = engine, module, name, index
+        self.routes, self.bucket, self.frozen_bucket = routes, bucket, frozen_bucket
+        self.tag = f"unit {index} ({name})"           # what its collectives are for (event stream)
         (self.full, self.shard), (self.frozen_full, self.frozen_shard) = buffers
         self.params = [p for b in (bucket, frozen_bucket) if b is not None for p in b.params]
         self.numel = sum(p.numel() for p in self.params)
         self.state, self.training_state = GATHERED, IDLE
         self.secondary: list[torch.Tensor] | None = None
-        self._in_flight: list = []                        # (all-gather handle, its source) while IN_FLIGHT
-        self.free()                                       # built gathered; released right away
+        self._in_flight: list = []                     # all-gather handles while IN_FLIGHT
+        self.free()                                    # built gathered; released right away
 
     def buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(self.full, self.shard), (self.frozen_full, self.frozen_shard)]
@@ -68,7 +61,7 @@ class Unit:
     def held_bytes(self) -> int:
         return sum(full.untyped_storage().nbytes() for full, _ in self.buffers())
 
-    # --- buffers --------------------------------------------------------------------------------------
+    # --- buffers ------------------------------------------------------------------------------------
     def gather(self, prefetch: bool = False, forward: bool = False) -> None:
         """FREE -> IN_FLIGHT -> GATHERED: all-gather `full` from the partitions (prefetch: only start)."""
         if self.state == GATHERED or (self.state == IN_FLIGHT and prefetch):
@@ -76,9 +69,9 @@ class Unit:
         if self.state == FREE:
             route, sources = self._route(forward)
             for (full, _), source in zip(self.buffers(), sources):
-                full.untyped_storage().resize_(full.numel() * full.element_size())      # allocate
-                source = route.source(source)             # offload="params": to the device first
-                self._in_flight.append((route.all_gather(full, source, self.tag), source))  # <- stage 3
+                full.untyped_storage().resize_(full.numel() * full.element_size())   # allocate
+                # <- the essential line of stage 3: every rank's partition -> the full unit, in place
+                self._in_flight.append(route.all_gather(full, source, self.tag))
             self.state = IN_FLIGHT
             events.emit("unit gather", engine=self.engine, unit=self, prefetch=prefetch,
                         nbytes=self.held_bytes())
@@ -94,10 +87,11 @@ class Unit:
         """Backward's all-gather runs within the node from the secondaries when hpZ kept them."""
         if self.training_state == PRE_BACKWARD and self.secondary is not None:
             return self.routes.node, self.secondary
-        return (self.routes.forward if forward else self.routes.exact), [s for _, s in self.buffers()]
+        route = self.routes.forward if forward else self.routes.exact
+        return route, [shard for _, shard in self.buffers()]
 
     def _wait(self) -> None:
-        for handle, _ in self._in_flight:
+        for handle in self._in_flight:
             handle.wait()
         self._in_flight = []
 
@@ -105,7 +99,7 @@ class Unit:
         """Release `full`: 0 bytes, shape kept, so the parameters stay views of it."""
         if self.state == FREE:
             return
-        self._wait()                                      # never free a buffer a collective is writing
+        self._wait()                                   # never free a buffer a collective is writing
         nbytes = self.held_bytes()
         for full, _ in self.buffers():
             full.untyped_storage().resize_(0)
@@ -113,13 +107,14 @@ class Unit:
         events.emit("unit freed", engine=self.engine, unit=self, nbytes=-nbytes)
 
     def keep_secondary(self) -> None:
-        """hpZ [Note: hpZ]: keep this rank's 1/R of the full unit (its slice within the node's group), from
-        which the node rebuilds the unit for backward without crossing nodes."""
+        """hpZ [Note: hpZ]: keep this rank's 1/R of the full unit (its slice within the node's group),
+        from which the node rebuilds the unit for backward without crossing nodes."""
         group = self.routes.node.group
         self.drop_secondary()
         self.secondary = [partition(full, comm.group_rank(group), comm.group_size(group)).clone()
                           for full, _ in self.buffers()]
-        events.emit("secondary", engine=self.engine, unit=self, nbytes=sum(t.nbytes for t in self.secondary))
+        events.emit("secondary", engine=self.engine, unit=self,
+                    nbytes=sum(t.nbytes for t in self.secondary))
 
     def drop_secondary(self) -> None:
         if self.secondary is not None:
@@ -128,41 +123,39 @@ class Unit:
         self.secondary = None
 
     def reduce_scatter_grads(self):
-        """Stage 2's reduce-scatter of this unit's gradients (Zero2.reduce_scatter_grads): the async handle."""
+        """Stage 2's reduce-scatter of this unit's gradients (Zero2.reduce_scatter_grads): a handle."""
         return self.engine.reduce_scatter_grads(self.bucket)
 
-    # --- lifecycle: Zero3 calls these from the module's forward hooks and from autograd ------------------
+    # --- lifecycle: Zero3 calls these from the module's forward hooks and from autograd ------------
     def pre_forward(self) -> None:
-        if self.training_state == PRE_BACKWARD:           # backward recomputes this forward [Note: recompute]
-            self.gather()                                 # reentrant: its first use in this backward
+        if self.training_state == PRE_BACKWARD:        # backward recomputes it [Note: recompute]
+            self.gather()                              # reentrant: its first use in this backward
             return
         self.training_state = FORWARD
         self.gather(forward=True)
         self.engine.prefetch_after(self, forward=True)
 
     def post_forward(self) -> None:
-        if self.training_state == PRE_BACKWARD:           # a recompute: its backward needs the parameters
+        if self.training_state == PRE_BACKWARD:        # a recompute: its backward needs the parameters
             return
         self.training_state = IDLE
-        self.free()                                       # <- stage 3's saving: free after forward
+        self.free()                                    # <- stage 3's saving: free after forward
 
     def pre_backward(self) -> None:
-        """The gradient of the unit's output is known: its backward is next, and the backward of every
-        unit that used that output is done (see post_backward)."""
+        """Its output's gradient is known: its backward is next (and that of every later unit done)."""
         self.engine.free_finished()
         self.training_state = PRE_BACKWARD
         self.gather()
         self.engine.prefetch_after(self, forward=False)
 
     def post_backward(self):
-        """Every trainable gradient of the unit is complete: reduce-scatter them, free the parameters; the
-        handle. A unit with frozen parameters may still need them then: its input's gradient can flow
-        through a frozen weight after the last trainable gradient is done (LoRA: the adapters' gradients
-        come before the frozen layer norm in front of them is differentiated). Such a unit is freed when the
-        next unit's backward starts (pre_backward) or backward ends."""
+        """Its trainable gradients are complete: reduce-scatter them, free the parameters; the handle.
+        Frozen parameters may still be needed: the input's gradient can flow through a frozen weight
+        after the last trainable gradient is done (LoRA's adapters before the frozen layer norm in
+        front of them). Such a unit is freed by the next unit's pre_backward, or when backward ends."""
         handle = self.reduce_scatter_grads()
         self.training_state = IDLE
-        self.drop_secondary()                             # hpZ: its backward all-gather is done
+        self.drop_secondary()                          # hpZ: its backward all-gather is done
         if self.frozen_bucket is None:
             self.free()
         else:

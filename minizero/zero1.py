@@ -24,9 +24,8 @@ Why not reduce-scatter bucket by bucket during backward, as DDP and stage 2 do: 
 backward before the step would add into a mixed buffer; keeping the reduced partitions apart from the
 buffer backward adds into is exactly stage 2's gradient shard. So stage 1 pays knowingly: its
 reduce-scatter (Ψ(N-1)/N per rank) waits at the step instead of hiding behind backward, where DDP +
-ZeroRedundancyOptimizer overlaps its all-reduce (twice the bytes). Stage 2 is the answer when it matters.
-What that costs, measured (`python -m minizero.bench --world-size 2 --sizes 50M --stages 1 --phases`):
-backward 755 ms here against 957 ms there, the step 445 ms against 202 ms; the same time per step.
+ZeroRedundancyOptimizer overlaps its all-reduce (twice the bytes): docs/performance.md measures what
+that costs. Stage 2 is the answer when it matters.
 """
 
 from __future__ import annotations

@@ -1,49 +1,39 @@
 """ZeRO stage 3, P_os+g+p: stage 2, plus each rank stores only its partition of the parameters.
 
     python -m minizero.run --stage 3 --world-size 4 [--offload | --offload params]
-    engine = minizero.wrap(model, 3, functools.partial(torch.optim.AdamW, lr=1e-3), units=model.blocks)
+    engine = minizero.wrap(model, 3, functools.partial(torch.optim.AdamW, lr=1e-3))
 
-What each rank holds (paper, section 5.3): (2 + 2 + K)Ψ/N bytes, falling linearly with N (16Ψ -> 0.25Ψ
-for Adam with N = 64), plus the few *units* gathered at any moment. Communication per step: all-gather Ψ
-(forward) + all-gather Ψ (backward) + reduce-scatter Ψ = 3Ψ, 1.5x DDP: the price of not replicating.
+What each rank holds (paper, section 5.3): (2 + 2 + K)Ψ/N bytes (16Ψ -> 0.25Ψ for Adam, N = 64), plus
+the few *units* gathered at any moment. Per step: all-gather Ψ (forward) + all-gather Ψ (backward) +
+reduce-scatter Ψ = 3Ψ, 1.5x DDP: the price of not replicating parameters.
 
-Read zero2.py first; this file is told as what happens to a unit (unit.py holds the Unit itself):
-  * A unit is a module whose parameters (minus those of the units inside it) are gathered, used and freed
-    together: one bucket (flat.py), padded and partitioned; rank r keeps partition r of every unit in
-    `param_shard` [Ψ/N]; a unit's full buffer [Ψ_u] exists only while gathered. The model itself is
-    always a unit: it owns what no other unit does (which units: units.py). Frozen parameters (Ψ_f: a
-    fine-tuned base, LoRA's frozen weights) are partitioned the same way in a second buffer of the unit,
-    gathered and freed with it, never reduced or stepped: (Ψ + Ψ_f)·2/N bytes of parameters per rank.
-  * Forward: the unit's pre-forward all-gathers it (Ψ_u), its forward runs, its post-forward frees it.
-  * Backward: a hook on the unit's outputs fires just before the unit's backward and gathers it again;
-    when its gradients are complete its post-backward reduce-scatters them exactly as stage 2 does
-    (Zero2.reduce_scatter_grads: the unit is the bucket) and frees the full parameters.
-  * Prefetch: while unit i computes, unit i+1 (in the order recorded on the first step, reversed for
-    backward) is already being gathered (DeepSpeed's partitioned_param_coordinator, FSDP's prefetch).
+Read zero2.py first; this file is what happens to a unit (unit.py: the Unit; units.py: which ones).
+  * A unit's parameters (minus those of units inside it) are one bucket (flat.py); rank r keeps its
+    partition of every unit in `param_shard` [Ψ/N]; a unit's full buffer [Ψ_u] exists only while
+    gathered. The model is always a unit. Frozen parameters (Ψ_f: LoRA's base) are partitioned alike
+    in a second buffer of the unit, never reduced or stepped: (Ψ + Ψ_f)·2/N bytes per rank.
+  * Forward: the unit's pre-forward all-gathers it, its forward runs, its post-forward frees it.
+  * Backward: a hook on its outputs gathers it again just before its backward; when its gradients are
+    complete, post-backward reduce-scatters them as stage 2 does (the unit is the bucket), frees it.
+  * Prefetch: while unit i computes, unit i+1 (in the order of the first step) is being gathered.
   * Step: the optimizer updates param_shard in place; the next forward gathers what it needs.
-Variants are routes (comm.Route: over which group, in what codec, from where), chosen in
-_init_parameters: offload="params" keeps param_shard in host memory (ZeRO-Infinity; the optimizer then
-steps on the host, offload.py); quantized_weights (ZeRO++ qwZ) sends forward's all-gather as int8
-blocks; shard_group_size=S gathers and reduces within groups of S ranks ([Note: hierarchical sharding]).
+Variants are routes (comm.Route: which group, what codec, where from), chosen in _init_parameters:
+offload="params" keeps param_shard on the host (ZeRO-Infinity; the optimizer steps there, offload.py);
+quantized_weights sends forward's all-gather in int8 (ZeRO++ qwZ); shard_group_size=S gathers within
+S ranks ([Note: hierarchical sharding] in engine.py).
 
-[Note: hpZ] ZeRO++'s hierarchical partitioning (hpz_group_size=R = ranks per node): when a unit's forward
-all-gather completes, each rank also keeps `secondary`, its 1/R of the full unit within its node's R
-ranks; backward's all-gather then runs within the node from those, so only the forward all-gather and the
-reduce-scatter cross nodes: 3Ψ -> 2Ψ inter-node, for Ψ/R more parameter memory from each unit's forward
-to its backward (memory.secondary_partition_bytes).
+[Note: hpZ] ZeRO++'s hpz_group_size=R (a node's ranks): a unit's forward all-gather also leaves each
+rank its 1/R of the unit within the node (`secondary`); backward's all-gather then stays inside the
+node: 3Ψ -> 2Ψ across nodes, for Ψ/R more parameter memory until backward.
 
-[Note: recompute] Activation checkpointing runs a unit's forward again inside backward, hooks included.
-That forward must neither free the unit afterwards nor prefetch in forward order. engine.backward() puts
-every unit in PRE_BACKWARD, so a forward that starts there is a recompute, whether it comes after the
-unit's pre-backward hook (non-reentrant checkpointing) or before it (reentrant). post_backward frees it.
-
-A model built under minizero.sharded_init (construct.py) arrives as per-parameter partitions: each unit
-gathers its values from them when it is built, one unit at a time, so no rank ever holds the whole model.
+[Note: recompute] Activation checkpointing runs a unit's forward again inside backward, hooks
+included; that forward must neither free the unit nor prefetch. engine.backward() puts every unit in
+PRE_BACKWARD, so a forward starting there is a recompute (reentrant or not); post_backward frees it.
+A model built under minizero.sharded_init arrives partitioned: units gather its values one at a time.
 """
 
 from __future__ import annotations
 
-import warnings
 from functools import partial
 
 import torch
@@ -62,84 +52,75 @@ class Zero3(Zero2):
     """Builds the units, connects the model's forward hooks and autograd to their lifecycle, and runs
     stage 2's reducer with one bucket per unit."""
     stage = 3
-    unit_class = Unit        # what units are made of: exercise 5's grader brings a Unit with the learner's hooks
+    unit_class = Unit        # what units are made of: exercise 5's grader brings the learner's hooks
 
-    def __init__(self, model, optimizer, *, units: list[nn.Module] | None = None, prefetch: bool = True,
-                 quantized_weights: bool = False, **kwargs):
-        self.prefetch = prefetch
-        self.quantized_weights = quantized_weights               # ZeRO++ qwZ: quantize.py
+    def __init__(self, model, optimizer, *, units: list[nn.Module] | None = None,
+                 prefetch: bool = True, quantized_weights: bool = False, **kwargs):
+        self.prefetch, self.quantized_weights = prefetch, quantized_weights    # qwZ: quantize.py
         chosen = default_units(model) if units is None else units
-        self._unit_modules, self._unit_params, self._unit_frozen = assign_units(model, chosen)
-        self.finished: list[Unit] = []          # backward done, frozen parameters still gathered (post_backward)
-        self._gathered_for_user: list[list[Unit]] = []          # by engine.gathered(), innermost last
+        self._unit_modules, self._unit_params, self._unit_frozen = assign_units(
+            model, chosen, chosen=units is not None)
+        self.finished: list[Unit] = []          # backward done, frozen parameters still gathered
+        self._gathered_for_user: list[list[Unit]] = []     # by engine.gathered(), innermost last
         self.forward_order: list[Unit] = []     # pre-forward order, recorded on the first step
-        self.backward_order: list[Unit] = []    # reverse post-forward order: the order backward runs units
-        super().__init__(model, optimizer, **kwargs)              # stage 2, with one bucket per unit
+        self.backward_order: list[Unit] = []    # reverse post-forward order: backward's order
+        super().__init__(model, optimizer, **kwargs)       # stage 2, with one bucket per unit
         for unit in self.units:
             unit.module.register_forward_pre_hook(partial(self._on_pre_forward, unit))
             unit.module.register_forward_hook(partial(self._on_post_forward, unit))
-        largest = max(self.units, key=lambda unit: unit.numel)
-        share = largest.numel / sum(unit.numel for unit in self.units)
-        if units is not None and share > 0.5:     # gathered whole, it is most of the model: little saved
-            warnings.warn(f"stage 3: unit {largest.name!r} holds {share:.0%} of the parameters; pass units= "
-                          "with smaller submodules (e.g. each block)", stacklevel=3)
 
     @property
     def unit_names(self) -> list[str]:
-        return [unit.name for unit in self.units]         # by unit index (as in unit events)
+        return [unit.name for unit in self.units]          # by unit index (as in unit events)
 
     def _param_groups(self):
-        return [group for group in self._unit_params if group]      # one bucket per unit that trains
+        return [group for group in self._unit_params if group]     # one bucket per unit that trains
 
     def bucket_tag(self, b: Bucket) -> str:
         return self._unit_of_bucket[b.index].tag
 
-    # --- parameters: only this rank's partition persists; each unit holds its full buffer ----------------
+    # --- parameters: only this rank's partition persists; each unit holds its full buffer --------
     def _init_parameters(self) -> None:
-        host = self.offload == "params"                   # ZeRO-Infinity style: the shard in host memory
+        host = self.offload == "params"                # ZeRO-Infinity style: the shard on the host
         home = torch.device("cpu") if host else self.device
-        pin = host and self.device.type == "cuda"         # pinned: host -> device copies run async
+        pin = host and self.device.type == "cuda"      # pinned: host -> device copies run async
         self.param_shard = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=home,
                                        pin_memory=pin)                                  # [Ψ/N]
-        # [Note: hierarchical sharding] and [Note: hpZ]: the variants are routes, not branches
+        # the variants are routes, not branches ([Note: hierarchical sharding], [Note: hpZ])
         exact = comm.Route(self.shard_group, home="host" if host else "device")
-        forward = comm.Route(exact.group, Int8Blocks(self.quantization_block), exact.home) \
-            if self.quantized_weights else exact
+        int8 = Int8Blocks(self.quantization_block)
+        forward = comm.Route(exact.group, int8, exact.home) if self.quantized_weights else exact
         node = None if self.hpz_group is None else comm.Route(self.hpz_group)
-        routes = UnitRoutes(forward, exact, node)
         names = {id(m): name or "<root>" for name, m in self.module.named_modules()}
-        buckets = iter(self.layout.buckets)
-        self.units = []
-        for i, (m, trains, frozen) in enumerate(zip(self._unit_modules, self._unit_params, self._unit_frozen)):
+        buckets, self.units = iter(self.layout.buckets), []
+        owned = zip(self._unit_modules, self._unit_params, self._unit_frozen)
+        for i, (module, trains, frozen) in enumerate(owned):
             bucket = next(buckets) if trains else None
-            frozen_bucket = FlatLayout.build([frozen], self.layout.world_size, self.layout.rank).buckets[0] \
-                if frozen else None
+            frozen_bucket = FlatLayout.build([frozen], self.layout.world_size,
+                                             self.layout.rank).buckets[0] if frozen else None
             buffers = [self._unit_buffers(bucket, lambda b: self.layout.shard(self.param_shard, b)),
-                       self._unit_buffers(frozen_bucket, lambda b: torch.empty(   # [Ψ_f,u / N] of its own
+                       self._unit_buffers(frozen_bucket, lambda b: torch.empty(   # [Ψ_f,u / N]
                            b.shard_numel, dtype=self.dtype, device=home, pin_memory=pin))]
-            self.units.append(self.unit_class(self, m, names[id(m)], i, routes, bucket, buffers, frozen_bucket))
-        self._unit_of_bucket = {unit.bucket.index: unit for unit in self.units if unit.bucket is not None}
+            self.units.append(self.unit_class(self, module, names[id(module)], i,
+                                              UnitRoutes(forward, exact, node), bucket, buffers,
+                                              frozen_bucket))
+        self._unit_of_bucket = {u.bucket.index: u for u in self.units if u.bucket is not None}
 
     def _unit_buffers(self, bucket: Bucket | None, shard_of) -> tuple[torch.Tensor, torch.Tensor]:
-        """A full buffer holding the bucket's parameters (the module's parameters become views of it) and
-        this rank's partition of it; empty ones for no bucket."""
+        """The unit's full buffer [Ψ_u padded] (its parameters views of it; sharded_init's values
+        gathered from the ranks) and this rank's partition of it; empty ones for no bucket."""
         if bucket is None:
             empty = torch.empty(0, dtype=self.dtype, device=self.device)
             return empty, empty
-        full = torch.zeros(bucket.padded_numel, dtype=self.dtype, device=self.device)   # [Ψ_u padded]
-        for p, view in bucket.views(full):
-            part = construct.partition_of(p)              # built by sharded_init: values from the ranks
-            view.copy_(construct.full_value(p) if part else p.detach())
-            construct.forget(p)
+        full = self.layout.flatten_bucket(bucket, self.dtype, self.device, construct.take_value)
         shard = shard_of(bucket)
         shard.copy_(self.layout.my_partition(full, bucket))
-        self.layout.point_bucket_into(bucket, full)
         return full, shard
 
     def _my_params(self, b) -> torch.Tensor:
-        return self._unit_of_bucket[b.index].shard        # the optimizer updates the shard in place
+        return self._unit_of_bucket[b.index].shard     # the optimizer updates the shard in place
 
-    # --- hooks: the model's modules and autograd drive each unit's lifecycle ------------------------------
+    # --- hooks: the model's modules and autograd drive each unit's lifecycle ---------------------
     def _on_pre_forward(self, unit: Unit, module, args) -> None:
         if unit not in self.forward_order:
             self.forward_order.append(unit)
@@ -149,67 +130,67 @@ class Zero3(Zero2):
         if unit not in self.backward_order:
             self.backward_order.insert(0, unit)
         unit.post_forward()
-        if torch.is_grad_enabled():                       # backward will need the parameters again
-            for t in tree_flatten(output)[0]:                # tensors in tuples, dicts, ModelOutputs
+        if torch.is_grad_enabled():                    # backward will need the parameters again
+            for t in tree_flatten(output)[0]:          # tensors in tuples, dicts, ModelOutputs
                 if torch.is_tensor(t) and t.requires_grad:
                     t.register_hook(lambda grad: unit.pre_backward())
 
     def prefetch_after(self, unit: Unit, forward: bool) -> None:
-        """Start gathering the unit after `unit` (in forward order, or backward's), so that its all-gather
-        runs while `unit` computes."""
+        """Start gathering the unit after `unit` (in forward's order, or backward's), so that its
+        all-gather runs while `unit` computes."""
         order = self.forward_order if forward else self.backward_order
         following = order.index(unit) + 1
         if self.prefetch and following < len(order):
             order[following].gather(prefetch=True, forward=forward)
 
-    # --- backward -----------------------------------------------------------------------------------------
+    # --- backward ------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
-        for unit in self.units:                           # a forward from here on is a recompute
-            unit.training_state = PRE_BACKWARD            # [Note: recompute]
+        for unit in self.units:                        # a forward from here on is a recompute
+            unit.training_state = PRE_BACKWARD         # [Note: recompute]
         super().backward(loss)
 
     def _bucket_ready(self, b):
-        return self._unit_of_bucket[b.index].post_backward()      # the reducer calls it in bucket order
+        return self._unit_of_bucket[b.index].post_backward()   # the reducer: in bucket order
 
     def keep_till_backward_ends(self, unit: Unit) -> None:
-        self.finished.append(unit)                        # freed by the next pre_backward or backward's end
+        self.finished.append(unit)                     # freed by the next pre_backward, or the end
 
     def free_finished(self) -> None:
-        """Free the units whose backward is done but whose frozen parameters were kept (post_backward)."""
+        """Free the units whose backward is done but whose frozen parameters were kept."""
         for unit in self.finished:
             unit.free()
         self.finished.clear()
 
     def _after_backward(self) -> None:
-        super()._after_backward()                         # post_backward of units that got no gradient
+        super()._after_backward()                      # post_backward of units that got no gradient
         self.finished.clear()
-        for unit in self.units:                           # and units a prefetch gathered after it
+        for unit in self.units:                        # and units a prefetch gathered after it
             unit.free()
             unit.training_state = IDLE
-            unit.drop_secondary()                         # hpZ: units with nothing to train keep it till now
+            unit.drop_secondary()                      # hpZ: units with nothing to train keep it
 
-    # --- step: nothing to gather, the shards were updated in place ---------------------------------------
+    # --- step: nothing to gather, the shards were updated in place -------------------------------
     def _after_step(self) -> None:
         pass
 
-    # --- engine.gathered(): the units holding the parameters asked for -----------------------------------
+    # --- engine.gathered(): the units holding the parameters asked for ----------------------------
     def _units_of(self, params) -> list[Unit]:
         wanted = {id(p) for p in params}
         return [u for u in self.units if any(id(p) in wanted for p in u.params)]
 
     def _gather_for_user(self, params) -> None:
-        # only the units that are free now: a nested gathered() (full_state_dict inside one) keeps the outer's
+        # only units free now: a nested gathered() (full_state_dict inside one) keeps the outer's
         newly = [unit for unit in self._units_of(params) if unit.state == FREE]
         for unit in newly:
             unit.gather()
         self._gathered_for_user.append(newly)
 
     def _after_user_write(self, params) -> None:
-        for unit in self._units_of(params):               # the full parameters were written: keep my part
+        for unit in self._units_of(params):            # the full parameters were written: my part
             for full, shard in unit.buffers():
                 if full.numel():
                     shard.copy_(partition(full, self.layout.rank, self.layout.world_size))
-        super()._after_user_write(params)                  # the masters follow the shards
+        super()._after_user_write(params)              # the masters follow the shards
 
     def _release_for_user(self, params) -> None:
         for unit in self._gathered_for_user.pop():
@@ -220,6 +201,6 @@ class Zero3(Zero2):
         extra = super()._extra_tensors(category)
         if category == shard_category:
             extra = extra + [self.param_shard] + [u.frozen_shard for u in self.units]
-        if category == "params":                          # hpZ's secondaries live on the device
+        if category == "params":                       # hpZ's secondaries live on the device
             extra = extra + [t for u in self.units for t in (u.secondary or [])]
         return extra
