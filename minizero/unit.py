@@ -56,7 +56,9 @@ class Unit:
         self.free()                                    # built gathered; released right away
 
     def buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(self.full, self.shard), (self.frozen_full, self.frozen_shard)]
+        """(full, shard) for its trainable and its frozen parameters, those it has."""
+        pairs = (self.full, self.shard), (self.frozen_full, self.frozen_shard)
+        return [(full, shard) for full, shard in pairs if full.numel()]
 
     def held_bytes(self) -> int:
         return sum(full.untyped_storage().nbytes() for full, _ in self.buffers())
