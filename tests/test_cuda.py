@@ -57,7 +57,7 @@ DTYPES = ("fp32", "bf16")
 EXTRAS = {"checkpointing-cpu": {"stage": 3, "activation_checkpointing": "cpu"},
           "sharded-init": {"stage": 3, "sharded_init": True}}
 # CUDA's caching allocator rounds each allocation up to a multiple of 512 bytes (kMinBlockSize):
-# what it holds may differ from the tensors' own bytes by that much per allocation.
+# what it holds exceeds the tensors' own bytes by less than that, per allocation.
 ALLOCATOR_ROUNDING = 512
 STALL_CYCLES = 100_000_000      # torch.cuda._sleep: ~50 ms of GPU clock, far beyond a host step
 
