@@ -9,6 +9,11 @@ model, armed once after the engine is built, so the training loop knows nothing 
 "kill-in-save" (rank 0) dies instead inside the save made after `step` steps, every shard written and
 the manifest not yet: the worst moment for a checkpoint. checkpoint.write_atomic is replaced in that
 process only, so the implementation knows nothing about it either.
+
+Two faults take a rank out of step with the others instead (minizero/desync.py names them), the way a
+user's model does by accident: in step `step`, "skip-block" runs the model without block `block` (a
+forward that took another path: at stage 3 that unit is never gathered), "extra-micro-batch" runs one
+more forward and backward after the step's first forward.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import os
 import signal
 from dataclasses import dataclass
 
+import torch
+
 from minizero import checkpoint, comm
 
 
@@ -24,7 +31,8 @@ from minizero import checkpoint, comm
 class Fault:
     rank: int
     step: int = 0
-    mode: str = "raise"                       # "raise", "kill" or "kill-in-save"
+    mode: str = "raise"             # "raise", "kill", "kill-in-save", "skip-block", "extra-micro-batch"
+    block: int = 2                  # skip-block: which of model.blocks
 
     @classmethod
     def from_env(cls) -> Fault | None:
@@ -32,7 +40,7 @@ class Fault:
         if "MINIZERO_FAIL_RANK" not in env:
             return None
         return cls(int(env["MINIZERO_FAIL_RANK"]), int(env.get("MINIZERO_FAIL_STEP", "0")),
-                   env.get("MINIZERO_FAIL_MODE", "raise"))
+                   env.get("MINIZERO_FAIL_MODE", "raise"), int(env.get("MINIZERO_FAIL_BLOCK", "2")))
 
     def arm(self, engine) -> None:
         """Make this rank fail at the first forward of step `self.step` (engine.step_count counts steps)."""
@@ -48,6 +56,12 @@ class Fault:
 
             checkpoint.write_atomic = write_or_die
             return
+        if self.mode == "skip-block":
+            self._skip_block(engine)
+            return
+        if self.mode == "extra-micro-batch":
+            self._extra_micro_batch(engine)
+            return
 
         def fail(module, args):
             if engine.step_count != self.step:
@@ -57,3 +71,29 @@ class Fault:
             raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step}")
 
         engine.module.register_forward_pre_hook(fail)
+
+    def _skip_block(self, engine) -> None:
+        """In step `step`, the model's forward runs with block `block` replaced by a pass-through."""
+        blocks = engine.module.blocks
+        original = blocks[self.block]
+
+        def skip(module, args):
+            if engine.step_count == self.step:
+                blocks[self.block] = torch.nn.Identity()
+
+        def restore(module, args, output):
+            blocks[self.block] = original
+
+        engine.module.register_forward_pre_hook(skip)
+        engine.module.register_forward_hook(restore)
+
+    def _extra_micro_batch(self, engine) -> None:
+        """After step `step`'s first forward, one more forward and backward on the same input."""
+        ran = []
+
+        def again(module, args, output):
+            if engine.step_count == self.step and not ran:
+                ran.append(True)                          # before the forward below, which comes back here
+                engine.backward(engine(*args).float().mean())
+
+        engine.module.register_forward_hook(again)
