@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import os
 import signal
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -97,3 +98,22 @@ class Fault:
                 engine.backward(engine(*args).float().mean())
 
         engine.module.register_forward_hook(again)
+
+
+def train_another_model_on(rank: int, cfg):
+    """Worker: train `cfg`, except that rank `rank` builds its model one embedding column wider (a
+    config that differs on one machine). minizero.desync names it before the first collective runs."""
+    from minizero.lab.train import train_worker           # train imports this module
+    if comm.rank() == rank:
+        width = cfg.model_config().n_embd + cfg.model_config().n_head
+        cfg = replace(cfg, model_overrides={**cfg.model_overrides, "n_embd": width})
+    return train_worker(cfg)
+
+
+def never_issue_on(rank: int, seconds: float) -> None:
+    """Worker: every rank but `rank` all-reduces; `rank` is busy for `seconds` outside minizero.comm
+    (a collective behind an `if rank == ...`)."""
+    if comm.rank() == rank:
+        time.sleep(seconds)
+    else:
+        comm.all_reduce(torch.ones(3), tag="the loss")
