@@ -20,11 +20,11 @@ How the processes start, and why not plain `fork`:
   not in a notebook cell or a REPL.
 
 Failure handling: if any rank raises or dies, `launch` kills the others at once (they may be blocked in
-a collective waiting for the dead one) and raises RuntimeError naming the rank and its exception, then
-every rank's last collectives (the flight recorder of minizero/desync.py).
-Ranks out of step: each rank's collectives are fingerprinted and compared (minizero/desync.py). When the
-ranks issue different collectives, or no collective finishes for `stall_timeout` seconds while some rank
-waits, the run stops within seconds with one line naming the rank that diverged and what each issued,
+a collective waiting for the dead one) and raises RuntimeError naming the rank and its exception,
+followed by every rank's last collectives (the flight recorder of minizero/desync.py).
+Ranks out of step: each rank's collectives are fingerprinted and compared (minizero/desync.py). When
+the ranks issue different collectives, or none finishes for `stall_timeout` seconds while a rank
+waits, the run stops in seconds with one line naming the rank that diverged and what each issued,
 instead of hanging until the backend's collective timeout (comm.DEFAULT_TIMEOUT_S).
 A rank that runs out of memory says so in that one line ("rank 2 failed: out of memory (...)"), one
 killed by a signal names the signal (SIGKILL is also what the kernel's OOM killer sends).
@@ -146,7 +146,8 @@ def _stop(procs: list) -> None:
 
 
 def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None,
-           start_method: str | None = None, timeout: float | None = None, memory_cap: int | None = None,
+           start_method: str | None = None, timeout: float | None = None,
+           memory_cap: int | None = None,
            stall_timeout: float | None = desync.DEFAULT_STALL_TIMEOUT_S,
            check_every: int = desync.DEFAULT_CHECK_EVERY) -> list:
     """Run fn(*args) on `world_size` ranks; return the list of their return values, by rank.
@@ -154,10 +155,10 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None
     backend: "gloo" (CPU) or "nccl" (one GPU per rank); default NCCL when CUDA is available.
     timeout: seconds for the whole run (None: no limit); past it every rank is killed.
     memory_cap: bytes of private memory each rank may hold, torch's own included (RLIMIT_DATA; None: no cap).
-    stall_timeout: seconds in which no rank issues or finishes a collective while one waits, before the
-      run is stopped naming who never issued it (default 20, $MINIZERO_STALL_TIMEOUT_S; None: never).
-    check_every: compare the ranks' collective fingerprints before every k-th collective and the first
-      (0: only when the run stalls). Both: minizero/desync.py.
+    stall_timeout: seconds in which no rank issues or finishes a collective while one waits, before
+      the run is stopped naming who never issued it (default 20, $MINIZERO_STALL_TIMEOUT_S; None:
+      never). check_every: compare the ranks' collective fingerprints before the first and every
+      k-th collective (0: only when the run stalls). Both: minizero/desync.py.
     Raises RuntimeError("rank R failed: ...") if any rank raises or dies; no child outlives the call.
     The ranks model the network this process has (comm.set_network, else MINIZERO_NETWORK; network.py).
     """
@@ -166,9 +167,10 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None
     if backend == "nccl" and world_size > torch.cuda.device_count():
         raise ValueError(f"nccl needs one GPU per rank: world_size={world_size}, "
                          f"GPUs={torch.cuda.device_count()}")
-    if stall_timeout is not None and (isinstance(stall_timeout, bool) or
-                                      not (isinstance(stall_timeout, (int, float)) and stall_timeout > 0)):
-        raise ValueError(f"stall_timeout must be a positive number of seconds or None, got {stall_timeout!r}")
+    if stall_timeout is not None and (isinstance(stall_timeout, bool) or not (
+            isinstance(stall_timeout, (int, float)) and stall_timeout > 0)):
+        raise ValueError("stall_timeout must be a positive number of seconds or None, "
+                         f"got {stall_timeout!r}")
     if not (isinstance(check_every, int) and check_every >= 0) or isinstance(check_every, bool):
         raise ValueError(f"check_every must be a number of collectives >= 0, got {check_every!r}")
     if memory_cap is not None and not (isinstance(memory_cap, int) and not isinstance(memory_cap, bool)
@@ -214,8 +216,8 @@ def _collect(procs: list, conns: list, timeout: float | None, store: dist.Store)
     """Wait for every rank's message. On a failure, listen a moment longer before naming the culprit:
     when a rank dies, its peers soon fail too ("connection reset by peer" in a collective), and their
     reports can arrive before the dead rank's closed pipe. A rank that died without a word is the cause;
-    otherwise the first rank that raised. Ranks out of step are named by desync's verdict instead, which
-    may come while every rank still waits. The caller then kills whoever is left."""
+    otherwise the first rank that raised. Ranks out of step are named by desync's verdict instead,
+    which may come while every rank still waits. The caller then kills whoever is left."""
     deadline = None if timeout is None else time.monotonic() + timeout
     results: list = [None] * len(procs)
     pending = set(range(len(procs)))
@@ -228,7 +230,8 @@ def _collect(procs: list, conns: list, timeout: float | None, store: dist.Store)
         verdict = desync.verdict(store)
         if verdict is not None:
             raise RuntimeError(f"ranks out of step: {verdict}{desync.report(store, len(procs))}")
-        multiprocessing.connection.wait([conns[r] for r in pending], timeout=0.1 if failures else 0.5)
+        multiprocessing.connection.wait([conns[r] for r in pending],
+                                        timeout=0.1 if failures else 0.5)
         for r in sorted(pending):
             if not conns[r].poll():
                 continue
@@ -248,6 +251,7 @@ def _collect(procs: list, conns: list, timeout: float | None, store: dist.Store)
     if failures:
         r = min(failures, key=lambda rank: failures[rank][0])
         verdict = desync.verdict(store)
-        first = f"ranks out of step: {verdict}" if verdict is not None else f"rank {r} failed: {failures[r][1]}"
+        first = (f"ranks out of step: {verdict}" if verdict is not None else
+                 f"rank {r} failed: {failures[r][1]}")
         raise RuntimeError(first + desync.report(store, len(procs)))
     return results

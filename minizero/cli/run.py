@@ -89,9 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load", default=None, metavar="DIR",
                    help="resume from a checkpoint of this model and optimizer, saved at any stage, world "
                         "size, dtype or offload (resharded; --steps counts from 0)")
-    p.add_argument("--stall-timeout", type=float, default=desync.DEFAULT_STALL_TIMEOUT_S, metavar="S",
-                   help="stop a run in which no collective finishes for S seconds while a rank waits, "
-                        "naming the rank out of step (minizero/desync.py; default %(default)g, 0: off)")
+    p.add_argument("--stall-timeout", type=float, default=desync.DEFAULT_STALL_TIMEOUT_S,
+                   metavar="S", help="stop a run in which no collective finishes for S seconds "
+                   "while a rank waits, naming the rank out of step (minizero/desync.py; default "
+                   "%(default)g, 0: off)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
@@ -249,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         if under_torchrun:
             results, is_reporter = _run_under_torchrun(cfg, args, stall_timeout)
         else:
-            results = launch(train_worker, cfg.world_size, cfg, backend=cfg.backend, stall_timeout=stall_timeout)
+            results = launch(train_worker, cfg.world_size, cfg, backend=cfg.backend,
+                             stall_timeout=stall_timeout)
             is_reporter = True
     except UsageError as e:
         print(f"minizero.run: error: {e}", file=sys.stderr)
@@ -271,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run_under_torchrun(cfg: TrainConfig, args, stall_timeout: float | None) -> tuple[list[dict], bool]:
+def _run_under_torchrun(cfg: TrainConfig, args,
+                        stall_timeout: float | None) -> tuple[list[dict], bool]:
     world = int(os.environ["WORLD_SIZE"])
     if args.world_size is not None and args.world_size != world:
         raise UsageError(f"--world-size {args.world_size} disagrees with torchrun's WORLD_SIZE={world}")

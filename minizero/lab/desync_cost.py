@@ -1,60 +1,94 @@
-"""What minizero.desync costs a training step: the same steps with its watch on and off, interleaved.
+"""What minizero.desync costs a training step, measured two ways.
 
     python -m minizero.lab.desync_cost                         # 8M, stages 2 and 3, N = 2
     python -m minizero.lab.desync_cost --size 8M --stages 3 --world-size 2 --steps 8 --repeats 3
 
-One launch with the launcher's watch off; inside it each rank turns a watch on (desync.watch) and off
-between runs, so that both sides share the process group, the warm caches and the machine's load.
-Prints each stage's median step time (the slowest rank's, steps after the first of each run) with the
-watch off, with it on at the default check_every, and on with a check before every collective (the
-most it can cost), and the difference in percent.
+1. Per collective: a loop of small all-reduces (latency-bound, so anything added shows), in turns
+   with the watch off, on at the default check_every, and on with a check before every collective.
+   The added microseconds per collective, times the collectives of one training step, over its
+   time: the cost as a share of a step, and a figure that a shared machine's load hardly moves.
+2. Whole steps: the same training steps with the watch off and on, in turns (one launch with the
+   launcher's watch off; each rank turns a watch on and off itself), the slowest rank's median.
+   Honest but noisy: on a loaded machine run-to-run noise is larger than the cost.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
+from dataclasses import replace
 
-from minizero import desync
-from minizero.launcher import launch
+import torch
+
+from minizero import comm, desync, events
 from minizero.lab.train import TrainConfig, train_worker
+from minizero.launcher import launch
 
 SETTINGS = {"off": None, f"every {desync.DEFAULT_CHECK_EVERY}": desync.DEFAULT_CHECK_EVERY,
             "every 1": 1}
+CALLS = 256          # all-reduces per turn of the loop (a multiple of the default check_every)
+
+
+def _watched(every: int | None, run):
+    watch = None if every is None else desync.watch(stall_timeout=None, check_every=every)
+    try:
+        return run()
+    finally:
+        if watch is not None:
+            watch.stop()
 
 
 def cost_worker(cfgs: list[TrainConfig], repeats: int) -> dict:
-    """Per (stage, setting): this rank's step times (the first step of each run left out)."""
-    times: dict = {}
+    """This rank's seconds per small all-reduce and per training step, by setting; and the
+    collectives in one step of each config."""
+    x = torch.zeros(4)
+
+    def loop() -> float:
+        start = time.perf_counter()
+        for _ in range(CALLS):
+            comm.all_reduce(x)
+        return (time.perf_counter() - start) / CALLS
+
+    out: dict = {"collectives": {}}
+    for cfg in cfgs:
+        with events.recorded("collective") as log:
+            train_worker(replace(cfg, steps=1))
+        out["collectives"][cfg.stage] = len(log)
     for _ in range(repeats):
-        for cfg in cfgs:
-            for name, every in SETTINGS.items():
-                watch = None if every is None else desync.watch(check_every=every)
-                steps = train_worker(cfg)["step_times"][1:]
-                if watch is not None:
-                    watch.stop()
-                times.setdefault(f"stage {cfg.stage}, {name}", []).extend(steps)
-    return times
+        for name, every in SETTINGS.items():
+            out.setdefault(f"call, {name}", []).append(_watched(every, loop))
+            for cfg in cfgs:
+                steps = _watched(every, lambda: train_worker(cfg)["step_times"][1:])
+                out.setdefault(f"stage {cfg.stage}, {name}", []).extend(steps)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m minizero.lab.desync_cost", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m minizero.lab.desync_cost",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--size", default="8M")
     p.add_argument("--stages", default="2,3")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
-    cfgs = [TrainConfig(stage=int(s), world_size=args.world_size, steps=args.steps, model=args.size)
-            for s in args.stages.split(",")]
-    ranks = launch(cost_worker, args.world_size, cfgs, args.repeats, stall_timeout=None, check_every=0)
-    slowest = {key: [max(step) for step in zip(*(r[key] for r in ranks))] for key in ranks[0]}
+    cfgs = [TrainConfig(stage=int(s), world_size=args.world_size, steps=args.steps,
+                        model=args.size) for s in args.stages.split(",")]
+    ranks = launch(cost_worker, args.world_size, cfgs, args.repeats, stall_timeout=None,
+                   check_every=0)
+    slowest = {key: [max(v) for v in zip(*(r[key] for r in ranks))]
+               for key in ranks[0] if key != "collectives"}
+    median = {key: statistics.median(v) for key, v in slowest.items()}
     for cfg in cfgs:
-        off = statistics.median(slowest[f"stage {cfg.stage}, off"])
-        for name in SETTINGS:
-            median = statistics.median(slowest[f"stage {cfg.stage}, {name}"])
-            print(f"{args.size} stage {cfg.stage} N={args.world_size}  watch {name:>9}: "
-                  f"{median * 1e3:8.1f} ms/step  ({(median / off - 1) * 100:+.1f} %)")
+        count, off = ranks[0]["collectives"][cfg.stage], median[f"stage {cfg.stage}, off"]
+        print(f"{args.size} stage {cfg.stage} N={args.world_size}: {count} collectives and "
+              f"{off * 1e3:.0f} ms per step (watch off)")
+        for name in list(SETTINGS)[1:]:
+            added = median[f"call, {name}"] - median["call, off"]
+            whole = median[f"stage {cfg.stage}, {name}"] / off - 1
+            print(f"  watch {name:>8}: +{added * 1e6:6.1f} us per collective = "
+                  f"{added * count / off * 100:+.2f} % of a step; whole steps {whole * 100:+.1f} %")
     return 0
 
 
