@@ -126,7 +126,8 @@ def test_cli_names_a_skipped_block_in_one_line():
     start = time.monotonic()
     p = subprocess.run([sys.executable, "-m", "minizero.run", "--stage", "3", "--world-size", "2",
                         "--steps", "3", "--model", "tiny", "--batch-size", "8", "--quiet"],
-                       capture_output=True, text=True, timeout=120, env=_fault_env("skip-block"))
+                       capture_output=True, text=True, timeout=120, env=_fault_env("skip-block"),
+                       check=False)
     assert time.monotonic() - start < FAST
     assert p.returncode == 1, p.stderr[-2000:]
     first = p.stderr.splitlines()[0]
@@ -139,7 +140,7 @@ def test_torchrun_names_an_extra_micro_batch():
                         "--nproc-per-node", "3", "-m", "minizero.run", "--stage", "2", "--steps",
                         "3", "--model", "tiny", "--batch-size", "12", "--quiet"],
                        capture_output=True, text=True, timeout=120,
-                       env=_fault_env("extra-micro-batch"))
+                       env=_fault_env("extra-micro-batch"), check=False)
     assert time.monotonic() - start < FAST + 10        # torchrun's own start and teardown: ~8 s
     assert p.returncode != 0
     lines = [line for line in p.stderr.splitlines() if "ranks out of step" in line]

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from dataclasses import replace
@@ -59,7 +60,7 @@ def cost_worker(cfgs: list[TrainConfig], repeats: int) -> dict:
         for name, every in SETTINGS.items():
             out.setdefault(f"call, {name}", []).append(_watched(every, loop))
             for cfg in cfgs:
-                steps = _watched(every, lambda: train_worker(cfg)["step_times"][1:])
+                steps = _watched(every, functools.partial(train_worker, cfg))["step_times"][1:]
                 out.setdefault(f"stage {cfg.stage}, {name}", []).extend(steps)
     return out
 

@@ -106,7 +106,7 @@ class Fault:
 def train_another_model_on(rank: int, cfg):
     """Worker: train `cfg`, except that rank `rank` builds its model n_head embedding columns wider
     (a config that differs on one machine): minizero.desync names it before the first collective."""
-    from minizero.lab.train import train_worker           # here: train imports this module
+    from minizero.lab.train import train_worker  # here: train imports this module
     if comm.rank() == rank:
         width = cfg.model_config().n_embd + cfg.model_config().n_head
         cfg = replace(cfg, model_overrides={**cfg.model_overrides, "n_embd": width})
