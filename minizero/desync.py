@@ -224,7 +224,7 @@ class Watch:
             self.unchecked.clear()
         if verdict is not None:
             self.store.compare_set(VERDICT, "", verdict)          # the first verdict stands
-            raise DesyncError(verdict)
+            raise DesyncError(f"ranks out of step: {verdict}")
 
     # --- the watchdog thread -----------------------------------------------------------------
     def state(self) -> dict:

@@ -18,6 +18,7 @@ import pytest
 
 import minizero
 from minizero import desync
+from minizero.cli.run import main as run_main
 from minizero.lab.faults import Fault, never_issue_on, train_another_model_on
 from minizero.lab.train import TrainConfig, train_worker
 
@@ -120,6 +121,12 @@ def test_bad_stall_timeout_is_refused(bad):
 def _fault_env(mode: str) -> dict:
     return dict(os.environ, MINIZERO_FAIL_RANK="1", MINIZERO_FAIL_STEP="1",
                 MINIZERO_FAIL_MODE=mode, MINIZERO_FAIL_BLOCK="1")
+
+
+def test_cli_refuses_a_negative_stall_timeout_in_one_line(capsys):
+    assert run_main(["--stall-timeout", "-1"]) == 2
+    assert capsys.readouterr().err == \
+        "minizero.run: error: --stall-timeout must be >= 0 seconds, got -1\n"
 
 
 def test_cli_names_a_skipped_block_in_one_line():

@@ -3,10 +3,12 @@
     python -m minizero.lab.desync_cost                         # 8M, stages 2 and 3, N = 2
     python -m minizero.lab.desync_cost --size 8M --stages 3 --world-size 2 --steps 8 --repeats 3
 
-1. Per collective: a loop of small all-reduces (latency-bound, so anything added shows), in turns
-   with the watch off, on at the default check_every, and on with a check before every collective.
-   The added microseconds per collective, times the collectives of one training step, over its
-   time: the cost as a share of a step, and a figure that a shared machine's load hardly moves.
+1. Per collective: a loop of small all-reduces, in turns with the watch off, on without checks
+   (the recorder and the watchdog only), at the default check_every, and with a check before every
+   collective. The CPU seconds this process spends per collective (time.process_time: the main
+   thread and the watchdog's, not the time spent waiting for the other rank, which a shared
+   machine's load inflates), added by the watch, times the collectives of one training step, over
+   that step's time: the cost as a share of a step.
 2. Whole steps: the same training steps with the watch off and on, in turns (one launch with the
    launcher's watch off; each rank turns a watch on and off itself), the slowest rank's median.
    Honest but noisy: on a loaded machine run-to-run noise is larger than the cost.
@@ -26,13 +28,13 @@ from minizero import comm, desync, events
 from minizero.lab.train import TrainConfig, train_worker
 from minizero.launcher import launch
 
-SETTINGS = {"off": None, f"every {desync.DEFAULT_CHECK_EVERY}": desync.DEFAULT_CHECK_EVERY,
-            "every 1": 1}
-CALLS = 256          # all-reduces per turn of the loop (a multiple of the default check_every)
+SETTINGS = {"off": None, "no checks": 0,
+            f"every {desync.DEFAULT_CHECK_EVERY}": desync.DEFAULT_CHECK_EVERY, "every 1": 1}
+CALLS = 1024         # all-reduces per turn of the loop (a multiple of the default check_every)
 
 
 def _watched(every: int | None, run):
-    watch = None if every is None else desync.watch(stall_timeout=None, check_every=every)
+    watch = None if every is None else desync.watch(check_every=every)
     try:
         return run()
     finally:
@@ -41,15 +43,15 @@ def _watched(every: int | None, run):
 
 
 def cost_worker(cfgs: list[TrainConfig], repeats: int) -> dict:
-    """This rank's seconds per small all-reduce and per training step, by setting; and the
-    collectives in one step of each config."""
+    """This rank's CPU seconds per small all-reduce and wall seconds per training step, by
+    setting; and the collectives in one step of each config."""
     x = torch.zeros(4)
 
     def loop() -> float:
-        start = time.perf_counter()
+        start = time.process_time()
         for _ in range(CALLS):
             comm.all_reduce(x)
-        return (time.perf_counter() - start) / CALLS
+        return (time.process_time() - start) / CALLS
 
     out: dict = {"collectives": {}}
     for cfg in cfgs:
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in list(SETTINGS)[1:]:
             added = median[f"call, {name}"] - median["call, off"]
             whole = median[f"stage {cfg.stage}, {name}"] / off - 1
-            print(f"  watch {name:>8}: +{added * 1e6:6.1f} us per collective = "
+            print(f"  watch {name:>9}: {added * 1e6:+6.1f} us CPU per collective = "
                   f"{added * count / off * 100:+.2f} % of a step; whole steps {whole * 100:+.1f} %")
     return 0
 
