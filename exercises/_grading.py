@@ -9,8 +9,10 @@ tensor, what was expected and what came back.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
+import importlib.util
 import os
 import sys
 
@@ -21,6 +23,71 @@ from minizero.lab.train import TrainConfig, train_worker
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAUNCH_TIMEOUT_S = 90        # a learner's rank waiting in a collective the others never call must not hang CI
+
+
+# What a learner's file may use of minizero: its communication layer, the building block every exercise
+# starts from. Each grader may widen this (minizero.memory for the predictions) and narrow it (the
+# collective an exercise builds is refused): guard(impl, refused=..., allowed=...).
+ALLOWED = ("minizero.comm",)
+
+
+def _dotted(node: ast.AST, aliases: dict[str, str]) -> str | None:
+    """The full dotted name an expression like `comm.ring_all_reduce` stands for, through the imports."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name) and node.id in aliases:
+        return ".".join([aliases[node.id], *reversed(parts)])
+    return None
+
+
+def _uses(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, dotted name) for everything a module imports and every attribute it reads through them."""
+    aliases: dict[str, str] = {}
+    used = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                top = a.name.partition(".")[0]                 # `import a.b` binds a; `as x` binds a.b
+                aliases[a.asname or top] = a.name if a.asname else top
+                used.append((node.lineno, a.name))
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for a in node.names:
+                name = node.module if a.name == "*" else f"{node.module}.{a.name}"
+                aliases[a.asname or a.name] = name
+                used.append((node.lineno, name + (".*" if a.name == "*" else "")))
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) and (
+                getattr(node.func, "id", None) == "__import__"
+                or getattr(node.func, "attr", None) == "import_module"):
+            used.append((node.lineno, str(node.args[0].value)))     # importlib.import_module("...")
+    for node in ast.walk(tree):                                          # after every alias is known
+        if isinstance(node, ast.Attribute):
+            name = _dotted(node, aliases)
+            if name:
+                used.append((node.lineno, name))
+    return used
+
+
+def guard(module_name: str, refused: tuple[str, ...] = (), allowed: tuple[str, ...] = ALLOWED) -> None:
+    """Refuse an answer that borrows what its exercise asks to build: of minizero, a learner's file may use
+    only `allowed` (minizero.comm), and nothing in `refused` (minizero's own version of the answer, or
+    torch's). Read from the file's source (imports and attribute chains), before anything runs."""
+    __tracebackhide__ = True
+    path = importlib.util.find_spec(module_name).origin
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+
+    def within(name, prefixes):
+        return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+    for line, name in sorted(_uses(tree)):
+        borrowed = name.startswith("minizero.") and not within(name, allowed)   # `import minizero`: fine
+        if borrowed or within(name, refused):
+            raise AssertionError(
+                f"{os.path.relpath(path, HERE)}, line {line}: uses {name}, which this exercise asks you to "
+                f"build: write it from torch and {', '.join(allowed)}"
+                + (f" (without {', '.join(refused)})" if refused else ""))
 
 
 def learner(module_name: str):

@@ -1,6 +1,6 @@
-"""Exercise 4: ZeRO stage 2, reduce-scatter a bucket of gradients from inside backward.
+"""Exercise 6: ZeRO stage 2, reduce-scatter a bucket of gradients from inside backward.
 
-    Grade it:    pytest exercises -k ex04            (or: python -m minizero.grade -k ex04)
+    Grade it:    pytest exercises -k ex06            (or: python -m minizero.grade -k ex06)
     Notebook:    notebooks/03_zero2.ipynb
     Compare:     minizero/zero2.py (reduce_scatter_grads, _accumulate_bucket), minizero/reducer.py
                  (minizero goes one step further: _stage_gradient copies each gradient into the bucket the
@@ -41,4 +41,4 @@ from minizero import comm  # noqa: F401  (your answer will need it)
 
 def reduce_scatter_bucket(params: list[nn.Parameter], padded_numel: int) -> tuple[torch.Tensor, object]:
     """Stage the bucket's gradients, free them, start averaging partition r onto rank r; (staging, handle)."""
-    raise NotImplementedError("ex04: write reduce_scatter_bucket")
+    raise NotImplementedError("ex06: write reduce_scatter_bucket")

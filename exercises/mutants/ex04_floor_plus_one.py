@@ -1,6 +1,6 @@
 """Mutant: an off-by-one, ceil(Ψ/N) written as Ψ // N + 1 (one element too many when N divides Ψ)."""
 
-from solutions.ex03_zero1_partition import all_gather_params  # noqa: F401
+from solutions.ex04_zero1_partition import all_gather_params  # noqa: F401
 
 
 def padded_numel(numel, world_size):

@@ -1,7 +1,7 @@
-"""Exercise 7: ZeRO-R's activation checkpointing, one unit: forward without keeping its activations,
+"""Exercise 11: ZeRO-R's activation checkpointing, one unit: forward without keeping its activations,
 recompute them in backward.
 
-    Grade it:    pytest exercises -k ex07            (or: python -m minizero.grade -k ex07)
+    Grade it:    pytest exercises -k ex11            (or: python -m minizero.grade -k ex11)
     Notebook:    notebooks/07_activations.ipynb
     Compare:     minizero/activations.py (_Checkpoint, checkpoint)
 
@@ -60,13 +60,13 @@ import torch
 class CheckpointFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, *inputs):
-        raise NotImplementedError("ex07: write CheckpointFunction.forward")
+        raise NotImplementedError("ex11: write CheckpointFunction.forward")
 
     @staticmethod
     def backward(ctx, *grads):
-        raise NotImplementedError("ex07: write CheckpointFunction.backward")
+        raise NotImplementedError("ex11: write CheckpointFunction.backward")
 
 
 def checkpoint(run, *inputs):
     """run(*inputs), keeping only the inputs for backward and recomputing run in backward."""
-    raise NotImplementedError("ex07: write checkpoint (it can be one line, with CheckpointFunction)")
+    raise NotImplementedError("ex11: write checkpoint (it can be one line, with CheckpointFunction)")

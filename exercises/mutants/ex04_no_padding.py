@@ -1,6 +1,6 @@
 """Mutant: forgets the padding: partitions of numel // N elements, the last numel % N never owned."""
 
-from solutions.ex03_zero1_partition import all_gather_params  # noqa: F401
+from solutions.ex04_zero1_partition import all_gather_params  # noqa: F401
 
 
 def padded_numel(numel, world_size):

@@ -1,4 +1,4 @@
-"""Grader for exercise 6 (offloaded optimizer step):  pytest exercises -k ex06
+"""Grader for exercise 9 (offloaded optimizer step):  pytest exercises -k ex09
 
 A thin subclass of minizero's HostShardOptimizer calls your offload_step and then checks the host
 gradient buffers and the copy back; minizero's stage 2 with offload uses it while two ranks train, and

@@ -1,4 +1,4 @@
-"""Exercise 5, answer: what minizero's stage 3 does in Unit.gather / Unit.free (zero3.py), without its
+"""Exercise 7, answer: what minizero's stage 3 does in Unit.gather / Unit.free (zero3.py), without its
 prefetching and bookkeeping, and where it does it (Unit.pre_forward ... Unit.post_backward)."""
 
 from minizero import comm

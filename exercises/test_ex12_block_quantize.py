@@ -1,4 +1,4 @@
-"""Grader for exercise 9 (ZeRO++'s block quantization):  pytest exercises -k ex09
+"""Grader for exercise 12 (ZeRO++'s block quantization):  pytest exercises -k ex12
 
 (1) In this process: your quantize/dequantize on tensors with blocks of very different magnitudes, a partial
 last block and a block of zeros; each element must come back within absmax/254 of its block.

@@ -1,6 +1,6 @@
-"""Exercise 8: fp16 loss scaling, the global overflow check.
+"""Exercise 10: fp16 loss scaling, the global overflow check.
 
-    Grade it:    pytest exercises -k ex08            (or: python -m minizero.grade -k ex08)
+    Grade it:    pytest exercises -k ex10            (or: python -m minizero.grade -k ex10)
     Notebook:    notebooks/05_offload.ipynb (its last section: the loss scale of an fp16 run)
     Compare:     minizero/loss_scale.py (found_overflow, LossScaler.update) and its [Note: global overflow]
 
@@ -29,4 +29,4 @@ Hints:
 
 def found_overflow(grads: list) -> bool:
     """Whether any rank's gradient partitions hold an inf or a nan; the same answer on every rank."""
-    raise NotImplementedError("ex08: write found_overflow")
+    raise NotImplementedError("ex10: write found_overflow")

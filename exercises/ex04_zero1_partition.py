@@ -1,6 +1,6 @@
-"""Exercise 3: ZeRO stage 1, who owns which slice of the flat buffer, and the all-gather after the step.
+"""Exercise 4: ZeRO stage 1, who owns which slice of the flat buffer, and the all-gather after the step.
 
-    Grade it:    pytest exercises -k ex03            (or: python -m minizero.grade -k ex03)
+    Grade it:    pytest exercises -k ex04            (or: python -m minizero.grade -k ex04)
     Notebook:    notebooks/02_zero1.ipynb
     Compare:     minizero/zero1.py, minizero/flat.py (padded_size, FlatLayout.my_partition)
 
@@ -41,14 +41,14 @@ from minizero import comm  # noqa: F401  (your answer will need it)
 
 def padded_numel(numel: int, world_size: int) -> int:
     """numel rounded up to a multiple of world_size."""
-    raise NotImplementedError("ex03: write padded_numel")
+    raise NotImplementedError("ex04: write padded_numel")
 
 
 def partition(numel: int, world_size: int, rank: int) -> tuple[int, int]:
     """[start, end) of the padded flat buffer of `numel` real elements that `rank` owns."""
-    raise NotImplementedError("ex03: write partition")
+    raise NotImplementedError("ex04: write partition")
 
 
 def all_gather_params(flat: torch.Tensor) -> None:
     """In place: every rank's partition of `flat` [padded] from that rank."""
-    raise NotImplementedError("ex03: write all_gather_params")
+    raise NotImplementedError("ex04: write all_gather_params")

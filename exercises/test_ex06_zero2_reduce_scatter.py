@@ -1,4 +1,4 @@
-"""Grader for exercise 4 (ZeRO-2 reduce-scatter in the backward hook):  pytest exercises -k ex04
+"""Grader for exercise 6 (ZeRO-2 reduce-scatter in the backward hook):  pytest exercises -k ex06
 
 A thin subclass of minizero's stage 2 calls your hook for every finished bucket instead of its own, while
 three ranks train; the result is compared with one process training on the whole batch.

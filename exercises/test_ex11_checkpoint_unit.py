@@ -1,4 +1,4 @@
-"""Grader for exercise 7 (activation checkpointing of a unit):  pytest exercises -k ex07
+"""Grader for exercise 11 (activation checkpointing of a unit):  pytest exercises -k ex11
 
 The adapter: after minizero's stage 2 engine is built, each transformer block's forward becomes
 checkpoint(run, x), your function, where `run` is the block's own forward, recorded by the engine's

@@ -1,7 +1,7 @@
-"""Exercise 5: ZeRO stage 3, the four hooks: gather before forward, free after, gather before backward,
+"""Exercise 7: ZeRO stage 3, the four hooks: gather before forward, free after, gather before backward,
 reduce-scatter and free after backward.
 
-    Grade it:    pytest exercises -k ex05            (or: python -m minizero.grade -k ex05)
+    Grade it:    pytest exercises -k ex07            (or: python -m minizero.grade -k ex07)
     Notebook:    notebooks/04_zero3.ipynb
     Compare:     minizero/zero3.py (Unit: gather, free, pre_forward, post_forward, pre_backward, post_backward)
 
@@ -16,7 +16,7 @@ unit itself, which has:
     unit.name                    e.g. "blocks.0" ("<root>" is the model minus its blocks)
     unit.full                    the unit's flat parameter buffer; freed: full.untyped_storage().nbytes() == 0
     unit.shard                   this rank's partition of it, [full.numel() / N]
-    unit.reduce_scatter_grads()  what you wrote in exercise 4 (minizero's own version), for this unit:
+    unit.reduce_scatter_grads()  what you wrote in exercise 6 (minizero's own version), for this unit:
                                  stage its gradients, free p.grad, start the averaging reduce-scatter
                                  into the gradient shard; returns the async handle (None inside
                                  no_sync(), where gradients only accumulate)
@@ -48,16 +48,16 @@ from minizero import comm  # noqa: F401  (your answer will need it)
 
 
 def pre_forward(unit) -> None:
-    raise NotImplementedError("ex05: write pre_forward")
+    raise NotImplementedError("ex07: write pre_forward")
 
 
 def post_forward(unit) -> None:
-    raise NotImplementedError("ex05: write post_forward")
+    raise NotImplementedError("ex07: write post_forward")
 
 
 def pre_backward(unit) -> None:
-    raise NotImplementedError("ex05: write pre_backward")
+    raise NotImplementedError("ex07: write pre_backward")
 
 
 def post_backward(unit):
-    raise NotImplementedError("ex05: write post_backward")
+    raise NotImplementedError("ex07: write post_backward")

@@ -1,4 +1,4 @@
-"""Grader for exercise 5 (ZeRO-3 hooks):  pytest exercises -k ex05
+"""Grader for exercise 7 (ZeRO-3 hooks):  pytest exercises -k ex07
 
 minizero's stage 3 (prefetch off) is given a Unit class whose four lifecycle hooks are yours, and checks
 after each one whether the unit is materialized or released; three ranks train and are compared with one

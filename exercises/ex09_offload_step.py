@@ -1,6 +1,6 @@
-"""Exercise 6: CPU offload, the optimizer step on the host and the copy back.
+"""Exercise 9: CPU offload, the optimizer step on the host and the copy back.
 
-    Grade it:    pytest exercises -k ex06            (or: python -m minizero.grade -k ex06)
+    Grade it:    pytest exercises -k ex09            (or: python -m minizero.grade -k ex09)
     Notebook:    notebooks/05_offload.ipynb
     Compare:     minizero/offload.py (HostShardOptimizer), minizero/optim.py (ShardOptimizer.step)
 
@@ -35,4 +35,4 @@ Hints:
 
 def offload_step(opt, grad_parts: list) -> None:
     """Host optimizer step on this rank's masters from the device gradients; copy the result back."""
-    raise NotImplementedError("ex06: write offload_step")
+    raise NotImplementedError("ex09: write offload_step")

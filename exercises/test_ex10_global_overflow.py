@@ -1,4 +1,4 @@
-"""Grader for exercise 8 (the global overflow check of fp16 loss scaling):  pytest exercises -k ex08
+"""Grader for exercise 10 (the global overflow check of fp16 loss scaling):  pytest exercises -k ex10
 
 The adapter: LossScaler.found_overflow is the seam where minizero's loss scaler asks whether the step's
 gradients overflowed on any rank (loss_scale.py). A thin subclass calls your found_overflow there; the

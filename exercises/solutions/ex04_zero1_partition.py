@@ -1,4 +1,4 @@
-"""Exercise 3, answer: minizero's padding (flat.padded_size) and stage 1's all-gather (zero1.py)."""
+"""Exercise 4, answer: minizero's padding (flat.padded_size) and stage 1's all-gather (zero1.py)."""
 
 from minizero import comm
 from minizero.flat import padded_size as padded_numel

@@ -1,4 +1,4 @@
-"""Grader for exercise 3 (ZeRO-1 partitions and the all-gather):  pytest exercises -k ex03
+"""Grader for exercise 4 (ZeRO-1 partitions and the all-gather):  pytest exercises -k ex04
 
 Your padding and partitions are compared with minizero.flat's arithmetic; then a thin subclass of
 minizero's stage 1 lets your partition choose what each rank's optimizer steps and your all-gather share

@@ -1,4 +1,4 @@
-"""Exercise 7, answer: minizero's activations._Checkpoint without its meter and its dummy input (the
+"""Exercise 11, answer: minizero's activations._Checkpoint without its meter and its dummy input (the
 graded units' inputs require grad), for units that return one tensor."""
 
 import torch

@@ -2,7 +2,7 @@
 the gradient stops at every checkpoint, and the blocks below (and the embeddings) learn nothing from
 the blocks above."""
 
-from solutions.ex07_checkpoint_unit import CheckpointFunction as Right
+from solutions.ex11_checkpoint_unit import CheckpointFunction as Right
 
 
 class CheckpointFunction(Right):
