@@ -84,10 +84,9 @@ def guard(module_name: str, refused: tuple[str, ...] = (), allowed: tuple[str, .
     for line, name in sorted(_uses(tree)):
         borrowed = name.startswith("minizero.") and not within(name, allowed)   # `import minizero`: fine
         if borrowed or within(name, refused):
-            raise AssertionError(
-                f"{os.path.relpath(path, HERE)}, line {line}: uses {name}, which this exercise asks you to "
-                f"build: write it from torch and {', '.join(allowed)}"
-                + (f" (without {', '.join(refused)})" if refused else ""))
+            raise AssertionError(f"{os.path.relpath(path, HERE)}, line {line}: uses {name}, which does "
+                                 "what this exercise asks you to build: write it yourself, from torch and "
+                                 f"{' and '.join(allowed)}'s other functions")
 
 
 def learner(module_name: str):

@@ -38,6 +38,7 @@ def worker(module_name: str) -> dict:
 
 
 def check_buckets(impl: str) -> None:
+    g.guard(impl)
     answer = g.learner(impl)
     for sizes, dtype, cap in BUCKET_CASES:
         params = [nn.Parameter(torch.zeros(n, dtype=dtype)) for n in sizes]
@@ -53,6 +54,7 @@ def check_buckets(impl: str) -> None:
 
 
 def check_training(impl: str) -> None:
+    g.guard(impl)
     g.assert_matches_reference(CFG, g.launch(worker, CFG.world_size, impl),
                                hint="Is every bucket averaged over the ranks, not summed?")
 

@@ -48,6 +48,7 @@ def worker(module_name: str) -> dict:
 
 
 def check_partitions(impl: str) -> None:
+    g.guard(impl)
     answer = g.learner(impl)
     for numel in NUMELS:
         for n in WORLD_SIZES:
@@ -67,6 +68,7 @@ def check_partitions(impl: str) -> None:
 
 
 def check_training(impl: str) -> None:
+    g.guard(impl)
     g.assert_matches_reference(CFG, g.launch(worker, CFG.world_size, impl),
                                hint="Does each rank step exactly its partition, and does the all-gather "
                                     "give every rank every partition after the step?")

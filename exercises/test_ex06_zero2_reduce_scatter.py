@@ -40,6 +40,7 @@ def worker(module_name: str) -> dict:
 
 
 def check_training(impl: str) -> None:
+    g.guard(impl)
     g.assert_matches_reference(CFG, g.launch(worker, CFG.world_size, impl),
                                hint="Is each bucket's gradient averaged over ranks (not summed), each "
                                     "parameter copied at its offset, and partition r reduced onto rank r?")

@@ -55,6 +55,7 @@ def worker(module_name: str) -> dict:
 
 
 def check_training(impl: str) -> None:
+    g.guard(impl)
     g.assert_matches_reference(CFG, g.launch(worker, CFG.world_size, impl),
                                hint="Do you all-gather into unit.full in place, and does post_backward "
                                     "call unit.reduce_scatter_grads()?")

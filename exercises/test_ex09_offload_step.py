@@ -50,6 +50,7 @@ def worker(module_name: str) -> dict:
 
 
 def check_training(impl: str) -> None:
+    g.guard(impl)
     g.assert_matches_reference(CFG, g.launch(worker, CFG.world_size, impl),
                                hint="Does the optimizer step the host masters with the host gradients?")
 

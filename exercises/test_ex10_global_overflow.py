@@ -75,6 +75,7 @@ def launched(impl: str) -> list[dict]:
 
 def check_decisions(impl: str) -> None:
     __tracebackhide__ = True
+    g.guard(impl)
     ranks = launched(impl)
     for res in ranks:
         ref = res["minizero"]["decisions"]
@@ -96,6 +97,7 @@ def check_decisions(impl: str) -> None:
 
 def check_training(impl: str) -> None:
     __tracebackhide__ = True
+    g.guard(impl)
     ranks = launched(impl)
     for res in ranks:
         yours, ref = res["yours"], res["minizero"]

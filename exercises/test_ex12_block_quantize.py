@@ -31,6 +31,7 @@ def samples() -> dict[str, torch.Tensor]:
 
 def check_error_bound(impl: str) -> None:
     __tracebackhide__ = True
+    g.guard(impl)
     answer = g.learner(impl)
     for name, x in samples().items():
         n, blocks = x.shape[-1], math.ceil(x.shape[-1] / BLOCK)
@@ -76,6 +77,7 @@ def worker(module_name: str) -> dict:
 
 def check_bytes(impl: str) -> None:
     __tracebackhide__ = True
+    g.guard(impl)
     for res in g.launch_once(worker, CFG.world_size, impl):
         yours, ref = res["yours"]["bytes"], res["minizero"]["bytes"]
         for kind in ("all_to_all", "all_gather"):

@@ -1,9 +1,11 @@
-"""Exercise 4, answer: minizero's padding (flat.padded_size) and stage 1's all-gather (zero1.py)."""
+"""Exercise 4, answer: stage 1's padding and partitions (minizero/flat.py, padded_size and
+FlatLayout.my_partition) and its all-gather after the step (minizero/zero1.py)."""
 
 from minizero import comm
-from minizero.flat import padded_size as padded_numel
 
-__all__ = ["padded_numel", "partition", "all_gather_params"]
+
+def padded_numel(numel, world_size):
+    return -(-numel // world_size) * world_size                # ceil(Ψ / N) · N
 
 
 def partition(numel, world_size, rank):

@@ -1,9 +1,20 @@
-"""Exercise 11, answer: minizero's activations._Checkpoint without its meter and its dummy input (the
-graded units' inputs require grad), for units that return one tensor."""
+"""Exercise 11, answer: minizero's activations._Checkpoint (minizero/activations.py) without its meter
+and its dummy input (the graded units' inputs require grad), for units that return one tensor."""
 
 import torch
 
-from minizero.activations import _rng_state, _set_rng_state
+
+def _rng_state(inputs) -> tuple:
+    """The CPU generator's state and, for inputs on a GPU, that GPU's: what dropout draws from."""
+    cuda = [x.device for x in inputs if torch.is_tensor(x) and x.device.type == "cuda"][:1]
+    return torch.get_rng_state(), cuda, [torch.cuda.get_rng_state(d) for d in cuda]
+
+
+def _set_rng_state(state: tuple) -> None:
+    cpu, devices, cuda = state
+    torch.set_rng_state(cpu)
+    for d, s in zip(devices, cuda):
+        torch.cuda.set_rng_state(s, d)
 
 
 class CheckpointFunction(torch.autograd.Function):
