@@ -22,11 +22,14 @@ Write:
      left at the end is the last bucket. Same rule as PyTorch DDP's bucket_cap_mb.
   2. all_reduce_bucket(grads): the hook. `grads` is a bucket's flat gradient buffer on this rank; start
      making it the *average* over ranks, in place, and return the asynchronous handle (minizero's
-     reducer calls .wait() on it before the optimizer step). Returning None means you already finished.
+     reducer calls .wait() on it before the optimizer step). Start it now, from inside backward, and do
+     not wait for it: that is the overlap of communication with the rest of backward.
 
-What the grader checks: your buckets for several parameter lists and sizes; and two ranks training a
-small GPT for 3 SGD steps with DDP, your hook averaging every bucket, ending where one process training
-on the whole batch ends (SGD, because Adam would not notice gradients N times too large).
+What the grader checks: your buckets for several parameter lists and sizes; that your hook returns a
+handle and has issued its all-reduce when it returns (comm.tally() counts the bytes); and two ranks
+training a small GPT for 3 SGD steps with DDP, your hook averaging every bucket, ending where one
+process training on the whole batch ends (SGD, because Adam would not notice gradients N times too
+large).
 
 Hints:
   * comm.all_reduce(tensor, op=..., async_op=True) returns a handle; look at its `op` choices.

@@ -8,8 +8,12 @@ Stage 1 (P_os) keeps parameters and gradients replicated but gives each rank the
 1/N of the parameters: 4Ψ + KΨ/N bytes instead of (4 + K)Ψ. To do that, lay all Ψ parameters end to end
 in one flat buffer, pad it with zeros to a multiple of N, and cut it into N equal *partitions*:
 
-    flat buffer  |  p0 (6)  | p1 (4) |  p2 (5)  |pad|      Ψ = 15, padded to 16 for N = 4
-    partitions   | rank 0 | rank 1 | rank 2 | rank 3 |    4 elements each; p0 and p2 straddle ranks
+    flat buffer  | p0 (6)          | p1 (4)    | p2 (5)       |  |    Ψ = 15 (+ 1 of padding) for N = 4
+    partitions   | rank 0    | rank 1    | rank 2    | rank 3    |    4 elements each
+
+(one column of three characters per element). Every parameter here straddles two ranks: p0 = [0, 6)
+lies in ranks 0 and 1, p1 = [6, 10) in ranks 1 and 2, p2 = [10, 15) in ranks 2 and 3, and rank 3's
+partition ends with the padding. A rank owns a range of *elements*, not whole parameters.
 
 Each step: the gradients are reduce-scattered (rank r receives the average of partition r only), rank r's
 optimizer updates partition r of the parameters, and an *all-gather* copies every rank's updated

@@ -22,32 +22,45 @@ unit itself, which has:
                                  no_sync(), where gradients only accumulate)
 
 Write the hooks:
-  pre_forward(unit)    the unit is about to run: materialize its full parameters from the N shards
-  post_forward(unit)   it has run: release its full parameters
-  pre_backward(unit)   its backward is about to run and needs the parameters again: materialize them
-  post_backward(unit)  its gradients are complete: reduce-scatter them, release the parameters, and
-                       return the handle reduce_scatter_grads() gave you
+  pre_forward(unit, following)   the unit is about to run: materialize its full parameters from the N
+                                 shards; then *prefetch* `following`, the unit forward runs next (None
+                                 for the last one, and on the first step, while the order is unknown)
+  post_forward(unit)             it has run: release its full parameters
+  pre_backward(unit, following)  its backward is about to run and needs the parameters again:
+                                 materialize them, then prefetch `following` (next in backward's order)
+  post_backward(unit)            its gradients are complete: reduce-scatter them, release the
+                                 parameters, and return the handle reduce_scatter_grads() gave you
 
 Materializing means: give `unit.full` its storage back, then all-gather every rank's shard into it.
 Write it in place (the model's parameters are views of unit.full, and autograd saved some of them for
 backward): never replace unit.full with a new tensor. Releasing means resizing its storage to 0 bytes.
 
+Prefetching means *starting* that all-gather for `following` (async_op=True) and not waiting: the network
+fetches the next unit while this one computes. The unit's own pre_forward then only waits for the
+handle. So you need to remember each started handle until its unit's turn (a dict keyed by unit: the
+unit objects are minizero's, don't store things on them). Without prefetch every unit's forward starts
+by waiting for a whole all-gather: stage 3's communication would add to its compute instead of hiding
+behind it.
+
 What the grader checks: after each hook, that the unit is materialized (pre_*) or released (post_*);
-and three ranks training a small GPT for 3 SGD steps with minizero's stage 3 driven by your hooks end
-where one process training on the whole batch ends.
+from the second step on, that every unit but the first one in each direction was already prefetched
+when its hook began; that your hooks gather and free by themselves (unit.gather() and unit.free() are
+minizero's own answer: calling them fails); and three ranks training a small GPT for 3 SGD steps with
+minizero's stage 3 driven by your hooks end where one process training on the whole batch ends.
 
 Hints:
   * t.untyped_storage().resize_(nbytes) re-allocates (or, with 0, frees) a tensor's memory in place.
     A tensor of t.numel() elements needs t.numel() * t.element_size() bytes.
-  * comm.all_gather(output, input): rank r's input lands at output[r*n:(r+1)*n], n = input.numel().
-  * Two small helpers, gather(unit) and free(unit), make the four hooks one or two lines each.
-    (unit.gather() and unit.free() exist too: they are minizero's own answer, don't call them.)
+  * comm.all_gather(output, input, async_op=True): rank r's input lands at output[r*n:(r+1)*n],
+    n = input.numel(); it returns a handle whose .wait() returns when the data is there.
+  * Two small helpers, start_gather(unit) (allocate, start the all-gather, remember the handle; nothing
+    if it is on its way already) and free(unit), make the four hooks one to three lines each.
 """
 
 from minizero import comm  # noqa: F401  (your answer will need it)
 
 
-def pre_forward(unit) -> None:
+def pre_forward(unit, following) -> None:
     raise NotImplementedError("ex07: write pre_forward")
 
 
@@ -55,7 +68,7 @@ def post_forward(unit) -> None:
     raise NotImplementedError("ex07: write post_forward")
 
 
-def pre_backward(unit) -> None:
+def pre_backward(unit, following) -> None:
     raise NotImplementedError("ex07: write pre_backward")
 
 

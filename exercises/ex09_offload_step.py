@@ -24,7 +24,8 @@ parameters must equal the updated masters (rounded to the model's dtype).
 What the grader checks: two ranks train a small GPT for 3 SGD steps with minizero's stage 2 and offload,
 your offload_step in place of minizero's; after every step each host gradient buffer must hold its
 averaged gradient and each device part must equal its master; the result must match one process
-training on the whole batch.
+training on the whole batch. Write the three moves yourself: minizero's ShardOptimizer.step does all of
+them, and minizero.optim and minizero.offload are refused in your file.
 
 Hints:
   * tensor.copy_(other) converts the dtype (and, on a GPU, copies device <-> host).

@@ -2,7 +2,8 @@
 
 Your buckets are compared with minizero's on a few parameter lists; your hook then replaces the
 all-reduce of minizero's DDP (a thin subclass) while two ranks train, and the result is compared with
-one process training on the whole batch.
+one process training on the whole batch. Each bucket's all-reduce must be issued from inside backward,
+asynchronously: the hook returns a handle, and its bytes were sent (comm.tally) while the hook ran.
 """
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 import _grading as g
+from minizero import comm
 from minizero.ddp import DDP
 from minizero.flat import split_into_buckets
 
@@ -29,7 +31,17 @@ class LearnerDDP(DDP):
     def _all_reduce_bucket(self, b):
         if not self._sync:
             return None                             # inside no_sync(): gradients only accumulate
-        return self.answer.all_reduce_bucket(self._bucket_grads(b))
+        before = comm.tally()["total"]
+        handle = self.answer.all_reduce_bucket(self._bucket_grads(b))
+        where = f"rank {self.rank}, bucket {b.index}: all_reduce_bucket"
+        if handle is None:
+            raise AssertionError(f"{where} returned None: a blocking all-reduce holds backward up until the "
+                                 "bucket has crossed the network; start it (async_op=True) and return the "
+                                 "handle, so the next buckets' gradients are computed meanwhile")
+        if comm.tally()["total"] == before:
+            raise AssertionError(f"{where} sent nothing while it ran: issue the all-reduce now, from "
+                                 "inside backward, not later in the handle's wait()")
+        return handle
 
 
 def worker(module_name: str) -> dict:

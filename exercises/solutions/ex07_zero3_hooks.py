@@ -1,29 +1,43 @@
-"""Exercise 7, answer: what minizero's stage 3 does in Unit.gather / Unit.free (zero3.py), without its
-prefetching and bookkeeping, and where it does it (Unit.pre_forward ... Unit.post_backward)."""
+"""Exercise 7, answer: what minizero's stage 3 does in Unit.gather (a prefetch is its async_op=True) and
+Unit.free (zero3.py), without its bookkeeping, and where it does it (Unit.pre_forward ... post_backward)."""
 
 from minizero import comm
 
+_in_flight: dict = {}               # unit -> the handle of the all-gather started for it, not yet waited for
+
+
+def start_gather(unit) -> None:
+    """Allocate the unit's full buffer and start all-gathering the N shards into it (unless on its way)."""
+    full = unit.full
+    if unit in _in_flight or full.untyped_storage().nbytes():
+        return
+    full.untyped_storage().resize_(full.numel() * full.element_size())   # allocate [Ψ_u padded]
+    _in_flight[unit] = comm.all_gather(full, unit.shard, async_op=True)  # N partitions -> full unit
+
 
 def gather(unit) -> None:
-    full = unit.full
-    full.untyped_storage().resize_(full.numel() * full.element_size())   # allocate [Ψ_u padded]
-    comm.all_gather(full, unit.shard)                                    # N partitions -> full unit
+    start_gather(unit)                               # nothing to do if a prefetch started it
+    handle = _in_flight.pop(unit, None)
+    if handle is not None:
+        handle.wait()
 
 
 def free(unit) -> None:
     unit.full.untyped_storage().resize_(0)          # shape kept, parameters stay views, 0 bytes held
 
 
-def pre_forward(unit):
+def pre_forward(unit, following):
     gather(unit)
+    if following is not None:
+        start_gather(following)                      # fetched while this unit computes
 
 
 def post_forward(unit):
     free(unit)
 
 
-def pre_backward(unit):
-    gather(unit)
+def pre_backward(unit, following):
+    pre_forward(unit, following)                     # the same: materialize, prefetch the next
 
 
 def post_backward(unit):
