@@ -6,10 +6,10 @@
                  (reduce_scatter_grads), minizero/reducer.py, minizero/engine.py (step, _clip)
 
 Exercises 4 to 7 each wrote one piece inside minizero's engines. Here you write the whole of stage 3
-(P_os+g+p) yourself, from torch and minizero.comm's collectives only: Stanford CS336's FSDP assignment,
-on the paper's terms. Per rank it keeps (2 + 2 + K)Ψ/N bytes of model states, plus the few units
-materialized at any moment, and sends 3Ψ(N-1)/N elements per micro-batch: an all-gather of the
-parameters for forward, another for backward, a reduce-scatter of the gradients.
+(P_os+g+p) yourself, from torch and minizero.comm's collectives only, as Stanford CS336's second
+assignment has its students write an FSDP wrapper. Per rank it keeps (2 + 2 + K)Ψ/N bytes of model
+states, plus the few units materialized at any moment, and sends 3Ψ(N-1)/N elements per micro-batch:
+an all-gather of the parameters for forward, another for backward, a reduce-scatter of the gradients.
 
 Write the class Zero3(model, units, lr, max_norm):
   * units[0] is the model itself, units[1:] its transformer blocks, in the order forward runs them. A
