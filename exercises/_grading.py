@@ -85,8 +85,8 @@ def guard(module_name: str, refused: tuple[str, ...] = (), allowed: tuple[str, .
         borrowed = name.startswith("minizero.") and not within(name, allowed)   # `import minizero`: fine
         if borrowed or within(name, refused):
             raise AssertionError(f"{os.path.relpath(path, HERE)}, line {line}: uses {name}, which does "
-                                 "what this exercise asks you to build: write it yourself, from torch and "
-                                 f"{' and '.join(allowed)}'s other functions")
+                                 "what this exercise asks you to build: write it yourself, with torch and "
+                                 f"what the exercise allows of minizero ({', '.join(allowed)})")
 
 
 def learner(module_name: str):
@@ -94,11 +94,11 @@ def learner(module_name: str):
     return importlib.import_module(module_name)
 
 
-def call(fn, *args):
+def call(fn, *args, **kwargs):
     """Call a learner's function in the grader's own process; NotImplementedError fails, it does not error."""
     __tracebackhide__ = True                                  # pytest: show the message, not this frame
     try:
-        return fn(*args)
+        return fn(*args, **kwargs)
     except NotImplementedError as exc:
         raise AssertionError(f"{fn.__name__} is not implemented yet ({exc})") from None
 

@@ -68,6 +68,12 @@ MUTANTS = [
      r"rows \[3, 50\]: element \d+ .* an error of \d.* x absmax/254 .* scale = absmax / 127"),
     ("test_ex12_block_quantize", "check_bytes", "ex12_not_int8",
      r"rank \d: the .* sent \d.* bytes .* with your quantize, \d.* with minizero's: q must be int8"),
+    ("test_ex13_predict_and_plan", "check_predictions", "ex13_no_master_copy",
+     r"model_states\(.*bf16.*\)\['optimizer'\] = 0.0, expected .* \(4 per parameter\)"),
+    ("test_ex13_predict_and_plan", "check_predictions", "ex13_stage3_sends_2psi",
+     r"bytes_per_step\(.*stage 3.*\) = .*, expected .* \(2.625 Ψ elements"),
+    ("test_ex13_predict_and_plan", "check_launch", "ex13_plan_without_activations",
+     r"your plan .*'micro_batch': 8} needs \d+ bytes per rank as measured .*: over the budget"),
 ]
 # Every exercise refuses an answer borrowed from minizero (or PyTorch): one mutant each imports it. The
 # guard reads the source, so the grader's first check rejects it before launching anything.
@@ -83,7 +89,8 @@ MUTANTS += [(f"test_{name}", check, f"{name[:4]}_imports_the_answer", r"line \d+
                                 ("ex09_offload_step", "check_training"),
                                 ("ex10_global_overflow", "check_decisions"),
                                 ("ex11_checkpoint_unit", "check_training"),
-                                ("ex12_block_quantize", "check_error_bound")]]
+                                ("ex12_block_quantize", "check_error_bound"),
+                                ("ex13_predict_and_plan", "check_predictions")]]
 
 
 def load(grader: str):
@@ -102,7 +109,7 @@ def test_every_mutant_is_used_and_every_exercise_has_one():
     on_disk = {p.stem for p in (EXERCISES / "mutants").glob("ex*.py")}
     assert on_disk == {m[2] for m in MUTANTS}
     assert {m[2][:4] for m in MUTANTS} == {name[:4] for name in EXERCISE_NAMES}
-    assert [name[:4] for name in EXERCISE_NAMES] == [f"ex{i:02d}" for i in range(1, 13)]   # no gap
+    assert [name[:4] for name in EXERCISE_NAMES] == [f"ex{i:02d}" for i in range(1, 14)]   # no gap
 
 
 @pytest.mark.parametrize("name", EXERCISE_NAMES)
