@@ -1,8 +1,9 @@
-"""Grader for exercise 3 (gradient accumulation, communicating once a step):  pytest exercises -k ex03
+"""Grader for exercise 3 (gradient accumulation, communicating once a step):  pytest exercises -k
+ex03
 
-Two ranks train a small MLP for 3 SGD steps with your train_step, K = 2 micro-batches each; the result is
-compared with one process training on the whole global batch, and each step's bytes (comm.tally) with
-one all-reduce of every gradient.
+Two ranks train a small MLP for 3 SGD steps with your train_step, K = 2 micro-batches each; the
+result is compared with one process training on the whole global batch, and each step's bytes
+(comm.tally) with one all-reduce of every gradient.
 """
 
 import pytest
@@ -23,9 +24,12 @@ def make_model() -> nn.Module:
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's global batch, [K][N][ROWS] rows: micro-batch k of rank r is batch(step)[.][k][r]."""
+    """The step's global batch, [K][N][ROWS] rows: micro-batch k of rank r is
+    batch(step)[.][k][r]."""
     gen = torch.Generator().manual_seed(100 + step)
-    return torch.randn(K, N, ROWS, 5, generator=gen), torch.randint(0, 3, (K, N, ROWS), generator=gen)
+    return torch.randn(K, N, ROWS, 5, generator=gen), torch.randint(
+        0, 3, (K, N, ROWS), generator=gen
+    )
 
 
 def worker(module_name: str) -> dict:
@@ -35,15 +39,24 @@ def worker(module_name: str) -> dict:
     for step in range(STEPS):
         x, y = batch(step)
         comm.reset_tally()
-        g.call(answer.train_step, model, optimizer, [(x[k, comm.rank()], y[k, comm.rank()]) for k in range(K)],
-               F.cross_entropy)
+        g.call(
+            answer.train_step,
+            model,
+            optimizer,
+            [(x[k, comm.rank()], y[k, comm.rank()]) for k in range(K)],
+            F.cross_entropy,
+        )
         sent.append(comm.tally()["total"])
-    return {"rank": comm.rank(), "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
-            "sent": sent}
+    return {
+        "rank": comm.rank(),
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "sent": sent,
+    }
 
 
 def reference() -> tuple[dict, dict]:
-    """(initial, trained) parameters of one process on the whole global batch, K micro-batches a step."""
+    """(initial, trained) parameters of one process on the whole global batch, K micro-batches a
+    step."""
     model = make_model()
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -67,11 +80,12 @@ def check_training(impl: str) -> None:
             if diff.max() > 1e-6:
                 update = want - start[name]
                 ratio = ((got - start[name]) * update).sum() / update.pow(2).sum()
-                raise AssertionError(f"rank {res['rank']}, {name} after {STEPS} SGD steps of K = {K} "
-                                     f"micro-batches on N = {N} ranks: differs from one process by up to "
-                                     f"{diff.max().item():.3g}; your total update is {ratio.item():.3g} x "
-                                     "the reference's. Is the loss divided by K once, and the gradient "
-                                     "averaged over the ranks once?")
+                raise AssertionError(f"rank {res['rank']}, {name} after {STEPS} SGD steps of K = "
+                                     f"{K} micro-batches on N = {N} ranks: differs from one "
+                                     f"process by up to {diff.max().item():.3g}; your total update "
+                                     f"is {ratio.item():.3g} x the reference's. Is the loss "
+                                     "divided by K once, and the gradient averaged over the ranks "
+                                     "once?")
 
 
 def check_bytes(impl: str) -> None:

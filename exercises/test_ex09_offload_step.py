@@ -1,8 +1,8 @@
 """Grader for exercise 9 (offloaded optimizer step):  pytest exercises -k ex09
 
 A thin subclass of minizero's HostShardOptimizer calls your offload_step and then checks the host
-gradient buffers and the copy back; minizero's stage 2 with offload uses it while two ranks train, and
-the result is compared with one process training on the whole batch.
+gradient buffers and the copy back; minizero's stage 2 with offload uses it while two ranks train,
+and the result is compared with one process training on the whole batch.
 """
 
 import pytest
@@ -17,25 +17,28 @@ CFG = g.config(stage=2, world_size=2, offload=True)
 
 
 class LearnerHostOptimizer(HostShardOptimizer):
-    """minizero's host optimizer with the learner's offload_step as its step, checked after each one."""
+    """minizero's host optimizer with the learner's offload_step as its step, checked after each
+    one."""
     answer = None                                 # the learner's module, set by the worker
     steps = 0
 
     def step(self, grad_parts):
         self.steps += 1
         self.answer.offload_step(self, grad_parts)
-        for i, (grad, host, master, part) in enumerate(zip(grad_parts, self.host_grads, self.masters,
-                                                           self.param_parts)):
+        for i, (grad, host, master, part) in enumerate(
+            zip(grad_parts, self.host_grads, self.masters, self.param_parts)
+        ):
             where = f"rank {comm.rank()}, step {self.steps}, bucket {i}"
             if not torch.equal(host, grad.float().cpu()):
-                raise AssertionError(f"{where}: host_grads[{i}] does not hold the averaged gradient "
-                                     f"grad_parts[{i}]: copy the device gradients into the host buffers and "
-                                     "step on those")
+                raise AssertionError(f"{where}: host_grads[{i}] does not hold the averaged "
+                                     f"gradient grad_parts[{i}]: copy the device gradients into "
+                                     "the host buffers and step on those")
             rounded = master.detach().to(part.dtype).to(part.device)
             if not torch.equal(part, rounded):
                 diff = (part.double() - rounded.double()).abs().max().item()
-                raise AssertionError(f"{where}: the device parameters param_parts[{i}] differ from the "
-                                     f"updated masters[{i}] by up to {diff:.3g}: copy the masters back")
+                raise AssertionError(f"{where}: the device parameters param_parts[{i}] differ from "
+                                     f"the updated masters[{i}] by up to {diff:.3g}: copy the "
+                                     "masters back")
 
 
 class LearnerOffloadZero2(Zero2):
@@ -52,7 +55,8 @@ def worker(module_name: str) -> dict:
 def check_training(impl: str) -> None:
     g.guard(impl)
     g.assert_matches_reference(CFG, g.launch(worker, CFG.world_size, impl),
-                               hint="Does the optimizer step the host masters with the host gradients?")
+                               hint="Does the optimizer step the host masters with the host "
+                                    "gradients?")
 
 
 @pytest.mark.points(2)

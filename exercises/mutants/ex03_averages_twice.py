@@ -1,5 +1,5 @@
-"""Mutant: divides each micro-batch's loss by K and then divides the accumulated gradient by K again:
-every step is K times too small."""
+"""Mutant: divides each micro-batch's loss by K and then divides the accumulated gradient by K
+again: every step is K times too small."""
 
 from minizero import comm
 

@@ -1,4 +1,5 @@
-"""Mutant: lets minizero's DDP engine accumulate (engine.no_sync()) instead of writing the accumulation."""
+"""Mutant: lets minizero's DDP engine accumulate (engine.no_sync()) instead of writing the
+accumulation."""
 
 import contextlib
 

@@ -1,5 +1,5 @@
-"""Mutant: averages the gradients after every micro-batch: the right numbers (averaging is linear), but
-K times the bytes: exactly what no_sync() exists to avoid."""
+"""Mutant: averages the gradients after every micro-batch: the right numbers (averaging is linear),
+but K times the bytes: exactly what no_sync() exists to avoid."""
 
 from minizero import comm
 

@@ -1,4 +1,5 @@
-"""Mutant: an off-by-one, ceil(Ψ/N) written as Ψ // N + 1 (one element too many when N divides Ψ)."""
+"""Mutant: an off-by-one, ceil(Ψ/N) written as Ψ // N + 1 (one element too many when N divides
+Ψ)."""
 
 from solutions.ex04_zero1_partition import all_gather_params  # noqa: F401
 

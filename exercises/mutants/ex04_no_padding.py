@@ -1,4 +1,5 @@
-"""Mutant: forgets the padding: partitions of numel // N elements, the last numel % N never owned."""
+"""Mutant: forgets the padding: partitions of numel // N elements, the last numel % N never
+owned."""
 
 from solutions.ex04_zero1_partition import all_gather_params  # noqa: F401
 

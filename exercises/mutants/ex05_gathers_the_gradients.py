@@ -1,5 +1,5 @@
-"""Mutant: all-gathers every rank's gradients to compute the norm: right answer, Ψ elements on the wire
-where one number would do."""
+"""Mutant: all-gathers every rank's gradients to compute the norm: right answer, Ψ elements on the
+wire where one number would do."""
 
 import torch
 

@@ -1,4 +1,5 @@
-"""Mutant: right values, but keeps the full gradients (p.grad) alive: no memory saved over stage 1."""
+"""Mutant: right values, but keeps the full gradients (p.grad) alive: no memory saved over stage
+1."""
 
 import solutions.ex06_zero2_reduce_scatter as answer
 

@@ -14,4 +14,6 @@ def reduce_scatter_bucket(params, padded_numel):
         offset += p.numel()
         p.grad = None
     n, r = padded_numel // comm.world_size(), comm.rank()
-    return staging, comm.reduce_scatter(staging[r * n: (r + 1) * n], staging, op="sum", async_op=True)
+    return staging, comm.reduce_scatter(
+        staging[r * n : (r + 1) * n], staging, op="sum", async_op=True
+    )

@@ -1,4 +1,5 @@
-"""Mutant: lets minizero's unit gather and free itself (unit.gather(), unit.free()): its answer, not yours."""
+"""Mutant: lets minizero's unit gather and free itself (unit.gather(), unit.free()): its answer, not
+yours."""
 
 from solutions.ex07_zero3_hooks import post_backward, post_forward, pre_backward  # noqa: F401
 

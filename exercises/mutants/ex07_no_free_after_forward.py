@@ -1,4 +1,5 @@
-"""Mutant: gathers before forward but never frees after it: every unit stays materialized (no saving)."""
+"""Mutant: gathers before forward but never frees after it: every unit stays materialized (no
+saving)."""
 
 from solutions.ex07_zero3_hooks import post_backward, pre_backward, pre_forward  # noqa: F401
 

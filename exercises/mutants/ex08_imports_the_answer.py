@@ -7,8 +7,13 @@ import minizero
 
 class Zero3:
     def __init__(self, model, units, lr, max_norm):
-        self.engine = minizero.wrap(model, 3, lambda params: torch.optim.SGD(params, lr=lr), units=units[1:],
-                                    clip_grad_norm=max_norm)
+        self.engine = minizero.wrap(
+            model,
+            3,
+            lambda params: torch.optim.SGD(params, lr=lr),
+            units=units[1:],
+            clip_grad_norm=max_norm,
+        )
 
     def __call__(self, *inputs):
         return self.engine(*inputs)

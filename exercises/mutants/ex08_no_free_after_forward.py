@@ -1,4 +1,5 @@
-"""Mutant: never frees a unit after its forward: correct numbers, and every unit materialized at once."""
+"""Mutant: never frees a unit after its forward: correct numbers, and every unit materialized at
+once."""
 
 from solutions.ex08_zero3_from_scratch import Zero3 as Right
 

@@ -1,4 +1,5 @@
-"""Mutant: steps the host masters but never copies them back: the device keeps the old parameters."""
+"""Mutant: steps the host masters but never copies them back: the device keeps the old
+parameters."""
 
 
 def offload_step(opt, grad_parts):

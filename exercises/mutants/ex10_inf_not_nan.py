@@ -1,4 +1,5 @@
-"""Mutant: global, but looks for infs only (torch.isinf): a nan gradient is stepped into the parameters."""
+"""Mutant: global, but looks for infs only (torch.isinf): a nan gradient is stepped into the
+parameters."""
 
 import torch
 

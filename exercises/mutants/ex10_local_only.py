@@ -1,5 +1,5 @@
-"""Mutant: checks only this rank's own partitions (no collective): the rank holding the inf skips the
-step, the others take it, and their parameters part ways."""
+"""Mutant: checks only this rank's own partitions (no collective): the rank holding the inf skips
+the step, the others take it, and their parameters part ways."""
 
 import torch
 

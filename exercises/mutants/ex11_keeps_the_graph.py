@@ -1,5 +1,6 @@
-"""Mutant: why recompute? forward runs the unit with grad enabled and keeps its graph on ctx; backward
-backpropagates through that graph. Right gradients, and every activation kept: no memory saved."""
+"""Mutant: why recompute? forward runs the unit with grad enabled and keeps its graph on ctx;
+backward backpropagates through that graph. Right gradients, and every activation kept: no memory
+saved."""
 
 import torch
 

@@ -1,5 +1,5 @@
-"""Mutant: scale = absmax / 255, as if int8 were unsigned: q = round(x / scale) reaches 255 and is clamped
-to 127, so every element above absmax / 2 comes back as about absmax / 2."""
+"""Mutant: scale = absmax / 255, as if int8 were unsigned: q = round(x / scale) reaches 255 and is
+clamped to 127, so every element above absmax / 2 comes back as about absmax / 2."""
 
 import torch
 

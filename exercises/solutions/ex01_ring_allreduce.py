@@ -1,5 +1,5 @@
-"""Exercise 1, answer: the ring all-reduce from exchange() alone (minizero/comm.py, ring_all_reduce, is
-the same algorithm, also tallied and timed by the network model)."""
+"""Exercise 1, answer: the ring all-reduce from exchange() alone (minizero/comm.py, ring_all_reduce,
+is the same algorithm, also tallied and timed by the network model)."""
 
 import torch
 
@@ -13,11 +13,16 @@ def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     chunk = -(-flat.numel() // n)                                # C = ceil(S / N)
     padded = torch.zeros(n * chunk, dtype=flat.dtype, device=flat.device)
     padded[: flat.numel()] = flat
-    chunks, incoming = padded.view(n, chunk), torch.empty(chunk, dtype=flat.dtype, device=flat.device)
-    for s in range(n - 1):                                       # reduce-scatter: sums travel the ring
+    chunks, incoming = (
+        padded.view(n, chunk),
+        torch.empty(chunk, dtype=flat.dtype, device=flat.device),
+    )
+    # reduce-scatter: sums travel the ring
+    for s in range(n - 1):
         exchange(chunks[(r - s) % n], incoming)
         chunks[(r - s - 1) % n] += incoming
-    for s in range(n - 1):                                       # all-gather: finished chunks travel
+    # all-gather: finished chunks travel
+    for s in range(n - 1):
         exchange(chunks[(r + 1 - s) % n], incoming)
         chunks[(r - s) % n].copy_(incoming)
     tensor.copy_(padded[: flat.numel()].view_as(tensor))

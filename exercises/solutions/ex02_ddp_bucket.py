@@ -1,5 +1,5 @@
-"""Exercise 2, answer: DDP's bucketing rule (minizero/flat.py, split_into_buckets) and the one line of
-its hook (minizero/ddp.py): start averaging the bucket, hand back the handle."""
+"""Exercise 2, answer: DDP's bucketing rule (minizero/flat.py, split_into_buckets) and the one line
+of its hook (minizero/ddp.py): start averaging the bucket, hand back the handle."""
 
 from minizero import comm
 
@@ -16,4 +16,5 @@ def split_into_buckets(params, bucket_bytes):
 
 
 def all_reduce_bucket(grads):
-    return comm.all_reduce(grads, op="avg", async_op=True)      # issued now, waited for before the step
+    # issued now, waited for before the step
+    return comm.all_reduce(grads, op="avg", async_op=True)

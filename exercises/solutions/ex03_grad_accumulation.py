@@ -1,5 +1,6 @@
-"""Exercise 3, answer: what minizero's engines do with no_sync() (engine.py) and minizero/lab/train.py's
-forward_backward: accumulate K micro-batches locally, average once, step once."""
+"""Exercise 3, answer: what minizero's engines do with no_sync() (engine.py) and
+minizero/lab/train.py's forward_backward: accumulate K micro-batches locally, average once, step
+once."""
 
 from minizero import comm
 
@@ -12,7 +13,8 @@ def train_step(model, optimizer, micro_batches, loss_fn):
         step_loss += loss.item()
     for p in model.parameters():                     # the one communication of the step
         if p.grad is not None:
-            comm.all_reduce(p.grad, op="avg")            # the sum of K scaled means, averaged over N
+            # the sum of K scaled means, averaged over N
+            comm.all_reduce(p.grad, op="avg")
     optimizer.step()
     optimizer.zero_grad()
     return step_loss

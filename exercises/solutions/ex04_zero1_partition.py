@@ -15,4 +15,5 @@ def partition(numel, world_size, rank):
 
 def all_gather_params(flat):
     start, end = partition(flat.numel(), comm.world_size(), comm.rank())
-    comm.all_gather(flat, flat[start:end])                       # in place: my partition is the input
+    # in place: my partition is the input
+    comm.all_gather(flat, flat[start:end])

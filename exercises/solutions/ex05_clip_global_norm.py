@@ -1,4 +1,5 @@
-"""Exercise 5, answer: clipping by the global norm over partitions (minizero/engine.py, Engine._clip)."""
+"""Exercise 5, answer: clipping by the global norm over partitions (minizero/engine.py,
+Engine._clip)."""
 
 import torch
 
@@ -9,7 +10,8 @@ def clip_grad_norm_(grads, max_norm):
     squares = torch.zeros((), dtype=torch.float32, device=comm.device())
     for g in grads:
         squares += g.float().pow(2).sum()                 # this rank's share of ‖g‖²
-    comm.all_reduce(squares, op="sum")                    # ‖g‖² over all partitions: 4 bytes each way
+    # ‖g‖² over all partitions: 4 bytes each way
+    comm.all_reduce(squares, op="sum")
     norm = squares.sqrt()
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)     # torch.nn.utils.clip_grad_norm_'s formula
     for g in grads:

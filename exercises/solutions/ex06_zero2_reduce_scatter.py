@@ -7,7 +7,8 @@ from minizero import comm
 
 
 def reduce_scatter_bucket(params, padded_numel):
-    staging = torch.zeros(padded_numel, dtype=params[0].dtype, device=comm.device())    # [Ψ_b padded]
+    # [Ψ_b padded]
+    staging = torch.zeros(padded_numel, dtype=params[0].dtype, device=comm.device())
     offset = 0
     for p in params:
         if p.grad is not None:                   # None: unused this step, reduced as zeros
@@ -15,4 +16,6 @@ def reduce_scatter_bucket(params, padded_numel):
         offset += p.numel()
         p.grad = None                            # the full gradient is freed: stage 2's saving
     n, r = padded_numel // comm.world_size(), comm.rank()
-    return staging, comm.reduce_scatter(staging[r * n: (r + 1) * n], staging, op="avg", async_op=True)
+    return staging, comm.reduce_scatter(
+        staging[r * n : (r + 1) * n], staging, op="avg", async_op=True
+    )

@@ -1,13 +1,16 @@
-"""Exercise 7, answer: what minizero's stage 3 does in Unit.gather (a prefetch is its async_op=True) and
-Unit.free (zero3.py), without its bookkeeping, and where it does it (Unit.pre_forward ... post_backward)."""
+"""Exercise 7, answer: what minizero's stage 3 does in Unit.gather (a prefetch is its async_op=True)
+and Unit.free (zero3.py), without its bookkeeping, and where it does it (Unit.pre_forward ...
+post_backward)."""
 
 from minizero import comm
 
-_in_flight: dict = {}               # unit -> the handle of the all-gather started for it, not yet waited for
+# unit -> the handle of the all-gather started for it, not yet waited for
+_in_flight: dict = {}
 
 
 def start_gather(unit) -> None:
-    """Allocate the unit's full buffer and start all-gathering the N shards into it (unless on its way)."""
+    """Allocate the unit's full buffer and start all-gathering the N shards into it (unless on its
+    way)."""
     full = unit.full
     if unit in _in_flight or full.untyped_storage().nbytes():
         return
@@ -23,7 +26,8 @@ def gather(unit) -> None:
 
 
 def free(unit) -> None:
-    unit.full.untyped_storage().resize_(0)          # shape kept, parameters stay views, 0 bytes held
+    # shape kept, parameters stay views, 0 bytes held
+    unit.full.untyped_storage().resize_(0)
 
 
 def pre_forward(unit, following):

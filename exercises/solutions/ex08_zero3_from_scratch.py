@@ -1,6 +1,7 @@
-"""Exercise 8, answer: ZeRO stage 3 from torch and minizero.comm alone. minizero's own version spreads the
-same steps over flat.py (the layout), zero3.py (Unit: gather, free, the four hooks; prefetch), zero2.py
-(the reduce-scatter), reducer.py (when a bucket is ready) and engine.py (clipping, the step)."""
+"""Exercise 8, answer: ZeRO stage 3 from torch and minizero.comm alone. minizero's own version
+spreads the same steps over flat.py (the layout), zero3.py (Unit: gather, free, the four hooks;
+prefetch), zero2.py (the reduce-scatter), reducer.py (when a bucket is ready) and engine.py
+(clipping, the step)."""
 
 import torch
 from torch import nn
@@ -9,8 +10,9 @@ from minizero import comm
 
 
 class Unit:
-    """One unit's flat buffer [Ψ_u padded] (its parameters are views of it, 0 bytes while freed), this
-    rank's persistent shard of it and of its gradient [Ψ_u / N], and the state of one backward."""
+    """One unit's flat buffer [Ψ_u padded] (its parameters are views of it, 0 bytes while freed),
+    this rank's persistent shard of it and of its gradient [Ψ_u / N], and the state of one
+    backward."""
 
     def __init__(self, params: list[nn.Parameter]):
         n, r = comm.world_size(), comm.rank()
@@ -19,15 +21,19 @@ class Unit:
         self.size = -(-numel // n)                                  # Ψ_u / N, padding included
         self.full = torch.zeros(self.size * n)                      # [Ψ_u padded]
         offset = 0
-        for p in params:                                            # lay out, then point p into the buffer
+        # lay out, then point p into the buffer
+        for p in params:
             self.full[offset: offset + p.numel()] = p.detach().reshape(-1)
             p.data = self.full[offset: offset + p.numel()].view_as(p)
             offset += p.numel()
         self.shard = self.full[r * self.size: (r + 1) * self.size].clone()    # mine, kept
         self.grad_shard = torch.zeros(self.size)
-        self.handle = None                                          # the all-gather in flight, if any
-        self.ready: set[int] = set()                                # params whose gradient is complete
-        self.full.untyped_storage().resize_(0)                      # freed: the shard is all that stays
+        # the all-gather in flight, if any
+        self.handle = None
+        # params whose gradient is complete
+        self.ready: set[int] = set()
+        # freed: the shard is all that stays
+        self.full.untyped_storage().resize_(0)
 
     def start_gather(self) -> None:
         """Allocate and start the all-gather (a prefetch when nobody waits for it yet)."""
@@ -62,7 +68,8 @@ class Zero3:
         self.model, self.lr, self.max_norm = model, lr, max_norm
         taken: set[int] = set()
         groups = []
-        for module in units[1:] + units[:1]:                        # the blocks, then the root's rest
+        # the blocks, then the root's rest
+        for module in units[1:] + units[:1]:
             params = [p for p in module.parameters() if id(p) not in taken]    # a tied weight once
             taken |= {id(p) for p in params}
             groups.append(params)
@@ -88,7 +95,8 @@ class Zero3:
         if output.requires_grad:                                    # backward will need it again
             output.register_hook(lambda grad: self.pre_backward(i))
 
-    # backward runs the units in reverse: the root (its output's gradient comes first), then the last block
+    # backward runs the units in reverse: the root (its output's gradient comes first), then the
+    # last block
     def backward_order(self) -> list[int]:
         return [0] + list(range(len(self.units) - 1, 0, -1))
 
@@ -112,7 +120,8 @@ class Zero3:
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
-        for unit in self.units:                                     # units with a parameter never used
+        # units with a parameter never used
+        for unit in self.units:
             if unit.ready or unit.full.untyped_storage().nbytes():
                 self.finish(unit)
         for unit, mine, handle in self.pending:

@@ -4,7 +4,8 @@ minizero/optim.py's ShardOptimizer.step): gradients down, step on the host, para
 
 def offload_step(opt, grad_parts):
     for host, grad in zip(opt.host_grads, grad_parts):
-        host.copy_(grad)                          # device -> host, upcast to fp32: 2Ψ/N bytes over PCIe
+        # device -> host, upcast to fp32: 2Ψ/N bytes over PCIe
+        host.copy_(grad)
     for master, host in zip(opt.masters, opt.host_grads):
         master.grad = host
     opt.optimizer.step()                          # on the host, fp32 masters and their state

@@ -1,5 +1,6 @@
-"""Exercise 11, answer: minizero's activations._Checkpoint (minizero/activations.py) without its meter
-and its dummy input (the graded units' inputs require grad), for units that return one tensor."""
+"""Exercise 11, answer: minizero's activations._Checkpoint (minizero/activations.py) without its
+meter and its dummy input (the graded units' inputs require grad), for units that return one
+tensor."""
 
 import torch
 
@@ -21,13 +22,18 @@ class CheckpointFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, *inputs):
         ctx.run = run
-        ctx.rng = _rng_state(inputs)                 # the extra: dropout draws the same masks in the recompute
+        # the extra: dropout draws the same masks in the recompute
+        ctx.rng = _rng_state(inputs)
         ctx.save_for_backward(*inputs)               # the checkpoint: s·b·h per block, nothing else
-        return run(*inputs)                          # grad is off here: no graph, no activation kept
+        # grad is off here: no graph, no activation kept
+        return run(*inputs)
 
     @staticmethod
     def backward(ctx, *grads):
-        inputs = [x.detach().requires_grad_(g) for x, g in zip(ctx.saved_tensors, ctx.needs_input_grad[1:])]
+        inputs = [
+            x.detach().requires_grad_(g)
+            for x, g in zip(ctx.saved_tensors, ctx.needs_input_grad[1:])
+        ]
         with torch.random.fork_rng(devices=ctx.rng[1]), torch.enable_grad():
             _set_rng_state(ctx.rng)
             output = ctx.run(*inputs)                # the recompute: one more forward of the unit

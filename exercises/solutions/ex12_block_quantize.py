@@ -1,4 +1,5 @@
-"""Exercise 12, answer: symmetric int8 block quantization (minizero/quantize.py, quantize, dequantize)."""
+"""Exercise 12, answer: symmetric int8 block quantization (minizero/quantize.py, quantize,
+dequantize)."""
 
 import torch
 

@@ -4,9 +4,13 @@ estimate_breakdown, optimizer_k, step_collectives, comm_volume), and a planner o
 from minizero.memory import activation_bytes
 
 ELEMENT = {"fp32": 4, "bf16": 2}                 # bytes of a parameter and of a gradient
-STATE = {"adam": 8, "sgd": 0}                    # the optimizer's own state: Adam's two fp32 moments
-OPTIONS = [(stage, False, False) for stage in range(4)] + [(stage, False, True) for stage in range(4)] \
-    + [(3, True, True)]                          # (stage, offload, checkpointing), cheapest first
+# the optimizer's own state: Adam's two fp32 moments
+STATE = {"adam": 8, "sgd": 0}
+OPTIONS = (
+    [(stage, False, False) for stage in range(4)]
+    + [(stage, False, True) for stage in range(4)]
+    + [(3, True, True)]
+)                          # (stage, offload, checkpointing), cheapest first
 
 
 def model_states(num_params, world_size, stage, *, dtype, optimizer, offload):
@@ -22,17 +26,39 @@ def model_states(num_params, world_size, stage, *, dtype, optimizer, offload):
 
 
 def bytes_per_step(num_params, world_size, stage, *, dtype):
-    ring = (world_size - 1) / world_size * ELEMENT[dtype] * num_params   # one reduce-scatter or all-gather
-    return 3 * ring if stage == 3 else 2 * ring      # DDP's all-reduce is both; stage 3 gathers twice
+    # one reduce-scatter or all-gather
+    ring = (world_size - 1) / world_size * ELEMENT[dtype] * num_params
+    # DDP's all-reduce is both; stage 3 gathers twice
+    return 3 * ring if stage == 3 else 2 * ring
 
 
 def plan(num_params, shape, world_size, budget, rows, *, dtype, optimizer):
     for stage, offload, checkpointing in OPTIONS:
-        states = model_states(num_params, world_size, stage, dtype=dtype, optimizer=optimizer, offload=offload)
+        states = model_states(
+            num_params, world_size, stage, dtype=dtype, optimizer=optimizer, offload=offload
+        )
         device = states["params"] + states["grads"] + states["optimizer"]
-        fits = [b for b in range(1, rows + 1) if device + activation_bytes(
-            shape["layers"], shape["hidden"], shape["heads"], shape["seq"], b, bytes_per_elem=ELEMENT[dtype],
-            mlp_ratio=shape["mlp_ratio"], checkpointing=checkpointing) <= budget]
+        fits = [
+            b
+            for b in range(1, rows + 1)
+            if device
+            + activation_bytes(
+                shape["layers"],
+                shape["hidden"],
+                shape["heads"],
+                shape["seq"],
+                b,
+                bytes_per_elem=ELEMENT[dtype],
+                mlp_ratio=shape["mlp_ratio"],
+                checkpointing=checkpointing,
+            )
+            <= budget
+        ]
         if fits:
-            return {"stage": stage, "offload": offload, "checkpointing": checkpointing, "micro_batch": max(fits)}
+            return {
+                "stage": stage,
+                "offload": offload,
+                "checkpointing": checkpointing,
+                "micro_batch": max(fits),
+            }
     return None
