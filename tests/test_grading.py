@@ -92,6 +92,14 @@ MUTANTS = [
      r"bytes_per_step\(.*stage 3.*\) = .*, expected .* \(2.625 Ψ elements"),
     ("test_ex13_predict_and_plan", "check_launch", "ex13_plan_without_activations",
      r"your plan .*'micro_batch': 8} needs \d+ bytes per rank as measured .*: over the budget"),
+    ("test_ex14_overlap_buckets", "check_overlap", "ex14_launch_at_finish",
+     r"rank \d: your step took \d+ ms for \d+ ms of compute and 320 ms of communication"),
+    ("test_ex14_overlap_buckets", "check_policy", "ex14_out_of_order",
+     r"launched in the order \[0, 1, 3, 2, 4, 5, 7, 6\], .*: launch strictly 0, 1, 2"),
+    ("test_ex14_overlap_buckets", "check_policy", "ex14_unbounded",
+     r"8 buckets were in flight at once, at most max_in_flight = 2"),
+    ("test_ex14_overlap_buckets", "check_overlap", "ex14_blocking",
+     r"your step took .* never wait for one you just started"),
 ]
 # Every exercise refuses an answer borrowed from minizero (or PyTorch): one mutant each imports it.
 # The guard reads the source, so the grader's first check rejects it before launching anything.
@@ -109,7 +117,8 @@ MUTANTS += [(f"test_{name}", check, f"{name[:4]}_imports_the_answer",
                                 ("ex10_global_overflow", "check_decisions"),
                                 ("ex11_checkpoint_unit", "check_training"),
                                 ("ex12_block_quantize", "check_error_bound"),
-                                ("ex13_predict_and_plan", "check_predictions")]]
+                                ("ex13_predict_and_plan", "check_predictions"),
+                                ("ex14_overlap_buckets", "check_policy")]]
 
 
 def load(grader: str):
@@ -131,7 +140,7 @@ def test_every_mutant_is_used_and_every_exercise_has_one():
     on_disk = {p.stem for p in (EXERCISES / "mutants").glob("ex*.py")}
     assert on_disk == {m[2] for m in MUTANTS}
     assert {m[2][:4] for m in MUTANTS} == {name[:4] for name in EXERCISE_NAMES}
-    assert [name[:4] for name in EXERCISE_NAMES] == [f"ex{i:02d}" for i in range(1, 14)]   # no gap
+    assert [name[:4] for name in EXERCISE_NAMES] == [f"ex{i:02d}" for i in range(1, 15)]   # no gap
 
 
 @pytest.mark.parametrize("name", EXERCISE_NAMES)
