@@ -56,14 +56,11 @@ class GradedScaler(LossScaler):
 
 
 def run(check) -> dict:
-    scalers = []
+    scalers = [GradedScaler(CFG.loss_scale, check)]
 
     def build(model, stage, optimizer, **options):
-        engine = minizero.wrap(model, stage, optimizer, **options)
-        # engine.scaler: the engine's public scaler
-        engine.scaler = GradedScaler(CFG.loss_scale, check)
-        scalers.append(engine.scaler)
-        return engine
+        # a LossScaler given as loss_scale is the engine's scaler (minizero/loss_scale.py)
+        return minizero.wrap(model, stage, optimizer, **{**options, "loss_scale": scalers[-1]})
 
     result = train_worker(CFG, make_engine=build)
     return {

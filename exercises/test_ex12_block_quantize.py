@@ -17,6 +17,7 @@ import torch
 import _grading as g
 from minizero import comm, quantize
 from minizero.lab.train import train_worker
+from minizero.zero3 import Zero3
 
 BLOCK = 16
 CFG = g.config(stage=3, world_size=2, steps=2, optimizer="adamw", lr=1e-3, quantized_weights=True,
@@ -68,22 +69,28 @@ def check_error_bound(impl: str) -> None:
                                  "absmax / 127?")
 
 
-def run() -> dict:
-    result = train_worker(CFG)
+def run(codec=quantize.Int8Blocks) -> dict:
+    class Engine(Zero3):
+        int8_codec = codec                     # the engine's ZeRO++ codec (zero2.py, quantize.py)
+
+    def build(model, stage, optimizer, **options):
+        return Engine(model, optimizer, **options)
+    result = train_worker(CFG, make_engine=build)
     return {"bytes": result["comm_bytes_per_step"], "losses": result["losses"]}
 
 
 def worker(module_name: str) -> dict:
     answer = g.learner(module_name)
-    theirs = run()                                               # minizero's own quantization
-    mine = quantize.quantize, quantize.dequantize
-    quantize.quantize = lambda x, block: g.call(answer.quantize, x, block)
-    quantize.dequantize = lambda q, scales, block: g.call(answer.dequantize, q, scales, block)
-    try:
-        yours = run()
-    finally:
-        quantize.quantize, quantize.dequantize = mine
-    return {"rank": comm.rank(), "yours": yours, "minizero": theirs}
+
+    class Yours(quantize.Int8Blocks):          # minizero's collectives, your quantize / dequantize
+        @staticmethod
+        def quantize(x, block):
+            return g.call(answer.quantize, x, block)
+
+        @staticmethod
+        def dequantize(q, scales, block):
+            return g.call(answer.dequantize, q, scales, block)
+    return {"rank": comm.rank(), "yours": run(Yours), "minizero": run()}
 
 
 def check_bytes(impl: str) -> None:
