@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from minizero import comm
+from minizero.disk import DiskShardOptimizer
 from minizero.engine import Engine
 from minizero.flat import FlatLayout
 from minizero.offload import HostShardOptimizer
@@ -42,7 +43,7 @@ from minizero.optim import ShardOptimizer
 
 class Zero1(Engine):
     stage = 1
-    offload_choices = (False, True, "optimizer")        # optimizer state on the host: offload.py
+    offload_choices = (False, True, "optimizer", "disk")   # optimizer state on the host (offload.py), on disk (disk.py)
 
     def __init__(self, model, optimizer, **kwargs):
         super().__init__(model, optimizer, **kwargs)
@@ -62,6 +63,8 @@ class Zero1(Engine):
         self.layout.point_params_into(self.flat_params)
 
     def _make_optimizer(self, parts):
+        if self.offload == "disk":
+            return DiskShardOptimizer(parts, self.optimizer_factory, self.offload_path)
         cls = HostShardOptimizer if self.offload else ShardOptimizer
         return cls(parts, self.optimizer_factory)        # <- the essential line: it sees Ψ/N parameters
 

@@ -242,7 +242,7 @@ class Zero3(Zero2):
     """Builds the units, connects the model's forward hooks and autograd to their lifecycle, and runs
     stage 2's reducer with one bucket per unit."""
     stage = 3
-    offload_choices = (False, True, "optimizer", "params")
+    offload_choices = (False, True, "optimizer", "params", "disk")
     unit_class = Unit        # what units are made of: exercise 5's grader brings a Unit with the learner's hooks
 
     def __init__(self, model, optimizer, *, units: list[nn.Module] | None = None, prefetch: bool = True,
