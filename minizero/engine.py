@@ -63,7 +63,8 @@ class Engine:
                  clip_grad_norm: float | None = None, loss_scale: float | dict | None = None,
                  reduce_dtype: str | None = None, shard_group_size: int | None = None,
                  hpz_group_size: int | None = None, offload_path: str | None = None):
-        self.check(dtype, offload, reduce_dtype, shard_group_size, hpz_group_size, offload_path=offload_path)
+        self.check(dtype, offload, reduce_dtype, shard_group_size, hpz_group_size,
+                   offload_path=offload_path)
         # fp16: the loss is multiplied by S before backward, the gradients divided by it in step()
         self.scaler = scaler_for(dtype, loss_scale)
         if clip_grad_norm is not None and not clip_grad_norm > 0:
@@ -76,7 +77,7 @@ class Engine:
         self.dtype = DTYPES[dtype]
         self.grad_dtype = DTYPES[reduce_dtype or dtype]    # what gradients are reduced and accumulated in
         self.offload = offload
-        self.offload_path = offload_path              # offload="disk": the folder of the state's files (disk.py)
+        self.offload_path = offload_path              # offload="disk": its file's folder (disk.py)
         self.clip_grad_norm = clip_grad_norm
         self.rank, self.world_size, self.device = comm.rank(), comm.world_size(), comm.device()
         # [Note: hierarchical sharding]: who this rank shards with (None: all N) and replicates with
@@ -107,7 +108,7 @@ class Engine:
     def check(cls, dtype: str = "fp32", offload: bool | str = False, reduce_dtype: str | None = None,
               shard_group_size: int | None = None, hpz_group_size: int | None = None,
               world_size: int | None = None, offload_path: str | None = None) -> None:
-        """The rules for dtype, offload (offload_path), reduce_dtype and the group sizes, in one place: the engine checks
+        """The rules for dtype, offload, reduce_dtype and the group sizes, in one place: the engine checks
         them when it is built, and wrap.check / the CLI call this before anything is built (or any process
         started; world_size: the N to check against, default this process group's)."""
         cls._check_groups(shard_group_size, hpz_group_size, comm.world_size() if world_size is None else world_size)
@@ -121,7 +122,7 @@ class Engine:
             raise ValueError("offload_path is the disk tier's folder: it needs offload='disk'")
         if offload in cls.offload_choices:
             if offload == "disk":
-                disk.check_folder(offload_path)               # missing or unwritable: before any build
+                disk.check_folder(offload_path)       # missing or unwritable: before any build
             return
         if cls.stage == 0:
             raise ValueError("offload needs ZeRO stage 1, 2 or 3 (DDP replicates the optimizer)")

@@ -43,7 +43,8 @@ from minizero.optim import ShardOptimizer
 
 class Zero1(Engine):
     stage = 1
-    offload_choices = (False, True, "optimizer", "disk")   # optimizer state on the host (offload.py), on disk (disk.py)
+    # the optimizer state on the host (offload.py) or on disk (disk.py)
+    offload_choices = (False, True, "optimizer", "disk")
 
     def __init__(self, model, optimizer, **kwargs):
         super().__init__(model, optimizer, **kwargs)

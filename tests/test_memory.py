@@ -28,8 +28,8 @@ def test_paper_figure_1_numbers():
 
 def test_formulas_by_category():
     psi, n = 1000, 4
-    assert estimate_breakdown(psi, n, 0) == {"params": 2000, "grads": 2000, "optimizer": 12000, "offloaded": 0,
-                                             "disk": 0}
+    assert estimate_breakdown(psi, n, 0) == {"params": 2000, "grads": 2000, "optimizer": 12000,
+                                             "offloaded": 0, "disk": 0}
     assert estimate_breakdown(psi, n, 1)["optimizer"] == 3000
     assert estimate_breakdown(psi, n, 2)["grads"] == 500
     assert estimate(psi, n, 3) == (2 + 2 + 12) * psi / n
@@ -39,8 +39,8 @@ def test_formulas_by_category():
 
 
 def test_disk_tier_formula():
-    """ZeRO-Infinity's disk tier: the KΨ/N of optimizer state move to disk, read and written once a step;
-    fp32 parameters stay their own master (K = 8), unlike the host tier's (K = 12)."""
+    """ZeRO-Infinity's disk tier: the KΨ/N of optimizer state move to disk, read and written once
+    a step; fp32 parameters stay their own master (K = 8), unlike the host tier's (K = 12)."""
     psi, n = 1000, 4
     b = estimate_breakdown(psi, n, 3, offload="disk")
     assert b == {"params": 500, "grads": 500, "optimizer": 0, "offloaded": 0, "disk": 3000}
@@ -51,8 +51,8 @@ def test_disk_tier_formula():
 
 
 def test_cli_what_if_architecture(capsys):
-    """GPT-2 XL counted on the meta device (its published 1.56B), the tiers, and DeepSpeed's estimate for
-    it: 18Ψ/N + 4 bytes of the largest layer (the 50257 x 1600 embedding) per device."""
+    """GPT-2 XL counted on the meta device (its published 1.56B), the tiers, and DeepSpeed's
+    estimate for it: 18Ψ/N + 4 bytes of the largest layer (the 50257 x 1600 embedding) a device."""
     assert main(["--model", "gpt2-xl", "--world-size", "2", "--seq", "1024", "--batch", "1"]) == 0
     out = capsys.readouterr().out
     psi, largest = 1_557_611_200, 50257 * 1600

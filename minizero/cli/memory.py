@@ -4,20 +4,20 @@
     python -m minizero.memory --model default --world-size 4      # minizero's small GPT
     python -m minizero.memory --layers 48 --hidden 1600 --heads 25 --seq 1024 --batch 32 --world-size 64
                                                                   # a GPT: + activations, with checkpointing
-    python -m minizero.memory --model llama-7b --world-size 8 --seq 2048 --batch 1   # what if: any architecture
+    python -m minizero.memory --model llama-7b --world-size 8 --seq 2048 --batch 1    # any model
 
 A GPT described by --layers/--hidden/--seq/--batch gets Ψ from its shape (lab.model.count_params, with
 --vocab) and its activations per rank (memory.activation_bytes, micro-batch --batch) next to the model
 states: kept for backward, and with activation checkpointing (each block's input, plus one block's
 recompute), on the device or with the inputs on the host.
 
---model names minizero's GPTs (lab/model.py) or one of ARCHITECTURES, a `transformers` config written
-here (no download). Either is built on the meta device (no memory) to count Ψ (a tied weight once) and
-its largest layer; --seq/--batch add activations by memory.activation_bytes (minizero's GPT block, with
-the architecture's layers, width, heads and MLP ratio: an approximation for LLaMA's three-matrix MLP).
-Below the stages: the tiers (optimizer state on the host, parameters too, the disk tier) and what
-DeepSpeed's estimate_zero3_model_states_mem_needs (behind estimate_zero3_model_states_mem_needs_all_live)
-says for the same Ψ, largest layer and N.
+--model names minizero's GPTs (lab/model.py) or one of ARCHITECTURES, a `transformers` config
+written here (no download). Either is built on the meta device (no memory) to count Ψ (a tied
+weight once) and its largest layer; --seq/--batch add activations by memory.activation_bytes
+(minizero's GPT block with the architecture's layers, width, heads and MLP ratio: for LLaMA's
+three-matrix MLP, an approximation). Below the stages: stage 3's tiers (the optimizer state on the
+host, the parameters too, the disk tier), and what DeepSpeed's estimate_zero3_model_states_mem_needs
+(the numbers estimate_zero3_model_states_mem_needs_all_live prints) says for the same model and N.
 """
 
 from __future__ import annotations
@@ -36,21 +36,25 @@ from minizero.memory import (
 from minizero.optim import DTYPES
 
 GPT2_VOCAB = 50257
+CHECKPOINTING = (("kept", False), ("checkpointed", True), ("ckpt on host", "cpu"))   # activations
 # Hugging Face configs (transformers class name, its arguments): the published shapes.
 ARCHITECTURES = {
     "gpt2": ("GPT2Config", {}),
-    "gpt2-xl": ("GPT2Config", dict(n_layer=48, n_embd=1600, n_head=25)),
-    "llama-7b": ("LlamaConfig", dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                                     num_attention_heads=32, vocab_size=32000)),
-    "llama-13b": ("LlamaConfig", dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
-                                      num_attention_heads=40, vocab_size=32000)),
+    "gpt2-xl": ("GPT2Config", {"n_layer": 48, "n_embd": 1600, "n_head": 25}),
+    "llama-7b": ("LlamaConfig", {"hidden_size": 4096, "intermediate_size": 11008,
+                                 "num_hidden_layers": 32, "num_attention_heads": 32,
+                                 "vocab_size": 32000}),
+    "llama-13b": ("LlamaConfig", {"hidden_size": 5120, "intermediate_size": 13824,
+                                  "num_hidden_layers": 40, "num_attention_heads": 40,
+                                  "vocab_size": 32000}),
 }
-TIERS = (("stage 3 + host", "optimizer"), ("stage 3 + params", "params"), ("stage 3 + disk", "disk"))
+TIERS = (("stage 3 + host", "optimizer"), ("stage 3 + params", "params"),
+         ("stage 3 + disk", "disk"))
 
 
-def _table(num_params: int, world_size: int, param_bytes: int, grad_bytes: int, k: int, tier_k: dict,
-           frozen: int = 0, activations: dict | None = None) -> str:
-    """The stages' per-rank bytes, then stage 3's tiers (tier_k: K with each offload, memory.optimizer_k)."""
+def _table(num_params: int, world_size: int, param_bytes: int, grad_bytes: int, k: int,
+           tier_k: dict, frozen: int = 0, activations: dict | None = None) -> str:
+    """The stages' per-rank bytes, then stage 3's tiers (tier_k: K for each offload)."""
     names = {0: "DDP (baseline)", 1: "stage 1  P_os", 2: "stage 2  P_os+g", 3: "stage 3  P_os+g+p"}
     of_them = f" ({frozen:,} of them frozen)" if frozen else ""
     rows = [f"Ψ = {num_params + frozen:,} parameters{of_them}, N = {world_size}, bytes/param: params "
@@ -71,7 +75,8 @@ def _table(num_params: int, world_size: int, param_bytes: int, grad_bytes: int, 
                     + "".join(f"{(total + a) / 1e9:16.2f}" for a in (activations or {}).values()))
     rows += ["", f"{'tiers (stage 3)':20}{'device GB':>11}{'host GB':>11}{'disk GB':>11}"]
     for name, offload in TIERS:
-        b = estimate_breakdown(num_params, world_size, 3, offload=offload, **{**sizes, "k": tier_k[offload]})
+        b = estimate_breakdown(num_params, world_size, 3, offload=offload,
+                               **{**sizes, "k": tier_k[offload]})
         rows.append(f"{name:20}{(b['params'] + b['grads'] + b['optimizer']) / 1e9:11.2f}"
                     f"{b['offloaded'] / 1e9:11.2f}{b['disk'] / 1e9:11.2f}")
     return "\n".join(rows)
@@ -122,32 +127,32 @@ def main(argv: list[str] | None = None) -> int:
         psi = count_params(cfg)
         activations = {name: activation_bytes(args.layers, args.hidden, heads, args.seq, args.batch,
                                               bytes_per_elem=elem, mlp_ratio=cfg.mlp_ratio, checkpointing=mode)
-                       for name, mode in (("kept", False), ("checkpointed", True), ("ckpt on host", "cpu"))}
+                       for name, mode in CHECKPOINTING}
     elif args.params is not None:
         psi = int(args.params)
     else:
         shape = model_shape(args.model)
         psi = shape["params"]
         if args.seq is not None:
-            activations = {name: activation_bytes(shape["layers"], shape["hidden"], shape["heads"], args.seq,
-                                                  args.batch, bytes_per_elem=elem, mlp_ratio=shape["mlp_ratio"],
-                                                  checkpointing=mode)
-                           for name, mode in (("kept", False), ("checkpointed", True), ("ckpt on host", "cpu"))}
+            activations = {name: activation_bytes(shape["layers"], shape["hidden"], shape["heads"],
+                                                  args.seq, args.batch, bytes_per_elem=elem,
+                                                  mlp_ratio=shape["mlp_ratio"], checkpointing=mode)
+                           for name, mode in CHECKPOINTING}
     frozen = int(args.frozen)
     if not 0 <= frozen < psi:
         return fail(ap.prog, "--frozen must be >= 0 and fewer than the parameters")
     adam = state_bytes("adamw")
     tier_k = {offload: optimizer_k(adam, args.dtype, offload) for _, offload in TIERS}
-    print(_table(psi - frozen, args.world_size, elem, elem, optimizer_k(adam, args.dtype), tier_k, frozen,
-                 activations))
+    print(_table(psi - frozen, args.world_size, elem, elem, optimizer_k(adam, args.dtype), tier_k,
+                 frozen, activations))
     if args.model is not None:
         print(deepspeed_estimate(shape, args.world_size))
     return 0
 
 
 def model_shape(name: str) -> dict:
-    """Ψ (a tied weight once), the largest layer (the most parameters one module holds itself) and the
-    block shape of a minizero GPT or an ARCHITECTURES entry, built on the meta device: no memory."""
+    """Ψ (a tied weight once), the largest layer (the most parameters one module holds itself) and
+    the block shape of a minizero GPT or an ARCHITECTURES entry, built on the meta device."""
     import torch
     with torch.device("meta"):
         if name in ARCHITECTURES:
@@ -156,36 +161,38 @@ def model_shape(name: str) -> dict:
             cfg = getattr(transformers, kind)(**kwargs)
             model = transformers.AutoModelForCausalLM.from_config(cfg)
             hidden = cfg.hidden_size
-            mlp = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * hidden
-            block = dict(layers=cfg.num_hidden_layers, hidden=hidden, heads=cfg.num_attention_heads,
-                         mlp_ratio=mlp / hidden)
+            mlp = getattr(cfg, "intermediate_size", None) or cfg.n_inner or 4 * hidden
+            block = {"layers": cfg.num_hidden_layers, "hidden": hidden,
+                     "heads": cfg.num_attention_heads, "mlp_ratio": mlp / hidden}
         else:
             cfg = GPTConfig.named(name)
             model = GPT(cfg)
-            block = dict(layers=cfg.n_layer, hidden=cfg.n_embd, heads=cfg.n_head, mlp_ratio=cfg.mlp_ratio)
+            block = {"layers": cfg.n_layer, "hidden": cfg.n_embd, "heads": cfg.n_head,
+                     "mlp_ratio": cfg.mlp_ratio}
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     return {"params": sum(p.numel() for p in model.parameters()), "largest_layer": largest, **block}
 
 
 def deepspeed_estimate(shape: dict, world_size: int) -> str:
     """DeepSpeed's own stage-3 estimate for the same model on one node of N devices (the numbers
-    estimate_zero3_model_states_mem_needs_all_live prints; that one reads Ψ by data_ptr, which a meta
-    model does not have, so Ψ and the largest layer are passed as counted here). It adds 4 bytes per
-    parameter of the largest layer (gathered in fp32) and counts 18 bytes a parameter, 2 more than the
-    paper's 16 (its fp16 parameter copy for the gather)."""
+    estimate_zero3_model_states_mem_needs_all_live prints; that one counts Ψ by data_ptr, which
+    a meta model lacks, so Ψ and the largest layer are passed as counted here). It adds 4 bytes a
+    parameter of the largest layer (gathered in fp32) and counts 18 bytes a parameter, 2 more than
+    the paper's 16."""
     import os
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     except ImportError:
         return "DeepSpeed is not installed: no comparison"
-    rows = [f"DeepSpeed's stage-3 estimate (Ψ {shape['params']:,}, largest layer {shape['largest_layer']:,}, "
-            f"N = {world_size} on one node):"]
-    for label, offload, params in (("no offload", False, False), ("optimizer on the host", True, False),
+    rows = [(f"DeepSpeed's stage-3 estimate (Ψ {shape['params']:,}, largest layer "
+             f"{shape['largest_layer']:,}, N = {world_size} on one node):")]
+    for label, offload, params in (("no offload", False, False),
+                                   ("optimizer on the host", True, False),
                                    ("+ parameters on the host", True, True)):
-        cpu, device, _ = estimate_zero3_model_states_mem_needs(shape["params"], shape["largest_layer"],
-                                                               num_gpus_per_node=world_size, cpu_offload=offload,
-                                                               cpu_offload_params=params)
-        rows.append(f"  {label:26} per device {device / 1e9:8.2f} GB, host (whole node, x1.5 buffer) "
-                    f"{cpu / 1e9:8.2f} GB")
+        cpu, device, _ = estimate_zero3_model_states_mem_needs(
+            shape["params"], shape["largest_layer"], num_gpus_per_node=world_size,
+            cpu_offload=offload, cpu_offload_params=params)
+        rows.append(f"  {label:26} per device {device / 1e9:8.2f} GB, host (the node, x1.5 "
+                    f"buffer) {cpu / 1e9:8.2f} GB")
     return "\n".join(rows)

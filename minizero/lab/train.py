@@ -48,7 +48,7 @@ class TrainConfig:
     loss_scale: float | dict | None = None    # fp16: None dynamic, a number static, a dict (loss_scale.py)
     reduce_dtype: str | None = None           # "fp32": bf16/fp16 gradients reduced and accumulated in fp32
     offload: bool | str = False               # False, True/"optimizer", "params" (stage 3), "disk"
-    offload_path: str | None = None           # offload="disk": the folder of the state's files (disk.py)
+    offload_path: str | None = None           # offload="disk": its file's folder (disk.py)
     backend: str | None = None                # None: nccl if CUDA is available, else gloo
     batch_size: int = 16                      # global rows per optimizer step (all ranks, all micro-batches)
     grad_accum: int = 1                       # micro-batches per step
