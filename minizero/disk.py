@@ -284,7 +284,8 @@ class DiskShardOptimizer(ShardOptimizer):
         for piece, slot in self._each_piece():
             self._attach(piece, slot)
             views = [self.views[piece["bucket"]][j] for j in piece["views"]]
-            grad = grad_parts[piece["bucket"]][piece["start"]:][: piece["numel"]].float()
+            grad = grad_parts[piece["bucket"]][piece["start"]:][: piece["numel"]]
+            grad = grad.to("cpu", torch.float32)     # a GPU's gradients: to the host, as offload.py
             for view, g in zip(views, grad.split([v.numel() for v in views])):
                 view.grad = g
             self.optimizer.step()                 # only views with a gradient (this piece's) move

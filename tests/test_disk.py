@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -200,3 +202,11 @@ def test_bad_folder_is_one_line(tmp_path):
             offload="disk",
             offload_path=str(tmp_path),
         )
+
+
+@pytest.mark.parametrize("args", [["--offload-path", "/nonexistent/folder"], ["--layers", "0"]])
+def test_infinity_bad_input_is_one_line(args):
+    p = subprocess.run([sys.executable, "-m", "minizero.scale", "--infinity", *args],
+                       capture_output=True, text=True, check=False)
+    assert p.returncode == 2 and p.stderr.startswith("python -m minizero.scale --infinity: error:")
+    assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr
