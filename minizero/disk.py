@@ -166,8 +166,10 @@ class DiskShardOptimizer(ShardOptimizer):
     def __init__(self, param_parts: list[torch.Tensor], optimizer_factory: OptimizerFactory,
                  folder):
         self.names = per_element_state(optimizer_factory)
-        # fp32 parameters are their own master (optim.py): then only the state goes to disk
-        self.own_master = param_parts[0].dtype != torch.float32
+        # fp32 parameters in host memory are their own master (optim.py): then only the state goes
+        # to disk. A GPU's are not: the host steps a master of its own (untested: no GPU here)
+        part = param_parts[0]
+        self.own_master = part.dtype != torch.float32 or part.device.type != "cpu"
         self.resident = False           # the whole state is in memory (a checkpoint loaded)
         super().__init__(param_parts, optimizer_factory)
         self.pieces = self._cut_pieces()
