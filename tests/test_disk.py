@@ -90,6 +90,7 @@ def _runs(folder, saved) -> dict[str, TrainConfig]:
     disk = runs[(3, "bf16", "disk")]
     runs["saved"] = dataclasses.replace(disk, steps=2, save_dir=str(saved), return_state=False)
     runs["resumed"] = dataclasses.replace(disk, load_dir=str(saved))
+    runs["resumed in memory"] = dataclasses.replace(runs[(3, "bf16", False)], load_dir=str(saved))
     return runs
 
 
@@ -145,10 +146,10 @@ def test_1m_gpt_bitwise_and_memory_is_the_formula(launched):
 
 
 def test_checkpoint_resumes_bit_identically(launched):
+    """Saved after 2 steps with the disk tier, resumed for the third with it and without it."""
     _, runs = launched
-    _assert_same_state(
-        runs[(3, "bf16", "disk")][1], runs["resumed"][1], "saved after 2 steps, resumed"
-    )
+    for name in ("resumed", "resumed in memory"):
+        _assert_same_state(runs[(3, "bf16", "disk")][1], runs[name][1], f"saved after 2, {name}")
 
 
 def test_no_file_left_in_the_folder(launched):
