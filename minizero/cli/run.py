@@ -52,7 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp16: a static loss scale S; 0 = dynamic (default; DeepSpeed's fp16.loss_scale)")
     p.add_argument("--offload", nargs="?", const="optimizer", default=None, metavar="WHAT",
                    help="stages 1-3: optimizer state on the host; '--offload params' (stage 3) also "
-                        "keeps parameter shards there")
+                        "keeps parameter shards there; '--offload disk' keeps the optimizer "
+                        "state in a file of --offload-path (ZeRO-Infinity's disk tier, disk.py)")
+    p.add_argument("--offload-path", default=None, metavar="DIR",
+                   help="--offload disk: the folder of each rank's file (DeepSpeed's nvme_path)")
     p.add_argument("--backend", default=None, help="gloo or nccl (default: nccl if CUDA is available)")
     p.add_argument("--batch-size", type=int, default=None, help="global batch rows per step (default 16)")
     p.add_argument("--grad-accum", type=int, default=None, help="micro-batches per step (default 1)")
@@ -133,6 +136,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         cfg.loss_scale = None
     if args.offload is not None:
         cfg.offload = args.offload
+    if args.offload_path is not None:
+        cfg.offload_path = args.offload_path
     if args.bucket_size_mb is not None:
         cfg.bucket_size = args.bucket_size_mb * 1e6
     if args.no_prefetch:
@@ -197,8 +202,10 @@ def validate(cfg: TrainConfig) -> None:
         cfg.offload = "optimizer"
     try:
         check(cfg.stage, cfg.dtype, cfg.offload, cfg.reduce_dtype,   # the engines' own rules (minizero.wrap)
-              shard_group_size=cfg.shard_group_size, hpz_group_size=cfg.hpz_group_size, world_size=cfg.world_size)
-        check_options(cfg.stage, set(cfg.engine_options()) - {"activation_checkpointing"})
+              shard_group_size=cfg.shard_group_size, hpz_group_size=cfg.hpz_group_size,
+              world_size=cfg.world_size, offload_path=cfg.offload_path)
+        wrap_arguments = {"activation_checkpointing", "offload_path"}     # wrap's own, not options
+        check_options(cfg.stage, set(cfg.engine_options()) - wrap_arguments)
         scaler_for(cfg.dtype, cfg.loss_scale)             # ... and the loss scaler's
     except (ValueError, TypeError) as e:
         bad(str(e))

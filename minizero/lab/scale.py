@@ -6,6 +6,7 @@ and (--micro-batch) the largest micro-batch a fixed GPT can train, with and with
     python -m minizero.bench --scale --budget-mb 4               # the same
     python -m minizero.scale --micro-batch --budget-mb 8 [--model default]    # rows per rank, see below
     python -m minizero.scale --rss [--rss-cap-mb 200]            # real memory under a real cap: lab/rss.py
+    python -m minizero.scale --infinity [--layers 48]            # 1.5B on disk: lab/infinity.py
 
 The model grows in width (n_embd, in steps of 4; n_layer stays 8), Ψ ≈ 12·n_layer·n_embd². A size
 *fits* when building it, wrapping it and taking two real training steps keeps engine.memory()'s device
@@ -284,6 +285,10 @@ def format_micro_batch_table(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     prog = "python -m minizero.scale"
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--infinity" in argv:                  # its own options: lab/infinity.py
+        from minizero.lab import infinity
+        return infinity.main([a for a in argv if a != "--infinity"])
     ap = OneLineParser(prog=prog, description=__doc__.split("\n")[0])
     ap.add_argument("--budget-mb", type=float, default=None,
                     help="per-rank device budget in MB (default 4; 8 with --micro-batch)")

@@ -48,7 +48,8 @@ class TrainConfig:
     dtype: str = "fp32"                       # "fp32", "bf16" or "fp16" (16-bit compute, fp32 master weights)
     loss_scale: float | dict | None = None    # fp16: None dynamic, a number static, a dict (loss_scale.py)
     reduce_dtype: str | None = None           # "fp32": bf16/fp16 gradients reduced and accumulated in fp32
-    offload: bool | str = False               # False, True/"optimizer", "params" (stage 3)
+    offload: bool | str = False               # False, True/"optimizer", "params" (stage 3), "disk"
+    offload_path: str | None = None           # offload="disk": its file's folder (disk.py)
     backend: str | None = None                # None: nccl if CUDA is available, else gloo
     batch_size: int = 16                      # global rows per optimizer step (all ranks, all micro-batches)
     grad_accum: int = 1                       # micro-batches per step
@@ -103,6 +104,8 @@ class TrainConfig:
         for name in ("quantized_weights", "quantized_gradients"):       # only when on: wrap checks the stage
             if getattr(self, name):
                 opts[name] = True
+        if self.offload_path is not None:
+            opts["offload_path"] = self.offload_path
         if self.activation_checkpointing:
             opts["activation_checkpointing"] = self.activation_checkpointing
         for name in ("shard_group_size", "hpz_group_size"):
