@@ -14,7 +14,7 @@
 Ends with a per-rank table: measured parameter / gradient / optimizer / offloaded bytes next to the ZeRO
 paper's formula (minizero.memory.estimate), communicated bytes per step next to the 2Ψ / 3Ψ theory,
 the loss from first to last step, and the step time. Bad input: one line on stderr, exit code 2.
-Precedence: defaults < --config file (minizero.lab.deepspeed_config) < flags given on the command line.
+Precedence: defaults < --config file (minizero.config) < flags given on the command line.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import sys
 
 from minizero import checkpoint, comm
 from minizero.cli import OneLineParser, UsageError, emit
-from minizero.lab.deepspeed_config import ConfigError, load_deepspeed_config
+from minizero.config import ConfigError, load_deepspeed_config
 from minizero.lab.model import MODEL_NAMES, make_model
 from minizero.lab.report import format_table, summarize
 from minizero.lab.train import OPTIMIZERS, TrainConfig, train_worker

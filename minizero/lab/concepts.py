@@ -74,7 +74,7 @@ CONCEPTS = [
     ("DeepSpeed", "zero_to_fp32.py", "minizero.checkpoint.consolidate", "sharded checkpoint -> plain fp32 state_dict"),
     ("DeepSpeed", "ds_to_universal.py (universal checkpoint)", "minizero.checkpoint.universal",
      "whole optimizer state; engine.load reshards it at any stage and N"),
-    ("DeepSpeed", "ds_config.json", "minizero.lab.deepspeed_config.load_deepspeed_config", "the same keys, mapped or reported"),
+    ("DeepSpeed", "ds_config.json", "minizero.config.load_deepspeed_config", "the same keys, mapped or reported"),
     ("FairScale", "OSS (optimizer state sharding)", "minizero.zero1.Zero1",
      "OSS gives whole parameters to ranks; minizero splits one flat buffer evenly"),
     ("FairScale", "ShardedDDP", "minizero.zero2.Zero2", "gradients reduced to their owner only"),

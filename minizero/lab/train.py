@@ -21,15 +21,13 @@ import torch
 import torch.nn.functional as F
 
 from minizero import checkpoint, comm
+from minizero.config import OPTIMIZERS, build_scheduler
 from minizero.flat import DEFAULT_BUCKET_BYTES
 from minizero.lab.data import IGNORE, global_batch, local_batch
 from minizero.lab.faults import Fault
 from minizero.lab.model import GPTConfig, make_model
 from minizero.construct import sharded_init
 from minizero.wrap import wrap
-
-OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
-
 
 def state_bytes(optimizer: str, params: dict | None = None) -> int:
     """Optimizer state per parameter, in bytes, for one of OPTIMIZERS (fp32 state; the paper's K minus the
@@ -55,6 +53,7 @@ class TrainConfig:
     optimizer: str = "adamw"
     lr: float = 3e-3
     optimizer_params: dict = field(default_factory=dict)    # extra keyword arguments (betas, momentum...)
+    scheduler: dict | None = None             # {"type", "params"}: a DeepSpeed schedule (minizero/config.py)
     bucket_size: float = DEFAULT_BUCKET_BYTES               # bytes per gradient bucket (stages 0, 2)
     prefetch: bool = True                                   # stage 3
     quantized_weights: bool = False                         # stage 3: ZeRO++ qwZ (minizero/quantize.py)
@@ -163,6 +162,10 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
     engine.step_count = cfg.start_step
     if cfg.load_dir:
         engine.load(cfg.load_dir)                 # also restores step_count: the data continues there
+    schedule = None
+    if cfg.scheduler:                             # over the torch optimizer stepping this rank's masters
+        schedule = build_scheduler(engine.optimizer.optimizer, cfg.scheduler, total_num_steps=cfg.steps)
+        schedule.load_state_dict({"last_batch_iteration": engine.step_count - 1})    # resumed: continue
     fault = cfg.fault or Fault.from_env()
     if fault:
         fault.arm(engine)
@@ -175,7 +178,10 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
         step_loss = forward_backward(cfg, step, engine, engine.backward, engine.no_sync, phases)
         if step == cfg.steps - 1:
             memory = engine.memory()              # as held at the end of backward (optimizer state exists)
+        skipped = engine.skipped_steps
         timed_step(engine.step, phases)
+        if schedule is not None and engine.skipped_steps == skipped:   # as DeepSpeed: not after an overflow
+            schedule.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
         step_times.append(time.perf_counter() - start)

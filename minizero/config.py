@@ -1,17 +1,23 @@
-"""DeepSpeed-style JSON configs: `python -m minizero.run --config ds_config.json --world-size 4`.
+"""DeepSpeed-style JSON configs, read for the CLI and for `minizero.initialize`.
+
+    python -m minizero.run --config ds_config.json --world-size 4
+    engine, optimizer, _, lr_scheduler = minizero.initialize(model=model, config="ds_config.json")
 
     {"train_batch_size": 64, "gradient_accumulation_steps": 2,
      "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
 
-`load_deepspeed_config(path_or_dict, world_size)` turns such a file into overrides of
-`minizero.lab.train.TrainConfig` fields, plus warnings. The policy (docs/deepspeed_config.md):
+`load_deepspeed_config(path_or_dict, world_size)` turns such a file into settings named as
+`minizero.lab.train.TrainConfig`'s fields (stage, offload, dtype, batch_size, grad_accum, optimizer, lr,
+scheduler...), plus warnings. The policy (docs/deepspeed_config.md):
   * a key minizero implements is applied (`KEYS` below says to what);
   * a key DeepSpeed has but minizero does not implement gives one warning naming the key and what
     minizero does instead (`NOT_IMPLEMENTED`; `ALWAYS_ON` keys warn only when set to false);
   * an unknown key, a wrong type or an impossible value is an error (ConfigError, one line): a typo such
     as "zero_optimisation" must never be silently ignored;
-  * "auto" (Hugging Face Trainer / Accelerate configs) means "not set here": minizero's default or the
-    command-line flag decides.
+  * "auto" (Hugging Face Trainer / Accelerate configs) means "not set here": for the CLI minizero's
+    default or the command-line flag decides; for minizero.initialize (flags=False) it is resolved where
+    DeepSpeed's batch rule or the model's hidden size decides it (Hugging Face's rules), and is an error
+    anywhere else (there is no Trainer to fill it in).
 Batch sizes follow DeepSpeed's rule train_batch_size = micro_batch x accumulation x world size: any two
 determine the third, and three that disagree are an error.
 """
@@ -20,15 +26,17 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import os
 from typing import Any
 
 import torch
 
-from minizero.lab.train import OPTIMIZERS
 from minizero.loss_scale import DYNAMIC_DEFAULTS
 from minizero.memory import element_bytes
 from minizero.wrap import check
+
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
 
 
 class ConfigError(ValueError):
@@ -67,6 +75,10 @@ KEYS = {
     "optimizer.type": "optimizer: AdamW, Adam (= AdamW, as in DeepSpeed, unless adam_w_mode is false), SGD",
     "optimizer.params": "lr and the optimizer's keyword arguments (Adam/AdamW weight_decay defaults to 0, "
                         "as in DeepSpeed)",
+    "scheduler.type": "the learning-rate schedule, stepped with the optimizer: WarmupLR, WarmupDecayLR, "
+                      "WarmupCosineLR, as DeepSpeed defines them (SCHEDULES below)",
+    "scheduler.params": "the schedule's parameters, DeepSpeed's names and defaults (total_num_steps: the CLI's "
+                        "--steps when left out or \"auto\")",
     "activation_checkpointing": "the section turns on activation_checkpointing: each block recomputed in "
                                 "backward (in DeepSpeed the model calls deepspeed.checkpointing.checkpoint)",
     "activation_checkpointing.cpu_checkpointing": "activation_checkpointing = cpu (the blocks' inputs on the host)",
@@ -87,7 +99,6 @@ NOT_IMPLEMENTED = {
     "fp16.consecutive_hysteresis": "hysteresis is restored only when the scale grows (DeepSpeed's default)",
     "fp16.fp16_master_weights_and_grads": "master weights are always fp32",
     "amp": "no apex AMP; use bf16.enabled, fp16.enabled or fp32",
-    "scheduler": "the learning rate stays constant",
     "steps_per_print": "progress is printed every steps/10 steps",
     "wall_clock_breakdown": "the CLI reports the median step time",
     "flops_profiler": "no profiler; the CLI reports memory and bytes communicated",
@@ -141,21 +152,35 @@ OPTIMIZER_PARAMS = {
 }
 
 _SECTIONS = {"bf16", "fp16", "data_types", "zero_optimization", "zero_optimization.offload_optimizer",
-             "zero_optimization.offload_param", "optimizer", "optimizer.params", "activation_checkpointing"}
+             "zero_optimization.offload_param", "optimizer", "optimizer.params", "activation_checkpointing",
+             "scheduler", "scheduler.params"}
 AUTO = "auto"
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+# "auto" sizes Hugging Face's DeepSpeed integration derives from the model's hidden size h
+# (transformers/integrations/deepspeed.py): elements.
+_FROM_HIDDEN_SIZE = {"zero_optimization.reduce_bucket_size": lambda h: h * h,
+                     "zero_optimization.stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+                     "zero_optimization.stage3_param_persistence_threshold": lambda h: 10 * h}
 
 
-def load_deepspeed_config(source: str | os.PathLike | dict, world_size: int) -> tuple[dict, list[str]]:
-    """(TrainConfig field overrides, warnings) for a DeepSpeed-style config file or dict."""
+def load_deepspeed_config(source: str | os.PathLike | dict, world_size: int, *, flags: bool = True,
+                          hidden_size: int | None = None) -> tuple[dict, list[str]]:
+    """(TrainConfig field overrides, warnings) for a DeepSpeed-style config file or dict.
+
+    flags: "auto" values are left to the command line's flags and minizero's defaults (the CLI). False
+    (minizero.initialize): resolved by the batch rule or from `hidden_size`, else a ConfigError."""
     raw = source if isinstance(source, dict) else _read(source)
     if not isinstance(raw, dict):
         raise ConfigError("the config must be a JSON object")
     flat = _flatten(raw)
     for key in flat:
         if key not in KEYS and key not in ALWAYS_ON and key not in NOT_IMPLEMENTED \
-                and not key.startswith("optimizer.params."):
+                and not key.startswith(("optimizer.params.", "scheduler.params.")):
             raise ConfigError(f"unknown key '{key}'" + _did_you_mean(key))
+    autos = [k for k, v in flat.items() if v == AUTO]
     flat = {k: v for k, v in flat.items() if v != AUTO}
+    if not flags:
+        _resolve_auto(autos, flat, hidden_size)
     warnings = [f"'{key}' is not implemented: {NOT_IMPLEMENTED[key]}" for key in flat
                 if key in NOT_IMPLEMENTED and not _disabled(flat[key])]
     out: dict[str, Any] = {}
@@ -166,6 +191,7 @@ def load_deepspeed_config(source: str | os.PathLike | dict, world_size: int) -> 
     _precision(flat, out)
     _zero(flat, out, warnings, world_size)
     _optimizer(flat, out)
+    _scheduler(flat, out, required=() if flags else ("total_num_steps",))
     if "activation_checkpointing" in raw:
         key = "activation_checkpointing.cpu_checkpointing"
         out["activation_checkpointing"] = "cpu" if _bool(key, flat.get(key, False)) else True
@@ -173,6 +199,24 @@ def load_deepspeed_config(source: str | os.PathLike | dict, world_size: int) -> 
 
 
 # --------------------------------------------------------------------------------------------------------
+
+def _resolve_auto(autos: list[str], flat: dict, hidden_size: int | None) -> None:
+    """minizero.initialize's "auto": a batch size the other two determine (DeepSpeed's rule, applied by
+    _batch), a size Hugging Face derives from the hidden size; anything else has no one to decide it."""
+    for key in autos:
+        if key in _BATCH_KEYS:
+            if any(other not in flat for other in _BATCH_KEYS if other != key):
+                raise ConfigError(f"{key} is \"auto\": it is resolved only when the other two of "
+                                  f"{', '.join(_BATCH_KEYS)} are given")
+        elif key in _FROM_HIDDEN_SIZE:
+            if hidden_size is None:
+                raise ConfigError(f"{key} is \"auto\", which needs the model's hidden size "
+                                  "(model.config.hidden_size): give a number")
+            flat[key] = _FROM_HIDDEN_SIZE[key](hidden_size)
+        else:
+            raise ConfigError(f"{key} is \"auto\": Hugging Face's Trainer fills it in; minizero.initialize "
+                              "needs a value")
+
 
 def _read(path) -> Any:
     try:
@@ -389,3 +433,140 @@ def _optimizer(flat: dict, out: dict) -> None:
     if lr is not None:
         out["lr"] = lr
     out["optimizer_params"] = params
+
+
+def _scheduler(flat: dict, out: dict, required: tuple[str, ...]) -> None:
+    """scheduler: one of SCHEDULES and its parameters (required: those minizero.initialize has no --steps for)."""
+    params = {k.removeprefix("scheduler.params."): v for k, v in flat.items() if k.startswith("scheduler.params.")}
+    if "scheduler.type" not in flat:
+        if params:
+            raise ConfigError("scheduler.params needs scheduler.type")
+        return
+    kind = flat["scheduler.type"]
+    if kind not in SCHEDULES:
+        raise ConfigError(f"scheduler.type must be one of {', '.join(SCHEDULES)} (DeepSpeed's warmup "
+                          f"schedules), got {json.dumps(kind)}")
+    takes = SCHEDULES[kind].PARAMS
+    for key, value in params.items():
+        if key not in takes:
+            raise ConfigError(f"scheduler.params.{key} is not a parameter of {kind} (it takes {', '.join(takes)})")
+        if takes[key] == "int":
+            _int(f"scheduler.params.{key}", value, minimum=1)
+        elif isinstance(takes[key], tuple):
+            if value not in takes[key]:
+                raise ConfigError(f"scheduler.params.{key} must be one of {', '.join(takes[key])}, "
+                                  f"got {json.dumps(value)}")
+        else:
+            _number(f"scheduler.params.{key}", value, minimum=0)
+    for key in required:
+        if key in takes and key not in params:
+            raise ConfigError(f"scheduler.params.{key} is required by {kind}")
+    out["scheduler"] = {"type": kind, "params": params}
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, spec: dict, total_num_steps: int | None = None):
+    """The schedule `spec` ({"type", "params"}: the reader's "scheduler") over `optimizer`, which it sets the
+    learning rate of at once; total_num_steps: the default for schedules that need it (the CLI's --steps)."""
+    cls, params = SCHEDULES[spec["type"]], dict(spec["params"])
+    if "total_num_steps" in cls.PARAMS:
+        params.setdefault("total_num_steps", total_num_steps)
+        if params["total_num_steps"] is None:
+            raise ConfigError(f"scheduler.params.total_num_steps is required by {spec['type']}")
+    return cls(optimizer, **params)
+
+
+# --- DeepSpeed's learning-rate schedules (deepspeed/runtime/lr_schedules.py, 0.19.8), same numbers -----------
+
+class WarmupLR:
+    """lr = min + (max - min)·γ(i) for each parameter group, i = last_batch_iteration, counting optimizer
+    steps from -1. Warm-up over W = max(2, warmup_num_steps) steps: γ = log(i + 1)/log(W) ('log', the
+    default) or i/W ('linear'); γ = 1 from i = W on. Built at i = -1, it sets lr = min at once (so the
+    first optimizer step runs at warmup_min_lr); step() after each optimizer step. warmup_max_lr left out:
+    each group's own lr."""
+    PARAMS = {"warmup_min_lr": "number", "warmup_max_lr": "number", "warmup_num_steps": "int",
+              "warmup_type": ("log", "linear")}
+    default_max_lr: float | None = None
+
+    def __init__(self, optimizer: torch.optim.Optimizer, warmup_min_lr: float = 0.0,
+                 warmup_max_lr: float | None = None, warmup_num_steps: int = 1000, warmup_type: str = "log"):
+        self.optimizer = optimizer
+        top = self.default_max_lr if warmup_max_lr is None else warmup_max_lr
+        groups = optimizer.param_groups
+        self.min_lrs = [warmup_min_lr] * len(groups)
+        self.max_lrs = [g["lr"] if top is None else top for g in groups]
+        self.warmup_num_steps, self.warmup_type = max(2, warmup_num_steps), warmup_type
+        self.last_batch_iteration = -1
+        self._apply()
+
+    def warmup(self) -> float:
+        i, w = self.last_batch_iteration, self.warmup_num_steps
+        return math.log(i + 1) / math.log(w) if self.warmup_type == "log" else i / w
+
+    def gamma(self) -> float:
+        return self.warmup() if self.last_batch_iteration < self.warmup_num_steps else 1.0
+
+    def get_lr(self) -> list[float]:
+        if self.last_batch_iteration < 0:
+            return list(self.min_lrs)
+        return [lo + (hi - lo) * self.gamma() for lo, hi in zip(self.min_lrs, self.max_lrs)]
+
+    def step(self) -> None:
+        self.last_batch_iteration += 1
+        self._apply()
+
+    def _apply(self) -> None:
+        self._last_lr = self.get_lr()
+        for group, lr in zip(self.optimizer.param_groups, self._last_lr):
+            group["lr"] = lr
+
+    def get_last_lr(self) -> list[float]:
+        return self._last_lr
+
+    def state_dict(self) -> dict:
+        return {"last_batch_iteration": self.last_batch_iteration}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last_batch_iteration = state["last_batch_iteration"]
+        self._apply()
+
+
+class WarmupDecayLR(WarmupLR):
+    """WarmupLR, then γ falls linearly to 0 at total_num_steps: γ = (T - i)/max(1, T - W). Unlike
+    WarmupLR, DeepSpeed's warmup_max_lr defaults to 0.001 here."""
+    PARAMS = {**WarmupLR.PARAMS, "total_num_steps": "int"}
+    default_max_lr = 0.001
+
+    def __init__(self, optimizer, total_num_steps: int, **params):
+        self.total_num_steps = total_num_steps
+        super().__init__(optimizer, **params)
+
+    def gamma(self) -> float:
+        i, w, t = self.last_batch_iteration, self.warmup_num_steps, self.total_num_steps
+        return self.warmup() if i < w else max(0.0, (t - i) / max(1.0, t - w))
+
+
+class WarmupCosineLR(WarmupLR):
+    """Ratios of each group's own lr: warm-up from warmup_min_ratio to 1 (as WarmupLR's γ), then a cosine
+    from 1 down to cos_min_ratio at total_num_steps, held there after; lr = 0 before the first step."""
+    PARAMS = {"total_num_steps": "int", "warmup_min_ratio": "number", "warmup_num_steps": "int",
+              "cos_min_ratio": "number", "warmup_type": ("log", "linear")}
+
+    def __init__(self, optimizer, total_num_steps: int, warmup_min_ratio: float = 0.0,
+                 warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001, warmup_type: str = "log"):
+        self.total_num_steps, self.warmup_min_ratio, self.cos_min_ratio = \
+            total_num_steps, warmup_min_ratio, cos_min_ratio
+        super().__init__(optimizer, 0.0, None, warmup_num_steps, warmup_type)
+
+    def get_lr(self) -> list[float]:
+        i, w = self.last_batch_iteration, self.warmup_num_steps
+        if i < 0:
+            ratio = 0.0
+        elif i < w:
+            ratio = self.warmup_min_ratio + self.warmup() * (1 - self.warmup_min_ratio)
+        else:
+            progress = min(1.0, (i - w + 1) / max(1, self.total_num_steps - w))
+            ratio = max(0.0, self.cos_min_ratio + (1 - self.cos_min_ratio) * (1 + math.cos(math.pi * progress)) / 2)
+        return [lr * ratio for lr in self.max_lrs]
+
+
+SCHEDULES = {cls.__name__: cls for cls in (WarmupLR, WarmupDecayLR, WarmupCosineLR)}
