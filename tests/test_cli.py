@@ -22,6 +22,9 @@ def _check_summary(data, stage, n, steps):
         assert {"params", "grads", "optimizer", "offloaded", "peak"} <= r["memory"].keys()
         assert r["memory"]["activations"] > 0
         assert r["comm_bytes_per_step"]["total"] > 0
+    t = data["throughput"]                              # tokens/s, FLOP/s, MFU (minizero/lab/throughput.py)
+    assert t["tokens_per_s"] > 0 and t["flops_per_s"] == pytest.approx(t["tokens_per_s"] * t["flops_per_token"])
+    assert 0 < t["mfu"] < 1, t
 
 
 def test_run_prints_table_and_writes_json(tmp_path):
@@ -31,6 +34,7 @@ def test_run_prints_table_and_writes_json(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "step    1/4" in p.stdout and "th." in p.stdout and "loss" in p.stdout and "activ." in p.stdout
+    assert "tokens/s" in p.stdout and "MFU" in p.stdout
     data = json.loads(out.read_text())
     _check_summary(data, 2, 3, 4)
     estimate = data["theory"]["activations"]              # with checkpointing: about half of without

@@ -176,6 +176,7 @@ def test_bad_configs_raise_one_line(cfg, message):
     ('{"zero_optimisation": {"stage": 2}}', "unknown key 'zero_optimisation' (did you mean"),
     ('{"train_batch_size": 64,}', "is not valid JSON: "),
     ('[1, 2]', "the config must be a JSON object"),
+    ('{"scheduler": {"type": "OneCycle"}}', "scheduler.type must be one of WarmupLR, WarmupDecayLR, WarmupCosineLR"),
     (None, "config file not found: "),
 ])
 def test_cli_bad_config_is_one_line_exit_2(tmp_path, capsys, text, message):

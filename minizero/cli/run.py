@@ -237,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"minizero.run: error: {e}", file=sys.stderr)
         return 2
     cfg.log_every = 0 if args.quiet else max(1, cfg.steps // 10)
+    cfg.measure_peak = True               # the throughput line's MFU (lab/throughput.py)
     comm.set_network(network)             # here under torchrun; minizero.launch hands it to its ranks
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:

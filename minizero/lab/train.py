@@ -26,6 +26,7 @@ from minizero.flat import DEFAULT_BUCKET_BYTES
 from minizero.lab.data import IGNORE, global_batch, local_batch
 from minizero.lab.faults import Fault
 from minizero.lab.model import GPTConfig, make_model
+from minizero.lab.throughput import peak_worker
 from minizero.construct import sharded_init
 from minizero.wrap import wrap
 
@@ -77,6 +78,7 @@ class TrainConfig:
     init_state: str | None = None             # a consolidated state dict (minizero.consolidate): any N,
     start_step: int = 0                       # ... first step's index in the data stream (fresh optimizer)
     fault: Fault | None = None                # a failure to inject (lab/faults.py); else MINIZERO_FAIL_*
+    measure_peak: bool = False                # after training, every rank's GEMM FLOP/s (lab/throughput.py)
 
     def model_config(self) -> GPTConfig:
         return GPTConfig.named(self.model, **self.model_overrides)
@@ -215,6 +217,8 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
         result["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
     if cfg.return_state:
         result["state_dict"] = engine.full_state_dict()
+    if cfg.measure_peak:                          # every rank at once, at the run's dtype: MFU's peak
+        result["gemm_flops_per_s"] = peak_worker(cfg.dtype)
     return result
 
 
