@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --save-every: continue from DIR's newest complete checkpoint, if it has one")
     p.add_argument("--load", default=None, metavar="DIR",
                    help="resume from a checkpoint of this model and optimizer, saved at any stage, world "
-                        "size, dtype or offload (resharded; --steps counts from 0)")
+                        "size, dtype or offload (resharded; --steps counts from 0); a --save-every "
+                        "directory: its newest complete step-NNNNNN")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
@@ -144,6 +145,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     _check_periodic(args)
     if args.resume:
         cfg.load_dir = checkpoint.latest(args.save)          # None: nothing saved yet, start fresh
+    elif cfg.load_dir is not None:
+        cfg.load_dir = _find_checkpoint(cfg.load_dir)        # a run directory: its newest checkpoint
+    if cfg.load_dir not in (None, args.load):
+        print(f"minizero.run: loading {cfg.load_dir}, the newest complete checkpoint of "
+              f"{args.load or args.save}", file=sys.stderr)
     validate(cfg)
     if cfg.load_dir is not None:
         _check_checkpoint(cfg.load_dir, cfg)
@@ -165,6 +171,13 @@ def _check_periodic(args: argparse.Namespace) -> None:
         raise UsageError("--keep-last M needs --save-every and M >= 1")
     if args.resume and (args.save_every is None or args.load is not None):
         raise UsageError("--resume needs --save DIR --save-every K (it continues from DIR), not --load")
+
+
+def _find_checkpoint(directory: str) -> str:
+    try:
+        return checkpoint.find(directory)
+    except checkpoint.CheckpointError as e:
+        raise UsageError(f"--load {directory}: {e}") from None
 
 
 def _check_checkpoint(directory: str, cfg: TrainConfig) -> None:
