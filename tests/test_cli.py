@@ -143,3 +143,32 @@ def test_a_damaged_checkpoint_is_refused_before_any_process_starts(saved_n2, tmp
     assert main(["--stage", "2", "--world-size", "2", "--model", "tiny", "--load", str(d)]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def _stderr_on_a_terminal(*args: str) -> tuple[str, str]:
+    """Run python -m minizero.run with stderr on a pseudo-terminal (as a person sees it): (stdout, stderr)."""
+    import os
+    import pty
+    master, slave = pty.openpty()
+    p = subprocess.run([sys.executable, "-m", "minizero.run", *args], stdout=subprocess.PIPE, stderr=slave,
+                       text=True, timeout=120)
+    os.close(slave)
+    err = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:                                  # EIO: the terminal's other end is closed
+            break
+        if not chunk:
+            break
+        err += chunk
+    os.close(master)
+    assert p.returncode == 0, err
+    return p.stdout, err.decode(errors="replace")
+
+
+def test_a_terminal_sees_a_progress_bar_and_quiet_or_a_pipe_does_not(tmp_path):
+    out, err = _stderr_on_a_terminal("--world-size", "1", "--steps", "3", "--model", "tiny")
+    assert "3/3" in err and "loss=" in err and "step    1/3" not in out       # the bar replaces the lines
+    out, err = _stderr_on_a_terminal("--world-size", "1", "--steps", "3", "--model", "tiny", "--quiet")
+    assert "3/3" not in err and "step    1/3" not in out and err == ""

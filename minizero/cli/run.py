@@ -28,7 +28,7 @@ from minizero.cli import OneLineParser, UsageError, emit
 from minizero.config import ConfigError, load_deepspeed_config
 from minizero.lab.model import MODEL_NAMES, make_model
 from minizero.lab.report import format_table, summarize
-from minizero.lab.train import OPTIMIZERS, TrainConfig, train_worker
+from minizero.lab.train import OPTIMIZERS, TrainConfig, progress_wanted, train_worker
 from minizero.launcher import launch
 from minizero.loss_scale import scaler_for
 from minizero.network import network_from_env, parse_network
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "size, dtype or offload (resharded; --steps counts from 0); a --save-every "
                         "directory: its newest complete step-NNNNNN")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--quiet", action="store_true", help="no progress lines or bar")
     return p
 
 
@@ -249,7 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"minizero.run: error: {e}", file=sys.stderr)
         return 2
-    cfg.log_every = 0 if args.quiet else max(1, cfg.steps // 10)
+    # on a terminal a progress bar (loss, time left) replaces the progress lines
+    cfg.progress = progress_wanted(args.quiet, args.json)
+    cfg.log_every = 0 if args.quiet or cfg.progress else max(1, cfg.steps // 10)
     cfg.measure_peak = True               # the throughput line's MFU (lab/throughput.py)
     comm.set_network(network)             # here under torchrun; minizero.launch hands it to its ranks
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ

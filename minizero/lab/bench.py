@@ -58,7 +58,7 @@ from minizero.lab.peers import PEER_OF_STAGE, peer_worker
 from minizero.lab.reference import max_abs_diff
 from minizero.lab.rss import release_freed_memory
 from minizero.lab.throughput import peak_worker, throughput
-from minizero.lab.train import TrainConfig, forward_backward, train_worker
+from minizero.lab.train import TrainConfig, forward_backward, progress_bar, progress_wanted, train_worker
 from minizero.launcher import launch
 from minizero.memory import comm_volume
 from minizero.wrap import wrap
@@ -138,7 +138,8 @@ def _run(impl: str, cfg: TrainConfig) -> dict:
     return peer_worker(cfg, impl)
 
 
-def bench_worker(jobs: list[tuple[TrainConfig, list[str]]], repeats: int, meter: bool) -> list[dict]:
+def bench_worker(jobs: list[tuple[TrainConfig, list[str]]], repeats: int, meter: bool,
+                 progress: bool = False) -> list[dict]:
     """Per (configuration, its peers): step times of every repeat of every side (and of minizero with the
     activation meter on and off), memory and comm of the first repeat, and the max |minizero - peer| over
     all parameters after it (full state dicts, on this rank)."""
@@ -148,8 +149,11 @@ def bench_worker(jobs: list[tuple[TrainConfig, list[str]]], repeats: int, meter:
         impls = ["minizero", *peers] + (list(METER) if meter else [])
         out.append({"impls": impls, "times": {impl: [] for impl in impls},
                     "phases": {impl: [] for impl in impls if impl not in METER}})
+    bar = progress_bar(repeats * len(jobs), f"N = {comm.world_size()}", progress and comm.rank() == 0,
+                       unit="config")
     for rep in range(repeats):
         for (cfg, peers), record in zip(jobs, out):
+            bar.update()
             run_cfg = dataclasses.replace(cfg, return_state=rep == 0)
             results = {}
             for impl in record["impls"] if rep % 2 == 0 else record["impls"][::-1]:
@@ -172,6 +176,7 @@ def bench_worker(jobs: list[tuple[TrainConfig, list[str]]], repeats: int, meter:
             record["peak"] = mz["peak"]
             record["comm"] = mz["comm_bytes_per_step"]["total"]
             record["final_loss"] = {impl: results[impl]["losses"][-1] for impl in ["minizero", *peers]}
+    bar.close()
     peak = peak_worker("fp32")                  # MFU's peak: every rank's GEMM at once, one thread each
     for record in out:
         record["gemm_flops_per_s"] = peak
@@ -183,7 +188,8 @@ def bench_worker(jobs: list[tuple[TrainConfig, list[str]]], repeats: int, meter:
 # --------------------------------------------------------------------------------------------------------
 
 def compare(world_sizes=(2, 4), *, sizes=("default",), steps: int = 10, repeats: int = 3,
-            variants=tuple(VARIANTS), peers=PEER_FAMILIES, meter: bool = True, batch_size: int = 16) -> dict:
+            variants=tuple(VARIANTS), peers=PEER_FAMILIES, meter: bool = True, batch_size: int = 16,
+            progress: bool = False) -> dict:
     """{"config": ..., "pairs": [one record per (N, size, variant, peer)], "meter": [one per (N, size,
     variant)] when meter}; see the module docstring for the fields."""
     pairs, meters = [], []
@@ -195,7 +201,8 @@ def compare(world_sizes=(2, 4), *, sizes=("default",), steps: int = 10, repeats:
                 cfg = TrainConfig(stage=stage, offload=offload, world_size=n, steps=steps, model=size,
                                   batch_size=batch_size, backend="gloo")
                 jobs.append((cfg, peers_of(v, peers), v))
-        per_rank = launch(bench_worker, n, [(cfg, ps) for cfg, ps, _ in jobs], repeats, meter, backend="gloo")
+        per_rank = launch(bench_worker, n, [(cfg, ps) for cfg, ps, _ in jobs], repeats, meter, progress,
+                          backend="gloo")
         for i, (cfg, ps, v) in enumerate(jobs):
             ranks = [rank_records[i] for rank_records in per_rank]
             pairs += [_pair_record(cfg, v, p, ranks) for p in ps]
@@ -336,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--phases", action="store_true",
                     help="also print each pair's profile: forward, backward and step times (always in --json)")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar (also off when stderr is no terminal)")
     ap.add_argument("--scale", action="store_true", help="run the scale demo instead (see minizero.scale; "
                     "takes --budget-mb, --world-size, --micro-batch, --model, --json)")
     ap.add_argument("--peak", action="store_true", help="measure the machine's GEMM peak instead (takes "
@@ -349,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail(prog, str(e))
     try:
         report = compare(tuple(args.world_size), sizes=sizes, steps=args.steps, repeats=args.repeats,
-                         variants=tuple(args.stages), peers=peers, meter=args.sizes is None)
+                         variants=tuple(args.stages), peers=peers, meter=args.sizes is None,
+                         progress=progress_wanted(args.quiet, args.json))
     except RuntimeError as e:                       # a rank failed: the launcher says which and why
         print(f"{prog}: {e}", file=sys.stderr)
         return 1

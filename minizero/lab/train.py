@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import shutil
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from minizero import checkpoint, comm
 from minizero.config import OPTIMIZERS, build_scheduler
@@ -79,6 +83,7 @@ class TrainConfig:
     start_step: int = 0                       # ... first step's index in the data stream (fresh optimizer)
     fault: Fault | None = None                # a failure to inject (lab/faults.py); else MINIZERO_FAIL_*
     measure_peak: bool = False                # after training, every rank's GEMM FLOP/s (lab/throughput.py)
+    progress: bool = False                    # rank 0 shows a progress bar on stderr (progress_bar)
 
     def model_config(self) -> GPTConfig:
         return GPTConfig.named(self.model, **self.model_overrides)
@@ -109,6 +114,22 @@ class TrainConfig:
             if getattr(self, name) is not None:
                 opts[name] = getattr(self, name)
         return opts
+
+
+def progress_wanted(quiet: bool = False, json_path: str | None = None) -> bool:
+    """Progress bars only for a person watching: stderr a terminal, not --quiet, not --json to stdout."""
+    return not quiet and json_path != "-" and sys.stderr.isatty()
+
+
+def progress_bar(total: int, desc: str, enabled: bool, **kwargs) -> tqdm:
+    """A tqdm bar on stderr with time left; disabled, every call on it does nothing. Its width: the
+    terminal's, or 80 x 24 where it reports 0 x 0 (a bare pseudo-terminal: tqdm would show nothing)."""
+    size = shutil.get_terminal_size()
+    # one process writes the bar: a thread lock, not tqdm's default multiprocessing one (a semaphore that
+    # a rank leaving with os._exit leaks, and the resource tracker then warns about on stderr)
+    tqdm.set_lock(threading.RLock())
+    return tqdm(total=total, desc=desc, file=sys.stderr, disable=not enabled, ncols=size.columns,
+                nrows=size.lines, **kwargs)
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -174,6 +195,8 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
     device = comm.device()
     losses, step_times, phase_times, comm_per_step, loss_scales = [], [], [], [], []
     memory = None
+    bar = progress_bar(cfg.steps, f"stage {cfg.stage}", cfg.progress and rank == 0, initial=engine.step_count,
+                       unit="step")
     for step in range(engine.step_count, cfg.steps):
         comm.reset_tally()
         start, phases = time.perf_counter(), {}
@@ -196,6 +219,9 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
                   f"{step_times[-1] * 1e3:.1f} ms/step", flush=True)
         if cfg.save_every and (engine.step_count % cfg.save_every == 0 or step == cfg.steps - 1):
             checkpoint.save_numbered(engine, cfg.save_dir, cfg.keep_last)
+        bar.set_postfix(loss=f"{step_loss:.4f}", refresh=False)
+        bar.update()
+    bar.close()
     if cfg.save_dir and not cfg.save_every:
         engine.save(cfg.save_dir)
     result = {
