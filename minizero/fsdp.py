@@ -1,30 +1,35 @@
-"""`minizero.FullyShardedDataParallel`: FairScale's front end to stage 3. Wrap the model, bring your optimizer.
+"""`minizero.FullyShardedDataParallel`: FairScale's front end to stage 3. Wrap the model, bring your
+optimizer.
 
-    model = minizero.FullyShardedDataParallel(model)          # inside a process group (launch / torchrun)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)   # this rank's flat shards, one per unit
+    model = minizero.FullyShardedDataParallel(model)     # in a process group (launch / torchrun)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)   # this rank's flat shards
     loss = loss_fn(model(x), y)
-    loss.backward()                                           # each shard's .grad: its averaged gradient
+    loss.backward()                                      # each shard's .grad: its averaged gradient
     optimizer.step(); optimizer.zero_grad()
 
 Run its tests:  python -m pytest tests/test_fsdp.py
 
-Two front ends, one engine. `minizero.wrap(model, 3, optimizer_factory)` owns the optimizer: it builds
-it over this rank's partition and steps it in engine.step(). FairScale's FSDP gives the optimizer to the
-user, so the wrapper must hand out parameters the user's optimizer can step: the partitions themselves.
-Everything else is stage 3 as zero3.py tells it (same Zero3 engine, same units, same hooks):
+Two front ends, one engine. `minizero.wrap(model, 3, optimizer_factory)` owns the optimizer: it
+builds it over this rank's partition and steps it in engine.step(). FairScale's FSDP gives the
+optimizer to the user, so the wrapper must hand out parameters the user's optimizer can step: the
+partitions themselves. Everything else is stage 3 as zero3.py tells it (same Zero3 engine, same
+units, same hooks):
   * parameters(): one nn.Parameter per unit, FairScale's FlatParameter: this rank's partition of the
-    unit's flattened parameters [Ψ_u / N], sharing storage with the engine's param_shard. An optimizer
-    step on them is a step on the shard the next gather reads. The model's own parameters stay views of
-    the units' full buffers (freed between uses) and are not the wrapper's parameters.
-  * loss.backward(): no engine.backward() to call, so the wrapper finds backward's start and end itself:
-    a hook on the model's output (its gradient is the first thing backward computes) and a callback
-    queued on autograd's engine for when backward is done (FSDP does the same). At the end the reduce-
-    scatters are finished and each FlatParameter's .grad is its part of the gradient shard, averaged
-    over the N ranks. No zero_grad(): the next backward adds to it, as autograd does.
-  * reshard_after_forward=True frees each unit after its forward (stage 3); False keeps it gathered from
-    its forward to its backward (stage 2's parameter memory during the step, Ψ/N between steps).
+    unit's flattened parameters [Ψ_u / N], sharing storage with the engine's param_shard. An
+    optimizer step on them is a step on the shard the next gather reads. The model's own parameters
+    stay views of the units' full buffers (freed between uses) and are not the wrapper's parameters.
+  * loss.backward(): no engine.backward() to call, so the wrapper finds backward's start and end
+    itself: a hook on the model's output (its gradient is the first thing backward computes) and a
+    callback queued on autograd's engine for when backward is done (FSDP does the same). At the end
+    the reduce-scatters are finished and each FlatParameter's .grad is its part of the gradient
+    shard, averaged over the N ranks. No zero_grad(): the next backward adds to it, as autograd
+    does.
+  * reshard_after_forward=True frees each unit after its forward (stage 3); False keeps it gathered
+    from its forward to its backward (stage 2's parameter memory during the step, Ψ/N between
+    steps).
   * fp32 only: with 16-bit compute the optimizer must step fp32 masters (optim.py), which the user's
-    optimizer does not know about. Clip with model.clip_grad_norm_(max): the norm of all N partitions.
+    optimizer does not know about. Clip with model.clip_grad_norm_(max): the norm of all N
+    partitions.
 """
 
 from __future__ import annotations
@@ -37,9 +42,10 @@ from minizero.zero3 import IDLE, PRE_BACKWARD, Unit, Zero3
 
 
 class FlatParameters:
-    """What sits in the engine's optimizer slot: the FlatParameters the user's optimizer steps, one per
-    partition handed to _make_optimizer (one per unit that trains). They share storage with the partitions
-    (fp32), so there is no master copy to keep in sync; the optimizer's state is the user's."""
+    """What sits in the engine's optimizer slot: the FlatParameters the user's optimizer steps, one
+    per partition handed to _make_optimizer (one per unit that trains). They share storage with the
+    partitions (fp32), so there is no master copy to keep in sync; the optimizer's state is the
+    user's."""
 
     def __init__(self, parts: list[torch.Tensor]):
         self.param_parts = parts
@@ -52,14 +58,15 @@ class FlatParameters:
         pass                       # written parameters are the shards themselves
 
     def device_tensors(self) -> list[torch.Tensor]:
-        return []                  # the optimizer's state is the user's optimizer's, not the engine's
+        return []                  # the optimizer's state is the user's, not the engine's
 
     def host_tensors(self) -> list[torch.Tensor]:
         return []
 
 
 class KeptUnit(Unit):
-    """A unit that, with reshard_after_forward=False, stays gathered from its forward to its backward."""
+    """A unit that, with reshard_after_forward=False, stays gathered from its forward to its
+    backward."""
 
     def post_forward(self) -> None:
         if self.engine.reshard_after_forward:
@@ -69,16 +76,17 @@ class KeptUnit(Unit):
 
 
 class FSDPEngine(Zero3):
-    """Stage 3 whose optimizer is the user's: backward is driven by autograd alone (see the module's top)."""
+    """Stage 3 whose optimizer is the user's: backward is driven by autograd alone (see the module's
+    top)."""
     unit_class = KeptUnit
 
     def __init__(self, module: nn.Module, reshard_after_forward: bool = True, **options):
         self.reshard_after_forward = reshard_after_forward
         self._in_backward = False
-        super().__init__(module, FlatParameters, **options)       # the "optimizer" the engine builds
+        super().__init__(module, FlatParameters, **options)   # the "optimizer" the engine builds
 
     def _make_optimizer(self, parts):
-        return self.optimizer_factory(parts)          # FlatParameters: the user's optimizer steps them
+        return self.optimizer_factory(parts)       # FlatParameters: the user's optimizer steps them
 
     def _grad_of(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """(FlatParameter, its part of the gradient shard), bucket by bucket."""
@@ -86,7 +94,8 @@ class FSDPEngine(Zero3):
                 for p, b in zip(self.optimizer.params, self.layout.buckets)]
 
     def _on_post_forward(self, unit, module, args, output) -> None:
-        if unit.module is self.module and torch.is_grad_enabled():     # the model's output: backward's start
+        # the model's output: its gradient is where backward starts
+        if unit.module is self.module and torch.is_grad_enabled():
             for t in tree_flatten(output)[0]:
                 if torch.is_tensor(t) and t.requires_grad:
                     t.register_hook(self._backward_starts)
@@ -100,28 +109,30 @@ class FSDPEngine(Zero3):
             unit.training_state = PRE_BACKWARD        # [Note: recompute] (zero3.py)
         for p, part in self._grad_of():
             if p.grad is None:
-                part.zero_()                          # zero_grad(set_to_none=True) since the last backward
+                part.zero_()                # zero_grad(set_to_none=True) since the last backward
             elif p.grad.data_ptr() != part.data_ptr():
                 part.copy_(p.grad)                    # a gradient the user set: accumulate onto it
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
 
     def _backward_ends(self) -> None:
         self._in_backward = False
-        self._after_backward()                        # Zero3's: finish the reduce-scatters, free the units
+        self._after_backward()             # Zero3's: finish the reduce-scatters, free the units
         for p, part in self._grad_of():
             p.grad = part                             # this rank's averaged gradient, added into
         self._track_peak()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Scale every FlatParameter's .grad so that the global norm (over all N partitions) is at most
-        max_norm; returns the norm before clipping (torch.nn.utils.clip_grad_norm_ on the whole model)."""
+        """Scale every FlatParameter's .grad so that the global norm (over all N partitions) is at
+        most max_norm; returns the norm before clipping (torch.nn.utils.clip_grad_norm_ on the whole
+        model)."""
         self.clip_grad_norm = max_norm
         grads = [p.grad for p in self.optimizer.params if p.grad is not None]
         return torch.tensor(self._clip(grads))
 
 
 class FullyShardedDataParallel(nn.Module):
-    """model = FullyShardedDataParallel(model, reshard_after_forward=True, units=None, prefetch=True).
+    """model = FullyShardedDataParallel(model, reshard_after_forward=True, units=None,
+    prefetch=True).
 
     units: the submodules gathered together (FairScale's nested FSDP / auto_wrap_policy; default:
     minizero.units.default_units, a transformer's blocks). Collective: every rank builds it."""
@@ -132,13 +143,16 @@ class FullyShardedDataParallel(nn.Module):
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         if not isinstance(reshard_after_forward, bool):
-            raise TypeError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}")
+            raise TypeError("reshard_after_forward must be True or False, got "
+                            f"{reshard_after_forward!r}")
         self.engine = FSDPEngine(module, reshard_after_forward, units=units, prefetch=prefetch)
-        self.flat_params = nn.ParameterList(self.engine.optimizer.params)   # all that parameters() yields
+        # all that parameters() yields
+        self.flat_params = nn.ParameterList(self.engine.optimizer.params)
 
     @property
     def module(self) -> nn.Module:
-        """The wrapped model (not a registered child: its parameters are views of freed unit buffers)."""
+        """The wrapped model (not a registered child: its parameters are views of freed unit
+        buffers)."""
         return self.engine.module
 
     def forward(self, *inputs, **kwargs):
@@ -153,12 +167,14 @@ class FullyShardedDataParallel(nn.Module):
         return self.engine.full_state_dict()
 
     def load_state_dict(self, state_dict, strict: bool = True):
-        """Load a full state dict (the model's keys); rank 0's is what every rank gets. Collective."""
+        """Load a full state dict (the model's keys); rank 0's is what every rank gets.
+        Collective."""
         with self.engine.gathered(modifier_rank=0):
             return self.module.load_state_dict(state_dict, strict=strict)
 
     def summon_full_params(self):
-        """Inside the block the model's full parameters are readable on every rank (engine.gathered)."""
+        """Inside the block the model's full parameters are readable on every rank
+        (engine.gathered)."""
         return self.engine.gathered()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """minizero.FullyShardedDataParallel, FairScale's way: the user's torch.optim.AdamW / SGD over
-model.parameters() (this rank's flat shards), loss.backward(), optimizer.step(). It must end where one
-process ends, on the awkward test models (tied weights, a frozen and an unused parameter, odd sizes,
-accumulation without zero_grad, global clipping) and on Hugging Face GPT-2, at N = 2 and 3 (one launch
-each); its parameters are stage 3's partitions, byte for byte.
+model.parameters() (this rank's flat shards), loss.backward(), optimizer.step(). It must end where
+one process ends, on the awkward test models (tied weights, a frozen and an unused parameter, odd
+sizes, accumulation without zero_grad, global clipping) and on Hugging Face GPT-2, at N = 2 and 3
+(one launch each); its parameters are stage 3's partitions, byte for byte.
 Run: python -m pytest tests/test_fsdp.py -q"""
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ NAMES = ("sgd_awkward_accum", "sgd_awkward_clip", "adamw")
 
 
 def fairscale_loop(cfg: TrainConfig, reshard_after_forward: bool = True) -> dict:
-    """A FairScale-style loop: wrap, the user's optimizer over model.parameters(), loss.backward() per
-    micro-batch (no no_sync: autograd accumulates into the shards' .grad), optimizer.step(), zero_grad()."""
+    """A FairScale-style loop: wrap, the user's optimizer over model.parameters(), loss.backward()
+    per micro-batch (no no_sync: autograd accumulates into the shards' .grad), optimizer.step(),
+    zero_grad()."""
     model = minizero.FullyShardedDataParallel(make_model(cfg.model_config(), seed=cfg.seed),
                                               reshard_after_forward=reshard_after_forward)
     optimizer = cfg.optimizer_factory()(model.parameters())
@@ -38,14 +39,16 @@ def fairscale_loop(cfg: TrainConfig, reshard_after_forward: bool = True) -> dict
         optimizer.zero_grad()
     memory = model.engine.memory()
     return {"rank": comm.rank(), "state_dict": model.state_dict(), "memory": memory,
-            "flat_numels": [p.numel() for p in model.parameters()], "units": len(model.engine.units),
+            "flat_numels": [p.numel() for p in model.parameters()],
+            "units": len(model.engine.units),
             "trained_units": sum(u.bucket is not None for u in model.engine.units),
             "num_params": sum(p.numel() for p in model.module.parameters() if p.requires_grad),
             "num_frozen": sum(p.numel() for p in model.module.parameters() if not p.requires_grad)}
 
 
 def hf_loop(case) -> dict:
-    """The same loop on Hugging Face GPT-2 (tests/_hf.py's model, data and loss), units = its blocks."""
+    """The same loop on Hugging Face GPT-2 (tests/_hf.py's model, data and loss), units = its
+    blocks."""
     from _hf import BLOCK, build, decoder_layers, lm_loss
 
     from minizero.lab.data import global_batch, local_batch
@@ -62,8 +65,8 @@ def hf_loop(case) -> dict:
 
 
 def deep(cfg: TrainConfig) -> TrainConfig:
-    """Six blocks: enough units that stage 3's gathered units (the root, one block, one prefetched) stay
-    well below the whole model."""
+    """Six blocks: enough units that stage 3's gathered units (the root, one block, one prefetched)
+    stay well below the whole model."""
     return dataclasses.replace(cfg, model_overrides={"n_layer": 6})
 
 
@@ -108,7 +111,8 @@ def test_reshard_after_forward_false_trains_the_same_with_stage_2s_parameter_pea
     assert_matches_reference(deep(cfgs[-1]), [r["kept"] for r in per_rank], atol=ATOL["adamw"])
     for r in per_rank:
         kept, freed = r["kept"]["memory"]["peak_params"], r["freed"]["memory"]["peak_params"]
-        # fp32: the partitions (Ψ/N) and, at the end of forward, every unit gathered (Ψ): stage 2's peak
+        # fp32: the partitions (Ψ/N) and, at the end of forward, every unit gathered (Ψ): stage 2's
+        # peak
         assert kept >= 4 * r["kept"]["num_params"] * (1 + 1 / n) > freed, (kept, freed)
 
 
@@ -118,9 +122,11 @@ def test_parameters_are_one_flat_shard_per_unit_with_stage_3s_bytes(runs, n):
     for i, cfg in enumerate(cfgs):
         for r in per_rank:
             run = r["runs"][i]
-            assert len(run["flat_numels"]) == run["trained_units"]       # one FlatParameter per unit that trains
-            assert within_padding(4 * sum(run["flat_numels"]), 4 * run["num_params"] / n, n, times=run["units"])
-            formula = theory(dataclasses.replace(cfg, stage=3), run["num_params"], run["num_frozen"])["params"]
+            assert len(run["flat_numels"]) == run["trained_units"]   # one per unit that trains
+            flat_bytes, units = 4 * sum(run["flat_numels"]), run["units"]
+            assert within_padding(flat_bytes, 4 * run["num_params"] / n, n, times=units)
+            stage3 = dataclasses.replace(cfg, stage=3)
+            formula = theory(stage3, run["num_params"], run["num_frozen"])["params"]
             assert within_padding(run["memory"]["params"], formula, n, times=run["units"]), \
                 (run["memory"]["params"], formula)
 
@@ -142,4 +148,5 @@ def test_bad_arguments_are_one_line():
     with pytest.raises(TypeError, match="module must be a torch.nn.Module"):
         minizero.FullyShardedDataParallel("model")
     with pytest.raises(TypeError, match="reshard_after_forward must be True or False"):
-        minizero.FullyShardedDataParallel(make_model(TrainConfig(model="tiny").model_config()), "yes")
+        minizero.FullyShardedDataParallel(make_model(TrainConfig(model="tiny").model_config()),
+                                          "yes")

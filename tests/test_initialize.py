@@ -1,8 +1,8 @@
-"""minizero.initialize, DeepSpeed's front end: examples/deepspeed_style.py ends where DeepSpeed 0.19.8 ends
-(stages 1, 2, 3 and 2 + offload, AdamW and WarmupLR from the config, accumulation 2; one launch, DeepSpeed
-inside minizero.launch's process group as tests/test_deepspeed.py runs it; skipped without DeepSpeed);
-the schedules give DeepSpeed's learning rates; accumulation as DeepSpeed counts it matches one process;
-bad configs are one line.
+"""minizero.initialize, DeepSpeed's front end: examples/deepspeed_style.py ends where DeepSpeed
+0.19.8 ends (stages 1, 2, 3 and 2 + offload, AdamW and WarmupLR from the config, accumulation 2; one
+launch, DeepSpeed inside minizero.launch's process group as tests/test_deepspeed.py runs it; skipped
+without DeepSpeed); the schedules give DeepSpeed's learning rates; accumulation as DeepSpeed counts
+it matches one process; bad configs are one line.
 Run: python -m pytest tests/test_initialize.py -q"""
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from minizero.lab import deepspeed_peer
 from minizero.lab.reference import max_abs_diff
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "deepspeed_style.py"
-CASES = {"stage 1": (1, False), "stage 2": (2, False), "stage 3": (3, False), "stage 2 + offload": (2, True)}
+CASES = {"stage 1": (1, False), "stage 2": (2, False), "stage 3": (3, False),
+         "stage 2 + offload": (2, True)}
 
 
 def example():
@@ -37,7 +38,8 @@ def both_libraries(cases: list[tuple[int, bool]]) -> list[dict]:
     for stage, offload in cases:
         ours = script.train(minizero, script.ds_config(stage, offload))
         theirs = script.train(deepspeed_peer.join(), script.ds_config(stage, offload))
-        out.append({"losses": (ours[0], theirs[0]), "max_param_diff": max_abs_diff(ours[1], theirs[1])})
+        out.append({"losses": (ours[0], theirs[0]),
+                    "max_param_diff": max_abs_diff(ours[1], theirs[1])})
     return out
 
 
@@ -71,16 +73,20 @@ def _optimizer(lr: float = 0.5) -> torch.optim.Optimizer:
 
 
 def test_warmup_lr_is_deepspeeds_log_warmup():
-    spec = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 3}}
+    spec = {"type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 3}}
     lrs = _lrs(build_scheduler(_optimizer(), spec), 5)
-    # built at i = -1 (min), then log(i + 1)/log(3): the first two steps at 0, then 0.631 of the way, then max
+    # built at i = -1 (min), then log(i + 1)/log(3): the first two steps at 0, then 0.631 of the
+    # way, then max
     assert lrs == pytest.approx([0.0, 0.0, 1e-2 * math.log(2) / math.log(3), 1e-2, 1e-2])
 
 
 @pytest.mark.parametrize("spec", [
-    {"type": "WarmupLR", "params": {"warmup_min_lr": 0.001, "warmup_num_steps": 4, "warmup_type": "linear"}},
+    {"type": "WarmupLR",
+     "params": {"warmup_min_lr": 0.001, "warmup_num_steps": 4, "warmup_type": "linear"}},
     {"type": "WarmupDecayLR", "params": {"total_num_steps": 9, "warmup_num_steps": 3}},
-    {"type": "WarmupCosineLR", "params": {"total_num_steps": 9, "warmup_num_steps": 3, "warmup_min_ratio": 0.1}},
+    {"type": "WarmupCosineLR",
+     "params": {"total_num_steps": 9, "warmup_num_steps": 3, "warmup_min_ratio": 0.1}},
 ])
 def test_schedules_give_deepspeeds_learning_rates(spec):
     if not deepspeed_peer.available():
@@ -93,12 +99,14 @@ def test_schedules_give_deepspeeds_learning_rates(spec):
 
 
 def test_accumulation_as_deepspeed_counts_it_matches_one_process():
-    """One rank, 2 micro-batches per step: backward + step after each, the optimizer steps every second."""
+    """One rank, 2 micro-batches per step: backward + step after each, the optimizer steps every
+    second."""
     torch.manual_seed(0)
     model, data = torch.nn.Linear(3, 2), torch.randn(4, 8, 3)
     reference = torch.nn.Linear(3, 2)
     reference.load_state_dict(model.state_dict())
-    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 0,
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+              "gradient_clipping": 0,
               "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
     engine, optimizer, _, schedule = minizero.initialize(model=model, config=config)
     assert schedule is None and optimizer is engine.optimizer
@@ -118,13 +126,19 @@ def test_accumulation_as_deepspeed_counts_it_matches_one_process():
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"scheduler": {"type": "OneCycle"}}, "scheduler.type must be one of WarmupLR, WarmupDecayLR, WarmupCosineLR"),
-    ({"scheduler": {"type": "WarmupDecayLR"}}, "scheduler.params.total_num_steps is required by WarmupDecayLR"),
-    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "exp"}}}, "warmup_type must be one of log, linear"),
-    ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, "optimizer.params.lr is \"auto\": Hugging Face"),
-    ({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2}, "train_batch_size is \"auto\": it is resolved"),
+    ({"scheduler": {"type": "OneCycle"}},
+     "scheduler.type must be one of WarmupLR, WarmupDecayLR, WarmupCosineLR"),
+    ({"scheduler": {"type": "WarmupDecayLR"}},
+     "scheduler.params.total_num_steps is required by WarmupDecayLR"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "exp"}}},
+     "warmup_type must be one of log, linear"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}},
+     "optimizer.params.lr is \"auto\": Hugging Face"),
+    ({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2},
+     "train_batch_size is \"auto\": it is resolved"),
     ({"zero_optimization": {"reduce_bucket_size": "auto"}}, "needs the model's hidden size"),
-    ({"train_batch_size": 6, "train_micro_batch_size_per_gpu": 4}, "train_batch_size 6 is not divisible"),
+    ({"train_batch_size": 6, "train_micro_batch_size_per_gpu": 4},
+     "train_batch_size 6 is not divisible"),
     ({}, "no optimizer: give the config an optimizer section or pass optimizer="),
 ])
 def test_bad_configs_are_one_line(config, message):
@@ -136,9 +150,10 @@ def test_bad_configs_are_one_line(config, message):
 def test_auto_is_resolved_where_the_batch_or_the_model_decides():
     class WithConfig(torch.nn.Linear):
         config = type("Config", (), {"hidden_size": 8})()
-    config = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
+    config = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2,
+              "gradient_accumulation_steps": 3,
               "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
               "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}
     engine, *_ = minizero.initialize(model=WithConfig(2, 2), config=config)
     assert engine.train_batch_size() == 6 and engine.gradient_accumulation_steps() == 3
-    assert engine.engine.bucket_size == 8 * 8 * 4          # h² elements of fp32 (Hugging Face's rule)
+    assert engine.engine.bucket_size == 8 * 8 * 4        # h² elements of fp32 (Hugging Face's rule)
