@@ -2,8 +2,8 @@
 
     import functools, torch, minizero
     engine = minizero.wrap(model, stage=2, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
-    engine, optimizer, _, lr_scheduler = minizero.initialize(model=model, config="ds_config.json")  # DeepSpeed's way
-    model = minizero.FullyShardedDataParallel(model)        # FairScale's way: optimizer over model.parameters()
+    engine, optimizer, _, scheduler = minizero.initialize(model=model, config="ds.json")  # DeepSpeed
+    model = minizero.FullyShardedDataParallel(model)     # FairScale: you build the optimizer
     results = minizero.launch(worker_fn, world_size=4)      # run a function on 4 ranks
     with minizero.sharded_init(): model = MyModel()         # stage 3: built partitioned, never whole
 

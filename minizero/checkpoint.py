@@ -4,7 +4,7 @@
     engine.load("ckpt")      # collective, in fresh processes: any stage, world size, dtype, offload
     python -m minizero.consolidate ckpt model.pt [--optimizer-state]   # the whole state, for any N
     python -m minizero.run --save run --save-every 100 --keep-last 2 --resume     # kill-safe auto-resume
-    python -m minizero.consolidate run model.pt     # a run directory: its newest complete checkpoint (find)
+    python -m minizero.consolidate run model.pt     # a run directory: its newest checkpoint (find)
 
 Run its tests:  python -m pytest tests/test_checkpoint.py
 
@@ -239,17 +239,18 @@ def latest(run_dir: str) -> str | None:
 
 
 def find(directory: str) -> str:
-    """The checkpoint to read from `directory`: the directory itself when it is one (it has a manifest),
-    else the newest complete step-NNNNNN of a run directory (--save DIR --save-every K), as DeepSpeed's
-    zero_to_fp32 follows a save folder's `latest`. CheckpointError (one line) for a run directory whose
-    saves all failed to commit; anything else is returned as it is, for read_manifest to say what it lacks."""
+    """The checkpoint to read from `directory`: the directory itself when it is one (it has a
+    manifest), else the newest complete step-NNNNNN of a run directory (--save DIR --save-every K),
+    as DeepSpeed's zero_to_fp32 follows a save folder's `latest`. CheckpointError (one line) for a
+    run directory whose saves all failed to commit; anything else is returned as it is, for
+    read_manifest to say what it lacks."""
     directory = os.fspath(directory)
     if os.path.exists(os.path.join(directory, MANIFEST)) or not os.path.isdir(directory):
         return directory
     newest = latest(directory)
     if newest is None and any(map(_STEP_DIR.fullmatch, os.listdir(directory))):
-        raise CheckpointError(f"{directory} has step-NNNNNN folders but no complete checkpoint (none has "
-                              f"its {MANIFEST}: every save was interrupted)")
+        raise CheckpointError(f"{directory} has step-NNNNNN folders but no complete checkpoint "
+                              f"(none has its {MANIFEST}: every save was interrupted)")
     return newest or directory
 
 

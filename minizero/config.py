@@ -424,29 +424,50 @@ def _zero(flat: dict, out: dict, warnings: list[str], world_size: int) -> None:
                         "reduce-scatters once, at the step (stage 2 overlaps)")
 
 
-def _optimizer(flat: dict, out: dict) -> None:
-    params = {k.removeprefix("optimizer.params."): v for k, v in flat.items()
-              if k.startswith("optimizer.params.")}
-    if "optimizer.type" not in flat:
+def _typed_section(flat: dict, section: str) -> tuple[Any, dict] | None:
+    """(type, params) of a section DeepSpeed writes as {"type", "params"} (optimizer, scheduler);
+    None when the file has none."""
+    prefix = f"{section}.params."
+    params = {k.removeprefix(prefix): v for k, v in flat.items() if k.startswith(prefix)}
+    if f"{section}.type" not in flat:
         if params:
-            raise ConfigError("optimizer.params needs optimizer.type")
-        return
-    kind = flat["optimizer.type"]
-    if not isinstance(kind, str) or kind.lower() not in OPTIMIZER_PARAMS:
-        raise ConfigError(f"optimizer.type must be one of AdamW, Adam, SGD, got {json.dumps(kind)}")
-    name, types = kind.lower(), OPTIMIZER_PARAMS[kind.lower()]
+            raise ConfigError(f"{section}.params needs {section}.type")
+        return None
+    return flat[f"{section}.type"], params
+
+
+def _check_params(section: str, kind: str, params: dict, types: dict) -> None:
+    """Each of a section's params is one `kind` takes, of its type: "number" (>= 0), "int" (>= 1),
+    "bool", "betas" (two numbers) or a tuple of the values allowed."""
     for key, value in params.items():
+        where = f"{section}.params.{key}"
         if key not in types:
-            raise ConfigError(f"optimizer.params.{key} is not a parameter of {kind} "
+            raise ConfigError(f"{where} is not a parameter of {kind} "
                               f"(it takes {', '.join(sorted(types))})")
         if types[key] == "number":
-            _number(f"optimizer.params.{key}", value, minimum=0)
+            _number(where, value, minimum=0)
+        elif types[key] == "int":
+            _int(where, value, minimum=1)
         elif types[key] == "bool":
-            _bool(f"optimizer.params.{key}", value)
+            _bool(where, value)
+        elif isinstance(types[key], tuple):
+            if value not in types[key]:
+                raise ConfigError(f"{where} must be one of {', '.join(types[key])}, "
+                                  f"got {json.dumps(value)}")
         elif not (isinstance(value, list) and len(value) == 2
                   and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in value)):
-            raise ConfigError(f"optimizer.params.{key} must be a list of two numbers, "
-                              f"got {json.dumps(value)}")
+            raise ConfigError(f"{where} must be a list of two numbers, got {json.dumps(value)}")
+
+
+def _optimizer(flat: dict, out: dict) -> None:
+    section = _typed_section(flat, "optimizer")
+    if section is None:
+        return
+    kind, params = section
+    if not isinstance(kind, str) or kind.lower() not in OPTIMIZER_PARAMS:
+        raise ConfigError(f"optimizer.type must be one of AdamW, Adam, SGD, got {json.dumps(kind)}")
+    name = kind.lower()
+    _check_params("optimizer", kind, params, OPTIMIZER_PARAMS[name])
     if name != "sgd":
         # DeepSpeed's "Adam" decouples weight decay (AdamW) unless adam_w_mode is false, and its
         # Adam optimizers default to weight_decay 0 (torch.optim.AdamW's default is 0.01).
@@ -474,29 +495,15 @@ def _optimizer(flat: dict, out: dict) -> None:
 def _scheduler(flat: dict, out: dict, required: tuple[str, ...]) -> None:
     """scheduler: one of SCHEDULES and its parameters (required: those minizero.initialize has no
     --steps for)."""
-    params = {k.removeprefix("scheduler.params."): v for k, v in flat.items()
-              if k.startswith("scheduler.params.")}
-    if "scheduler.type" not in flat:
-        if params:
-            raise ConfigError("scheduler.params needs scheduler.type")
+    section = _typed_section(flat, "scheduler")
+    if section is None:
         return
-    kind = flat["scheduler.type"]
+    kind, params = section
     if kind not in SCHEDULES:
         raise ConfigError(f"scheduler.type must be one of {', '.join(SCHEDULES)} (DeepSpeed's "
                           f"warmup schedules), got {json.dumps(kind)}")
     takes = SCHEDULES[kind].PARAMS
-    for key, value in params.items():
-        if key not in takes:
-            raise ConfigError(f"scheduler.params.{key} is not a parameter of {kind} "
-                              f"(it takes {', '.join(takes)})")
-        if takes[key] == "int":
-            _int(f"scheduler.params.{key}", value, minimum=1)
-        elif isinstance(takes[key], tuple):
-            if value not in takes[key]:
-                raise ConfigError(f"scheduler.params.{key} must be one of {', '.join(takes[key])}, "
-                                  f"got {json.dumps(value)}")
-        else:
-            _number(f"scheduler.params.{key}", value, minimum=0)
+    _check_params("scheduler", kind, params, takes)
     for key in required:
         if key in takes and key not in params:
             raise ConfigError(f"scheduler.params.{key} is required by {kind}")

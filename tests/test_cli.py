@@ -22,8 +22,9 @@ def _check_summary(data, stage, n, steps):
         assert {"params", "grads", "optimizer", "offloaded", "peak"} <= r["memory"].keys()
         assert r["memory"]["activations"] > 0
         assert r["comm_bytes_per_step"]["total"] > 0
-    t = data["throughput"]                              # tokens/s, FLOP/s, MFU (minizero/lab/throughput.py)
-    assert t["tokens_per_s"] > 0 and t["flops_per_s"] == pytest.approx(t["tokens_per_s"] * t["flops_per_token"])
+    t = data["throughput"]                         # tokens/s, FLOP/s, MFU (lab/throughput.py)
+    assert t["tokens_per_s"] > 0
+    assert t["flops_per_s"] == pytest.approx(t["tokens_per_s"] * t["flops_per_token"])
     assert 0 < t["mfu"] < 1, t
 
 
@@ -146,12 +147,12 @@ def test_a_damaged_checkpoint_is_refused_before_any_process_starts(saved_n2, tmp
 
 
 def _stderr_on_a_terminal(*args: str) -> tuple[str, str]:
-    """Run python -m minizero.run with stderr on a pseudo-terminal (as a person sees it): (stdout, stderr)."""
+    """python -m minizero.run, stderr on a pseudo-terminal as a person sees it: (stdout, stderr)."""
     import os
     import pty
     master, slave = pty.openpty()
-    p = subprocess.run([sys.executable, "-m", "minizero.run", *args], stdout=subprocess.PIPE, stderr=slave,
-                       text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-m", "minizero.run", *args], stdout=subprocess.PIPE,
+                       stderr=slave, text=True, timeout=120, check=False)
     os.close(slave)
     err = b""
     while True:
@@ -169,6 +170,7 @@ def _stderr_on_a_terminal(*args: str) -> tuple[str, str]:
 
 def test_a_terminal_sees_a_progress_bar_and_quiet_or_a_pipe_does_not(tmp_path):
     out, err = _stderr_on_a_terminal("--world-size", "1", "--steps", "3", "--model", "tiny")
-    assert "3/3" in err and "loss=" in err and "step    1/3" not in out       # the bar replaces the lines
-    out, err = _stderr_on_a_terminal("--world-size", "1", "--steps", "3", "--model", "tiny", "--quiet")
+    assert "3/3" in err and "loss=" in err and "step    1/3" not in out    # the bar replaces them
+    out, err = _stderr_on_a_terminal("--world-size", "1", "--steps", "3", "--model", "tiny",
+                                     "--quiet")
     assert "3/3" not in err and "step    1/3" not in out and err == ""

@@ -110,7 +110,8 @@ def test_not_implemented_keys_warn_by_name():
                                                                "contiguous_gradients": True,
                                                                "allgather_bucket_size": 5e8}}, 2)
     assert len(warnings) == 4
-    for key, warning in zip(("'amp'", "'steps_per_print'", "'zero_optimization.allgather_bucket_size'",
+    for key, warning in zip(("'amp'", "'steps_per_print'",
+                             "'zero_optimization.allgather_bucket_size'",
                              "'zero_optimization.overlap_comm: false'"), warnings):
         assert warning.startswith(key + " is not implemented: ")
     assert load_deepspeed_config({"fp16": {"enabled": False}, "wall_clock_breakdown": False}, 2)[1] == []
@@ -176,7 +177,8 @@ def test_bad_configs_raise_one_line(cfg, message):
     ('{"zero_optimisation": {"stage": 2}}', "unknown key 'zero_optimisation' (did you mean"),
     ('{"train_batch_size": 64,}', "is not valid JSON: "),
     ('[1, 2]', "the config must be a JSON object"),
-    ('{"scheduler": {"type": "OneCycle"}}', "scheduler.type must be one of WarmupLR, WarmupDecayLR, WarmupCosineLR"),
+    ('{"scheduler": {"type": "OneCycle"}}',
+     "scheduler.type must be one of WarmupLR, WarmupDecayLR, WarmupCosineLR"),
     (None, "config file not found: "),
 ])
 def test_cli_bad_config_is_one_line_exit_2(tmp_path, capsys, text, message):

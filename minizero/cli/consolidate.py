@@ -36,8 +36,8 @@ PROG = "python -m minizero.consolidate"
 
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog=PROG, description=__doc__.split("\n")[0])
-    parser.add_argument("checkpoint", help="a directory written by engine.save(), or a run directory "
-                                           "(--save-every): its newest complete step-NNNNNN")
+    parser.add_argument("checkpoint", help="a directory written by engine.save(), or a run "
+                                           "directory (--save-every): its newest step-NNNNNN")
     parser.add_argument("out", help="where to write the state_dict (torch.save)")
     parser.add_argument("--optimizer-state", action="store_true",
                         help="also the whole optimizer state: a file engine.load() accepts at any stage and N")

@@ -146,7 +146,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     if args.resume:
         cfg.load_dir = checkpoint.latest(args.save)          # None: nothing saved yet, start fresh
     elif cfg.load_dir is not None:
-        cfg.load_dir = _find_checkpoint(cfg.load_dir)        # a run directory: its newest checkpoint
+        cfg.load_dir = _find_checkpoint(cfg.load_dir)   # a run directory: its newest checkpoint
     if cfg.load_dir not in (None, args.load):
         print(f"minizero.run: loading {cfg.load_dir}, the newest complete checkpoint of "
               f"{args.load or args.save}", file=sys.stderr)

@@ -52,13 +52,18 @@ import torch
 from minizero import comm
 from minizero.cli import OneLineParser, UsageError, emit, fail
 from minizero.lab import deepspeed_peer
-from minizero.lab.data import sequence_length
 from minizero.lab.model import MODEL_NAMES, SIZES, GPTConfig, count_params, make_model
 from minizero.lab.peers import PEER_OF_STAGE, peer_worker
 from minizero.lab.reference import max_abs_diff
 from minizero.lab.rss import release_freed_memory
 from minizero.lab.throughput import peak_worker, throughput
-from minizero.lab.train import TrainConfig, forward_backward, progress_bar, progress_wanted, train_worker
+from minizero.lab.train import (
+    TrainConfig,
+    forward_backward,
+    progress_bar,
+    progress_wanted,
+    train_worker,
+)
 from minizero.launcher import launch
 from minizero.memory import comm_volume
 from minizero.wrap import wrap
@@ -149,8 +154,8 @@ def bench_worker(jobs: list[tuple[TrainConfig, list[str]]], repeats: int, meter:
         impls = ["minizero", *peers] + (list(METER) if meter else [])
         out.append({"impls": impls, "times": {impl: [] for impl in impls},
                     "phases": {impl: [] for impl in impls if impl not in METER}})
-    bar = progress_bar(repeats * len(jobs), f"N = {comm.world_size()}", progress and comm.rank() == 0,
-                       unit="config")
+    bar = progress_bar(repeats * len(jobs), f"N = {comm.world_size()}",
+                       progress and comm.rank() == 0, unit="config")
     for rep in range(repeats):
         for (cfg, peers), record in zip(jobs, out):
             bar.update()
@@ -177,7 +182,7 @@ def bench_worker(jobs: list[tuple[TrainConfig, list[str]]], repeats: int, meter:
             record["comm"] = mz["comm_bytes_per_step"]["total"]
             record["final_loss"] = {impl: results[impl]["losses"][-1] for impl in ["minizero", *peers]}
     bar.close()
-    peak = peak_worker("fp32")                  # MFU's peak: every rank's GEMM at once, one thread each
+    peak = peak_worker("fp32")           # MFU's peak: every rank's GEMM at once, one thread each
     for record in out:
         record["gemm_flops_per_s"] = peak
     return out
@@ -201,8 +206,8 @@ def compare(world_sizes=(2, 4), *, sizes=("default",), steps: int = 10, repeats:
                 cfg = TrainConfig(stage=stage, offload=offload, world_size=n, steps=steps, model=size,
                                   batch_size=batch_size, backend="gloo")
                 jobs.append((cfg, peers_of(v, peers), v))
-        per_rank = launch(bench_worker, n, [(cfg, ps) for cfg, ps, _ in jobs], repeats, meter, progress,
-                          backend="gloo")
+        per_rank = launch(bench_worker, n, [(cfg, ps) for cfg, ps, _ in jobs], repeats, meter,
+                          progress, backend="gloo")
         for i, (cfg, ps, v) in enumerate(jobs):
             ranks = [rank_records[i] for rank_records in per_rank]
             pairs += [_pair_record(cfg, v, p, ranks) for p in ps]
@@ -229,11 +234,10 @@ def _pair_record(cfg: TrainConfig, variant: str, peer: str, ranks: list[dict]) -
         "stage": cfg.stage, "offload": bool(cfg.offload), "peer": peer,
         "step_time_s": medians,
         "ratio": medians["minizero"] / medians["peer"],
-        # tokens/s, FLOP/s and MFU of each side against the ranks' summed fp32 GEMM peak (lab/throughput.py)
-        "throughput": {side: throughput(cfg.model_config(),
-                                        cfg.batch_size * sequence_length(cfg.model_config().block_size),
-                                        medians[side], cfg.world_size,
-                                        sum(r["gemm_flops_per_s"] for r in ranks)) for side in SIDES},
+        # tokens/s, FLOP/s and MFU of each side against the ranks' summed fp32 GEMM peak
+        "throughput": {side: throughput(cfg.model_config(), cfg.batch_size, medians[side],
+                                        cfg.world_size, sum(r["gemm_flops_per_s"] for r in ranks))
+                       for side in SIDES},
         "phase_s": {side: {phase: statistics.median(_slowest_rank_steps(ranks, impl, phase)) for phase in PHASES}
                     for side, impl in zip(SIDES, ("minizero", peer))},
         "memory": {side: [{k: r["memory"][impl].get(k, 0) for k in MEMORY_KEYS} for r in ranks]
@@ -278,20 +282,22 @@ def format_table(report: dict, phases: bool = False) -> str:
               f"{c['dtype']} AdamW, batch {c['batch_size']}; rank 0's device model states and bytes sent per step in MB")]
     lines += ["  " + size_label(s) for s in c["sizes"]]
     lines.append(f"{'N':>2} {'size':>7} {'stage':>9} {'peer':<17}{'mz ms':>9}{'peer ms':>9}{'ratio':>7}"
-                 f"{'mz tok/s':>10}{'mz MFU':>8}{'peer MFU':>9}{'mz dev':>10}{'peer dev':>10}{'mz comm':>10}{'peer comm':>10}{'max |Δp|':>10}")
+                 f"{'mz tok/s':>10}{'mz MFU':>8}{'peer MFU':>9}"
+                 f"{'mz dev':>10}{'peer dev':>10}{'mz comm':>10}{'peer comm':>10}{'max |Δp|':>10}")
     for p in report["pairs"]:
         dev = {side: sum(p["memory"][side][0][k] for k in DEVICE_KEYS) for side in SIDES}
         lines.append(f"{p['world_size']:>2} {p['size']:>7} {p['variant']:>9} {p['peer']:<17}"
                      f"{p['step_time_s']['minizero'] * 1e3:9.1f}{p['step_time_s']['peer'] * 1e3:9.1f}"
                      f"{p['ratio']:7.2f}{p['throughput']['minizero']['tokens_per_s']:10,.0f}"
-                     f"{p['throughput']['minizero']['mfu']:8.1%}{p['throughput']['peer']['mfu']:9.1%}"
+                     f"{p['throughput']['minizero']['mfu']:8.1%}"
+                     f"{p['throughput']['peer']['mfu']:9.1%}"
                      f" {mb(dev['minizero'])} {mb(dev['peer'])}"
                      f" {mb(p['comm_bytes_per_step']['minizero'])} {mb(p['comm_bytes_per_step']['peer'])}"
                      f"{p['max_param_diff']:10.1e}")
     lines.append("ratio = median step time minizero / peer (< 1: minizero faster). Peer comm: ring formula of "
                  "its collectives. dev: params + grads + optimizer on the compute device (offloaded: host).")
-    lines.append("tok/s: tokens per second, all ranks; MFU: model FLOPs per second (6Ψ + attention per token) over "
-                 "the ranks' summed fp32 GEMM peak (minizero/lab/throughput.py)")
+    lines.append("tok/s: tokens per second, all ranks; MFU: model FLOPs per second (6Ψ + attention "
+                 "per token) over the ranks' summed fp32 GEMM peak (minizero/lab/throughput.py)")
     if phases:
         lines.append("")
         lines.append("where the time goes: median ms of each phase on the slowest rank, minizero / peer "
@@ -343,11 +349,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--phases", action="store_true",
                     help="also print each pair's profile: forward, backward and step times (always in --json)")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
-    ap.add_argument("--quiet", action="store_true", help="no progress bar (also off when stderr is no terminal)")
+    ap.add_argument("--quiet", action="store_true",
+                    help="no progress bar (also off when stderr is no terminal)")
     ap.add_argument("--scale", action="store_true", help="run the scale demo instead (see minizero.scale; "
                     "takes --budget-mb, --world-size, --micro-batch, --model, --json)")
-    ap.add_argument("--peak", action="store_true", help="measure the machine's GEMM peak instead (takes "
-                    "--world-size, --dtypes, --device, --threads, --json; minizero/lab/throughput.py)")
+    ap.add_argument("--peak", action="store_true",
+                    help="measure the machine's GEMM peak instead (takes --world-size, --dtypes, "
+                         "--device, --threads, --json; minizero/lab/throughput.py)")
     ap.add_argument("--collectives", action="store_true", help="time each collective as the backend and as "
                     "minizero.comm run it instead (takes --world-size, --numel, --repeats, --json)")
     try:

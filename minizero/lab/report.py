@@ -58,8 +58,8 @@ def summarize(cfg: TrainConfig, results: list[dict], network=None) -> dict:
         "theory": theory(cfg, num_params, num_frozen),
         "step_time_s": statistics.median(times),
         # tokens/s, achieved FLOP/s and MFU against the ranks' summed GEMM peak (lab/throughput.py)
-        "throughput": throughput(cfg.model_config(), cfg.batch_size * sequence_length(cfg.model_config().block_size),
-                                 statistics.median(times), cfg.world_size,
+        "throughput": throughput(cfg.model_config(), cfg.batch_size, statistics.median(times),
+                                 cfg.world_size,
                                  sum(r.get("gemm_flops_per_s", 0.0) for r in results) or None,
                                  cfg.activation_checkpointing),
         # fp16: the loss scale after the last step and the steps skipped on overflow (every rank agrees)

@@ -309,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rss-cap-mb", type=float, default=None,
                     help="with --rss: each rank's cap in MB beyond the baseline, what a rank holds whatever the model (default 200)")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
-    ap.add_argument("--quiet", action="store_true", help="no progress bar (also off when stderr is no terminal)")
+    ap.add_argument("--quiet", action="store_true",
+                    help="no progress bar (also off when stderr is no terminal)")
     try:
         args = ap.parse_args(argv)
         if args.rss:
@@ -335,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         return _rss(prog, args)
     try:
         if args.micro_batch:
-            report = largest_micro_batches(args.budget_mb, tuple(args.world_size), args.model or "default",
+            report = largest_micro_batches(args.budget_mb, tuple(args.world_size),
+                                           args.model or "default",
                                            progress=progress_wanted(args.quiet, args.json))
         else:
             report = largest_models(args.budget_mb, tuple(args.world_size),

@@ -86,11 +86,11 @@ def peaks_worker(dtypes: list[str], threads: int | None) -> dict[str, float]:
     return {dtype: peak_worker(dtype) for dtype in dtypes}
 
 
-def throughput(cfg_model: GPTConfig, tokens_per_step: int, step_time_s: float, world_size: int,
+def throughput(cfg_model: GPTConfig, batch_size: int, step_time_s: float, world_size: int,
                peak_flops_per_s: float | None, checkpointing: bool | str = False) -> dict:
     """The run's throughput line: tokens/s (all ranks and per rank), achieved FLOP/s, and MFU
     against peak_flops_per_s (None: not measured, MFU None)."""
-    tokens_per_s = tokens_per_step / step_time_s
+    tokens_per_s = batch_size * sequence_length(cfg_model.block_size) / step_time_s   # all ranks
     per_token = flops_per_token(cfg_model, checkpointing)
     flops_per_s = tokens_per_s * per_token
     return {"tokens_per_s": tokens_per_s, "tokens_per_s_per_rank": tokens_per_s / world_size,

@@ -58,7 +58,7 @@ class TrainConfig:
     optimizer: str = "adamw"
     lr: float = 3e-3
     optimizer_params: dict = field(default_factory=dict)    # extra keyword arguments (betas, momentum...)
-    scheduler: dict | None = None             # {"type", "params"}: a DeepSpeed schedule (minizero/config.py)
+    scheduler: dict | None = None             # {"type", "params"}: DeepSpeed's (minizero/config.py)
     bucket_size: float = DEFAULT_BUCKET_BYTES               # bytes per gradient bucket (stages 0, 2)
     prefetch: bool = True                                   # stage 3
     quantized_weights: bool = False                         # stage 3: ZeRO++ qwZ (minizero/quantize.py)
@@ -82,7 +82,7 @@ class TrainConfig:
     init_state: str | None = None             # a consolidated state dict (minizero.consolidate): any N,
     start_step: int = 0                       # ... first step's index in the data stream (fresh optimizer)
     fault: Fault | None = None                # a failure to inject (lab/faults.py); else MINIZERO_FAIL_*
-    measure_peak: bool = False                # after training, every rank's GEMM FLOP/s (lab/throughput.py)
+    measure_peak: bool = False                # after training: each rank's GEMM FLOP/s (MFU)
     progress: bool = False                    # rank 0 shows a progress bar on stderr (progress_bar)
 
     def model_config(self) -> GPTConfig:
@@ -117,16 +117,16 @@ class TrainConfig:
 
 
 def progress_wanted(quiet: bool = False, json_path: str | None = None) -> bool:
-    """Progress bars only for a person watching: stderr a terminal, not --quiet, not --json to stdout."""
+    """Progress bars only for a person watching: stderr a terminal, not --quiet, no --json -."""
     return not quiet and json_path != "-" and sys.stderr.isatty()
 
 
 def progress_bar(total: int, desc: str, enabled: bool, **kwargs) -> tqdm:
-    """A tqdm bar on stderr with time left; disabled, every call on it does nothing. Its width: the
-    terminal's, or 80 x 24 where it reports 0 x 0 (a bare pseudo-terminal: tqdm would show nothing)."""
+    """A tqdm bar on stderr with time left; disabled, every call on it does nothing. Its size: the
+    terminal's, or 80 x 24 where it reports 0 x 0 (a bare pseudo-terminal: tqdm shows nothing)."""
     size = shutil.get_terminal_size()
-    # one process writes the bar: a thread lock, not tqdm's default multiprocessing one (a semaphore that
-    # a rank leaving with os._exit leaks, and the resource tracker then warns about on stderr)
+    # one process writes the bar: a thread lock, not tqdm's default multiprocessing one (a semaphore
+    # that a rank leaving with os._exit leaks, and the resource tracker then warns about on stderr)
     tqdm.set_lock(threading.RLock())
     return tqdm(total=total, desc=desc, file=sys.stderr, disable=not enabled, ncols=size.columns,
                 nrows=size.lines, **kwargs)
@@ -186,17 +186,18 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
     if cfg.load_dir:
         engine.load(cfg.load_dir)                 # also restores step_count: the data continues there
     schedule = None
-    if cfg.scheduler:                             # over the torch optimizer stepping this rank's masters
-        schedule = build_scheduler(engine.optimizer.optimizer, cfg.scheduler, total_num_steps=cfg.steps)
-        schedule.load_state_dict({"last_batch_iteration": engine.step_count - 1})    # resumed: continue
+    if cfg.scheduler:                    # over the torch optimizer stepping this rank's masters
+        schedule = build_scheduler(engine.optimizer.optimizer, cfg.scheduler,
+                                   total_num_steps=cfg.steps)
+        schedule.load_state_dict({"last_batch_iteration": engine.step_count - 1})   # resumed
     fault = cfg.fault or Fault.from_env()
     if fault:
         fault.arm(engine)
     device = comm.device()
     losses, step_times, phase_times, comm_per_step, loss_scales = [], [], [], [], []
     memory = None
-    bar = progress_bar(cfg.steps, f"stage {cfg.stage}", cfg.progress and rank == 0, initial=engine.step_count,
-                       unit="step")
+    bar = progress_bar(cfg.steps, f"stage {cfg.stage}", cfg.progress and rank == 0,
+                       initial=engine.step_count, unit="step")
     for step in range(engine.step_count, cfg.steps):
         comm.reset_tally()
         start, phases = time.perf_counter(), {}
@@ -205,7 +206,7 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
             memory = engine.memory()              # as held at the end of backward (optimizer state exists)
         skipped = engine.skipped_steps
         timed_step(engine.step, phases)
-        if schedule is not None and engine.skipped_steps == skipped:   # as DeepSpeed: not after an overflow
+        if schedule is not None and engine.skipped_steps == skipped:   # DeepSpeed: not on overflow
             schedule.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -243,7 +244,7 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
         result["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
     if cfg.return_state:
         result["state_dict"] = engine.full_state_dict()
-    if cfg.measure_peak:                          # every rank at once, at the run's dtype: MFU's peak
+    if cfg.measure_peak:                  # every rank at once, at the run's dtype: MFU's peak
         result["gemm_flops_per_s"] = peak_worker(cfg.dtype)
     return result
 
