@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 
 import pytest
+import torch
 from _checks import ATOL, assert_matches_reference, configs
 
 import minizero
@@ -70,8 +71,19 @@ def deep(cfg: TrainConfig) -> TrainConfig:
     return dataclasses.replace(cfg, model_overrides={"n_layer": 6})
 
 
+def state_round_trip(cfg: TrainConfig) -> dict:
+    """state_dict() of one wrapped model loaded into another (built from other weights): the same full
+    state on every rank; summon_full_params() shows the full parameters."""
+    source = minizero.FullyShardedDataParallel(make_model(cfg.model_config(), seed=1))
+    target = minizero.FullyShardedDataParallel(make_model(cfg.model_config(), seed=2))
+    target.load_state_dict(source.state_dict())
+    with target.summon_full_params():
+        full = {k: v.detach().clone() for k, v in target.module.state_dict().items()}
+    return {"source": source.state_dict(), "target": target.state_dict(), "summoned": full}
+
+
 def worker(cfgs: list[TrainConfig], hf_case) -> dict:
-    out = {"runs": [fairscale_loop(cfg) for cfg in cfgs],
+    out = {"runs": [fairscale_loop(cfg) for cfg in cfgs], "round_trip": state_round_trip(cfgs[0]),
            "kept": fairscale_loop(deep(cfgs[-1]), reshard_after_forward=False),
            "freed": fairscale_loop(deep(cfgs[-1]), reshard_after_forward=True)}
     if hf_case is not None:
@@ -142,6 +154,17 @@ def test_hugging_face_gpt2_matches_one_process(runs, n):
         for key, expected in ref.items():
             diff = (r["hf"]["state_dict"][key].double() - expected.double()).abs().max().item()
             assert diff <= 5e-5, (r["rank"], key, diff)
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_state_dict_round_trips_and_summon_full_params_shows_it(runs, n):
+    _, per_rank = runs[n]
+    for r in per_rank:
+        trip = r["round_trip"]
+        assert trip["source"].keys() == trip["target"].keys() == trip["summoned"].keys()
+        for key, value in trip["source"].items():
+            assert torch.equal(trip["target"][key], value), (r["rank"], key)
+            assert torch.equal(trip["summoned"][key].float(), value), (r["rank"], key)
 
 
 def test_bad_arguments_are_one_line():

@@ -125,6 +125,24 @@ def test_accumulation_as_deepspeed_counts_it_matches_one_process():
     assert max_abs_diff(engine.full_state_dict(), reference.state_dict()) <= 1e-6
 
 
+def test_an_optimizer_object_a_scheduler_factory_and_training_data():
+    """DeepSpeed's other ways in: optimizer= an Optimizer (its class and settings are used, over this
+    rank's partition), lr_scheduler= a factory over minizero's optimizer, training_data= a Dataset."""
+    model = torch.nn.Linear(3, 2)
+    mine = torch.optim.SGD(model.parameters(), lr=0.25, momentum=0.5)
+    data = torch.utils.data.TensorDataset(torch.arange(10.0))
+    engine, optimizer, loader, schedule = minizero.initialize(
+        model=model, optimizer=mine, training_data=data,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
+        config={"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1})
+    assert type(optimizer) is torch.optim.SGD and optimizer is not mine
+    assert optimizer.param_groups[0]["momentum"] == 0.5 and schedule.optimizer is optimizer
+    engine.backward(engine(torch.ones(4, 3)).sum())
+    engine.step()
+    assert engine.get_lr() == [0.125]                     # the scheduler stepped with the optimizer
+    assert [len(batch[0]) for batch in loader] == [4, 4, 2]
+
+
 @pytest.mark.parametrize("config, message", [
     ({"scheduler": {"type": "OneCycle"}},
      "scheduler.type must be one of WarmupLR, WarmupDecayLR, WarmupCosineLR"),
