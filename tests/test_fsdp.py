@@ -159,12 +159,12 @@ def test_hugging_face_gpt2_matches_one_process(runs, n):
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_state_dict_round_trips_and_summon_full_params_shows_it(runs, n):
     _, per_rank = runs[n]
-    for r in per_rank:
+    for rank, r in enumerate(per_rank):
         trip = r["round_trip"]
         assert trip["source"].keys() == trip["target"].keys() == trip["summoned"].keys()
         for key, value in trip["source"].items():
-            assert torch.equal(trip["target"][key], value), (r["rank"], key)
-            assert torch.equal(trip["summoned"][key].float(), value), (r["rank"], key)
+            assert torch.equal(trip["target"][key], value), (rank, key)
+            assert torch.equal(trip["summoned"][key].float(), value), (rank, key)
 
 
 def test_bad_arguments_are_one_line():
