@@ -27,9 +27,12 @@ units, same hooks):
   * reshard_after_forward=True frees each unit after its forward (stage 3); False keeps it gathered
     from its forward to its backward (stage 2's parameter memory during the step, Ψ/N between
     steps).
-  * fp32 only: with 16-bit compute the optimizer must step fp32 masters (optim.py), which the user's
-    optimizer does not know about. Clip with model.clip_grad_norm_(max): the norm of all N
-    partitions.
+  * mixed_precision=True (FairScale's flag): the model computes in bf16 and its gradients are
+    reduced in fp32 (reduce_dtype="fp32", engine.py); the FlatParameters are then fp32 *masters* of
+    the bf16 partitions (optim.py's accounting: 2 + 4 + 12 bytes a parameter for Adam), and the
+    user's optimizer.step() updates those. The bf16 partitions are refreshed from them when the
+    next forward starts, the one moment every step passes through before the parameters are read.
+  * Clip with model.clip_grad_norm_(max): the norm over all N partitions.
 """
 
 from __future__ import annotations
@@ -43,22 +46,37 @@ from minizero.zero3 import IDLE, PRE_BACKWARD, Unit, Zero3
 
 class FlatParameters:
     """What sits in the engine's optimizer slot: the FlatParameters the user's optimizer steps, one
-    per partition handed to _make_optimizer (one per unit that trains). They share storage with the
-    partitions (fp32), so there is no master copy to keep in sync; the optimizer's state is the
-    user's."""
+    per partition handed to _make_optimizer (one per unit that trains). In fp32 they share storage
+    with the partitions (no copy); with bf16 partitions they are fp32 masters of them, copied into
+    the partitions by refresh(). The optimizer's state is the user's."""
 
     def __init__(self, parts: list[torch.Tensor]):
         self.param_parts = parts
-        self.params = [nn.Parameter(part) for part in parts]      # no copy: views of param_shard
+        self.params = [nn.Parameter(part if part.dtype == torch.float32 else part.float())
+                       for part in parts]             # fp32: views of param_shard; else [Ψ_u/N] fp32
+
+    def separate(self) -> bool:
+        return any(p.data_ptr() != part.data_ptr() for p, part in zip(self.params, self.param_parts))
+
+    def refresh(self) -> None:
+        """The partitions take the masters' values, rounded (what ShardOptimizer.step does)."""
+        with torch.no_grad():
+            for p, part in zip(self.params, self.param_parts):
+                if p.data_ptr() != part.data_ptr():
+                    part.copy_(p)
 
     def master_values(self) -> list[torch.Tensor]:
         return [p.detach() for p in self.params]
 
     def reload(self) -> None:
-        pass                       # written parameters are the shards themselves
+        """The partitions were written (load_state_dict): the masters take their values."""
+        with torch.no_grad():
+            for p, part in zip(self.params, self.param_parts):
+                if p.data_ptr() != part.data_ptr():
+                    p.copy_(part)
 
     def device_tensors(self) -> list[torch.Tensor]:
-        return []                  # the optimizer's state is the user's, not the engine's
+        return list(self.params) if self.separate() else []    # the masters: the 4 of 2 + 4 + K
 
     def host_tensors(self) -> list[torch.Tensor]:
         return []
@@ -84,6 +102,11 @@ class FSDPEngine(Zero3):
         self.reshard_after_forward = reshard_after_forward
         self._in_backward = False
         super().__init__(module, FlatParameters, **options)   # the "optimizer" the engine builds
+
+    def _on_pre_forward(self, unit, module, args) -> None:
+        if unit.module is self.module and unit.training_state != PRE_BACKWARD:   # a step's forward
+            self.optimizer.refresh()          # bf16 partitions from the masters the user stepped
+        super()._on_pre_forward(unit, module, args)
 
     def _make_optimizer(self, parts):
         return self.optimizer_factory(parts)       # FlatParameters: the user's optimizer steps them
@@ -131,21 +154,26 @@ class FSDPEngine(Zero3):
 
 
 class FullyShardedDataParallel(nn.Module):
-    """model = FullyShardedDataParallel(model, reshard_after_forward=True, units=None,
-    prefetch=True).
+    """model = FullyShardedDataParallel(model, reshard_after_forward=True, mixed_precision=False,
+    units=None, prefetch=True).
 
     units: the submodules gathered together (FairScale's nested FSDP / auto_wrap_policy; default:
     minizero.units.default_units, a transformer's blocks). Collective: every rank builds it."""
 
     def __init__(self, module: nn.Module, reshard_after_forward: bool = True, *,
-                 units: list[nn.Module] | None = None, prefetch: bool = True):
+                 mixed_precision: bool = False, units: list[nn.Module] | None = None,
+                 prefetch: bool = True):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         if not isinstance(reshard_after_forward, bool):
             raise TypeError("reshard_after_forward must be True or False, got "
                             f"{reshard_after_forward!r}")
-        self.engine = FSDPEngine(module, reshard_after_forward, units=units, prefetch=prefetch)
+        if not isinstance(mixed_precision, bool):
+            raise TypeError(f"mixed_precision must be True or False, got {mixed_precision!r}")
+        precision = {"dtype": "bf16", "reduce_dtype": "fp32"} if mixed_precision else {}
+        self.engine = FSDPEngine(module, reshard_after_forward, units=units, prefetch=prefetch,
+                                 **precision)
         # all that parameters() yields
         self.flat_params = nn.ParameterList(self.engine.optimizer.params)
 

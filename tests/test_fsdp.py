@@ -12,7 +12,12 @@ import dataclasses
 
 import pytest
 import torch
-from _checks import ATOL, assert_matches_reference, configs
+from _checks import (
+    ATOL,
+    assert_losses_track_reference,
+    assert_matches_reference,
+    configs,
+)
 
 import minizero
 from minizero import comm
@@ -30,16 +35,24 @@ def fairscale_loop(cfg: TrainConfig, reshard_after_forward: bool = True) -> dict
     per micro-batch (no no_sync: autograd accumulates into the shards' .grad), optimizer.step(),
     zero_grad()."""
     model = minizero.FullyShardedDataParallel(make_model(cfg.model_config(), seed=cfg.seed),
-                                              reshard_after_forward=reshard_after_forward)
+                                              reshard_after_forward=reshard_after_forward,
+                                              mixed_precision=cfg.dtype == "bf16")
     optimizer = cfg.optimizer_factory()(model.parameters())
+    losses = []
     for step in range(cfg.steps):
-        forward_backward(cfg, step, model, lambda loss: loss.backward(), contextlib.nullcontext)
+        losses.append(forward_backward(cfg, step, model, lambda loss: loss.backward(),
+                                       contextlib.nullcontext))
         if cfg.clip_grad_norm is not None:
             model.clip_grad_norm_(cfg.clip_grad_norm)
         optimizer.step()
         optimizer.zero_grad()
     memory = model.engine.memory()
-    return {"rank": comm.rank(), "state_dict": model.state_dict(), "memory": memory,
+    flat = model.engine.optimizer
+    with torch.no_grad():                 # a forward: the partitions take the stepped masters' values
+        model(torch.zeros(1, 4, dtype=torch.long))
+    synced = all(torch.equal(part, p.detach().to(part.dtype))
+                 for p, part in zip(flat.params, flat.param_parts))
+    return {"synced": synced,"rank": comm.rank(), "state_dict": model.state_dict(), "memory": memory, "losses": losses,
             "flat_numels": [p.numel() for p in model.parameters()],
             "units": len(model.engine.units),
             "trained_units": sum(u.bucket is not None for u in model.engine.units),
@@ -84,6 +97,7 @@ def state_round_trip(cfg: TrainConfig) -> dict:
 
 def worker(cfgs: list[TrainConfig], hf_case) -> dict:
     out = {"runs": [fairscale_loop(cfg) for cfg in cfgs], "round_trip": state_round_trip(cfgs[0]),
+           "bf16": fairscale_loop(configs(3, comm.world_size())["bf16"]),
            "kept": fairscale_loop(deep(cfgs[-1]), reshard_after_forward=False),
            "freed": fairscale_loop(deep(cfgs[-1]), reshard_after_forward=True)}
     if hf_case is not None:
@@ -165,6 +179,20 @@ def test_state_dict_round_trips_and_summon_full_params_shows_it(runs, n):
         for key, value in trip["source"].items():
             assert torch.equal(trip["target"][key], value), (rank, key)
             assert torch.equal(trip["summoned"][key].float(), value), (rank, key)
+
+
+@pytest.mark.parametrize("n", WORLD_SIZES)
+def test_mixed_precision_tracks_the_fp32_reference_with_fp32_masters(runs, n):
+    _, per_rank = runs[n]
+    cfg, results = configs(3, n)["bf16"], [r["bf16"] for r in per_rank]
+    assert all(r["synced"] for r in results), "the bf16 partitions are not the rounded masters"
+    assert_matches_reference(cfg, results, atol=3e-2)      # the stage suites' bf16 tolerances
+    assert_losses_track_reference(cfg, results, rtol=2e-2)
+    for r in results:      # bf16 partitions (2), fp32 masters (4) and fp32 gradient shard (4): Ψ/N each
+        m, psi = r["memory"], r["num_params"]
+        assert within_padding(m["params"], 2 * psi / n, n, times=r["units"])
+        assert within_padding(m["optimizer"], 4 * psi / n, n, times=r["units"])
+        assert within_padding(m["grads"], 4 * psi / n, n, times=r["units"])
 
 
 def test_bad_arguments_are_one_line():
