@@ -1,8 +1,9 @@
 """minizero.FullyShardedDataParallel, FairScale's way: the user's torch.optim.AdamW / SGD over
 model.parameters() (this rank's flat shards), loss.backward(), optimizer.step(). It must end where
 one process ends, on the awkward test models (tied weights, a frozen and an unused parameter, odd
-sizes, accumulation without zero_grad, global clipping) and on Hugging Face GPT-2, at N = 2 and 3
-(one launch each); its parameters are stage 3's partitions, byte for byte.
+sizes, accumulation without zero_grad, global clipping; bf16 with mixed_precision=True) and on
+Hugging Face GPT-2, at N = 2 and 3 (one launch each); its parameters are stage 3's partitions, byte
+for byte; state_dict() round-trips.
 Run: python -m pytest tests/test_fsdp.py -q"""
 
 from __future__ import annotations
