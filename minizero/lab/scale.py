@@ -46,7 +46,7 @@ from minizero import comm
 from minizero.cli import OneLineParser, UsageError, emit, fail
 from minizero.lab.data import global_batch, local_batch, sequence_length
 from minizero.lab.model import MODEL_NAMES, GPTConfig, make_model
-from minizero.lab.train import TrainConfig, loss_fn
+from minizero.lab.train import TrainConfig, loss_fn, progress_bar, progress_wanted
 from minizero.launcher import launch
 from minizero.memory import activation_bytes, estimate
 from minizero.wrap import wrap
@@ -196,12 +196,23 @@ def micro_batch_worker(budget: float, model: str = "default", variants=VARIANTS,
     return out
 
 
-def largest_models(budget_mb: float, world_sizes=(1, 2, 4)) -> dict:
+def largest_models(budget_mb: float, world_sizes=(1, 2, 4), progress: bool = False) -> dict:
     """{"budget_bytes", "world_sizes", "rows": [{variant, stage, offload, world_size, width, num_params,
     peak}], "stage3_over_ddp": {N: Ψ_max ratio}}: one launch per world size, rank 0's records."""
     budget = budget_mb * 1e6
-    per_n = {n: launch(largest_worker, n, budget, backend="gloo")[0] for n in world_sizes}
+    per_n = {n: launch(largest_worker, n, budget, backend="gloo")[0]
+             for n in _each(world_sizes, progress)}
     return report(budget, per_n)
+
+
+def _each(world_sizes, progress: bool):
+    """The world sizes, one launch each, with a progress bar (time left) when someone watches."""
+    bar = progress_bar(len(world_sizes), "world sizes", progress, unit="N")
+    for n in world_sizes:
+        bar.set_postfix(N=n)
+        yield n
+        bar.update()
+    bar.close()
 
 
 def report(budget: float, per_n: dict[int, list[dict]]) -> dict:
@@ -221,14 +232,15 @@ def report(budget: float, per_n: dict[int, list[dict]]) -> dict:
             "stage3_over_ddp": ratio}
 
 
-def largest_micro_batches(budget_mb: float, world_sizes=(1, 2, 4), model: str = "default") -> dict:
+def largest_micro_batches(budget_mb: float, world_sizes=(1, 2, 4), model: str = "default",
+                          progress: bool = False) -> dict:
     """{"mode": "micro_batch", "budget_bytes", "world_sizes", "model", "num_params", "seq", "rows": [{variant,
     stage, offload, checkpointing, world_size, probes, micro_batch, estimated_micro_batch, capped, peak,
     activations, total, estimated_total}]}: one launch per world size, rank 0's records."""
     budget = budget_mb * 1e6
     mcfg = GPTConfig.named(model)
     rows = []
-    for n in world_sizes:
+    for n in _each(world_sizes, progress):
         for rec in launch(micro_batch_worker, n, budget, model, backend="gloo")[0]:
             best = rec["largest"]
             rows.append({"variant": rec["variant"], "stage": rec["stage"], "offload": rec["offload"],
@@ -302,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rss-cap-mb", type=float, default=None,
                     help="with --rss: each rank's cap in MB beyond the baseline, what a rank holds whatever the model (default 200)")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
+    ap.add_argument("--quiet", action="store_true",
+                    help="no progress bar (also off when stderr is no terminal)")
     try:
         args = ap.parse_args(argv)
         if args.rss:
@@ -327,9 +341,12 @@ def main(argv: list[str] | None = None) -> int:
         return _rss(prog, args)
     try:
         if args.micro_batch:
-            report = largest_micro_batches(args.budget_mb, tuple(args.world_size), args.model or "default")
+            report = largest_micro_batches(args.budget_mb, tuple(args.world_size),
+                                           args.model or "default",
+                                           progress=progress_wanted(args.quiet, args.json))
         else:
-            report = largest_models(args.budget_mb, tuple(args.world_size))
+            report = largest_models(args.budget_mb, tuple(args.world_size),
+                                    progress=progress_wanted(args.quiet, args.json))
     except RuntimeError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 1
