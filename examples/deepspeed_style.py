@@ -34,7 +34,7 @@ def ds_config(stage: int, offload: bool = False) -> dict:
         zero["offload_optimizer"] = {"device": "cpu"}
     return {"train_micro_batch_size_per_gpu": 4,
             "gradient_accumulation_steps": 2,
-            "gradient_clipping": 1.0,
+            "gradient_clipping": 0.0,                     # off (left out, DeepSpeed clips at 1.0)
             "optimizer": {"type": "AdamW",
                           "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
             "scheduler": {"type": "WarmupLR",

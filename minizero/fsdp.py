@@ -55,28 +55,28 @@ class FlatParameters:
         self.params = [nn.Parameter(part if part.dtype == torch.float32 else part.float())
                        for part in parts]             # fp32: views of param_shard; else [Ψ_u/N] fp32
 
-    def separate(self) -> bool:
-        return any(p.data_ptr() != part.data_ptr() for p, part in zip(self.params, self.param_parts))
+    def _masters(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(master, its partition) where they are separate tensors (bf16 partitions)."""
+        return [(p, part) for p, part in zip(self.params, self.param_parts)
+                if p.data_ptr() != part.data_ptr()]
 
     def refresh(self) -> None:
         """The partitions take the masters' values, rounded (what ShardOptimizer.step does)."""
         with torch.no_grad():
-            for p, part in zip(self.params, self.param_parts):
-                if p.data_ptr() != part.data_ptr():
-                    part.copy_(p)
-
-    def master_values(self) -> list[torch.Tensor]:
-        return [p.detach() for p in self.params]
+            for master, part in self._masters():
+                part.copy_(master)
 
     def reload(self) -> None:
         """The partitions were written (load_state_dict): the masters take their values."""
         with torch.no_grad():
-            for p, part in zip(self.params, self.param_parts):
-                if p.data_ptr() != part.data_ptr():
-                    p.copy_(part)
+            for master, part in self._masters():
+                master.copy_(part)
+
+    def master_values(self) -> list[torch.Tensor]:
+        return [p.detach() for p in self.params]
 
     def device_tensors(self) -> list[torch.Tensor]:
-        return list(self.params) if self.separate() else []    # the masters: the 4 of 2 + 4 + K
+        return [master for master, _ in self._masters()]       # the 4 of 2 + 4 + K
 
     def host_tensors(self) -> list[torch.Tensor]:
         return []
