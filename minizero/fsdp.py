@@ -81,6 +81,9 @@ class FlatParameters:
     def host_tensors(self) -> list[torch.Tensor]:
         return []
 
+    def disk_bytes(self) -> int:
+        return 0                                  # the user's optimizer keeps its state in memory
+
 
 class KeptUnit(Unit):
     """A unit that, with reshard_after_forward=False, stays gathered from its forward to its
