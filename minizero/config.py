@@ -61,7 +61,12 @@ KEYS = {
     "data_types.grad_accum_dtype": "reduce_dtype: \"fp32\" reduces and accumulates bf16/fp16 "
         "gradients in fp32; the compute dtype: as without it",
     "zero_optimization.stage": "stage (0 = DDP)",
-    "zero_optimization.offload_optimizer.device": "offload = optimizer ('cpu') or off ('none')",
+    "zero_optimization.offload_optimizer.device": "offload = optimizer ('cpu'), disk ('nvme': "
+        "ZeRO-Infinity's disk tier, disk.py) or off ('none')",
+    "zero_optimization.offload_optimizer.nvme_path": "offload_path: the folder of the disk tier's "
+        "files",
+    "stall_timeout": "minizero's own: stop a run in which no collective finishes for this many "
+        "seconds while a rank waits, naming the rank out of step (desync.py; 0: off)",
     "zero_optimization.offload_param.device": "offload = params ('cpu', stage 3 only)",
     "zero_optimization.reduce_bucket_size": "bucket_size in bytes = elements x 2 (bf16) or 4 "
         "(fp32); stages 0 and 2 (stage 1 has one bucket, stage 3 one per unit)",
@@ -75,6 +80,10 @@ KEYS = {
         "ranks; -1 = off)",
     "zero_optimization.zero_hpz_partition_size": "hpz_group_size (ZeRO++ hpZ, stage 3: backward's "
         "all-gather within R ranks; 1 = off)",
+    "zero_optimization.offload_optimizer.pipeline_read": "accepted: the disk tier always reads the "
+        "next piece while it steps one (disk.py)",
+    "zero_optimization.offload_optimizer.pipeline_write": "accepted: the disk tier always writes the "
+        "last piece while it steps one (disk.py)",
     "zero_optimization.offload_optimizer.pin_memory": "accepted: host buffers are pinned whenever "
         "CUDA is used",
     "zero_optimization.offload_param.pin_memory": "accepted: host buffers are pinned whenever "
@@ -204,6 +213,8 @@ def load_deepspeed_config(source: str | os.PathLike | dict, world_size: int, *, 
     # must train the same way here.
     clip = _number("gradient_clipping", flat.get("gradient_clipping", 1.0), minimum=0)
     out["clip_grad_norm"] = clip or None
+    if "stall_timeout" in flat:
+        out["stall_timeout"] = _number("stall_timeout", flat["stall_timeout"], minimum=0) or None
     _precision(flat, out)
     _zero(flat, out, warnings, world_size)
     _optimizer(flat, out)
@@ -297,11 +308,11 @@ def _bool(key: str, value: Any) -> bool:
     return value
 
 
-def _device(key: str, flat: dict) -> str:
+def _device(key: str, flat: dict, allowed: tuple[str, ...] = ("cpu", "none")) -> str:
     value = flat.get(key, "none")
-    if value not in ("cpu", "none"):
-        raise ConfigError(f"{key} must be \"cpu\" or \"none\", got {json.dumps(value)}"
-                          + (" (NVMe offload is not implemented)" if value == "nvme" else ""))
+    if value not in allowed:
+        raise ConfigError(f"{key} must be one of {', '.join(map(json.dumps, allowed))}, "
+                          f"got {json.dumps(value)}")
     return value
 
 
@@ -384,15 +395,20 @@ def _zero(flat: dict, out: dict, warnings: list[str], world_size: int) -> None:
     """zero_optimization: stage, offload, bucket sizes, prefetch; warnings for what minizero does
     not do."""
     stage = flat.get("zero_optimization.stage")
-    offload = False
-    if _device("zero_optimization.offload_optimizer.device", flat) == "cpu":
-        offload = "optimizer"
+    offload = {"cpu": "optimizer", "nvme": "disk", "none": False}[_device(
+        "zero_optimization.offload_optimizer.device", flat, ("cpu", "nvme", "none"))]
+    if offload == "disk":
+        key = "zero_optimization.offload_optimizer.nvme_path"
+        if key not in flat:
+            raise ConfigError(f"{key} is needed with device \"nvme\": the disk tier's folder")
+        out["offload_path"] = flat[key]
     if _device("zero_optimization.offload_param.device", flat) == "cpu":
         offload = "params"
     if stage is not None:
         try:
             # wrap's own rules
-            check(_int("zero_optimization.stage", stage, minimum=0), offload=offload)
+            check(_int("zero_optimization.stage", stage, minimum=0), offload=offload,
+                  offload_path=out.get("offload_path"))
         except ValueError as e:
             raise ConfigError(f"zero_optimization.stage {stage}: {e}") from None
         out["stage"] = stage

@@ -154,7 +154,8 @@ def test_activation_checkpointing_section_turns_it_on_and_its_model_parallel_key
     ({"train_batch": 8}, "unknown key 'train_batch'"),
     ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "zero_optimization.stage 2: offload='params' needs stage 3"),
     ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "offload needs"),
-    ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, "NVMe offload is not implemented"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, "nvme_path is needed with device"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}}, 'must be one of "cpu", "nvme"'),
     ({"zero_optimization": {"overlap_comm": "yes"}}, "overlap_comm must be true or false"),
     ({"optimizer": {"type": "Lamb"}}, "optimizer.type must be one of AdamW, Adam, SGD"),
     ({"optimizer": {"params": {"lr": 1e-3}}}, "optimizer.params needs optimizer.type"),
@@ -258,3 +259,16 @@ def test_every_example_runs_and_a_flag_overrides_it(tmp_path):
              "offload": overrides.get("offload", False)}
         assert {k: data[k] for k in expected} == expected, path.name
         assert len(data["losses"]) == 2
+
+
+def test_the_disk_tier_and_the_stall_timeout_come_from_the_config(tmp_path):
+    # DeepSpeed's offload_optimizer "nvme" is minizero's disk tier (disk.py); stall_timeout is
+    # minizero's own key for desync.py's watchdog, which the CLI's --stall-timeout overrides
+    cfg = {"zero_optimization": {"stage": 3, "offload_optimizer": {
+        "device": "nvme", "nvme_path": str(tmp_path), "pipeline_read": True}}, "stall_timeout": 7}
+    out, warnings = load_deepspeed_config(cfg, world_size=2)
+    assert (out["offload"], out["offload_path"], out["stall_timeout"], warnings) == \
+        ("disk", str(tmp_path), 7, [])
+    cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(tmp_path / "missing")
+    with pytest.raises(ConfigError, match="is not an existing folder"):
+        load_deepspeed_config(cfg, world_size=2)

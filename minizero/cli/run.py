@@ -93,10 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="resume from a checkpoint of this model and optimizer, saved at any stage, world "
                         "size, dtype or offload (resharded; --steps counts from 0); a --save-every "
                         "directory: its newest complete step-NNNNNN")
-    p.add_argument("--stall-timeout", type=float, default=desync.DEFAULT_STALL_TIMEOUT_S,
+    p.add_argument("--stall-timeout", type=float, default=None,
                    metavar="S", help="stop a run in which no collective finishes for S seconds "
-                   "while a rank waits, naming the rank out of step (minizero/desync.py; default "
-                   "%(default)g, 0: off)")
+                   "while a rank waits, naming the rank out of step (minizero/desync.py; default: the "
+                   f"config's stall_timeout, else {desync.DEFAULT_STALL_TIMEOUT_S:g}; 0: off)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines or bar")
     return p
@@ -255,12 +255,13 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         cfg = config_from_args(args)
         network = network_from_args(args)
-        if args.stall_timeout < 0:
+        if args.stall_timeout is not None and args.stall_timeout < 0:
             raise UsageError(f"--stall-timeout must be >= 0 seconds, got {args.stall_timeout:g}")
     except UsageError as e:
         print(f"minizero.run: error: {e}", file=sys.stderr)
         return 2
-    stall_timeout = args.stall_timeout or None            # 0: off
+    stall_timeout = next(s for s in (args.stall_timeout, cfg.stall_timeout,
+                                     desync.DEFAULT_STALL_TIMEOUT_S) if s is not None) or None   # 0: off
     # on a terminal a progress bar (loss, time left) replaces the progress lines
     cfg.progress = progress_wanted(args.quiet, args.json)
     cfg.log_every = 0 if args.quiet or cfg.progress else max(1, cfg.steps // 10)

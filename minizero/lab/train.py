@@ -53,6 +53,7 @@ class TrainConfig:
     reduce_dtype: str | None = None           # "fp32": bf16/fp16 gradients reduced and accumulated in fp32
     offload: bool | str = False               # False, True/"optimizer", "params" (stage 3), "disk"
     offload_path: str | None = None           # offload="disk": its file's folder (disk.py)
+    stall_timeout: float | None = None        # launch's: seconds without progress (desync.py)
     backend: str | None = None                # None: nccl if CUDA is available, else gloo
     batch_size: int = 16                      # global rows per optimizer step (all ranks, all micro-batches)
     grad_accum: int = 1                       # micro-batches per step
