@@ -1,8 +1,8 @@
-"""`python -m minizero.grade`: score the exercises (the command is minizero/lab/grade.py)."""
+"""`python -m minizero.grade`: score the exercises (the command is minizero/cli/grade.py)."""
 
 import sys
 
-from minizero.lab.grade import main
+from minizero.cli.grade import main
 
 if __name__ == "__main__":
     sys.exit(main())

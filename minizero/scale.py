@@ -1,8 +1,8 @@
-"""`python -m minizero.scale`: the largest model each stage can train within a memory budget (the command is minizero/lab/scale.py)."""
+"""`python -m minizero.scale`: the largest model each stage can train within a memory budget (the command is minizero/cli/scale.py)."""
 
 import sys
 
-from minizero.lab.scale import main
+from minizero.cli.scale import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,6 +12,8 @@ import re
 import pytest
 
 import minizero
+from minizero.cli.bench import main as bench_command
+from minizero.cli.scale import main as scale_command
 from minizero.lab import bench, deepspeed_peer, rss, scale
 from minizero.lab.model import GPT, SIZES, GPTConfig, count_params
 from minizero.memory import activation_bytes, comm_volume, estimate
@@ -20,7 +22,7 @@ from minizero.memory import activation_bytes, comm_volume, estimate
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     path = tmp_path_factory.mktemp("bench") / "bench.json"
-    code = bench.main(["--world-size", "2", "--model", "tiny", "--steps", "2", "--repeats", "1",
+    code = bench_command(["--world-size", "2", "--model", "tiny", "--steps", "2", "--repeats", "1",
                        "--json", str(path)])
     assert code == 0
     return json.loads(path.read_text())
@@ -96,7 +98,7 @@ def test_sizes_are_what_they_say():
                                   ["--scale", "--rss", "--world-size", "1"], ["--scale", "--rss", "--rss-cap-mb", "0"],
                                   ["--scale", "--rss", "--world-size", "2", "4"], ["--scale", "--rss", "--budget-mb", "4"]])
 def test_bad_input_is_one_line_and_exit_2(argv, capsys):
-    assert bench.main(argv) == 2
+    assert bench_command(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "error" in err and len(err.splitlines()) == 1
 
@@ -109,7 +111,7 @@ def test_collectives_are_timed_both_ways_and_agree(capsys):
     assert list(row["ms"]) == ["all_reduce (backend)", "reduce_scatter (backend)", "reduce_scatter (minizero)",
                                "all_gather (backend)", "all_gather (minizero)"]
     assert all(t > 0 for t in row["ms"].values()) and row["backend"] == "gloo"
-    assert bench.main(["--collectives", "--numel", "0"]) == 2
+    assert bench_command(["--collectives", "--numel", "0"]) == 2
     assert "--numel must be" in capsys.readouterr().err
 
 
@@ -136,7 +138,7 @@ def test_one_search_finds_the_boundary_from_any_guess():
 @pytest.fixture(scope="module")
 def micro_batches(tmp_path_factory):
     path = tmp_path_factory.mktemp("scale") / "scale.json"
-    assert scale.main(["--micro-batch", "--model", "tiny", "--budget-mb", "0.5", "--world-size", "2",
+    assert scale_command(["--micro-batch", "--model", "tiny", "--budget-mb", "0.5", "--world-size", "2",
                        "--json", str(path)]) == 0
     return json.loads(path.read_text())
 

@@ -10,7 +10,8 @@ import warnings
 
 import pytest
 
-from minizero.lab.grade import EXERCISES, main, verdict
+from minizero.cli.grade import main
+from minizero.lab.grade import EXERCISES, verdict
 
 # graders, answers and mutants are imported by name from there
 sys.path.insert(0, str(EXERCISES))

@@ -18,7 +18,7 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "minizero"
 TOOLING = ("minizero.lab", "minizero.cli")
-ENTRY_POINTS = ("run", "bench", "scale", "consolidate", "grade", "memory.__main__")
+ENTRY_POINTS = ("run", "bench", "scale", "consolidate", "grade", "memory.__main__", "__main__")
 
 
 def module_name(path: pathlib.Path) -> str:

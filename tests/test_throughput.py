@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from minizero.lab.bench import main as bench_main
+from minizero.cli.bench import main as bench_main
 from minizero.lab.model import GPTConfig, make_model
 from minizero.lab.throughput import (
     flops_per_token,

@@ -31,3 +31,17 @@ def emit(text: str, data: dict, json_path: str | None) -> None:
         with open(json_path, "w") as f:
             json.dump(data, f, indent=1)
         print(f"wrote {json_path}")
+
+
+def mode_of(argv: list[str], modes: dict) -> tuple:
+    """A command's other measurements, chosen by a flag (`bench --peak`): (the chosen one's main or
+    None, the arguments left for it). argparse finds the flag; the rest are the mode's own options."""
+    parser = OneLineParser(add_help=False)
+    group = parser.add_mutually_exclusive_group()
+    for flag in modes:
+        group.add_argument(flag, action="store_true")
+    chosen, rest = parser.parse_known_args(list(argv))
+    for flag, main in modes.items():
+        if getattr(chosen, flag.lstrip("-").replace("-", "_")):
+            return main, rest
+    return None, rest
