@@ -32,22 +32,16 @@
 # %% [markdown]
 # **Exercise.** [../exercises/ex01_ring_allreduce.py](../exercises/ex01_ring_allreduce.py): build the ring all-reduce from send/recv yourself.
 
-# %%
-import os
+# %% tags=["parameters"]
 from minizero.lab import demo
 import plots                                  # notebooks/plots.py: the figures
 
-SMALL = os.environ.get("MINIZERO_SMALL") == "1"     # CI: the tiny model, 2 steps
-MODEL, STEPS = ("tiny", 2) if SMALL else ("default", 10)
-DTYPE = "fp32"        # or "bf16": the paper's 2 + 2 + 12 bytes per parameter (looser reference check)
-BACKEND, WORLD_SIZES = demo.backend_and_world_sizes()   # gloo on CPU; NCCL with 2 or more GPUs
-if SMALL:
-    WORLD_SIZES = (WORLD_SIZES[0], WORLD_SIZES[-1])     # one launch fewer
-print(f"backend {BACKEND}, world sizes {WORLD_SIZES}, model {MODEL!r}, {STEPS} steps, {DTYPE}")
+NUMEL = 1_000_000                    # fp32 elements per collective: 4 MB
+WORLD_SIZES = (2, 3, 4)
+BACKEND, _ = demo.backend_and_world_sizes()   # gloo on CPU; NCCL with 2 or more GPUs
 
 # %%
-NUMEL = 10_000 if SMALL else 1_000_000          # fp32 elements: 4 MB by default
-results = demo.measure_collectives((2, 4) if SMALL else (2, 3, 4), numel=NUMEL, backend=BACKEND)
+results = demo.measure_collectives(WORLD_SIZES, numel=NUMEL, backend=BACKEND)   # one launch per N
 
 # %% [markdown]
 # ## What each collective does
@@ -90,7 +84,6 @@ from minizero.lab import stepthrough
 ring = stepthrough.ring(3)                     # one launch, 3 ranks
 stepthrough.check_ring(ring)                   # each exchange adds (or copies) exactly the sent chunk
 print(plots.ring_table(ring))
-demo.export("ring_0", {"ring": ring});
 
 # %% [markdown]
 # Green: the chunk the last exchange wrote; orange frame: the chunk each rank sends next. Press play or drag
@@ -116,9 +109,6 @@ for n, res in results.items():
               f"{res['seconds'][kind] * 1e3:6.1f} ms")
         assert formula - 1e-6 <= sent <= formula + 2 * n * 4 * (n - 1)   # ring pads to N chunks
 plots.collective_bytes(results);
-
-# %%
-demo.export("00_communication", {"collectives": list(results.values())});
 
 # %% [markdown]
 # The time column is a rough guide only: gloo on a laptop's cores is not a network. What carries over

@@ -32,18 +32,13 @@
 # %% [markdown]
 # **Exercise.** [../exercises/ex02_ddp_bucket.py](../exercises/ex02_ddp_bucket.py): gradient buckets that all-reduce during backward.
 
-# %%
-import os
+# %% tags=["parameters"]
 from minizero.lab import demo
 import plots                                  # notebooks/plots.py: the figures
 
-SMALL = os.environ.get("MINIZERO_SMALL") == "1"     # CI: the tiny model, 2 steps
-MODEL, STEPS = ("tiny", 2) if SMALL else ("default", 10)
+MODEL, STEPS = "default", 10  # the default GPT (~0.2 M parameters); "tiny": a few thousand, seconds a run
 DTYPE = "fp32"        # or "bf16": the paper's 2 + 2 + 12 bytes per parameter (looser reference check)
 BACKEND, WORLD_SIZES = demo.backend_and_world_sizes()   # gloo on CPU; NCCL with 2 or more GPUs
-if SMALL:
-    WORLD_SIZES = (WORLD_SIZES[0], WORLD_SIZES[-1])     # one launch fewer
-print(f"backend {BACKEND}, world sizes {WORLD_SIZES}, model {MODEL!r}, {STEPS} steps, {DTYPE}")
 
 # %% [markdown]
 # ## One step, rank by rank
@@ -70,7 +65,6 @@ from minizero.lab import stepthrough
 steps = stepthrough.record(stepthrough.StepConfig(stage=0))      # one launch
 stepthrough.check(steps)       # every phase against one process stepping all 12 rows
 print(plots.step_table(steps))           # every phase: each buffer that changed, on every rank
-demo.export("steps_0", {"steps": steps});   # tests/test_notebooks.py checks it again
 
 # %% [markdown]
 # Press play or drag the slider through the phases. A menu records the step again with another setting
@@ -78,6 +72,94 @@ demo.export("steps_0", {"steps": steps});   # tests/test_notebooks.py checks it 
 
 # %%
 plots.step_widget(steps, stage=[0, 1, 2, 3], world_size=[2, 3, 4])
+
+# %% [markdown]
+# ## The code every rank runs
+#
+# `minizero.launch(fn, N, ...)` starts N processes, joins them into one process group and calls `fn` on
+# each; a process can import a file but not a notebook cell, so the next cell *writes* the worker to
+# `ddp_ranks.py` next to this notebook. Edit it and run both cells again: the ranks import the new file.
+# `minizero.wrap(model, 0, ...)` is DDP; `engine.backward(loss)` all-reduces each bucket of gradients
+# as soon as backward completes it; `engine.step()` takes the same step on every replica.
+
+# %%
+# %%writefile ddp_ranks.py
+"""What every rank of notebooks/01_ddp.ipynb runs (that notebook writes this file)."""
+import functools
+
+import torch
+
+import minizero
+from minizero import comm
+from minizero.lab.data import global_batch, local_batch
+from minizero.lab.model import GPTConfig, make_model
+from minizero.lab.train import loss_fn
+
+
+def train(model, bucket_size, steps=3, batch_size=24):
+    cfg = GPTConfig.named(model)
+    net = make_model(cfg, seed=0)                 # the same initial weights on every rank
+    engine = minizero.wrap(net, 0, functools.partial(torch.optim.AdamW, lr=1e-3),
+                           bucket_size=bucket_size)
+    losses = []
+    for step in range(steps):
+        comm.reset_tally()                        # count this step's bytes only
+        x, y = global_batch(step, batch_size, cfg.block_size)        # one global batch ...
+        x, y = local_batch(x, y, comm.rank(), comm.world_size())     # ... this rank's rows of it
+        loss = loss_fn(engine(x), y)
+        engine.backward(loss)       # each full bucket's all-reduce starts while backward goes on
+        engine.step()               # the same averaged gradients, so the same step, on every rank
+        losses.append(loss.item())
+    return {"rank": comm.rank(), "losses": losses, "memory": engine.memory(),
+            "sent": comm.tally()["total"]}
+
+# %%
+import importlib
+
+import minizero
+
+import ddp_ranks
+
+importlib.reload(ddp_ranks)          # this kernel reads the file again too
+N, BUCKET_SIZE = 2, 25e6             # bytes per gradient bucket (PyTorch DDP's 25 MB)
+for r in minizero.launch(ddp_ranks.train, N, MODEL, BUCKET_SIZE, backend=BACKEND):
+    print(f"rank {r['rank']}: loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}, "
+          f"params {r['memory']['params']:,} B, optimizer {r['memory']['optimizer']:,} B, "
+          f"sent {r['sent']:,.0f} B in the last step")
+
+# %% [markdown]
+# Every rank holds the same bytes whatever N: the whole model, its gradients and Adam's two moments.
+# Only the rows differ, so each rank's own loss differs, and after the all-reduce the step does not.
+#
+# ### A bucket, in this process
+#
+# DDP does not all-reduce gradient by gradient: `minizero.flat` lays the parameters end to end in
+# buckets of about `bucket_size` bytes (last layer first, the order backward completes them), and each
+# parameter's `.grad` becomes a view into its bucket's buffer, so backward writes straight into what
+# the all-reduce sends (PyTorch DDP's `gradient_as_bucket_view`). Below, on one process, without any
+# communication: a small model, its buckets, and one backward's gradients in the flat buffer.
+# Change `BUCKET_BYTES` and run it again.
+
+# %%
+import torch
+from torch import nn
+
+from minizero.flat import FlatLayout, split_into_buckets
+
+BUCKET_BYTES = 40                    # tiny on purpose: 10 fp32 elements per bucket
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 2))           # Ψ = 17
+params = list(model.parameters())[::-1]           # backward completes the last layer first
+layout = FlatLayout.build(split_into_buckets(params, BUCKET_BYTES), world_size=1, rank=0, pad=False)
+grads = torch.zeros(layout.padded_numel)          # the flat gradient buffer
+layout.point_grads_into(grads)                    # every p.grad is now a view of `grads`
+model(torch.randn(4, 2)).pow(2).mean().backward()
+names = {id(p): name for name, p in model.named_parameters()}
+for b in layout.buckets:
+    print(f"bucket {b.index}: {[names[id(p)] for p in b.params]}, {b.numel} elements, "
+          f"buffer[{b.start}:{b.start + b.numel}] = {layout.full(grads, b).numpy().round(3)}")
+for b in layout.buckets:                          # .grad is the buffer, not a copy of it
+    assert all(p.grad.data_ptr() == v.data_ptr() for p, v in b.views(layout.full(grads, b)))
 
 # %% [markdown]
 # ## Run it
@@ -98,7 +180,7 @@ for n, rec in runs.items():
 #
 # `engine.memory()` counts the bytes of every tensor rank 0 holds, by category, at the end of the last
 # backward (optimizer state exists, gradients are complete). The black ticks are
-# `minizero.run.theory`, i.e. `minizero.memory.estimate_breakdown` with this run's bytes per element
+# `minizero.lab.report.theory`, i.e. `minizero.memory.estimate_breakdown` with this run's bytes per element
 # and K. The check below is the same comparison the plot shows: measured = formula, up to the padding
 # of each bucket to a multiple of N elements.
 
@@ -113,9 +195,6 @@ print("all ranks match the reference and the formulas")
 
 # %%
 plots.memory_by_category(runs, "DDP");
-
-# %%
-demo.export("stage_0", {"runs": list(runs.values())});   # for tests/test_notebooks.py
 
 # %% [markdown]
 # ## Same training as one process

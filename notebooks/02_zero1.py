@@ -29,18 +29,13 @@
 # %% [markdown]
 # **Exercise.** [../exercises/ex03_zero1_partition.py](../exercises/ex03_zero1_partition.py): partition a flat buffer and step only your partition.
 
-# %%
-import os
+# %% tags=["parameters"]
 from minizero.lab import demo
 import plots                                  # notebooks/plots.py: the figures
 
-SMALL = os.environ.get("MINIZERO_SMALL") == "1"     # CI: the tiny model, 2 steps
-MODEL, STEPS = ("tiny", 2) if SMALL else ("default", 10)
+MODEL, STEPS = "default", 10  # the default GPT (~0.2 M parameters); "tiny": a few thousand, seconds a run
 DTYPE = "fp32"        # or "bf16": the paper's 2 + 2 + 12 bytes per parameter (looser reference check)
 BACKEND, WORLD_SIZES = demo.backend_and_world_sizes()   # gloo on CPU; NCCL with 2 or more GPUs
-if SMALL:
-    WORLD_SIZES = (WORLD_SIZES[0], WORLD_SIZES[-1])     # one launch fewer
-print(f"backend {BACKEND}, world sizes {WORLD_SIZES}, model {MODEL!r}, {STEPS} steps, {DTYPE}")
 
 # %% [markdown]
 # ## One step, rank by rank
@@ -68,7 +63,6 @@ from minizero.lab import stepthrough
 steps = stepthrough.record(stepthrough.StepConfig(stage=1))      # one launch
 stepthrough.check(steps)       # every phase against one process stepping all 12 rows
 print(plots.step_table(steps))           # every phase: each buffer that changed, on every rank
-demo.export("steps_1", {"steps": steps});   # tests/test_notebooks.py checks it again
 
 # %% [markdown]
 # Press play or drag the slider through the phases. A menu records the step again with another setting
@@ -76,6 +70,86 @@ demo.export("steps_1", {"steps": steps});   # tests/test_notebooks.py checks it 
 
 # %%
 plots.step_widget(steps, stage=[0, 1, 2, 3], world_size=[2, 3, 4])
+
+# %% [markdown]
+# ## The code every rank runs
+#
+# `minizero.launch(fn, N, *args)` starts N processes, joins them into one process group and calls
+# `fn(*args)` on each; a process can import a file but not a notebook cell, so the next cell *writes*
+# the worker to `zero1_ranks.py` next to this notebook. Edit it and run both cells again: the ranks
+# import the new file. `minizero.wrap(model, 1, ...)` is stage 1: `engine.backward(loss)` leaves
+# full gradients on every rank; `engine.step()` reduce-scatters them, steps this rank's partition
+# only (its optimizer state is 1/N of Adam's) and all-gathers the updated parameters.
+
+# %%
+# %%writefile zero1_ranks.py
+"""What every rank of notebooks/02_zero1.ipynb runs (that notebook writes this file)."""
+import functools
+
+import torch
+
+import minizero
+from minizero import comm
+from minizero.lab.data import global_batch, local_batch
+from minizero.lab.model import GPTConfig, make_model
+from minizero.lab.train import loss_fn
+
+
+def train(model, steps=3, batch_size=24):
+    cfg = GPTConfig.named(model)
+    net = make_model(cfg, seed=0)                 # the same initial weights on every rank
+    engine = minizero.wrap(net, 1, functools.partial(torch.optim.AdamW, lr=1e-3))
+    for step in range(steps):
+        comm.reset_tally()                        # count this step's bytes only
+        x, y = global_batch(step, batch_size, cfg.block_size)        # one global batch ...
+        x, y = local_batch(x, y, comm.rank(), comm.world_size())     # ... this rank's rows of it
+        loss = loss_fn(engine(x), y)
+        engine.backward(loss)       # full gradients on every rank, as in DDP
+        engine.step()               # reduce-scatter, step my partition, all-gather
+    return {"rank": comm.rank(), "loss": loss.item(), "memory": engine.memory(),
+            "sent": comm.tally()["total"]}
+
+# %%
+import importlib
+
+import minizero
+
+import zero1_ranks
+
+importlib.reload(zero1_ranks)          # this kernel reads the file again too
+N = 2                               # ranks: the optimizer bytes are 1/N of DDP's
+for r in minizero.launch(zero1_ranks.train, N, MODEL, backend=BACKEND):
+    m = r["memory"]
+    print(f"rank {r['rank']}: loss {r['loss']:.4f}, params {m['params']:,} B, grads {m['grads']:,} B, optimizer {m['optimizer']:,} B, sent {r['sent']:,.0f} B in the last step")
+
+# %% [markdown]
+# Change `N` to 4: the optimizer bytes per rank halve (KΨ/N), parameters and gradients stay.
+#
+# ### Partitions of one flat buffer, in this process
+#
+# `minizero.flat.FlatLayout` is the bookkeeping every stage shares: the parameters end to end in one
+# flat buffer, padded to a multiple of N, cut into N equal partitions. A layout needs no process group:
+# below, rank r's layout for each r of N, on the 17-parameter model of the step-through. Each line is
+# one rank's partition: which parameter each element belongs to (`·` is padding), and where the
+# partition starts. Change `N` and run it again.
+
+# %%
+from torch import nn
+
+from minizero.flat import FlatLayout
+
+N = 4
+model = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 2))           # Ψ = 17
+names = {id(p): name for name, p in model.named_parameters()}
+for rank in range(N):
+    layout = FlatLayout.build([list(model.parameters())], world_size=N, rank=rank)
+    (b,) = layout.buckets
+    owner = ["·"] * b.padded_numel                 # which parameter each element of the buffer holds
+    for p, start in zip(b.params, b.offsets):
+        owner[start: start + p.numel()] = [names[id(p)]] * p.numel()
+    mine = owner[rank * b.shard_numel: (rank + 1) * b.shard_numel]
+    print(f"rank {rank}: elements {rank * b.shard_numel:2}-{(rank + 1) * b.shard_numel - 1:2} "
+          f"of {b.padded_numel} ({b.padded_numel - b.numel} padding): {' '.join(mine)}")
 
 # %% [markdown]
 # ## Run it
@@ -96,7 +170,7 @@ for n, rec in runs.items():
 #
 # `engine.memory()` counts the bytes of every tensor rank 0 holds, by category, at the end of the last
 # backward (optimizer state exists, gradients are complete). The black ticks are
-# `minizero.run.theory`, i.e. `minizero.memory.estimate_breakdown` with this run's bytes per element
+# `minizero.lab.report.theory`, i.e. `minizero.memory.estimate_breakdown` with this run's bytes per element
 # and K. The check below is the same comparison the plot shows: measured = formula, up to the padding
 # of each bucket to a multiple of N elements.
 
@@ -111,9 +185,6 @@ print("all ranks match the reference and the formulas")
 
 # %%
 plots.memory_by_category(runs, "stage 1");
-
-# %%
-demo.export("stage_1", {"runs": list(runs.values())});   # for tests/test_notebooks.py
 
 # %% [markdown]
 # ## What to try

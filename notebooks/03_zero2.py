@@ -30,18 +30,13 @@
 # %% [markdown]
 # **Exercise.** [../exercises/ex04_zero2_reduce_scatter.py](../exercises/ex04_zero2_reduce_scatter.py): reduce-scatter a gradient bucket into a shard during backward.
 
-# %%
-import os
+# %% tags=["parameters"]
 from minizero.lab import demo
 import plots                                  # notebooks/plots.py: the figures
 
-SMALL = os.environ.get("MINIZERO_SMALL") == "1"     # CI: the tiny model, 2 steps
-MODEL, STEPS = ("tiny", 2) if SMALL else ("default", 10)
+MODEL, STEPS = "default", 10  # the default GPT (~0.2 M parameters); "tiny": a few thousand, seconds a run
 DTYPE = "fp32"        # or "bf16": the paper's 2 + 2 + 12 bytes per parameter (looser reference check)
 BACKEND, WORLD_SIZES = demo.backend_and_world_sizes()   # gloo on CPU; NCCL with 2 or more GPUs
-if SMALL:
-    WORLD_SIZES = (WORLD_SIZES[0], WORLD_SIZES[-1])     # one launch fewer
-print(f"backend {BACKEND}, world sizes {WORLD_SIZES}, model {MODEL!r}, {STEPS} steps, {DTYPE}")
 
 # %% [markdown]
 # ## One step, rank by rank
@@ -68,7 +63,6 @@ from minizero.lab import stepthrough
 steps = stepthrough.record(stepthrough.StepConfig(stage=2))      # one launch
 stepthrough.check(steps)       # every phase against one process stepping all 12 rows
 print(plots.step_table(steps))           # every phase: each buffer that changed, on every rank
-demo.export("steps_2", {"steps": steps});   # tests/test_notebooks.py checks it again
 
 # %% [markdown]
 # Press play or drag the slider through the phases. A menu records the step again with another setting
@@ -76,6 +70,98 @@ demo.export("steps_2", {"steps": steps});   # tests/test_notebooks.py checks it 
 
 # %%
 plots.step_widget(steps, stage=[0, 1, 2, 3], world_size=[2, 3, 4])
+
+# %% [markdown]
+# ## The code every rank runs
+#
+# `minizero.launch(fn, N, *args)` starts N processes, joins them into one process group and calls
+# `fn(*args)` on each; a process can import a file but not a notebook cell, so the next cell *writes*
+# the worker to `zero2_ranks.py` next to this notebook. Edit it and run both cells again: the ranks
+# import the new file. `minizero.wrap(model, 2, ...)` is stage 2: `engine.backward(loss)`
+# reduce-scatters each bucket of gradients as soon as backward completes it and keeps only this rank's
+# partition (the gradient shard); `engine.step()` steps it and all-gathers the parameters.
+
+# %%
+# %%writefile zero2_ranks.py
+"""What every rank of notebooks/03_zero2.ipynb runs (that notebook writes this file)."""
+import functools
+
+import torch
+
+import minizero
+from minizero import comm
+from minizero.lab.data import global_batch, local_batch
+from minizero.lab.model import GPTConfig, make_model
+from minizero.lab.train import loss_fn
+
+
+def train(model, bucket_size, steps=3, batch_size=24):
+    cfg = GPTConfig.named(model)
+    net = make_model(cfg, seed=0)                 # the same initial weights on every rank
+    engine = minizero.wrap(net, 2, functools.partial(torch.optim.AdamW, lr=1e-3),
+                           bucket_size=bucket_size)
+    for step in range(steps):
+        comm.reset_tally()                        # count this step's bytes only
+        x, y = global_batch(step, batch_size, cfg.block_size)        # one global batch ...
+        x, y = local_batch(x, y, comm.rank(), comm.world_size())     # ... this rank's rows of it
+        loss = loss_fn(engine(x), y)
+        engine.backward(loss)       # each full bucket reduce-scattered into my gradient shard
+        engine.step()               # step my partition, all-gather the parameters
+    return {"rank": comm.rank(), "loss": loss.item(), "memory": engine.memory(),
+            "sent": comm.tally()["total"]}
+
+# %%
+import importlib
+
+import minizero
+
+import zero2_ranks
+
+importlib.reload(zero2_ranks)          # this kernel reads the file again too
+N, BUCKET_SIZE = 2, 25e6             # ranks; bytes per gradient bucket
+for r in minizero.launch(zero2_ranks.train, N, MODEL, BUCKET_SIZE, backend=BACKEND):
+    m = r["memory"]
+    print(f"rank {r['rank']}: loss {r['loss']:.4f}, params {m['params']:,} B, grads {m['grads']:,} B, optimizer {m['optimizer']:,} B, peak {m['peak']:,} B, sent {r['sent']:,.0f} B in the last step")
+
+# %% [markdown]
+# Change `N`: the gradient bytes per rank are Ψ/N. Change `BUCKET_SIZE` to `2e4`: the persistent bytes do
+# not move, the peak does (fewer full gradients in flight at once).
+#
+# ### A bucket's gradient shard, in this process
+#
+# What a reduce-scatter leaves rank r, computed here without any process group: N "ranks" each take their
+# rows of a batch and run backward into their own flat gradient buffer (`minizero.flat.FlatLayout`, the
+# buffers the engine reduces); the reduce-scatter averages each bucket over the ranks and hands rank r only
+# its partition, which is copied into its gradient shard (`layout.shard`: Ψ/N elements, all the gradient
+# memory stage 2 keeps). Change `N` or `BUCKET_BYTES` and run it again.
+
+# %%
+import torch
+from torch import nn
+
+from minizero.flat import FlatLayout, split_into_buckets
+
+N, BUCKET_BYTES = 3, 40             # 40 B: buckets of ~10 fp32 elements, to see more than one
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 2))           # Ψ = 17
+x = torch.randn(4 * N, 2)                                                     # 4 rows per rank
+groups = split_into_buckets(list(model.parameters())[::-1], BUCKET_BYTES)    # backward's order
+layouts = [FlatLayout.build(groups, world_size=N, rank=r) for r in range(N)]
+own = []                                           # each rank's full gradients after its backward
+for r, layout in enumerate(layouts):
+    grads = torch.zeros(layout.padded_numel)
+    layout.point_grads_into(grads)                 # backward writes into the flat buffer
+    model(x[4 * r: 4 * (r + 1)]).pow(2).mean().backward()
+    own.append(grads)
+    model.zero_grad(set_to_none=True)
+mean = torch.stack(own).mean(0)                    # what the reduce-scatter computes, bucket by bucket
+for r, layout in enumerate(layouts):
+    shard = torch.zeros(layout.shard_numel)        # rank r's gradient shard
+    for b in layout.buckets:
+        layout.shard(shard, b).copy_(layout.my_partition(layout.full(mean, b), b))
+    print(f"rank {r}: gradient shard of {layout.shard_numel} of {layout.padded_numel} elements "
+          f"{shard.numpy().round(3)}")
+print(f"buckets: {[b.padded_numel for b in layouts[0].buckets]} elements, each padded to a multiple of N")
 
 # %% [markdown]
 # ## Run it
@@ -96,7 +182,7 @@ for n, rec in runs.items():
 #
 # `engine.memory()` counts the bytes of every tensor rank 0 holds, by category, at the end of the last
 # backward (optimizer state exists, gradients are complete). The black ticks are
-# `minizero.run.theory`, i.e. `minizero.memory.estimate_breakdown` with this run's bytes per element
+# `minizero.lab.report.theory`, i.e. `minizero.memory.estimate_breakdown` with this run's bytes per element
 # and K. The check below is the same comparison the plot shows: measured = formula, up to the padding
 # of each bucket to a multiple of N elements.
 
@@ -111,9 +197,6 @@ print("all ranks match the reference and the formulas")
 
 # %%
 plots.memory_by_category(runs, "stage 2");
-
-# %%
-demo.export("stage_2", {"runs": list(runs.values())});   # for tests/test_notebooks.py
 
 # %% [markdown]
 # ## What to try

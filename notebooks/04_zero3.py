@@ -28,20 +28,16 @@
 # (backward) + reduce-scatter Ψ = **3Ψ**, 1.5× DDP, the price of not replicating parameters.
 
 # %% [markdown]
-# **Exercise.** [../exercises/ex05_zero3_hooks.py](../exercises/ex05_zero3_hooks.py): the pre-forward / post-forward hooks that gather and free a unit.
+# **Exercise.** [../exercises/ex05_zero3_hooks.py](../exercises/ex05_zero3_hooks.py): the four hooks of a unit: gather before forward, free after it, gather before backward,
+# reduce-scatter and free after it.
 
-# %%
-import os
+# %% tags=["parameters"]
 from minizero.lab import demo
 import plots                                  # notebooks/plots.py: the figures
 
-SMALL = os.environ.get("MINIZERO_SMALL") == "1"     # CI: the tiny model, 2 steps
-MODEL, STEPS = ("tiny", 2) if SMALL else ("default", 10)
+MODEL, STEPS = "default", 10  # the default GPT (~0.2 M parameters); "tiny": a few thousand, seconds a run
 DTYPE = "fp32"        # or "bf16": the paper's 2 + 2 + 12 bytes per parameter (looser reference check)
 BACKEND, WORLD_SIZES = demo.backend_and_world_sizes()   # gloo on CPU; NCCL with 2 or more GPUs
-if SMALL:
-    WORLD_SIZES = (WORLD_SIZES[0], WORLD_SIZES[-1])     # one launch fewer
-print(f"backend {BACKEND}, world sizes {WORLD_SIZES}, model {MODEL!r}, {STEPS} steps, {DTYPE}")
 
 # %% [markdown]
 # ## One step, rank by rank
@@ -69,7 +65,6 @@ from minizero.lab import stepthrough
 steps = stepthrough.record(stepthrough.StepConfig(stage=3))      # one launch
 stepthrough.check(steps)       # every phase against one process stepping all 12 rows
 print(plots.step_table(steps))           # every phase: each buffer that changed, on every rank
-demo.export("steps_3", {"steps": steps});   # tests/test_notebooks.py checks it again
 
 # %% [markdown]
 # Press play or drag the slider through the phases. A menu records the step again with another setting
@@ -77,6 +72,96 @@ demo.export("steps_3", {"steps": steps});   # tests/test_notebooks.py checks it 
 
 # %%
 plots.step_widget(steps, stage=[0, 1, 2, 3], world_size=[2, 3, 4])
+
+# %% [markdown]
+# ## The code every rank runs
+#
+# `minizero.launch(fn, N, *args)` starts N processes, joins them into one process group and calls
+# `fn(*args)` on each; a process can import a file but not a notebook cell, so the next cell *writes*
+# the worker to `zero3_ranks.py` next to this notebook. Edit it and run both cells again: the ranks
+# import the new file. `minizero.wrap(model, 3, ...)` is stage 3: `engine(x)` all-gathers each
+# unit just before it runs and frees it after; `engine.backward(loss)` gathers each unit again for its
+# backward and reduce-scatters its gradients; `engine.step()` steps this rank's shard only.
+
+# %%
+# %%writefile zero3_ranks.py
+"""What every rank of notebooks/04_zero3.ipynb runs (that notebook writes this file)."""
+import functools
+
+import torch
+
+import minizero
+from minizero import comm
+from minizero.lab.data import global_batch, local_batch
+from minizero.lab.model import GPTConfig, make_model
+from minizero.lab.train import loss_fn
+
+
+def train(model, prefetch, steps=3, batch_size=24):
+    cfg = GPTConfig.named(model)
+    net = make_model(cfg, seed=0)                 # the same initial weights on every rank
+    engine = minizero.wrap(net, 3, functools.partial(torch.optim.AdamW, lr=1e-3),
+                           prefetch=prefetch)
+    for step in range(steps):
+        comm.reset_tally()                        # count this step's bytes only
+        x, y = global_batch(step, batch_size, cfg.block_size)        # one global batch ...
+        x, y = local_batch(x, y, comm.rank(), comm.world_size())     # ... this rank's rows of it
+        loss = loss_fn(engine(x), y)
+        engine.backward(loss)       # each unit gathered again, its gradients reduce-scattered
+        engine.step()               # my shard only: nothing to gather after it
+    return {"rank": comm.rank(), "loss": loss.item(), "memory": engine.memory(),
+            "sent": comm.tally()["total"]}
+
+# %%
+import importlib
+
+import minizero
+
+import zero3_ranks
+
+importlib.reload(zero3_ranks)          # this kernel reads the file again too
+N, PREFETCH = 2, True                # ranks; gather the next unit while this one computes
+for r in minizero.launch(zero3_ranks.train, N, MODEL, PREFETCH, backend=BACKEND):
+    m = r["memory"]
+    print(f"rank {r['rank']}: loss {r['loss']:.4f}, params {m['params']:,} B, grads {m['grads']:,} B, optimizer {m['optimizer']:,} B, parameters at most {m['peak_params']:,} B, sent {r['sent']:,.0f} B in the last step")
+
+# %% [markdown]
+# Change `N`: every category is 1/N. Set `PREFETCH = False`: the parameters' peak falls by about one unit.
+#
+# ### A unit's storage, in this process
+#
+# Stage 3 keeps a unit's full parameters only while it computes. Below, on one process (N = 1, no
+# communication), a model wrapped at stage 3 with each `Linear` a unit, and two forward hooks of our own on
+# the last unit: the bytes of its weight's storage before the forward, while the unit runs and after.
+# The engine's own hooks, registered first, gather before ours and free before our post-hook sees it.
+# Change `UNITS` to `[model[0], model[2]]` (the last Linear then belongs to the model's root unit, which
+# stays gathered from the first forward to the end of backward) and run it again.
+
+# %%
+import functools
+
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2))
+UNITS = [model[0], model[2], model[4]]
+engine = minizero.wrap(model, 3, functools.partial(torch.optim.SGD, lr=0.1), units=UNITS)
+weight, seen = model[4].weight, []
+
+
+def record(when):          # a hook that notes how many bytes the weight's storage holds now
+    return lambda *_: seen.append((when, weight.untyped_storage().nbytes()))
+
+
+record("before forward")()
+model[4].register_forward_pre_hook(record("unit running"))
+model[4].register_forward_hook(record("unit done"))
+loss = engine(torch.randn(4, 2)).pow(2).mean()
+engine.backward(loss)
+record("after backward")()
+for when, nbytes in seen:
+    print(f"{when:>15}: model[4].weight's storage holds {nbytes} bytes")
 
 # %% [markdown]
 # ## Run it
@@ -97,7 +182,7 @@ for n, rec in runs.items():
 #
 # `engine.memory()` counts the bytes of every tensor rank 0 holds, by category, at the end of the last
 # backward (optimizer state exists, gradients are complete). The black ticks are
-# `minizero.run.theory`, i.e. `minizero.memory.estimate_breakdown` with this run's bytes per element
+# `minizero.lab.report.theory`, i.e. `minizero.memory.estimate_breakdown` with this run's bytes per element
 # and K. The check below is the same comparison the plot shows: measured = formula, up to the padding
 # of each bucket to a multiple of N elements.
 
@@ -112,9 +197,6 @@ print("all ranks match the reference and the formulas")
 
 # %%
 plots.memory_by_category(runs, "stage 3");
-
-# %%
-demo.export("stage_3", {"runs": list(runs.values())});   # for tests/test_notebooks.py
 
 # %% [markdown]
 # ## When is each unit gathered?
@@ -136,10 +218,6 @@ for p, ivs in intervals.items():
     print(f"prefetch {'on ' if p else 'off'}: {len(ivs)} gather->free spans over {len(names)} units, "
           f"peak parameters {timelines[p]['peak_params'] / 1e3:.1f} kB")
 plots.unit_timeline(timelines, intervals);
-
-# %%
-demo.export("timeline_3", {"intervals": {str(p): ivs for p, ivs in intervals.items()},
-                           "unit_names": timelines[True]["unit_names"]});
 
 # %% [markdown]
 # The root unit (embeddings, final LayerNorm, the head tied to the embedding) stays gathered for the
@@ -169,13 +247,13 @@ for r in lora:
           f"params {r['params']:,} B per rank (formula {r['formula']:,.0f}); building held "
           f"{r['construction_peak']['normal']:,} B normally, {r['construction_peak']['sharded_init']:,} B sharded")
 plots.lora_memory(lora);
-demo.export("lora_3", {"lora": lora});
 
 # %% [markdown]
 # ## What to try
 #
 # In the step-through, count the collectives per unit at stage 3 (two all-gathers, one reduce-scatter: the
 # 3Ψ) against stage 2 (one reduce-scatter per bucket and one all-gather after the step: 2Ψ). In the unit
-# timeline, run with `MODEL = "default"` and compare the peak parameters with prefetch on and off. In the
-# LoRA section, change the world sizes and watch the frozen parameters shrink as 1/N. Then do exercise 5:
-# the hooks that gather and free a unit.
+# timeline, compare the peak parameters with prefetch on and off; in the worker cell, set `PREFETCH = False`
+# and see the same difference in `peak_params` on every rank. In the LoRA section, change the world sizes
+# and watch the frozen parameters shrink as 1/N. Then do exercise 5: the four hooks that gather, free and
+# reduce-scatter a unit.

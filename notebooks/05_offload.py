@@ -35,18 +35,13 @@
 # %% [markdown]
 # **Exercise.** [../exercises/ex06_offload_step.py](../exercises/ex06_offload_step.py): the host-side optimizer step: copy down, step, copy up.
 
-# %%
-import os
+# %% tags=["parameters"]
 from minizero.lab import demo
 import plots                                  # notebooks/plots.py: the figures
 
-SMALL = os.environ.get("MINIZERO_SMALL") == "1"     # CI: the tiny model, 2 steps
-MODEL, STEPS = ("tiny", 2) if SMALL else ("default", 10)
+MODEL, STEPS = "default", 10  # the default GPT (~0.2 M parameters); "tiny": a few thousand, seconds a run
 DTYPE = "fp32"        # or "bf16": the paper's 2 + 2 + 12 bytes per parameter (looser reference check)
 BACKEND, WORLD_SIZES = demo.backend_and_world_sizes()   # gloo on CPU; NCCL with 2 or more GPUs
-if SMALL:
-    WORLD_SIZES = (WORLD_SIZES[0], WORLD_SIZES[-1])     # one launch fewer
-print(f"backend {BACKEND}, world sizes {WORLD_SIZES}, model {MODEL!r}, {STEPS} steps, {DTYPE}")
 
 # %% [markdown]
 # ## One step, rank by rank
@@ -73,7 +68,6 @@ from minizero.lab import stepthrough
 steps = stepthrough.record(stepthrough.StepConfig(stage=2, offload=True))      # one launch
 stepthrough.check(steps)       # every phase against one process stepping all 12 rows
 print(plots.step_table(steps))           # every phase: each buffer that changed, on every rank
-demo.export("steps_5", {"steps": steps});   # tests/test_notebooks.py checks it again
 
 # %% [markdown]
 # Press play or drag the slider through the phases. A menu records the step again with another setting
@@ -81,6 +75,84 @@ demo.export("steps_5", {"steps": steps});   # tests/test_notebooks.py checks it 
 
 # %%
 plots.step_widget(steps, stage=[1, 2, 3], world_size=[2, 3, 4], offload=[True, False])
+
+# %% [markdown]
+# ## The code every rank runs
+#
+# `minizero.launch(fn, N, *args)` starts N processes, joins them into one process group and calls
+# `fn(*args)` on each; a process can import a file but not a notebook cell, so the next cell *writes*
+# the worker to `offload_ranks.py` next to this notebook. Edit it and run both cells again: the ranks
+# import the new file. `minizero.wrap(model, 2, ..., offload="optimizer")` keeps the
+# optimizer on the host: `engine.step()` copies this rank's gradient partition down, steps the host's
+# fp32 master weights and copies the updated partition up.
+
+# %%
+# %%writefile offload_ranks.py
+"""What every rank of notebooks/05_offload.ipynb runs (that notebook writes this file)."""
+import functools
+
+import torch
+
+import minizero
+from minizero import comm
+from minizero.lab.data import global_batch, local_batch
+from minizero.lab.model import GPTConfig, make_model
+from minizero.lab.train import loss_fn
+
+
+def train(model, offload, dtype, steps=3, batch_size=24):
+    cfg = GPTConfig.named(model)
+    net = make_model(cfg, seed=0)                 # the same initial weights on every rank
+    engine = minizero.wrap(net, 2, functools.partial(torch.optim.AdamW, lr=1e-3),
+                           offload=offload, dtype=dtype)
+    for step in range(steps):
+        comm.reset_tally()                        # count this step's bytes only
+        x, y = global_batch(step, batch_size, cfg.block_size)        # one global batch ...
+        x, y = local_batch(x, y, comm.rank(), comm.world_size())     # ... this rank's rows of it
+        loss = loss_fn(engine(x), y)
+        engine.backward(loss)       # the gradient shard, as in stage 2
+        engine.step()               # copy down, step on the host, copy up, all-gather
+    return {"rank": comm.rank(), "loss": loss.item(), "memory": engine.memory(),
+            "sent": comm.tally()["total"]}
+
+# %%
+import importlib
+
+import minizero
+
+import offload_ranks
+
+importlib.reload(offload_ranks)          # this kernel reads the file again too
+N, OFFLOAD = 2, "optimizer"          # ranks; False: the optimizer stays on the device
+for r in minizero.launch(offload_ranks.train, N, MODEL, OFFLOAD, DTYPE, backend=BACKEND):
+    m = r["memory"]
+    print(f"rank {r['rank']}: loss {r['loss']:.4f}, params {m['params']:,} B, grads {m['grads']:,} B, optimizer {m['optimizer']:,} B, host {m['offloaded']:,} B, sent {r['sent']:,.0f} B in the last step")
+
+# %% [markdown]
+# Set `OFFLOAD = False`: the optimizer bytes come back to the device and the host holds nothing. Set
+# `DTYPE = "bf16"` in the first cell: the device's parameters and gradients halve, the host keeps fp32.
+#
+# ### Device and host bytes, in this process
+#
+# The same accounting on one process (N = 1): `engine.memory()` after one step, with the optimizer on the
+# device and offloaded. Offloaded, the host holds the fp32 master weights, Adam's two moments and the fp32
+# gradient partition it steps on: (K + 4)Ψ/N bytes; the device holds no optimizer state.
+
+# %%
+import functools
+
+import torch
+from torch import nn
+
+for offload in (False, "optimizer"):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 2))       # Ψ = 17
+    engine = minizero.wrap(model, 2, functools.partial(torch.optim.AdamW, lr=0.1), offload=offload)
+    engine.backward(engine(torch.randn(4, 2)).pow(2).mean())
+    engine.step()
+    m = engine.memory()
+    print(f"offload={offload!r:>11}: device: params {m['params']} B, grads {m['grads']} B, "
+          f"optimizer {m['optimizer']} B; host {m['offloaded']} B")
 
 # %%
 from minizero.lab.train import TrainConfig
@@ -107,9 +179,6 @@ plots.device_vs_host(measured, "Offload: device vs host model-state bytes per ra
 # %%
 plots.memory_by_category(measured["stage 2 + offload"], "stage 2 + offload");
 
-# %%
-demo.export("offload_5", {"runs": [rec for runs in measured.values() for rec in runs.values()]});
-
 # %% [markdown]
 # ## fp16: dynamic loss scaling, and why the overflow check is global
 #
@@ -119,7 +188,8 @@ demo.export("offload_5", {"runs": [rec for runs in measured.values() for rec in 
 # fp32, before clipping and the optimizer. S is *dynamic* (DeepSpeed's defaults: $2^{16}$, window 1000,
 # hysteresis 2): a step whose gradients hold an inf or a nan is **skipped** (no optimizer step, its state
 # untouched) and S backs off; `hysteresis` - 1 overflows are tolerated at the same S first, a credit that
-# only a growth restores; after `loss_scale_window` good steps in a row S doubles.
+# only a growth restores; a good step that follows `loss_scale_window` good steps in a row doubles S
+# after it (DeepSpeed counts the good steps *before* the current one).
 #
 # With ZeRO the check is where sharding bites: after the reduce-scatter each rank holds only its
 # partition of the gradients, so an inf lands on **one** rank. Decided locally, that rank would skip the
@@ -128,8 +198,9 @@ demo.export("offload_5", {"runs": [rec for runs in measured.values() for rec in 
 #
 # Below: stage 2, an inf injected into one element of one rank's partition at steps 3, 4, 5 and 12
 # (alternating ranks; the experiment's fault, `minizero.lab.demo.loss_scale_worker`). Window 4,
-# hysteresis 2: step 3 uses up the credit, steps 4 and 5 halve S, it doubles again after 4 good steps
-# (step 11), which restores the credit, so step 12 is skipped at the same S.
+# hysteresis 2: step 3 uses up the credit, steps 4 and 5 halve S; steps 6-9 are 4 good steps, so the 5th
+# good step, step 10, doubles S after it (step 11 is the first to use it), which restores the credit, so
+# step 12 is skipped at the same S.
 
 # %% [markdown]
 # **Exercise.** [../exercises/ex08_global_overflow.py](../exercises/ex08_global_overflow.py): the global overflow check: one collective over the ranks' local flags.
@@ -144,9 +215,6 @@ for res in fp16["ranks"]:
 decisions = {r["rank"]: [(t["scale"], t["skipped"]) for t in r["trace"]] for r in fp16["ranks"]}
 assert all(d == decisions[0] for d in decisions.values()), "the ranks took different decisions"
 plots.loss_scale_trajectory(fp16);
-
-# %%
-demo.export("loss_scale_5", {"loss_scale": fp16});
 
 # %% [markdown]
 # ## What to try

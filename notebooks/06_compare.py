@@ -26,18 +26,15 @@
 # | stage 2 | $b_p\Psi + (b_g + K)\Psi/N$ | $2\Psi$ |
 # | stage 3 | $(b_p + b_g + K)\Psi/N$ | $3\Psi$ |
 
-# %%
-import os
+# %% tags=["parameters"]
 from minizero.lab import demo
 import plots                                  # notebooks/plots.py: the figures
 
-SMALL = os.environ.get("MINIZERO_SMALL") == "1"     # CI: the tiny model, 2 steps
-MODEL, STEPS = ("tiny", 2) if SMALL else ("default", 10)
+MODEL, STEPS = "default", 10  # the default GPT (~0.2 M parameters); "tiny": a few thousand, seconds a run
 DTYPE = "fp32"        # or "bf16": the paper's 2 + 2 + 12 bytes per parameter (looser reference check)
 BACKEND, WORLD_SIZES = demo.backend_and_world_sizes()   # gloo on CPU; NCCL with 2 or more GPUs
-if SMALL:
-    WORLD_SIZES = (WORLD_SIZES[0], WORLD_SIZES[-1])     # one launch fewer
-print(f"backend {BACKEND}, world sizes {WORLD_SIZES}, model {MODEL!r}, {STEPS} steps, {DTYPE}")
+BENCH_SIZES, BENCH_REPEATS = ("default", "1M"), 3     # the bench below: models, repeats
+PEERS = ("torch", "deepspeed")     # PyTorch's DDP / ZeRO / FSDP2, and DeepSpeed when installed
 
 # %%
 from minizero.lab.train import TrainConfig
@@ -51,14 +48,12 @@ print("every stage at every N matches the reference and the formulas")
 # ## Measured: memory, communication, time
 #
 # Left: device model-state bytes per rank (dots: measured on rank 0; lines: formula). Middle: bytes one
-# rank sent in the last step (tally) against $2\Psi$ / $3\Psi$ × (N-1)/N. Right: median step time,
-# which on CPU processes sharing two cores says more about the machine than about the method.
+# rank sent in the last step (tally) against $2\Psi$ / $3\Psi$ × (N-1)/N. Right: the time of every step
+# (dots) and their median (bars). On CPU processes sharing two cores the dots spread wider than most
+# differences between bars: they say more about the machine than about the method.
 
 # %%
 plots.compare_measured(stages);
-
-# %%
-demo.export("compare_6", {"runs": [rec for runs in stages.values() for rec in runs.values()]});
 
 # %% [markdown]
 # ## Against PyTorch and DeepSpeed
@@ -73,10 +68,8 @@ demo.export("compare_6", {"runs": [rec for runs in stages.values() for rec in ru
 # %%
 from minizero.lab import bench
 from minizero.lab.figures import bench_ratios
-BENCH_SIZES = ("tiny",) if SMALL else ("default", "1M")
-PEERS = ("torch",) if SMALL else bench.PEER_FAMILIES     # CI: PyTorch's only (DeepSpeed: tests/test_bench.py)
-report = bench.compare((2,), sizes=BENCH_SIZES, steps=STEPS if SMALL else 6, repeats=1 if SMALL else 2,
-                       peers=PEERS, meter=False)
+report = bench.compare((2,), sizes=BENCH_SIZES, steps=STEPS, repeats=BENCH_REPEATS, peers=PEERS,
+                       meter=False)
 print(bench.format_table(report))
 assert all(p["max_param_diff"] < 1e-5 for p in report["pairs"]), "a peer ended elsewhere"
 bench_ratios(report);
@@ -146,5 +139,5 @@ Markdown(to_markdown(link_prefix="../").split("\n", 5)[5])   # the table, withou
 #
 # In the estimator, find the smallest N at which a 7.5 B model fits 16 GB per GPU under each stage, and
 # how much bf16 saves over fp32. Move the run above to another N (`FROM`, `TO`) or to stage 3 and check
-# the resumed run still matches the uninterrupted one. Run the notebook with `MINIZERO_SMALL` unset to
-# measure the default model: the memory lines should still sit on the formulas.
+# the resumed run still matches the uninterrupted one. Set `MODEL = "tiny"` in the first code cell to
+# measure a model of a few thousand parameters: the memory lines should still sit on the formulas.

@@ -32,18 +32,14 @@
 # %% [markdown]
 # **Exercise.** [../exercises/ex07_checkpoint_unit.py](../exercises/ex07_checkpoint_unit.py): checkpoint a unit: an autograd Function that keeps only the inputs and recomputes in backward.
 
-# %%
-import os
+# %% tags=["parameters"]
 from minizero.lab import demo
 import plots                                  # notebooks/plots.py: the figures
 
-SMALL = os.environ.get("MINIZERO_SMALL") == "1"     # CI: the tiny model, 2 steps
-MODEL, STEPS = ("tiny", 2) if SMALL else ("default", 10)
+MODEL, STEPS = "default", 10  # the default GPT (~0.2 M parameters); "tiny": a few thousand, seconds a run
 DTYPE = "fp32"        # or "bf16": the paper's 2 + 2 + 12 bytes per parameter (looser reference check)
 BACKEND, WORLD_SIZES = demo.backend_and_world_sizes()   # gloo on CPU; NCCL with 2 or more GPUs
-if SMALL:
-    WORLD_SIZES = (WORLD_SIZES[0], WORLD_SIZES[-1])     # one launch fewer
-print(f"backend {BACKEND}, world sizes {WORLD_SIZES}, model {MODEL!r}, {STEPS} steps, {DTYPE}")
+SEQS, BATCHES = (8, 16, 32), (2, 4, 8)      # the activation sweep: sequence lengths, rows
 
 # %% [markdown]
 # ## One step, rank by rank
@@ -71,7 +67,6 @@ from minizero.lab import stepthrough
 steps = stepthrough.record(stepthrough.StepConfig(stage=3, checkpointing=True))      # one launch
 stepthrough.check(steps)       # every phase against one process stepping all 12 rows
 print(plots.step_table(steps))           # every phase: each buffer that changed, on every rank
-demo.export("steps_7", {"steps": steps});   # tests/test_notebooks.py checks it again
 
 # %% [markdown]
 # Press play or drag the slider through the phases. A menu records the step again with another setting
@@ -86,7 +81,6 @@ plots.step_widget(steps, checkpointing=[True, False], stage=[0, 1, 2, 3], world_
 # One process is enough: a rank's activations depend on its own micro-batch, not on N or the stage.
 
 # %%
-SEQS, BATCHES = ((8, 16), (2, 4)) if SMALL else ((8, 16, 32), (2, 4, 8))
 rows = demo.activation_sweep(MODEL, SEQS, BATCHES)
 for r in rows:
     assert abs(r["measured"] - r["estimate"]) <= 0.1 * r["estimate"], r
@@ -149,10 +143,6 @@ plots.memory_timeline(timelines);
 #   (`minizero/flat.py`: parameters and gradients as views of one flat buffer per bucket; stage 3's
 #   `Unit.full`); short-lived gradients are copied into their bucket's buffer the moment they are complete
 #   (`minizero.zero2.Zero2.contiguous_gradients`), so they never interleave with activations.
-
-# %%
-demo.export("activations_7", {"runs": [rec for runs in measured.values() for rec in runs.values()],
-                              "activations": rows, "memory_timelines": timelines});
 
 # %% [markdown]
 # ## What to try

@@ -14,23 +14,32 @@
 # ---
 
 # %% [markdown]
-# # 08 · Beyond the paper: a network model that makes overlap visible
+# # 08 · Beyond the paper: the network, hierarchical sharding, ZeRO++
 #
-# On one machine the ranks talk over loopback, so communication is almost free next to compute, and what
-# the later ZeRO papers are about cannot be seen: whether DDP's bucketed all-reduce really hides behind
-# backward, what stage 3's prefetch buys, what stage 3's 3Ψ costs next to 2Ψ. This notebook turns on
-# minizero's **network model** and measures exactly that.
+# What came after the ZeRO paper, each measured on this machine's processes:
+#
+# 1. **A network model** (`minizero/network.py`). On one machine the ranks talk over loopback, so
+#    communication is almost free next to compute: whether DDP's bucketed all-reduce hides behind
+#    backward, what stage 3's prefetch buys, what 3Ψ costs next to 2Ψ cannot be seen. With a modelled
+#    network they can: step times with and without overlap and prefetch, stages 0-3 as bandwidth falls.
+# 2. **Hierarchical sharding** (FSDP2's HSDP, DeepSpeed's MiCS): shard within a group of S ranks,
+#    replicate across groups; memory per rank against S, bytes inside and across nodes, and one step
+#    rank by rank.
+# 3. **ZeRO++**: hpZ (backward's all-gather inside the node), qwZ and qgZ (int8 block quantization of
+#    the all-gather and the reduce-scatter): bytes, one step's error, loss curves.
 
-# %%
-import os
+# %% tags=["parameters"]
 import network_plots                              # notebooks/network_plots.py: this notebook's figures
-from minizero.lab import demo, network_runs
+from minizero.lab import network_runs
 from minizero.lab.train import TrainConfig
 
-SMALL = os.environ.get("MINIZERO_SMALL") == "1"     # CI: the tiny model
-MODEL = "tiny" if SMALL else "default"
+MODEL = "default"                   # the GPT every run trains; "tiny": a few thousand parameters
+BUCKET_SIZE = network_runs.BASE.bucket_size      # bytes per gradient bucket (stages 0 and 2)
+QSTEPS = 20                         # training steps of each quantized run (section ZeRO++ qwZ / qgZ)
+
+# %%
 BASE = TrainConfig(stage=0, world_size=2, steps=4, batch_size=8, model=MODEL, backend="gloo",
-                   bucket_size=network_runs.BASE.bucket_size if not SMALL else 400)
+                   bucket_size=BUCKET_SIZE)
 print(f"model {MODEL!r}, N = {BASE.world_size}, {BASE.steps} steps per run")
 
 # %% [markdown]
@@ -121,7 +130,6 @@ for stage in range(4):
     sent = runs[f"stage {stage}, ratio 1.0"]["comm"]
     print(f"stage {stage}: {sent['total'] / 1e3:7.1f} kB per step, {sent['intra_node'] / 1e3:6.1f} kB inside "
           f"nodes, {sent['inter_node'] / 1e3:7.1f} kB across")
-demo.export("network_8", {"network": out});       # for tests/test_notebooks.py
 
 # %% [markdown]
 # ## Hierarchical sharding: shard within a group, replicate across groups (HSDP, MiCS)
@@ -144,22 +152,24 @@ demo.export("network_8", {"network": out});       # for tests/test_notebooks.py
 # (`[Note: hierarchical sharding]` in `minizero/engine.py`.)
 
 # %%
-import os
 import minizero
-from minizero.lab.train import TrainConfig, train_several
+from minizero import comm
 from minizero.lab.report import theory
-from minizero.memory import (comm_volume_by_kind, comm_volume_by_node, group_ranks,
-                             secondary_partition_bytes, step_collectives, within_padding)
+from minizero.lab.train import train_several
+from minizero.memory import comm_volume_by_kind, comm_volume_by_node, secondary_partition_bytes, within_padding
 
-SMALL = os.environ.get("MINIZERO_SMALL") == "1"
-N, RANKS_PER_NODE = 4, 2
-base = dict(stage=3, world_size=N, steps=2, batch_size=8, model="tiny" if SMALL else "default")
+HSDP_N, RANKS_PER_NODE = 4, 2
+base = dict(stage=3, world_size=HSDP_N, steps=2, batch_size=8, model=MODEL)
 hsdp_cfgs = {f"S = {s}": TrainConfig(**base, shard_group_size=s) for s in (1, 2, 4)}
 hsdp_cfgs["hpZ, R = 2"] = TrainConfig(**base, hpz_group_size=RANKS_PER_NODE)
-per_rank = minizero.launch(train_several, N, list(hsdp_cfgs.values()))
+# nodes of 2 ranks, fast enough to cost nothing: the ranks' comm.tally() books each collective's bytes
+# as intra- or inter-node by the ranks of its group
+comm.set_network(f"1000gbps,ranks_per_node={RANKS_PER_NODE}")
+per_rank = minizero.launch(train_several, HSDP_N, list(hsdp_cfgs.values()))
+comm.set_network(None)
 hsdp_runs = {name: [r[i] for r in per_rank] for i, name in enumerate(hsdp_cfgs)}
 
-print(f"stage 3, N = {N}, rank 0, kB          params   grads   optim   (formula: params grads optim)")
+print(f"stage 3, N = {HSDP_N}, rank 0, kB     params   grads   optim   (formula: params grads optim)")
 for name, cfg in hsdp_cfgs.items():
     res = hsdp_runs[name][0]
     th = theory(cfg, res["num_params"], res["num_frozen"])
@@ -167,7 +177,7 @@ for name, cfg in hsdp_cfgs.items():
     print(f"{name:>10}  measured {m['params']/1e3:8.1f} {m['grads']/1e3:7.1f} {m['optimizer']/1e3:7.1f}"
           f"   formula {th['params']/1e3:7.1f} {th['grads']/1e3:7.1f} {th['optimizer']/1e3:7.1f}")
     for r in hsdp_runs[name]:
-        assert all(within_padding(r["memory"][c], th[c], N) for c in ("params", "grads", "optimizer"))
+        assert all(within_padding(r["memory"][c], th[c], HSDP_N) for c in ("params", "grads", "optimizer"))
 print("every rank's memory equals the formula with S in place of N (up to padding)")
 
 
@@ -181,35 +191,30 @@ print("every rank's memory equals the formula with S in place of N (up to paddin
 # the node. Inter-node bytes fall from $3\frac{N-1}{N}Ψ$ to $2\frac{N-1}{N}Ψ$; the price is Ψ/R more
 # parameter memory from each unit's forward to its backward (`[Note: hpZ]` in `minizero/zero3.py`).
 #
-# Below, each kind of collective's measured bytes (rank 0's `comm.tally()`) next to its formula, and
-# the split into intra- and inter-node bytes by the group each collective ran in
-# (`memory.step_collectives`: shard rows, replicate columns, hpZ rows; nodes of 2 ranks).
+# Below, each kind of collective's measured bytes (rank 0's `comm.tally()`) next to its formula
+# (`memory.comm_volume_by_kind`), and the bytes that stayed inside a node and those that crossed nodes,
+# as the tally measured them (a collective crosses nodes when its group's ranks sit on more than one
+# node), next to `memory.comm_volume_by_node`.
 
 # %%
-def split_by_node(cfg, res, rank=0):
-    # measured bytes of each kind, attributed to the groups step_collectives says it ran in
-    psi, frozen = res["num_params"] - res["num_frozen"], res["num_frozen"]
-    options = dict(bytes_per_elem=4, frozen=frozen, shard_group_size=cfg.shard_group_size,
-                   hpz_group_size=cfg.hpz_group_size)
-    rows = step_collectives(psi, N, 3, **options)
-    formula = comm_volume_by_kind(psi, N, 3, **options)
-    out = {"intra_node": 0.0, "inter_node": 0.0}
-    for row in rows:                  # a group of 1 rank sends nothing
-        share = row["bytes"] / formula[row["kind"]] * res["comm_bytes_per_step"][row["kind"]] if row["bytes"] else 0
-        ranks = group_ranks(row["group"], rank, N, cfg.shard_group_size, cfg.hpz_group_size)
-        out["intra_node" if len({r // RANKS_PER_NODE for r in ranks}) == 1 else "inter_node"] += share
-    return out, formula, comm_volume_by_node(psi, N, 3, RANKS_PER_NODE, rank=rank, **options)
-
 bytes_table = {}
 for name, cfg in hsdp_cfgs.items():
     res = hsdp_runs[name][0]
-    measured, formula, by_node = split_by_node(cfg, res)
-    bytes_table[name] = measured
-    kinds = "  ".join(f"{k} {res['comm_bytes_per_step'][k]/1e3:.1f} ({v/1e3:.1f})" for k, v in formula.items())
-    print(f"{name:>10}: {kinds}   intra {measured['intra_node']/1e3:.1f} kB, inter {measured['inter_node']/1e3:.1f} kB")
-    for k, v in formula.items():
-        assert within_padding(res["comm_bytes_per_step"][k], v, N, times=2)
-    assert all(within_padding(measured[k], by_node[k], N, times=3) for k in by_node)
+    sent = res["comm_bytes_per_step"]                    # rank 0's tally of the last step
+    options = dict(bytes_per_elem=4, frozen=res["num_frozen"], shard_group_size=cfg.shard_group_size,
+                   hpz_group_size=cfg.hpz_group_size)
+    psi = res["num_params"] - res["num_frozen"]
+    by_kind = comm_volume_by_kind(psi, HSDP_N, 3, **options)
+    by_node = comm_volume_by_node(psi, HSDP_N, 3, RANKS_PER_NODE, rank=0, **options)
+    bytes_table[name] = {k: sent[k] for k in by_node}
+    kinds = "  ".join(f"{k} {sent[k] / 1e3:.1f} ({v / 1e3:.1f})" for k, v in by_kind.items())
+    print(f"{name:>10}: {kinds}   intra {sent['intra_node'] / 1e3:.1f} ({by_node['intra_node'] / 1e3:.1f})"
+          f" kB, inter {sent['inter_node'] / 1e3:.1f} ({by_node['inter_node'] / 1e3:.1f}) kB")
+    for k, v in by_kind.items():
+        assert within_padding(sent[k], v, HSDP_N, times=2), (name, k)
+    for k, v in by_node.items():
+        assert within_padding(sent[k], v, HSDP_N, times=3), (name, k)
+print("(formula in brackets)")
 psi = hsdp_runs["S = 4"][0]["num_params"]
 extra = secondary_partition_bytes(psi, RANKS_PER_NODE, param_bytes=4)
 print(f"hpZ's price: Ψ/R = {extra/1e3:.1f} kB more parameters per rank between forward and backward "
@@ -225,7 +230,7 @@ inter = [bytes_table[n]["inter_node"] / 1e3 for n in names]
 ax.bar(names, inter, label="inter-node")
 ax.bar(names, intra, bottom=inter, label="intra-node")
 ax.set_ylabel("kB per step, rank 0")
-ax.set_title(f"stage 3, N = {N}, nodes of {RANKS_PER_NODE} ranks")
+ax.set_title(f"stage 3, N = {HSDP_N}, nodes of {RANKS_PER_NODE} ranks (comm.tally)")
 ax.legend();
 
 # %% [markdown]
@@ -266,12 +271,11 @@ ax.legend();
 
 # %%
 import plots                # notebooks/plots.py: the step-through's grids
-from minizero.lab import demo, stepthrough
+from minizero.lab import stepthrough
 
 steps = stepthrough.record(stepthrough.StepConfig(stage=2, world_size=4, shard_group_size=2))      # one launch
 stepthrough.check(steps)       # every phase against one process stepping all 12 rows
 print(plots.step_table(steps))           # every phase: each buffer that changed, on every rank
-demo.export("steps_8", {"steps": steps});   # tests/test_notebooks.py checks it again
 
 # %% [markdown]
 # Press play or drag the slider through the phases. A menu records the step again with another setting
@@ -301,24 +305,22 @@ plots.step_widget(steps, stage=[1, 2, 3], shard_group_size=[1, 2, 4])
 # is exact) for each variant, and a short training run of the small GPT with and without quantization.
 
 # %%
-import os
 import matplotlib.pyplot as plt
 import minizero
 from minizero.lab.quantized import LR, PSI, VARIANTS, quantized_experiment
 from minizero.lab.train import TrainConfig
 from minizero.memory import comm_volume
 
-N, BLOCK = 3, 16
-QSTEPS = 4 if os.environ.get("MINIZERO_SMALL") == "1" else 20
+QUANT_N, BLOCK = 3, 16
 QRUNS = {"stage 3": {}, "stage 3 qwZ": {"quantized_weights": True}, "stage 3 qgZ": {"quantized_gradients": True},
          "stage 3 qwZ+qgZ": {"quantized_weights": True, "quantized_gradients": True}}
-cfgs = [TrainConfig(stage=3, world_size=N, steps=QSTEPS, model="tiny", batch_size=12, **o) for o in QRUNS.values()]
-quant = minizero.launch(quantized_experiment, N, cfgs, BLOCK, backend="gloo")[0]
+cfgs = [TrainConfig(stage=3, world_size=QUANT_N, steps=QSTEPS, model="tiny", batch_size=12, **o) for o in QRUNS.values()]
+quant = minizero.launch(quantized_experiment, QUANT_N, cfgs, BLOCK, backend="gloo")[0]
 
 print(f"{'variant':>16} {'measured B/step':>16} {'formula':>9}   by collective")
 for name, (stage, options) in VARIANTS.items():
     tally = quant["one_step"][name]["tally"]
-    formula = comm_volume(PSI, N, stage, bytes_per_elem=4, block=BLOCK, **options)
+    formula = comm_volume(PSI, QUANT_N, stage, bytes_per_elem=4, block=BLOCK, **options)
     assert tally["total"] == formula, (name, tally, formula)
     kinds = ", ".join(f"{k} {v:.0f}" for k, v in tally.items() if k != "total")
     print(f"{name:>16} {tally['total']:16.0f} {formula:9.0f}   {kinds}")
@@ -347,7 +349,7 @@ fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.6))
 for name, rec in zip(QRUNS, quant["runs"]):
     ax.plot(rec["losses"], label=name)
     bx.bar(name.replace("stage 3 ", "") or "exact", rec["comm_bytes_per_step"]["total"] / 1e3)
-ax.set(xlabel="step", ylabel="loss", title=f"small GPT, stage 3, N = {N}: loss")
+ax.set(xlabel="step", ylabel="loss", title=f"small GPT, stage 3, N = {QUANT_N}: loss")
 ax.legend()
 bx.set(ylabel="kB sent per step and rank", title="bytes per step (default B = 256)")
 plt.tight_layout()

@@ -1,17 +1,23 @@
-"""Every notebook runs headless, and the numbers its plots draw agree with the ZeRO paper's formulas.
+"""Every notebook runs headless, its sources match, and the numbers its plots draw agree with the formulas.
 
-    python -m pytest tests/test_notebooks.py -q        # all notebooks with MINIZERO_SMALL=1
+    python -m pytest tests/test_notebooks.py -q        # every notebook, with the small settings of TINY
 
 Each notebook is executed by nbclient (a timeout per cell; the kernel starts in notebooks/, where
-plots.py is); a cell that raises fails the test with its traceback. A notebook hands the data behind its
-figures to `minizero.lab.demo.export`, which writes $MINIZERO_NOTEBOOK_DATA/<name>.json; the checks below
-recompute every formula from minizero.memory themselves instead of trusting what the notebook computed.
+plots.py is); a cell that raises fails the test with its traceback. The notebook is run with small
+settings: TINY's lines go into a cell right after the one tagged "parameters" (papermill's convention),
+so the cells a learner reads carry no switch for tests. Afterwards one more cell writes what READ names,
+from the kernel's own variables, to a JSON file; the checks below recompute every formula from
+minizero.memory themselves instead of trusting what the notebook computed.
+
+Every notebook is edited as its jupytext percent-format source, notebooks/NAME.py, and paired with
+NAME.ipynb (`jupytext --sync notebooks/NAME.py`): a test fails when the two hold different cells.
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+import re
 
 import pytest
 
@@ -35,17 +41,37 @@ nbclient = pytest.importorskip("nbclient")
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 CELL_TIMEOUT_S = 300
 
-# notebook -> the files it exports
-EXPORTS = {
-    "00_communication": ["00_communication", "ring_0"],
-    "01_ddp": ["stage_0", "steps_0"],
-    "02_zero1": ["stage_1", "steps_1"],
-    "03_zero2": ["stage_2", "steps_2"],
-    "04_zero3": ["stage_3", "timeline_3", "lora_3", "steps_3"],
-    "05_offload": ["offload_5", "loss_scale_5", "steps_5"],
-    "06_compare": ["compare_6"],
-    "07_activations": ["activations_7", "steps_7"],
-    "08_beyond": ["network_8", "steps_8"],
+# the small settings, run after each notebook's "parameters" cell: the tiny model, two steps, N = 1 and 4
+_TINY_RUNS = 'MODEL, STEPS = "tiny", 2\nWORLD_SIZES = (WORLD_SIZES[0], WORLD_SIZES[-1])'
+TINY = {
+    "00_communication": "NUMEL, WORLD_SIZES = 10_000, (2, 4)",
+    "01_ddp": _TINY_RUNS,
+    "02_zero1": _TINY_RUNS,
+    "03_zero2": _TINY_RUNS,
+    "04_zero3": _TINY_RUNS,
+    "05_offload": _TINY_RUNS,
+    "06_compare": _TINY_RUNS + '\nBENCH_SIZES, BENCH_REPEATS, PEERS = ("tiny",), 2, ("torch",)',
+    "07_activations": _TINY_RUNS + "\nSEQS, BATCHES = (8, 16), (2, 4)",
+    "08_beyond": 'MODEL, BUCKET_SIZE, QSTEPS = "tiny", 400, 4',
+}
+# what the checks read from the executed kernel: {name: expression over the notebook's variables}
+READ = {
+    "00_communication": {"00_communication": '{"collectives": list(results.values())}',
+                         "ring_0": '{"ring": ring}'},
+    "01_ddp": {"stage_0": '{"runs": list(runs.values())}', "steps_0": '{"steps": steps}'},
+    "02_zero1": {"stage_1": '{"runs": list(runs.values())}', "steps_1": '{"steps": steps}'},
+    "03_zero2": {"stage_2": '{"runs": list(runs.values())}', "steps_2": '{"steps": steps}'},
+    "04_zero3": {"stage_3": '{"runs": list(runs.values())}', "steps_3": '{"steps": steps}',
+                 "timeline_3": '{"intervals": {str(p): ivs for p, ivs in intervals.items()}, '
+                               '"unit_names": timelines[True]["unit_names"]}',
+                 "lora_3": '{"lora": lora}'},
+    "05_offload": {"offload_5": '{"runs": [r for runs in measured.values() for r in runs.values()]}',
+                   "loss_scale_5": '{"loss_scale": fp16}', "steps_5": '{"steps": steps}'},
+    "06_compare": {"compare_6": '{"runs": [r for runs in stages.values() for r in runs.values()]}'},
+    "07_activations": {"activations_7": '{"runs": [r for runs in measured.values() for r in runs.values()], '
+                                        '"activations": rows, "memory_timelines": timelines}',
+                       "steps_7": '{"steps": steps}'},
+    "08_beyond": {"network_8": '{"network": out}', "steps_8": '{"steps": steps}'},
 }
 # the collectives a stage's step-through must show, in order of first appearance
 STEP_COLLECTIVES = {0: ["all_reduce"], 1: ["reduce_scatter", "all_gather"], 2: ["reduce_scatter", "all_gather"],
@@ -56,21 +82,69 @@ GROUPED_COLLECTIVES = {1: ["reduce_scatter", "all_reduce_across", "all_gather"],
                        3: ["all_gather", "reduce_scatter", "all_reduce_across"]}
 # what drives a notebook's interactive control (ipywidgets): every notebook has one
 CONTROLS = ("plots.step_widget(", "plots.ring_widget(", "interact(")
+# the stage notebooks: the worker its ranks run is a cell, and one cell shows a real buffer in-process
+STAGE_NOTEBOOKS = ("01_ddp", "02_zero1", "03_zero2", "04_zero3", "05_offload")
+
+
+def notebooks() -> list[pathlib.Path]:
+    return sorted(NOTEBOOKS.glob("*.ipynb"))
+
+
+def with_tiny_settings(nb, name: str):
+    """`nb` with TINY[name] run right after its cell tagged "parameters" (there must be exactly one)."""
+    tagged = [i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", [])]
+    assert len(tagged) == 1, f"{name}: {len(tagged)} cells tagged 'parameters'"
+    nb.cells.insert(tagged[0] + 1, nbformat.v4.new_code_cell(TINY[name]))
+    return nb
 
 
 def test_every_notebook_is_tested():
-    assert sorted(p.stem for p in NOTEBOOKS.glob("*.ipynb")) == sorted(EXPORTS)
+    assert [p.stem for p in notebooks()] == sorted(TINY) == sorted(READ)
+
+
+def test_each_notebook_is_its_jupytext_source():
+    """The .py a person edits and the .ipynb JupyterLab opens hold the same cells (types, sources, tags)."""
+    jupytext = pytest.importorskip("jupytext")
+    for path in notebooks():
+        source = path.with_suffix(".py")
+        assert source.exists(), f"{source.name} missing: jupytext --set-formats ipynb,py:percent {path.name}"
+        cells = lambda nb: [(c.cell_type, c.source, c.metadata.get("tags", [])) for c in nb.cells]  # noqa: E731
+        ipynb, text = cells(nbformat.read(path, as_version=4)), cells(jupytext.read(source))
+        differ = next((i for i, (a, b) in enumerate(zip(ipynb, text)) if a != b), min(len(ipynb), len(text)))
+        assert ipynb == text, (f"{path.name} and {source.name} differ from cell {differ} on: "
+                               f"jupytext --sync notebooks/{source.name}")
 
 
 def test_notebooks_are_committed_without_outputs():
-    for path in NOTEBOOKS.glob("*.ipynb"):
+    for path in notebooks():
         nb = nbformat.read(path, as_version=4)
         for cell in nb.cells:
             assert not cell.get("outputs") and not cell.get("execution_count"), f"{path.name} has outputs"
 
 
+def test_learner_cells_carry_no_test_plumbing_and_no_file_writes_notebooks():
+    for path in notebooks():
+        for i, cell in enumerate(nbformat.read(path, as_version=4).cells):
+            if cell.cell_type == "code":
+                found = re.search(r"export\(|\btests?\b|MINIZERO_SMALL|\bCI\b", cell.source)
+                assert not found, f"{path.name}, cell {i}: {found.group(0)!r} in a learner's cell"
+    for path in NOTEBOOKS.glob("*.py"):
+        assert not re.search(r"new_(code|markdown)_cell|new_notebook", path.read_text()), path.name
+
+
+def test_markdown_is_never_indented_into_a_code_block():
+    """A paragraph indented by 4+ spaces renders as a code block (the step-through's introduction did)."""
+    for path in notebooks():
+        for i, cell in enumerate(nbformat.read(path, as_version=4).cells):
+            if cell.cell_type == "markdown":
+                fenced = False
+                for line in cell.source.splitlines():
+                    fenced ^= line.lstrip().startswith("```")
+                    assert fenced or not re.match(r" {4,}[A-Za-z`(]", line), f"{path.name}, cell {i}: {line!r}"
+
+
 def test_every_notebook_has_a_control_and_ends_with_what_to_try():
-    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
+    for path in notebooks():
         nb = nbformat.read(path, as_version=4)
         code = [c.source for c in nb.cells if c.cell_type == "code"]
         assert any(control in src for src in code for control in CONTROLS), f"{path.name}: no widget"
@@ -78,15 +152,32 @@ def test_every_notebook_has_a_control_and_ends_with_what_to_try():
         assert last.cell_type == "markdown" and last.source.startswith(("## What to try", "**What to try**")), path.name
 
 
-@pytest.mark.parametrize("name", sorted(EXPORTS))
-def test_notebook_runs_and_its_plots_match_the_formulas(name, tmp_path, monkeypatch):
-    monkeypatch.setenv("MINIZERO_SMALL", "1")
-    monkeypatch.setenv("MINIZERO_NOTEBOOK_DATA", str(tmp_path))       # the kernel inherits the environment
-    nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+@pytest.mark.parametrize("name", STAGE_NOTEBOOKS)
+def test_a_stage_notebook_shows_the_mechanism_in_its_cells(name):
+    """A %%writefile cell is the worker the ranks run (wrap, backward, step, memory); another cell
+    launches it; and a cell builds the stage's buffers in this process (minizero.flat or minizero.wrap)."""
+    code = [c.source for c in nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4).cells
+            if c.cell_type == "code"]
+    workers = [src for src in code if src.startswith("%%writefile")]
+    assert len(workers) == 1, f"{name}: {len(workers)} worker cells"
+    for call in ("minizero.wrap(", ".backward(", ".step()", ".memory()"):
+        assert call in workers[0], f"{name}: the worker does not call {call}"
+    module = workers[0].split()[1].removesuffix(".py")
+    assert any(f"minizero.launch({module}." in src for src in code), f"{name}: nothing launches {module}"
+    assert any("minizero.launch" not in src and re.search(r"FlatLayout\.build\(|minizero\.wrap\(", src)
+               and not src.startswith("%%") for src in code), f"{name}: no in-process cell"
+
+
+@pytest.mark.parametrize("name", sorted(READ))
+def test_notebook_runs_and_its_plots_match_the_formulas(name, tmp_path):
+    nb = with_tiny_settings(nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4), name)
+    found = tmp_path / "read.json"
+    entries = ", ".join(f"{key!r}: {expr}" for key, expr in READ[name].items())
+    nb.cells.append(nbformat.v4.new_code_cell(
+        f"import json as _json\nwith open({str(found)!r}, 'w') as _f:\n    _json.dump({{{entries}}}, _f)"))
     nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                             resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
-    for export in EXPORTS[name]:
-        data = json.loads((tmp_path / f"{export}.json").read_text())
+    for export, data in json.loads(found.read_text()).items():
         if "runs" in data:
             check_training_runs(data["runs"])
         if "collectives" in data:

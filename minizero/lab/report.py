@@ -56,6 +56,7 @@ def summarize(cfg: TrainConfig, results: list[dict], network=None) -> dict:
                   for r in results],
         "theory": theory(cfg, num_params, num_frozen),
         "step_time_s": statistics.median(times),
+        "step_times_s": times,              # rank 0's timed steps: the spread behind that median
         # fp16: the loss scale after the last step and the steps skipped on overflow (every rank agrees)
         "loss_scale": results[0]["loss_scale"],
         "skipped_steps": results[0]["skipped_steps"],
