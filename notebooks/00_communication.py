@@ -25,12 +25,13 @@
 # | all-gather | a chunk of S/N bytes | all N chunks (S) | $\frac{N-1}{N}S$ |
 # | broadcast | rank `src`: a tensor | the same tensor | $\frac{N-1}{N}S$ (pipelined) |
 #
-# An all-reduce *is* a reduce-scatter followed by an all-gather, which is why it costs twice as much.
-# These are the numbers behind the ZeRO paper's claim that stages 1 and 2 cost no more communication
-# than DDP (2Ψ) and stage 3 costs 1.5× (3Ψ).
+# An all-reduce *is* a reduce-scatter followed by an all-gather, which is why it costs twice as
+# much. These are the numbers behind the ZeRO paper's claim that stages 1 and 2 cost no more
+# communication than DDP (2Ψ) and stage 3 costs 1.5× (3Ψ).
 
 # %% [markdown]
-# **Exercise.** [../exercises/ex01_ring_allreduce.py](../exercises/ex01_ring_allreduce.py): build the ring all-reduce from send/recv yourself.
+# **Exercise.** [../exercises/ex01_ring_allreduce.py](../exercises/ex01_ring_allreduce.py): build
+# the ring all-reduce from send/recv yourself.
 
 # %% tags=["parameters"]
 from minizero.lab import demo
@@ -47,7 +48,8 @@ results = demo.measure_collectives(WORLD_SIZES, numel=NUMEL, backend=BACKEND)   
 # ## What each collective does
 #
 # On 4 ranks, rank r starts with `10 r + [0, 1, 2, 3]`. Sums use `op="sum"`; reduce-scatter hands
-# rank r the sum of element r; all-gather collects element 0 of every rank; broadcast copies rank 0's.
+# rank r the sum of element r; all-gather collects element 0 of every rank; broadcast copies rank
+# 0's.
 
 # %%
 shown = results[max(results)]["shown_all"]
@@ -59,9 +61,9 @@ for kind in ("input", "all_reduce", "reduce_scatter", "all_gather", "broadcast")
 #
 # `minizero.comm.ring_all_reduce` cuts the tensor into N chunks and passes chunks around a ring. In
 # N-1 steps of reduce-scatter every rank adds the chunk its left neighbour sends into its own copy;
-# after them rank r owns the complete sum of one chunk. N-1 steps of all-gather then pass the finished
-# chunks around. Each rank sends 2(N-1) chunks of S/N bytes: $2\frac{N-1}{N}S$, almost independent of
-# N. It must give exactly what the library's all-reduce gives:
+# after them rank r owns the complete sum of one chunk. N-1 steps of all-gather then pass the
+# finished chunks around. Each rank sends 2(N-1) chunks of S/N bytes: $2\frac{N-1}{N}S$, almost
+# independent of N. It must give exactly what the library's all-reduce gives:
 
 # %%
 for n, res in results.items():
@@ -71,23 +73,23 @@ for n, res in results.items():
 # %% [markdown]
 # ### The ring, exchange by exchange
 #
-# `minizero.lab.stepthrough.ring` runs `minizero.comm.ring_all_reduce` on N processes and watches its
-# point-to-point exchanges: before each one, every rank's padded buffer and the chunk it sends to its
-# right neighbour. Rank r starts with 10 r + [1, 2, 3, 4, 5]: 5 elements in N chunks of ⌈5/N⌉, padded.
-# In the first N-1 exchanges the received chunk is *added*; after them rank r holds the complete sum of
-# chunk r+1. In the last N-1 it *replaces* the local chunk, and the finished sums travel once around the
-# ring.
+# `minizero.lab.stepthrough.ring` runs `minizero.comm.ring_all_reduce` on N processes and watches
+# its point-to-point exchanges: before each one, every rank's padded buffer and the chunk it sends
+# to its right neighbour. Rank r starts with 10 r + [1, 2, 3, 4, 5]: 5 elements in N chunks of
+# ⌈5/N⌉, padded. In the first N-1 exchanges the received chunk is *added*; after them rank r holds
+# the complete sum of chunk r+1. In the last N-1 it *replaces* the local chunk, and the finished
+# sums travel once around the ring.
 
 # %%
 from minizero.lab import stepthrough
 
 ring = stepthrough.ring(3)                     # one launch, 3 ranks
-stepthrough.check_ring(ring)                   # each exchange adds (or copies) exactly the sent chunk
+stepthrough.check_ring(ring)                   # each exchange adds (or copies) the chunk sent
 print(plots.ring_table(ring))
 
 # %% [markdown]
-# Green: the chunk the last exchange wrote; orange frame: the chunk each rank sends next. Press play or drag
-# the slider over the 2(N-1) exchanges; the menu runs the ring on another N.
+# Green: the chunk the last exchange wrote; orange frame: the chunk each rank sends next. Press play
+# or drag the slider over the 2(N-1) exchanges; the menu runs the ring on another N.
 
 # %%
 plots.ring_widget(ring)
@@ -95,12 +97,13 @@ plots.ring_widget(ring)
 # %% [markdown]
 # ## Bytes moved, measured vs formula
 #
-# `comm.tally()` counts, per rank and per kind of collective, the bytes a bandwidth-optimal ring sends.
-# For the four library collectives that is the formula applied to each call's tensor; for
+# `comm.tally()` counts, per rank and per kind of collective, the bytes a bandwidth-optimal ring
+# sends. For the four library collectives that is the formula applied to each call's tensor; for
 # `ring_all_reduce` it is what the teaching ring really handed to `send` (chunks of ⌈S/N⌉ elements).
 
 # %%
-FORMULA = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1, "ring_all_reduce": 2}
+FORMULA = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1,
+           "ring_all_reduce": 2}
 for n, res in results.items():
     for kind, factor in FORMULA.items():
         formula = factor * (n - 1) / n * res["full_bytes"]
@@ -111,18 +114,18 @@ for n, res in results.items():
 plots.collective_bytes(results);
 
 # %% [markdown]
-# The time column is a rough guide only: gloo on a laptop's cores is not a network. What carries over
-# to real clusters is the byte count: per-rank traffic of a ring collective barely depends on N. One
-# more reason: gloo's own reduce-scatter is slower than its all-reduce, and its all-gather slower than N
-# broadcasts, so on gloo `minizero.comm` runs them that way (`[Note: collectives on gloo]` in
-# `minizero/comm.py`; `python -m minizero.bench --collectives` times both). The tally still counts the
-# ring's bytes: what the algorithm needs, and what NCCL sends.
+# The time column is a rough guide only: gloo on a laptop's cores is not a network. What carries
+# over to real clusters is the byte count: per-rank traffic of a ring collective barely depends on
+# N. One more reason: gloo's own reduce-scatter is slower than its all-reduce, and its all-gather
+# slower than N broadcasts, so on gloo `minizero.comm` runs them that way (`[Note: collectives on
+# gloo]` in `minizero/comm.py`; `python -m minizero.bench --collectives` times both). The tally
+# still counts the ring's bytes: what the algorithm needs, and what NCCL sends.
 
 # %% [markdown]
 # ## What to try
 #
-# In the ring widget, switch N and count the exchanges: 2(N-1), each moving one chunk of ⌈S/N⌉ elements,
-# so a rank sends 2(N-1)/N·S whatever N. Find the exchange after which rank r first holds a complete sum
-# (the end of the reduce-scatter half) and check it is chunk r+1. In the byte table, set `NUMEL` to a
-# number no N divides and see the ring's padding in the sent bytes. Then do exercise 1: build the ring
-# from send and recv yourself.
+# In the ring widget, switch N and count the exchanges: 2(N-1), each moving one chunk of ⌈S/N⌉
+# elements, so a rank sends 2(N-1)/N·S whatever N. Find the exchange after which rank r first holds
+# a complete sum (the end of the reduce-scatter half) and check it is chunk r+1. In the byte table,
+# set `NUMEL` to a number no N divides and see the ring's padding in the sent bytes. Then do
+# exercise 1: build the ring from send and recv yourself.

@@ -18,11 +18,11 @@
 #
 # Distributed data parallel (`minizero/ddp.py`): every rank keeps the **whole** model, its gradients
 # and its optimizer state, and processes 1/N of the global batch. After backward the gradients are
-# averaged with an all-reduce, in buckets that start while backward is still running, so every replica
-# takes the same step.
+# averaged with an all-reduce, in buckets that start while backward is still running, so every
+# replica takes the same step.
 #
-# Per rank, with Ψ parameters, $b_p$ / $b_g$ bytes per parameter and gradient and K bytes of optimizer
-# state per parameter (the paper: bf16 and Adam, $2 + 2 + 12$):
+# Per rank, with Ψ parameters, $b_p$ / $b_g$ bytes per parameter and gradient and K bytes of
+# optimizer state per parameter (the paper: bf16 and Adam, $2 + 2 + 12$):
 #
 # $$M_{DDP} = (b_p + b_g + K)\,\Psi = 16\Psi \quad\text{for every } N$$
 #
@@ -30,34 +30,37 @@
 # (Here in fp32: $b_p = b_g = 4$, and Adam's K = 8 with no separate master copy; also 16Ψ.)
 
 # %% [markdown]
-# **Exercise.** [../exercises/ex02_ddp_bucket.py](../exercises/ex02_ddp_bucket.py): gradient buckets that all-reduce during backward.
+# **Exercise.** [../exercises/ex02_ddp_bucket.py](../exercises/ex02_ddp_bucket.py): gradient buckets
+# that all-reduce during backward.
 
 # %% tags=["parameters"]
 from minizero.lab import demo
 import plots                                  # notebooks/plots.py: the figures
 
-MODEL, STEPS = "default", 10  # the default GPT (~0.2 M parameters); "tiny": a few thousand, seconds a run
-DTYPE = "fp32"        # or "bf16": the paper's 2 + 2 + 12 bytes per parameter (looser reference check)
+MODEL, STEPS = "default", 10     # the small GPT, ~0.2 M parameters; "tiny": a few thousand
+DTYPE = "fp32"     # or "bf16": the paper's 2 + 2 + 12 bytes per parameter (looser reference check)
 BACKEND, WORLD_SIZES = demo.backend_and_world_sizes()   # gloo on CPU; NCCL with 2 or more GPUs
 
 # %% [markdown]
 # ## One step, rank by rank
 #
-# A model small enough to read every number: `Linear(2, 3)`, tanh, `Linear(3, 2)`, Ψ = 17 parameters (none
-# of N = 2, 3, 4 divides 17, so the flat buffer is padded), SGD with momentum 0.9 and lr 0.1 (the first
-# step is $p - 0.1\,g$), 12 rows split over the ranks. `minizero.lab.stepthrough.record` wraps it with
-# `minizero.wrap`, trains one step on N processes and records what every rank holds after each phase, read
-# from the engine's own buffers. Each buffer is a grid: a row per rank, a column per element of the padded
-# flat buffer (the parameter each element belongs to is named on top). Dashed lines: partition boundaries
-# (partition r is rank r's); solid: bucket boundaries; grey: padding; blank: the rank does not hold that
-# element; bold and framed: changed in this phase. (The recorder lets one bucket communicate at a time, so
-# each collective is its own phase; minizero overlaps two.)
+# A model small enough to read every number: `Linear(2, 3)`, tanh, `Linear(3, 2)`, Ψ = 17 parameters
+# (none of N = 2, 3, 4 divides 17, so the flat buffer is padded), SGD with momentum 0.9 and lr 0.1
+# (the first step is $p - 0.1\,g$), 12 rows split over the ranks. `minizero.lab.stepthrough.record`
+# wraps it with `minizero.wrap`, trains one step on N processes and records what every rank holds
+# after each phase, read from the engine's own buffers. Each buffer is a grid: a row per rank, a
+# column per element of the padded flat buffer (the parameter each element belongs to is named on
+# top). Dashed lines: partition boundaries (partition r is rank r's); solid: bucket boundaries;
+# grey: padding; blank: the rank does not hold that element; bold and framed: changed in this phase.
+# (The recorder lets one bucket communicate at a time, so each collective is its own phase; minizero
+# overlaps two.)
 #
-# What to look for: when a bucket's gradients are complete every rank holds its *own* gradients (its own
-# rows); the bucket's all-reduce replaces them with the average, on every rank, while backward goes on with
-# the next bucket. The step then does the same update on every rank, and every rank keeps the whole
-# momentum (the optimizer state, K bytes per parameter): N identical copies of everything, the
-# redundancy ZeRO removes. Pick stage 1, 2 or 3 in the menu to see what each removes.
+# What to look for: when a bucket's gradients are complete every rank holds its *own* gradients (its
+# own rows); the bucket's all-reduce replaces them with the average, on every rank, while backward
+# goes on with the next bucket. The step then does the same update on every rank, and every rank
+# keeps the whole momentum (the optimizer state, K bytes per parameter): N identical copies of
+# everything, the redundancy ZeRO removes. Pick stage 1, 2 or 3 in the menu to see what each
+# removes.
 
 # %%
 from minizero.lab import stepthrough
@@ -67,8 +70,8 @@ stepthrough.check(steps)       # every phase against one process stepping all 12
 print(plots.step_table(steps))           # every phase: each buffer that changed, on every rank
 
 # %% [markdown]
-# Press play or drag the slider through the phases. A menu records the step again with another setting
-# (one launch, about a second; each setting is kept once computed).
+# Press play or drag the slider through the phases. A menu records the step again with another
+# setting (one launch, about a second; each setting is kept once computed).
 
 # %%
 plots.step_widget(steps, stage=[0, 1, 2, 3], world_size=[2, 3, 4])
@@ -76,11 +79,12 @@ plots.step_widget(steps, stage=[0, 1, 2, 3], world_size=[2, 3, 4])
 # %% [markdown]
 # ## The code every rank runs
 #
-# `minizero.launch(fn, N, ...)` starts N processes, joins them into one process group and calls `fn` on
-# each; a process can import a file but not a notebook cell, so the next cell *writes* the worker to
-# `ddp_ranks.py` next to this notebook. Edit it and run both cells again: the ranks import the new file.
-# `minizero.wrap(model, 0, ...)` is DDP; `engine.backward(loss)` all-reduces each bucket of gradients
-# as soon as backward completes it; `engine.step()` takes the same step on every replica.
+# `minizero.launch(fn, N, ...)` starts N processes, joins them into one process group and calls `fn`
+# on each; a process can import a file but not a notebook cell, so the next cell *writes* the worker
+# to `ddp_ranks.py` next to this notebook. Edit it and run both cells again: the ranks import the
+# new file. `minizero.wrap(model, 0, ...)` is DDP; `engine.backward(loss)` all-reduces each bucket
+# of gradients as soon as backward completes it; `engine.step()` takes the same step on every
+# replica.
 
 # %%
 # %%writefile ddp_ranks.py
@@ -134,11 +138,11 @@ for r in minizero.launch(ddp_ranks.train, N, MODEL, BUCKET_SIZE, backend=BACKEND
 # ### A bucket, in this process
 #
 # DDP does not all-reduce gradient by gradient: `minizero.flat` lays the parameters end to end in
-# buckets of about `bucket_size` bytes (last layer first, the order backward completes them), and each
-# parameter's `.grad` becomes a view into its bucket's buffer, so backward writes straight into what
-# the all-reduce sends (PyTorch DDP's `gradient_as_bucket_view`). Below, on one process, without any
-# communication: a small model, its buckets, and one backward's gradients in the flat buffer.
-# Change `BUCKET_BYTES` and run it again.
+# buckets of about `bucket_size` bytes (last layer first, the order backward completes them), and
+# each parameter's `.grad` becomes a view into its bucket's buffer, so backward writes straight into
+# what the all-reduce sends (PyTorch DDP's `gradient_as_bucket_view`). Below, on one process,
+# without any communication: a small model, its buckets, and one backward's gradients in the flat
+# buffer. Change `BUCKET_BYTES` and run it again.
 
 # %%
 import torch
@@ -164,32 +168,34 @@ for b in layout.buckets:                          # .grad is the buffer, not a c
 # %% [markdown]
 # ## Run it
 #
-# One `minizero.launch` per world size runs `minizero.lab.train.train_worker` on every rank (the worker
-# lives in `minizero/lab/demo.py`, because launched processes cannot import a notebook cell). Every run
-# is compared with `minizero.lab.reference.reference_train`: one process, the whole global batch, plain
-# `torch.optim`. Data parallelism must not change the result, only where the bytes live.
+# Now at every world size, measured: one `minizero.launch` per N runs
+# `minizero.lab.train.train_worker` on every rank, the loop of the worker above plus what `python -m
+# minizero.run` measures (memory by category, bytes sent, step times). Every run is compared with
+# `minizero.lab.reference.reference_train`: one process, the whole global batch, plain `torch.optim`.
+# Data parallelism must not change the result, only where the bytes live.
 
 # %%
 runs = demo.measure_stage(0, WORLD_SIZES, DTYPE, steps=STEPS, model=MODEL, backend=BACKEND)
 for n, rec in runs.items():
-    print(f"N = {n}: max |param - reference| = {rec['max_abs_diff']:.2e} (tolerance {rec['tolerance']:g}), "
+    print(f"N = {n}: max |param - reference| = {rec['max_abs_diff']:.2e} "
+          f"(tolerance {rec['tolerance']:g}), "
           f"loss {rec['losses'][0]:.3f} -> {rec['losses'][-1]:.3f}")
 
 # %% [markdown]
 # ## Measured memory next to the formula
 #
-# `engine.memory()` counts the bytes of every tensor rank 0 holds, by category, at the end of the last
-# backward (optimizer state exists, gradients are complete). The black ticks are
-# `minizero.lab.report.theory`, i.e. `minizero.memory.estimate_breakdown` with this run's bytes per element
-# and K. The check below is the same comparison the plot shows: measured = formula, up to the padding
-# of each bucket to a multiple of N elements.
+# `engine.memory()` counts the bytes of every tensor rank 0 holds, by category, at the end of the
+# last backward (optimizer state exists, gradients are complete). The black ticks are
+# `minizero.lab.report.theory`, i.e. `minizero.memory.estimate_breakdown` with this run's bytes per
+# element and K. The check below is the same comparison the plot shows: measured = formula, up to
+# the padding of each bucket to a multiple of N elements.
 
 # %%
 table = demo.memory_table(runs)          # what the plot draws, as rows
 for row in table:
     if row["formula"] or row["measured"]:
-        print(f"N = {row['world_size']}  {row['category']:>9}: measured {row['measured'] / 1e3:8.1f} kB, "
-              f"formula {row['formula'] / 1e3:8.1f} kB")
+        print(f"N = {row['world_size']}  {row['category']:>9}: "
+              f"measured {row['measured'] / 1e3:8.1f} kB, formula {row['formula'] / 1e3:8.1f} kB")
 demo.check(runs)                         # reference, memory and comm against the formulas
 print("all ranks match the reference and the formulas")
 
@@ -211,8 +217,9 @@ plots.loss_curves(runs, "DDP: losses at every N equal the reference");
 # %% [markdown]
 # ## What to try
 #
-# In the step-through, switch N between 2, 3 and 4: the averaged gradient is the same every time (it is the
-# gradient of the same 12 rows), only each rank's own gradients change. Switch to stage 1 and compare the
-# momentum row. Above, set `DTYPE = "bf16"` in the setup cell and run all: the parameter and gradient bars
-# halve, the optimizer bar grows (fp32 master weights join Adam's moments), and the reference check loosens
-# to bf16's tolerance. Then do exercise 2: build the bucket hook yourself.
+# In the step-through, switch N between 2, 3 and 4: the averaged gradient is the same every time (it
+# is the gradient of the same 12 rows), only each rank's own gradients change. Switch to stage 1 and
+# compare the momentum row. Above, set `DTYPE = "bf16"` in the setup cell and run all: the parameter
+# and gradient bars halve, the optimizer bar grows (fp32 master weights join Adam's moments), and
+# the reference check loosens to bf16's tolerance. Then do exercise 2: build the bucket hook
+# yourself.

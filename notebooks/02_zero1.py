@@ -17,45 +17,49 @@
 # # 02 · ZeRO stage 1 (P_os): shard the optimizer state
 #
 # The optimizer state (K = 12 of the 16 bytes per parameter for bf16 + Adam) is only ever used
-# elementwise, so rank r can keep it for its own 1/N partition of the parameters (`minizero/zero1.py`):
+# elementwise, so rank r can keep it for its own 1/N partition of the parameters
+# (`minizero/zero1.py`):
 #
 # $$M_{P_{os}} = (b_p + b_g)\,\Psi + \frac{K\Psi}{N} \qquad (4\Psi + 12\Psi/N\text{ in the paper})$$
 #
 # All parameters are laid end to end in one flat buffer, padded to a multiple of N and cut into N
-# partitions (`minizero/flat.py`). After backward a **reduce-scatter** gives rank r the averaged gradient
-# of its partition (half an all-reduce: Ψ); it steps that partition; an **all-gather** (Ψ) shares the
-# updated parameters. Total 2Ψ per step: the same as DDP.
+# partitions (`minizero/flat.py`). After backward a **reduce-scatter** gives rank r the averaged
+# gradient of its partition (half an all-reduce: Ψ); it steps that partition; an **all-gather** (Ψ)
+# shares the updated parameters. Total 2Ψ per step: the same as DDP.
 
 # %% [markdown]
-# **Exercise.** [../exercises/ex03_zero1_partition.py](../exercises/ex03_zero1_partition.py): partition a flat buffer and step only your partition.
+# **Exercise.** [../exercises/ex03_zero1_partition.py](../exercises/ex03_zero1_partition.py):
+# partition a flat buffer and step only your partition.
 
 # %% tags=["parameters"]
 from minizero.lab import demo
 import plots                                  # notebooks/plots.py: the figures
 
-MODEL, STEPS = "default", 10  # the default GPT (~0.2 M parameters); "tiny": a few thousand, seconds a run
-DTYPE = "fp32"        # or "bf16": the paper's 2 + 2 + 12 bytes per parameter (looser reference check)
+MODEL, STEPS = "default", 10     # the small GPT, ~0.2 M parameters; "tiny": a few thousand
+DTYPE = "fp32"     # or "bf16": the paper's 2 + 2 + 12 bytes per parameter (looser reference check)
 BACKEND, WORLD_SIZES = demo.backend_and_world_sizes()   # gloo on CPU; NCCL with 2 or more GPUs
 
 # %% [markdown]
 # ## One step, rank by rank
 #
-# A model small enough to read every number: `Linear(2, 3)`, tanh, `Linear(3, 2)`, Ψ = 17 parameters (none
-# of N = 2, 3, 4 divides 17, so the flat buffer is padded), SGD with momentum 0.9 and lr 0.1 (the first
-# step is $p - 0.1\,g$), 12 rows split over the ranks. `minizero.lab.stepthrough.record` wraps it with
-# `minizero.wrap`, trains one step on N processes and records what every rank holds after each phase, read
-# from the engine's own buffers. Each buffer is a grid: a row per rank, a column per element of the padded
-# flat buffer (the parameter each element belongs to is named on top). Dashed lines: partition boundaries
-# (partition r is rank r's); solid: bucket boundaries; grey: padding; blank: the rank does not hold that
-# element; bold and framed: changed in this phase. (The recorder lets one bucket communicate at a time, so
-# each collective is its own phase; minizero overlaps two.)
+# A model small enough to read every number: `Linear(2, 3)`, tanh, `Linear(3, 2)`, Ψ = 17 parameters
+# (none of N = 2, 3, 4 divides 17, so the flat buffer is padded), SGD with momentum 0.9 and lr 0.1
+# (the first step is $p - 0.1\,g$), 12 rows split over the ranks. `minizero.lab.stepthrough.record`
+# wraps it with `minizero.wrap`, trains one step on N processes and records what every rank holds
+# after each phase, read from the engine's own buffers. Each buffer is a grid: a row per rank, a
+# column per element of the padded flat buffer (the parameter each element belongs to is named on
+# top). Dashed lines: partition boundaries (partition r is rank r's); solid: bucket boundaries;
+# grey: padding; blank: the rank does not hold that element; bold and framed: changed in this phase.
+# (The recorder lets one bucket communicate at a time, so each collective is its own phase; minizero
+# overlaps two.)
 #
-# What to look for: after backward every rank holds its own full gradients. The reduce-scatter averages
-# partition r into rank r only: the rest of its gradient buffer was the collective's workspace (blank:
-# nobody reads it again; on gloo minizero runs the reduce-scatter as an all-reduce, which is faster there,
-# see `[Note: collectives on gloo]` in `minizero/comm.py`). The step updates partition r on rank r only, and only there does momentum exist (KΨ/N):
-# for one phase the ranks hold *different* parameters, until the all-gather hands every rank every
-# updated partition. 17 elements padded to a multiple of N: the last partition carries the padding.
+# What to look for: after backward every rank holds its own full gradients. The reduce-scatter
+# averages partition r into rank r only: the rest of its gradient buffer was the collective's
+# workspace (blank: nobody reads it again; on gloo minizero runs the reduce-scatter as an
+# all-reduce, which is faster there, see `[Note: collectives on gloo]` in `minizero/comm.py`). The
+# step updates partition r on rank r only, and only there does momentum exist (KΨ/N): for one phase
+# the ranks hold *different* parameters, until the all-gather hands every rank every updated
+# partition. 17 elements padded to a multiple of N: the last partition carries the padding.
 
 # %%
 from minizero.lab import stepthrough
@@ -65,8 +69,8 @@ stepthrough.check(steps)       # every phase against one process stepping all 12
 print(plots.step_table(steps))           # every phase: each buffer that changed, on every rank
 
 # %% [markdown]
-# Press play or drag the slider through the phases. A menu records the step again with another setting
-# (one launch, about a second; each setting is kept once computed).
+# Press play or drag the slider through the phases. A menu records the step again with another
+# setting (one launch, about a second; each setting is kept once computed).
 
 # %%
 plots.step_widget(steps, stage=[0, 1, 2, 3], world_size=[2, 3, 4])
@@ -75,11 +79,11 @@ plots.step_widget(steps, stage=[0, 1, 2, 3], world_size=[2, 3, 4])
 # ## The code every rank runs
 #
 # `minizero.launch(fn, N, *args)` starts N processes, joins them into one process group and calls
-# `fn(*args)` on each; a process can import a file but not a notebook cell, so the next cell *writes*
-# the worker to `zero1_ranks.py` next to this notebook. Edit it and run both cells again: the ranks
-# import the new file. `minizero.wrap(model, 1, ...)` is stage 1: `engine.backward(loss)` leaves
-# full gradients on every rank; `engine.step()` reduce-scatters them, steps this rank's partition
-# only (its optimizer state is 1/N of Adam's) and all-gathers the updated parameters.
+# `fn(*args)` on each; a process can import a file but not a notebook cell, so the next cell
+# *writes* the worker to `zero1_ranks.py` next to this notebook. Edit it and run both cells again:
+# the ranks import the new file. `minizero.wrap(model, 1, ...)` is stage 1: `engine.backward(loss)`
+# leaves full gradients on every rank; `engine.step()` reduce-scatters them, steps this rank's
+# partition only (its optimizer state is 1/N of Adam's) and all-gathers the updated parameters.
 
 # %%
 # %%writefile zero1_ranks.py
@@ -120,7 +124,9 @@ importlib.reload(zero1_ranks)          # this kernel reads the file again too
 N = 2                               # ranks: the optimizer bytes are 1/N of DDP's
 for r in minizero.launch(zero1_ranks.train, N, MODEL, backend=BACKEND):
     m = r["memory"]
-    print(f"rank {r['rank']}: loss {r['loss']:.4f}, params {m['params']:,} B, grads {m['grads']:,} B, optimizer {m['optimizer']:,} B, sent {r['sent']:,.0f} B in the last step")
+    print(f"rank {r['rank']}: loss {r['loss']:.4f}, params {m['params']:,} B, "
+          f"grads {m['grads']:,} B, optimizer {m['optimizer']:,} B, "
+          f"sent {r['sent']:,.0f} B in the last step")
 
 # %% [markdown]
 # Change `N` to 4: the optimizer bytes per rank halve (KΨ/N), parameters and gradients stay.
@@ -128,10 +134,10 @@ for r in minizero.launch(zero1_ranks.train, N, MODEL, backend=BACKEND):
 # ### Partitions of one flat buffer, in this process
 #
 # `minizero.flat.FlatLayout` is the bookkeeping every stage shares: the parameters end to end in one
-# flat buffer, padded to a multiple of N, cut into N equal partitions. A layout needs no process group:
-# below, rank r's layout for each r of N, on the 17-parameter model of the step-through. Each line is
-# one rank's partition: which parameter each element belongs to (`·` is padding), and where the
-# partition starts. Change `N` and run it again.
+# flat buffer, padded to a multiple of N, cut into N equal partitions. A layout needs no process
+# group: below, rank r's layout for each r of N, on the 17-parameter model of the step-through. Each
+# line is one rank's partition: which parameter each element belongs to (`·` is padding), and where
+# the partition starts. Change `N` and run it again.
 
 # %%
 from torch import nn
@@ -144,7 +150,7 @@ names = {id(p): name for name, p in model.named_parameters()}
 for rank in range(N):
     layout = FlatLayout.build([list(model.parameters())], world_size=N, rank=rank)
     (b,) = layout.buckets
-    owner = ["·"] * b.padded_numel                 # which parameter each element of the buffer holds
+    owner = ["·"] * b.padded_numel         # which parameter each element of the buffer holds
     for p, start in zip(b.params, b.offsets):
         owner[start: start + p.numel()] = [names[id(p)]] * p.numel()
     mine = owner[rank * b.shard_numel: (rank + 1) * b.shard_numel]
@@ -154,32 +160,34 @@ for rank in range(N):
 # %% [markdown]
 # ## Run it
 #
-# One `minizero.launch` per world size runs `minizero.lab.train.train_worker` on every rank (the worker
-# lives in `minizero/lab/demo.py`, because launched processes cannot import a notebook cell). Every run
-# is compared with `minizero.lab.reference.reference_train`: one process, the whole global batch, plain
-# `torch.optim`. Data parallelism must not change the result, only where the bytes live.
+# Now at every world size, measured: one `minizero.launch` per N runs
+# `minizero.lab.train.train_worker` on every rank, the loop of the worker above plus what `python -m
+# minizero.run` measures (memory by category, bytes sent, step times). Every run is compared with
+# `minizero.lab.reference.reference_train`: one process, the whole global batch, plain `torch.optim`.
+# Data parallelism must not change the result, only where the bytes live.
 
 # %%
 runs = demo.measure_stage(1, WORLD_SIZES, DTYPE, steps=STEPS, model=MODEL, backend=BACKEND)
 for n, rec in runs.items():
-    print(f"N = {n}: max |param - reference| = {rec['max_abs_diff']:.2e} (tolerance {rec['tolerance']:g}), "
+    print(f"N = {n}: max |param - reference| = {rec['max_abs_diff']:.2e} "
+          f"(tolerance {rec['tolerance']:g}), "
           f"loss {rec['losses'][0]:.3f} -> {rec['losses'][-1]:.3f}")
 
 # %% [markdown]
 # ## Measured memory next to the formula
 #
-# `engine.memory()` counts the bytes of every tensor rank 0 holds, by category, at the end of the last
-# backward (optimizer state exists, gradients are complete). The black ticks are
-# `minizero.lab.report.theory`, i.e. `minizero.memory.estimate_breakdown` with this run's bytes per element
-# and K. The check below is the same comparison the plot shows: measured = formula, up to the padding
-# of each bucket to a multiple of N elements.
+# `engine.memory()` counts the bytes of every tensor rank 0 holds, by category, at the end of the
+# last backward (optimizer state exists, gradients are complete). The black ticks are
+# `minizero.lab.report.theory`, i.e. `minizero.memory.estimate_breakdown` with this run's bytes per
+# element and K. The check below is the same comparison the plot shows: measured = formula, up to
+# the padding of each bucket to a multiple of N elements.
 
 # %%
 table = demo.memory_table(runs)          # what the plot draws, as rows
 for row in table:
     if row["formula"] or row["measured"]:
-        print(f"N = {row['world_size']}  {row['category']:>9}: measured {row['measured'] / 1e3:8.1f} kB, "
-              f"formula {row['formula'] / 1e3:8.1f} kB")
+        print(f"N = {row['world_size']}  {row['category']:>9}: "
+              f"measured {row['measured'] / 1e3:8.1f} kB, formula {row['formula'] / 1e3:8.1f} kB")
 demo.check(runs)                         # reference, memory and comm against the formulas
 print("all ranks match the reference and the formulas")
 
@@ -189,8 +197,9 @@ plots.memory_by_category(runs, "stage 1");
 # %% [markdown]
 # ## What to try
 #
-# In the step-through, try N = 2, 3 and 4 and watch where the partition boundaries cut the parameters: a
-# weight can straddle two ranks (as in DeepSpeed), and the padding moves with N. Check one stepped element
-# by hand: new = old - 0.1 × averaged gradient (the momentum buffer is the gradient at the first step).
-# Above, the optimizer bar falls as KΨ/N (K = 8 here: fp32 Adam's two moments, no separate master copy)
-# while parameters and gradients stay. Then do exercise 3: partition the flat buffer and step only yours.
+# In the step-through, try N = 2, 3 and 4 and watch where the partition boundaries cut the
+# parameters: a weight can straddle two ranks (as in DeepSpeed), and the padding moves with N. Check
+# one stepped element by hand: new = old - 0.1 × averaged gradient (the momentum buffer is the
+# gradient at the first step). Above, the optimizer bar falls as KΨ/N (K = 8 here: fp32 Adam's two
+# moments, no separate master copy) while parameters and gradients stay. Then do exercise 3:
+# partition the flat buffer and step only yours.

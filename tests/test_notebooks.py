@@ -16,8 +16,12 @@ NAME.ipynb (`jupytext --sync notebooks/NAME.py`): a test fails when the two hold
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import re
+import statistics
+import subprocess
+import sys
 
 import pytest
 
@@ -50,7 +54,7 @@ TINY = {
     "03_zero2": _TINY_RUNS,
     "04_zero3": _TINY_RUNS,
     "05_offload": _TINY_RUNS,
-    "06_compare": _TINY_RUNS + '\nBENCH_SIZES, BENCH_REPEATS, PEERS = ("tiny",), 2, ("torch",)',
+    "06_compare": _TINY_RUNS + '\nBENCH_SIZES, BENCH_REPEATS, PEERS = ("tiny",), 1, ("torch",)',
     "07_activations": _TINY_RUNS + "\nSEQS, BATCHES = (8, 16), (2, 4)",
     "08_beyond": 'MODEL, BUCKET_SIZE, QSTEPS = "tiny", 400, 4',
 }
@@ -67,7 +71,8 @@ READ = {
                  "lora_3": '{"lora": lora}'},
     "05_offload": {"offload_5": '{"runs": [r for runs in measured.values() for r in runs.values()]}',
                    "loss_scale_5": '{"loss_scale": fp16}', "steps_5": '{"steps": steps}'},
-    "06_compare": {"compare_6": '{"runs": [r for runs in stages.values() for r in runs.values()]}'},
+    "06_compare": {"compare_6": '{"runs": [r for runs in stages.values() for r in runs.values()]}',
+                   "bench_6": '{"bench": report}'},
     "07_activations": {"activations_7": '{"runs": [r for runs in measured.values() for r in runs.values()], '
                                         '"activations": rows, "memory_timelines": timelines}',
                        "steps_7": '{"steps": steps}'},
@@ -102,14 +107,17 @@ def test_every_notebook_is_tested():
     assert [p.stem for p in notebooks()] == sorted(TINY) == sorted(READ)
 
 
+def _cells(nb) -> list[tuple]:
+    return [(c.cell_type, c.source, c.metadata.get("tags", [])) for c in nb.cells]
+
+
 def test_each_notebook_is_its_jupytext_source():
     """The .py a person edits and the .ipynb JupyterLab opens hold the same cells (types, sources, tags)."""
     jupytext = pytest.importorskip("jupytext")
     for path in notebooks():
         source = path.with_suffix(".py")
         assert source.exists(), f"{source.name} missing: jupytext --set-formats ipynb,py:percent {path.name}"
-        cells = lambda nb: [(c.cell_type, c.source, c.metadata.get("tags", [])) for c in nb.cells]  # noqa: E731
-        ipynb, text = cells(nbformat.read(path, as_version=4)), cells(jupytext.read(source))
+        ipynb, text = _cells(nbformat.read(path, as_version=4)), _cells(jupytext.read(source))
         differ = next((i for i, (a, b) in enumerate(zip(ipynb, text)) if a != b), min(len(ipynb), len(text)))
         assert ipynb == text, (f"{path.name} and {source.name} differ from cell {differ} on: "
                                f"jupytext --sync notebooks/{source.name}")
@@ -168,6 +176,36 @@ def test_a_stage_notebook_shows_the_mechanism_in_its_cells(name):
                and not src.startswith("%%") for src in code), f"{name}: no in-process cell"
 
 
+EDITED_WORKER = """
+import importlib, os, sys, time
+import minizero
+def write(value):
+    with open("cell_worker.py", "w") as f:
+        f.write(f"def train():\\n    return {value}\\n")
+if __name__ == "__main__":
+    sys.path.insert(0, os.getcwd())
+    write(1)
+    import cell_worker
+    first = minizero.launch(cell_worker.train, 2)         # the kernel's first launch starts the server
+    time.sleep(1.1)                                       # a newer file for the import system
+    write(2)                                              # the learner edits the cell and reruns both
+    importlib.reload(cell_worker)
+    print(first, minizero.launch(cell_worker.train, 2))
+"""
+
+
+def test_an_edited_worker_cell_reaches_the_ranks(tmp_path):
+    """A %%writefile worker launched first in a kernel, edited, launched again: the ranks run the edit (a
+    forkserver that preloaded the first version would hand every later rank the stale module)."""
+    (tmp_path / "kernel.py").write_text(EDITED_WORKER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(NOTEBOOKS.parent),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "kernel.py"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "[1, 1] [2, 2]", out.stdout
+
+
 @pytest.mark.parametrize("name", sorted(READ))
 def test_notebook_runs_and_its_plots_match_the_formulas(name, tmp_path):
     nb = with_tiny_settings(nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4), name)
@@ -196,6 +234,15 @@ def test_notebook_runs_and_its_plots_match_the_formulas(name, tmp_path):
             check_steps(data["steps"], int(export.split("_")[1]))
         if "ring" in data:
             check_ring(data["ring"])
+        if "bench" in data:
+            check_bench(data["bench"])
+
+
+def check_bench(report: dict) -> None:
+    """Every pair ends at the peer's parameters, and its figure has a ratio for each repeat to draw."""
+    for p in report["pairs"]:
+        assert p["max_param_diff"] < 1e-5, p
+        assert len(p["repeat_ratios"]) == report["config"]["repeats"] and min(p["repeat_ratios"]) > 0, p
 
 
 def check_steps(steps: dict, notebook: int) -> None:
@@ -290,6 +337,8 @@ def check_training_runs(records: list[dict]) -> None:
         for r in rec["ranks"]:
             sent = r["comm_bytes_per_step"]["total"]
             assert within_padding(sent, sent_formula, n, times=3), f"{where}: {sent} bytes per step"
+        # the step-time panel: a bar at the median of the dots it draws, one per timed step
+        assert rec["step_time_s"] == pytest.approx(statistics.median(rec["step_times_s"])), where
         atol = tolerance(rec["dtype"])
         assert rec["max_abs_diff"] <= atol, f"{where}: {rec['max_abs_diff']} from the reference"
         assert rec["losses"] == pytest.approx(rec["reference_losses"], rel=atol), where
