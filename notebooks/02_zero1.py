@@ -135,27 +135,30 @@ for r in minizero.launch(zero1_ranks.train, N, MODEL, backend=BACKEND):
 #
 # `minizero.flat.FlatLayout` is the bookkeeping every stage shares: the parameters end to end in one
 # flat buffer, padded to a multiple of N, cut into N equal partitions. A layout needs no process
-# group: below, rank r's layout for each r of N, on the 17-parameter model of the step-through. Each
-# line is one rank's partition: which parameter each element belongs to (`·` is padding), and where
-# the partition starts. Change `N` and run it again.
+# group: below, rank r's layout for each r of N, on the 17-parameter model of the step-through: the
+# flat buffer of its parameters (`layout.flatten`) and rank r's partition of it
+# (`layout.my_partition`, a view into the buffer), with the parameter each element belongs to (`·`:
+# padding). Change `N` and run it again.
 
 # %%
+import torch
 from torch import nn
 
 from minizero.flat import FlatLayout
 
 N = 4
+torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 2))           # Ψ = 17
-names = {id(p): name for name, p in model.named_parameters()}
+names = [name for name, p in model.named_parameters() for _ in range(p.numel())]
 for rank in range(N):
     layout = FlatLayout.build([list(model.parameters())], world_size=N, rank=rank)
     (b,) = layout.buckets
-    owner = ["·"] * b.padded_numel         # which parameter each element of the buffer holds
-    for p, start in zip(b.params, b.offsets):
-        owner[start: start + p.numel()] = [names[id(p)]] * p.numel()
-    mine = owner[rank * b.shard_numel: (rank + 1) * b.shard_numel]
-    print(f"rank {rank}: elements {rank * b.shard_numel:2}-{(rank + 1) * b.shard_numel - 1:2} "
-          f"of {b.padded_numel} ({b.padded_numel - b.numel} padding): {' '.join(mine)}")
+    flat = layout.flatten(torch.float32, torch.device("cpu"))   # Ψ values, then zeros up to N·⌈Ψ/N⌉
+    part = layout.my_partition(flat, b)                         # this rank's partition: a view
+    start = part.storage_offset()
+    owners = (names + ["·"] * (b.padded_numel - b.numel))[start: start + part.numel()]
+    print(f"rank {rank}: flat[{start:2}:{start + part.numel():2}] = {part.numpy().round(2)}  "
+          f"{' '.join(owners)}")
 
 # %% [markdown]
 # ## Run it
@@ -163,8 +166,8 @@ for rank in range(N):
 # Now at every world size, measured: one `minizero.launch` per N runs
 # `minizero.lab.train.train_worker` on every rank, the loop of the worker above plus what `python -m
 # minizero.run` measures (memory by category, bytes sent, step times). Every run is compared with
-# `minizero.lab.reference.reference_train`: one process, the whole global batch, plain `torch.optim`.
-# Data parallelism must not change the result, only where the bytes live.
+# `minizero.lab.reference.reference_train`: one process, the whole global batch, plain
+# `torch.optim`. Data parallelism must not change the result, only where the bytes live.
 
 # %%
 runs = demo.measure_stage(1, WORLD_SIZES, DTYPE, steps=STEPS, model=MODEL, backend=BACKEND)

@@ -175,8 +175,8 @@ for when, nbytes in seen:
 # Now at every world size, measured: one `minizero.launch` per N runs
 # `minizero.lab.train.train_worker` on every rank, the loop of the worker above plus what `python -m
 # minizero.run` measures (memory by category, bytes sent, step times). Every run is compared with
-# `minizero.lab.reference.reference_train`: one process, the whole global batch, plain `torch.optim`.
-# Data parallelism must not change the result, only where the bytes live.
+# `minizero.lab.reference.reference_train`: one process, the whole global batch, plain
+# `torch.optim`. Data parallelism must not change the result, only where the bytes live.
 
 # %%
 runs = demo.measure_stage(3, WORLD_SIZES, DTYPE, steps=STEPS, model=MODEL, backend=BACKEND)
