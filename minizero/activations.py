@@ -63,7 +63,6 @@ class SavedTensorMeter:
         self._storages: dict[int, list[int]] = {}      # storage -> [saved tensors using it, its bytes]
         self._excluded: set[int] = set()
         self._new_step = True
-        self.enabled = True        # engine.activations.enabled = False: no hooks (what the bench compares)
 
     def new_step(self) -> None:
         """The next forward starts a step: its peak is counted afresh (engine.step calls this)."""
@@ -72,9 +71,6 @@ class SavedTensorMeter:
     @contextlib.contextmanager
     def recording(self):
         """Count what is saved for backward inside this block (the engine's forward, a recompute)."""
-        if not self.enabled:
-            yield
-            return
         if self._new_step:
             self.peak, self._new_step = self.alive, False
         # A storage is identified by its StorageImpl (_cdata), which stage 3's resize_ keeps: a unit's

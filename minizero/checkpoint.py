@@ -86,7 +86,7 @@ import shutil
 
 import torch
 
-from minizero import comm
+from minizero import comm, events
 
 FORMAT = "minizero-checkpoint"
 FORMAT_VERSION = 1
@@ -125,6 +125,7 @@ def save(engine, directory: str) -> None:
     if engine.rank == 0:
         manifest = {**describe(engine), "version": version, "step": engine.step_count,
                     "files": {name: info for f in everyone for name, info in f.items()}}
+        events.emit("checkpoint commit", engine=engine, directory=directory)   # every shard on disk
         write_atomic(os.path.join(directory, MANIFEST), json.dumps(manifest, indent=1).encode())  # commit
         for name in os.listdir(directory):                    # the old version, and any unfinished one
             if _VERSION_DIR.fullmatch(name) and name != version:

@@ -33,6 +33,8 @@ under `torchrun`, `init()` reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT f
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime
 import os
 from collections import Counter
@@ -40,14 +42,9 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-from minizero.network import (
-    Link,
-    ModeledHandle,
-    Network,
-    network_from_env,
-    parse_network,
-    sleep_until,
-)
+from minizero import events
+from minizero.flat import partition
+from minizero.network import Link, Network, network_from_env, parse_network, sleep_until
 
 # Collectives wait this long for a missing peer before raising. A dead peer is normally noticed much sooner
 # by the launcher (it kills the survivors); this bound covers torchrun and anything the launcher cannot see.
@@ -198,7 +195,8 @@ def _pg(group: Group | None):
 _tally: Counter = Counter()
 _span: Counter = Counter()              # the same bytes, by where their ring runs: intra_node / inter_node
 _network: Network | None = None         # set_network, or MINIZERO_NETWORK at init; None: off
-link = Link()                           # this rank's link under the model (link.history = [] records it)
+link = Link()                           # this rank's link under the model
+_seq = 0                                # collectives this rank has issued (the same count on every rank)
 
 
 def reset_tally() -> None:
@@ -253,51 +251,38 @@ def ranks_span_nodes(ranks, per_node: int) -> bool:
     return len({r // per_node for r in ranks}) > 1
 
 
-def _count(kind: str, full: torch.Tensor, group: Group | None = None) -> float | None:
-    """Tally a collective over `full` (its whole size) and book it (_book)."""
-    n = group_size(group)
-    return _book(kind, kind, ring_bytes(kind, full.numel() * full.element_size(), n), n, group)
-
-
-def _book(tally_kind: str, kind: str, sent: float, n: int, group: Group | None) -> float | None:
-    """Add `sent` bytes to the tally; with a network model, book the ring of `kind` on this rank's link:
-    returns when the modelled ring will have finished (time.perf_counter seconds), else None."""
+def _book(tally_kind: str, kind: str, sent: float, n: int, group: Group | None):
+    """Add `sent` bytes to the tally; with a network model, book the ring of `kind` on this rank's link.
+    Returns (start, end) of the modelled transfer (time.perf_counter seconds), or None without a model."""
     _tally[tally_kind] += sent
     inter = spans_nodes(group)
     _span["inter_node" if inter else "intra_node"] += sent
     if _network is None or n == 1:
         return None
-    return link.book(_network.time(kind, sent, n, inter), kind)
-
-
-def _modeled(handle, done_at: float | None, async_op: bool):
-    """The collective's result under the model: an async handle that waits until done_at as well, or (a
-    synchronous call) return only at done_at. Without a model, the backend's own."""
-    if done_at is None:
-        return handle
-    if async_op:
-        return ModeledHandle(handle, done_at)
-    sleep_until(done_at)
-    return None
+    seconds = _network.time(kind, sent, n, inter)
+    end = link.book(seconds)
+    return end - seconds, end
 
 
 # --------------------------------------------------------------------------------------------------------
 # Collectives. Each returns an async handle (call .wait()) when async_op=True, else None.
 # With one rank they are no-ops (or a copy), so every stage also runs single-process.
+# `tag` says what a collective is for ("unit 3 (blocks.3)", "bucket 0"): the event stream carries it.
 # --------------------------------------------------------------------------------------------------------
 
 class _Done:
-    """The handle returned when there was nothing to communicate."""
+    """The handle of a collective with nothing left to wait for."""
     def wait(self) -> bool:
         return True
 
 
 class Joined:
     """One handle for several collectives in flight: wait() waits for each, then runs `finish` once (what
-    is left to do locally when they are done: a copy out, a dequantization)."""
+    is left to do locally when they are done: a copy out, a dequantization). `keep`: tensors the
+    collectives read, held until they are done."""
 
-    def __init__(self, handles: list, finish=None):
-        self.handles, self.finish = handles, finish
+    def __init__(self, handles: list, finish=None, keep=None):
+        self.handles, self.finish, self.keep = handles, finish, keep
 
     def wait(self) -> bool:
         for handle in self.handles:
@@ -305,106 +290,159 @@ class Joined:
         if self.finish is not None:
             self.finish()
             self.finish = None                                    # wait() twice finishes once
+        self.keep = None
         return True
 
 
-def _started(handle, done_at: float | None, async_op: bool):
-    """A collective issued asynchronously, returned as the caller asked: its handle, or waited for."""
-    if not async_op:
-        handle.wait()
-    return _modeled(handle, done_at, async_op)
+class _Issued:
+    """A collective's handle: wait() waits for the backend, then (with a network model) until the
+    modelled ring has delivered it, then says so on the event stream, once."""
+
+    def __init__(self, handle, seq: int, kind: str, tag: str, modeled):
+        self.handle, self.seq, self.kind, self.tag, self.modeled = handle, seq, kind, tag, modeled
+
+    def wait(self) -> bool:
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+            if self.modeled is not None:
+                sleep_until(self.modeled[1])
+            events.emit("collective done", seq=self.seq, kind=self.kind, tag=self.tag)
+        return True
+
+
+_blocking = False          # synchronous(): every collective completes before it returns
+
+
+@contextlib.contextmanager
+def synchronous():
+    """Inside the block every collective completes before the call returns, async_op or not (its handle
+    is already done). For debugging and for stepping through a step phase by phase (lab/stepthrough.py):
+    NCCL_BLOCKING_WAIT's idea. Values are the same; only the overlap is gone."""
+    global _blocking
+    previous, _blocking = _blocking, True
+    try:
+        yield
+    finally:
+        _blocking = previous
+
+
+def _issue(kind: str, full: torch.Tensor, group: Group | None, tag: str, async_op: bool, run,
+           local=None, sent: float | None = None):
+    """Every collective passes here: tally the ring bytes of `kind` over `full` (its whole size), book it
+    on the modelled network, tell the event stream, then run it (`run()`: the backend's async handle;
+    with one rank `local()`, if anything, instead)."""
+    global _seq
+    n = group_size(group)
+    if sent is None:
+        sent = ring_bytes(kind, full.numel() * full.element_size(), n)
+    modeled = _book(kind, kind, sent, n, group)
+    _seq += 1
+    events.emit("collective", kind=kind, tag=tag, group=group, numel=full.numel(), dtype=full.dtype,
+                sent=sent, tensor=full, seq=_seq, modeled=modeled)
+    if n == 1:
+        if local is not None:
+            local()
+        handle = None
+    else:
+        handle = run()
+    issued = _Issued(handle, _seq, kind, tag, modeled)
+    if not async_op or _blocking:
+        issued.wait()
+    return issued if async_op else None
 
 
 # [Note: collectives on gloo] The ring formulas above are what a bandwidth-optimal implementation sends,
-# and NCCL's collectives are such rings. gloo's are not equally good. On the 2-core machine this project
-# is developed on (loopback, fp32, one thread per rank, ms; `python -m minizero.bench --collectives`):
-#
-#     N   elements   all-reduce   reduce-scatter: gloo's / minizero's   all-gather: gloo's / minizero's
-#     2      8M          33                     44 / 36                           35 / 12
-#     2     50M         171                    315 / 150                         255 / 65
-#     4      8M          64                     71 / 53                           50 / 34
-#     4     50M         392                    626 / 361                         447 / 154
-#
-# gloo's reduce-scatter, half an all-reduce on paper, takes longer than its whole all-reduce (1.8x at
-# 50M), and its all-gather 1.5-4x as long as broadcasting each rank's piece. So on gloo minizero runs
-# reduce_scatter as an all-reduce of the input followed by a copy of this rank's part, and all_gather as
-# one broadcast per rank. More bytes move (an all-reduce sends twice a reduce-scatter's) but less time
-# passes. The tally still books the collective the algorithm asks for, with its ring bytes: the papers'
-# cost, and what NCCL sends. The price for callers: reduce_scatter's input is workspace, its contents
-# afterwards undefined on every backend (every stage's input is a buffer it is done with).
-# GLOO_WORKAROUNDS = False runs gloo's own collectives (the bench's --collectives compares both).
-GLOO_WORKAROUNDS = True
+# and NCCL's collectives are such rings. gloo's are not equally good: on the machine this project is
+# developed on, gloo's reduce-scatter, half an all-reduce on paper, takes longer than its whole
+# all-reduce, and its all-gather longer than broadcasting each rank's piece (docs/performance.md has the
+# table and the command that measures it: python -m minizero.bench --collectives). So on gloo minizero
+# runs reduce_scatter as an all-reduce of the input followed by a copy of this rank's part, and
+# all_gather as one broadcast per rank: more bytes move, less time passes. The tally still books the
+# collective the algorithm asks for, with its ring bytes: the papers' cost, and what NCCL sends. The
+# price for callers: reduce_scatter's input is workspace, its contents afterwards undefined on every
+# backend (every stage's input is a buffer it is done with). `backend_collectives()` turns this off.
+_gloo_workarounds = True
+
+
+@contextlib.contextmanager
+def backend_collectives():
+    """Inside the block reduce_scatter and all_gather run the backend's own collectives on gloo too
+    ([Note: collectives on gloo]); the bench's --collectives times both ways."""
+    global _gloo_workarounds
+    previous, _gloo_workarounds = _gloo_workarounds, False
+    try:
+        yield
+    finally:
+        _gloo_workarounds = previous
 
 
 def _on_gloo() -> bool:
-    return GLOO_WORKAROUNDS and backend() == "gloo"
+    return _gloo_workarounds and backend() == "gloo"
 
 
-def all_reduce(tensor: torch.Tensor, op: str = "avg", async_op: bool = False, group: Group | None = None):
+def _copy_into(output: torch.Tensor, input: torch.Tensor):
+    """One rank's collective: the output is the input (unless it already is)."""
+    def local():
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input.view_as(output))
+    return local
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "avg", async_op: bool = False, group: Group | None = None,
+               tag: str = ""):
     """In place: every rank ends with op(tensor over ranks). DDP's gradient averaging."""
-    done_at = _count("all_reduce", tensor, group)
-    if group_size(group) == 1:
-        return _Done() if async_op else None
-    return _modeled(dist.all_reduce(tensor, op=_OPS[op], async_op=async_op, group=_pg(group)), done_at, async_op)
+    return _issue("all_reduce", tensor, group, tag, async_op,
+                  lambda: dist.all_reduce(tensor, op=_OPS[op], async_op=True, group=_pg(group)))
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "avg", async_op: bool = False,
-                   group: Group | None = None):
+                   group: Group | None = None, tag: str = ""):
     """input [N * n] on every rank -> output [n] on rank r = op over ranks of input[r*n:(r+1)*n].
 
     `output` may be rank r's slice of `input` itself (in place): stage 1 uses that to average its own
     partition of the gradient without a second buffer. The rest of `input` is workspace: undefined after.
     """
     assert input.numel() == output.numel() * group_size(group), "reduce_scatter: input must be N x output"
-    done_at = _count("reduce_scatter", input, group)
-    if group_size(group) == 1:
-        if output.data_ptr() != input.data_ptr():
-            output.copy_(input)
-        return _Done() if async_op else None
-    if _on_gloo():                                        # [Note: collectives on gloo]
-        mine = input.view(-1)[group_rank(group) * output.numel():][:output.numel()]   # [n]
-        copy_out = None if output.data_ptr() == mine.data_ptr() else lambda: output.copy_(mine.view_as(output))
-        handle = Joined([dist.all_reduce(input, op=_OPS[op], async_op=True, group=_pg(group))], copy_out)
-    else:
-        handle = dist.reduce_scatter_single(output, input, op=_OPS[op], async_op=True, group=_pg(group))
-    return _started(handle, done_at, async_op)
+
+    def run():
+        if _on_gloo():                                    # [Note: collectives on gloo]
+            mine = partition(input.view(-1), group_rank(group), group_size(group))       # [n]
+            copy_out = _copy_into(output, mine) if output.data_ptr() != mine.data_ptr() else None
+            return Joined([dist.all_reduce(input, op=_OPS[op], async_op=True, group=_pg(group))], copy_out)
+        return dist.reduce_scatter_single(output, input, op=_OPS[op], async_op=True, group=_pg(group))
+    return _issue("reduce_scatter", input, group, tag, async_op, run, _copy_into(output, input))
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False, group: Group | None = None):
+def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False, group: Group | None = None,
+               tag: str = ""):
     """input [n] from every rank -> output [N * n] on every rank, rank r's input at output[r*n:(r+1)*n].
 
     `input` may be this rank's slice of `output` (in place), which is how ZeRO rebuilds full parameters.
     """
     n = group_size(group)
     assert output.numel() == input.numel() * n, "all_gather: output must be N x input"
-    done_at = _count("all_gather", output, group)
-    if n == 1:
-        if output.data_ptr() != input.data_ptr():
-            output.copy_(input)
-        return _Done() if async_op else None
-    if _on_gloo():                                        # [Note: collectives on gloo]
-        m = input.numel()
-        pieces = [output.view(-1)[i * m:][:m] for i in range(n)]                  # N x [n]
-        mine = pieces[group_rank(group)]
-        if mine.data_ptr() != input.data_ptr():
-            mine.copy_(input.view(-1))
-        ranks = range(n) if group is None else group.ranks
-        handle = Joined([dist.broadcast(piece, src=src, async_op=True, group=_pg(group))
-                         for piece, src in zip(pieces, ranks) if m])
-    else:
-        handle = dist.all_gather_single(output, input, async_op=True, group=_pg(group))
-    return _started(handle, done_at, async_op)
+
+    def run():
+        if _on_gloo():                                    # [Note: collectives on gloo]
+            pieces = [partition(output.view(-1), i, n) for i in range(n)]          # N x [n]
+            _copy_into(pieces[group_rank(group)], input.view(-1))()
+            ranks = range(n) if group is None else group.ranks
+            return Joined([dist.broadcast(piece, src=src, async_op=True, group=_pg(group))
+                           for piece, src in zip(pieces, ranks) if input.numel()])
+        return dist.all_gather_single(output, input, async_op=True, group=_pg(group))
+    return _issue("all_gather", output, group, tag, async_op, run, _copy_into(output, input))
 
 
-def broadcast(tensor: torch.Tensor, src: int = 0, async_op: bool = False, group: Group | None = None):
+def broadcast(tensor: torch.Tensor, src: int = 0, async_op: bool = False, group: Group | None = None,
+              tag: str = ""):
     """In place: every rank ends with rank `src`'s tensor (src: a global rank). Starts all replicas equal."""
-    done_at = _count("broadcast", tensor, group)
-    if group_size(group) == 1:
-        return _Done() if async_op else None
-    return _modeled(dist.broadcast(tensor, src=src, async_op=async_op, group=_pg(group)), done_at, async_op)
+    return _issue("broadcast", tensor, group, tag, async_op,
+                  lambda: dist.broadcast(tensor, src=src, async_op=True, group=_pg(group)))
 
 
-def all_to_all(output: torch.Tensor, input: torch.Tensor, async_op: bool = False, group: Group | None = None):
+def all_to_all(output: torch.Tensor, input: torch.Tensor, async_op: bool = False, group: Group | None = None,
+               tag: str = ""):
     """input [N * n] -> output [N * n]: chunk j of rank r's input lands as chunk r of rank j's output.
 
     A transpose of who-holds-what. Each rank keeps one chunk and sends N-1: (N-1)/N of the input. ZeRO++'s
@@ -412,12 +450,47 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, async_op: bool = False
     """
     assert output.numel() == input.numel() and input.numel() % group_size(group) == 0, \
         "all_to_all: input and output must be the same N x n"
-    done_at = _count("all_to_all", input, group)
-    if group_size(group) == 1:
-        if output.data_ptr() != input.data_ptr():
-            output.copy_(input)
-        return _Done() if async_op else None
-    return _modeled(dist.all_to_all_single(output, input, async_op=async_op, group=_pg(group)), done_at, async_op)
+    return _issue("all_to_all", input, group, tag, async_op,
+                  lambda: dist.all_to_all_single(output, input, async_op=True, group=_pg(group)),
+                  _copy_into(output, input))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Routes: how one partition travels (ZeRO's variants as data, not as branches in the stages)
+# --------------------------------------------------------------------------------------------------------
+
+class Exact:
+    """The paper's codec: the values travel as they are stored."""
+
+    def all_gather(self, output, input, group, tag):
+        return all_gather(output, input, async_op=True, group=group, tag=tag)
+
+    def reduce_scatter(self, output, input, group, tag):
+        return reduce_scatter(output, input, op="avg", async_op=True, group=group, tag=tag)
+
+
+EXACT = Exact()
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """Which ranks a partition's collective runs over (`group`, None: all N), in what codec (EXACT, or
+    quantize.Int8Blocks: ZeRO++), and where its source lives (`home`: "device", or "host" with
+    offload="params", ZeRO-Infinity: copied to the compute device first). Route() is the paper's ZeRO;
+    HSDP, hpZ, parameter offload, qwZ and qgZ are other routes (zero2.py, zero3.py build them). Both
+    methods start the collective and return its async handle."""
+    group: Group | None = None
+    codec: Exact = EXACT
+    home: str = "device"
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: str = ""):
+        if self.home == "host":                           # host -> device, explicit (also on a CPU run)
+            input = input.to(device(), copy=True, non_blocking=True)
+            return Joined([self.codec.all_gather(output, input, self.group, tag)], keep=input)
+        return self.codec.all_gather(output, input, self.group, tag)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, tag: str = ""):
+        return self.codec.reduce_scatter(output, input, self.group, tag)
 
 
 def all_gather_object(obj) -> list:
@@ -458,9 +531,10 @@ def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     incoming = torch.empty(chunk, dtype=flat.dtype, device=flat.device)
     right, left = (r + 1) % n, (r - 1) % n
     # tallied (and, with a network model, timed) as the 2(N-1) hops of chunk bytes it sends
-    done_at = _book("ring_all_reduce", "all_reduce", 2 * (n - 1) * chunk * flat.element_size(), n, None)
+    modeled = _book("ring_all_reduce", "all_reduce", 2 * (n - 1) * chunk * flat.element_size(), n, None)
 
     def exchange(send_idx: int) -> None:
+        events.emit("ring exchange", buffer=padded, send=send_idx)   # [N * chunk], before the exchange
         # Post the send and the receive together so neither neighbour waits on the other (no deadlock).
         ops = [dist.P2POp(dist.isend, chunks[send_idx], right), dist.P2POp(dist.irecv, incoming, left)]
         for req in dist.batch_isend_irecv(ops):
@@ -476,5 +550,6 @@ def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     flat.copy_(padded[: flat.numel()])
     if flat.data_ptr() != tensor.data_ptr():                    # non-contiguous input: write back
         tensor.copy_(flat.view_as(tensor))
-    _modeled(None, done_at, async_op=False)
+    if modeled is not None:
+        sleep_until(modeled[1])
     return tensor

@@ -63,7 +63,7 @@ class Partition:
         storage = param.untyped_storage()
         storage.resize_(self.numel * param.element_size())
         flat = torch.empty(self.chunk.numel() * comm.world_size(), dtype=param.dtype, device=param.device)
-        comm.all_gather(flat, self.chunk)        # [N · ⌈numel/N⌉]
+        comm.all_gather(flat, self.chunk, tag="sharded_init: a call touching a partitioned parameter")
         _whole(param).copy_(flat[: self.numel])
 
     def release(self, param: torch.Tensor) -> None:
@@ -81,7 +81,7 @@ def _chunk_of(flat: torch.Tensor) -> torch.Tensor:
     n, r = comm.world_size(), comm.rank()
     size = padded_size(flat.numel(), n) // n
     chunk = torch.zeros(size, dtype=flat.dtype, device=flat.device)
-    mine = flat[r * size: (r + 1) * size]
+    mine = flat[r * size: (r + 1) * size]        # the last ranks' slices run short: padding
     chunk[: mine.numel()].copy_(mine)
     return chunk
 
@@ -121,8 +121,16 @@ def full_value(param: torch.Tensor) -> torch.Tensor:
     part = partition_of(param)
     chunk = part.chunk
     flat = torch.empty(chunk.numel() * comm.world_size(), dtype=chunk.dtype, device=chunk.device)
-    comm.all_gather(flat, chunk)
+    comm.all_gather(flat, chunk, tag="stage 3: a unit built from sharded_init's partitions")
     return flat[: part.numel].view(part.shape)
+
+
+def take_value(param: torch.Tensor) -> torch.Tensor:
+    """Stage 3 building a unit: the parameter's full value (gathered if built partitioned), after which
+    its partition is forgotten (its chunk freed)."""
+    value = full_value(param) if partition_of(param) is not None else param.detach()
+    forget(param)
+    return value
 
 
 def forget(param: torch.Tensor) -> None:
@@ -176,7 +184,7 @@ class sharded_init(TorchFunctionMode):
             nbytes = param.numel() * param.element_size()
             if param.untyped_storage().nbytes() != nbytes:
                 return                               # a view into a larger tensor: left whole (see top)
-            comm.broadcast(param.data, src=0)        # rank 0's values, as Engine would broadcast
+            comm.broadcast(param.data, src=0, tag="sharded_init: rank 0's values")   # as Engine does
             part = Partition(param, _chunk_of(param.detach().reshape(-1)))
             param.untyped_storage().resize_(0)       # <- the essential line: the full values are gone
         _partitions[_key(param)] = part

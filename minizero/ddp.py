@@ -39,7 +39,7 @@ class DDP(Engine):
     sharded = False                 # every rank steps all parameters
 
     def __init__(self, model, optimizer, *, bucket_size: float = DEFAULT_BUCKET_BYTES, overlap: bool = True,
-                 **kwargs):
+                 buckets_in_flight: int = 2, **kwargs):
         super().__init__(model, optimizer, **kwargs)
         groups = split_into_buckets(list(reversed(self.trainable)), bucket_size)
         # Nothing is partitioned, so buckets need no padding: the tally is exactly 2(N-1)/N·Ψ.
@@ -49,8 +49,8 @@ class DDP(Engine):
         # [Ψ] in reduce_dtype; p.grad are views of it, or added into it (fp32 reduce: flat.point_grads_into)
         self.flat_grads = torch.zeros_like(self.flat_params, dtype=self.grad_dtype)
         self.layout.point_grads_into(self.flat_grads)
-        self.reducer = GradBuckets(self.layout.buckets, launch=self._all_reduce_bucket, mark=self._mark,
-                                   overlap=overlap)
+        self.reducer = GradBuckets(self.layout.buckets, launch=self._all_reduce_bucket, owner=self,
+                                   max_in_flight=buckets_in_flight, overlap=overlap)
         self.optimizer = ShardOptimizer([self._bucket_params(b) for b in self.layout.buckets],
                                         self.optimizer_factory)
 
@@ -68,7 +68,8 @@ class DDP(Engine):
             if p.grad is not None and p.grad.data_ptr() != view.data_ptr():   # autograd replaced p.grad:
                 view.copy_(p.grad)                       # put it back into the bucket
                 p.grad = view
-        return comm.all_reduce(self._bucket_grads(b), op="avg", async_op=True)   # <- the essential line
+        return comm.all_reduce(self._bucket_grads(b), op="avg", async_op=True,   # <- the essential line
+                               tag=f"bucket {b.index}")
 
     def _after_backward(self) -> None:
         self.reducer.finish()

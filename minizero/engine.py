@@ -34,9 +34,10 @@ in zero1/zero2/zero3 pass group=self.shard_group; ZeRO++'s hpZ (hpz_group_size, 
 group, a node's R ranks, for stage 3's backward all-gather.
 
 Measurement: memory() gives this rank's model-state bytes and the activations' peak (activations.py);
-`engine.memory_timeline = []` records one (time, event, bytes by category) per event from then on: the
-end of each unit's forward, the start of its backward, each gradient bucket launched and arrived, the end
-of backward, the step. Bytes in flight (stage 2-3 staging buffers) count as grads, as in memory().
+`with engine.memory_timeline() as timeline:` records one (time, event, bytes by category) per event of
+the event stream (events.py): the end of each unit's forward, the start of its backward, each gradient
+bucket launched and arrived, the end of backward, the step. Bytes in flight (stage 2-3 staging buffers)
+count as grads, as in memory().
 """
 
 from __future__ import annotations
@@ -48,16 +49,16 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from minizero import activations, checkpoint, comm, construct
+from minizero import activations, checkpoint, comm, construct, events
 from minizero.loss_scale import scaler_for
 from minizero.memory import measure
 from minizero.optim import DTYPES
+from minizero.options import check_offload, is_positive_int, takes
 
 
 class Engine:
     stage: int = -1
     sharded: bool = True           # stages 1-3: the optimizer steps a partition, gradients are partitioned
-    offload_choices: tuple = (False,)   # what offload= may be: stages 1-3 add the optimizer, 3 the params
 
     def __init__(self, model: nn.Module, optimizer, *, dtype: str = "fp32", offload: bool | str = False,
                  clip_grad_norm: float | None = None, loss_scale: float | dict | None = None,
@@ -100,52 +101,43 @@ class Engine:
         self.trainable = [p for p in params if p.requires_grad]
         self.frozen = [p for p in params if not p.requires_grad]   # replicated as-is, never stepped
         self.activations = activations.SavedTensorMeter(params)    # ZeRO-R: what forward saves (activations.py)
-        self.memory_timeline: list[tuple[float, str, dict[str, int]]] | None = None   # [] records (_mark)
+        events.subscribe_weakly(self._count)                       # [Note: counted peaks]
 
     @classmethod
     def check(cls, dtype: str = "fp32", offload: bool | str = False, reduce_dtype: str | None = None,
               shard_group_size: int | None = None, hpz_group_size: int | None = None,
               world_size: int | None = None) -> None:
-        """The rules for dtype, offload, reduce_dtype and the group sizes, in one place: the engine checks
-        them when it is built, and wrap.check / the CLI call this before anything is built (or any process
-        started; world_size: the N to check against, default this process group's)."""
-        cls._check_groups(shard_group_size, hpz_group_size, comm.world_size() if world_size is None else world_size)
+        """The rules for dtype, offload, reduce_dtype and the group sizes: the engine checks them when it
+        is built, and wrap.check / the CLI call this before anything is built (or any process started;
+        world_size: the N to check against, default this process group's). Which stage takes what:
+        options.py."""
+        n = comm.world_size() if world_size is None else world_size
+        if shard_group_size is not None and not takes(cls.stage, "shard_group_size"):
+            raise ValueError("shard_group_size needs ZeRO stage 1, 2 or 3 (DDP partitions nothing)")
+        if hpz_group_size is not None and not takes(cls.stage, "hpz_group_size"):
+            raise ValueError(f"hpz_group_size needs stage 3 (stage {cls.stage} does not gather parameters "
+                             "in backward)")
+        if shard_group_size is not None and not (is_positive_int(shard_group_size) and n % shard_group_size == 0):
+            raise ValueError(f"shard_group_size must be a divisor of the world size {n} (1 <= S <= N), "
+                             f"got {shard_group_size!r}")
+        s = n if shard_group_size is None else shard_group_size    # R divides S: a node's ranks hold whole
+        if hpz_group_size is not None and not (is_positive_int(hpz_group_size) and s % hpz_group_size == 0):
+            raise ValueError(f"hpz_group_size must be a divisor of the shard group size {s}, "
+                             f"got {hpz_group_size!r}")     # partitions of the shard group's
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         # Reducing in more precision than the compute is the point; in less (fp32 compute, bf16 reduce) it
         # would be gradient compression, which minizero does not do. The compute dtype itself is a no-op.
         if reduce_dtype not in (None, "fp32", dtype):
             raise ValueError(f"reduce_dtype must be None, 'fp32' or the compute dtype {dtype!r}, got {reduce_dtype!r}")
-        if offload in cls.offload_choices:
-            return
-        if cls.stage == 0:
-            raise ValueError("offload needs ZeRO stage 1, 2 or 3 (DDP replicates the optimizer)")
-        if offload == "params":
-            raise ValueError(f"offload='params' needs stage 3 (stage {cls.stage} keeps full parameters)")
-        raise ValueError(f"offload must be one of {cls.offload_choices} for stage {cls.stage}, got {offload!r}")
-
-    @classmethod
-    def _check_groups(cls, shard: int | None, hpz: int | None, n: int) -> None:
-        """S (shard_group_size) divides N; R (hpz_group_size) divides S: a node's ranks hold whole
-        partitions of the shard group's. [Note: hierarchical sharding]"""
-        def size(x):
-            return isinstance(x, int) and not isinstance(x, bool) and x >= 1
-        if shard is not None and cls.stage == 0:
-            raise ValueError("shard_group_size needs ZeRO stage 1, 2 or 3 (DDP partitions nothing)")
-        if hpz is not None and cls.stage != 3:
-            raise ValueError(f"hpz_group_size needs stage 3 (stage {cls.stage} does not gather parameters in backward)")
-        if shard is not None and not (size(shard) and n % shard == 0):
-            raise ValueError(f"shard_group_size must be a divisor of the world size {n} (1 <= S <= N), got {shard!r}")
-        s = n if shard is None else shard
-        if hpz is not None and not (size(hpz) and s % hpz == 0):
-            raise ValueError(f"hpz_group_size must be a divisor of the shard group size {s}, got {hpz!r}")
+        check_offload(cls.stage, offload)
 
     def _broadcast_from_rank0(self) -> None:
         """All replicas start from rank 0's weights and buffers, whatever each process initialised."""
         with torch.no_grad():
             for t in list(self.module.parameters()) + list(self.module.buffers()):
                 if construct.partition_of(t) is None:
-                    comm.broadcast(t.data, src=0)
+                    comm.broadcast(t.data, src=0, tag="rank 0's initial values")
 
     # --- forward ------------------------------------------------------------------------------------
     def __call__(self, *inputs, **kwargs):
@@ -160,7 +152,7 @@ class Engine:
         loss.backward()
         self._after_backward()
         self._track_peak()
-        self._mark("end of backward")
+        events.emit("backward done", engine=self)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -176,17 +168,18 @@ class Engine:
     def step(self) -> None:
         grads = self._grad_parts()
         if self.replicate_group is not None:               # [Note: hierarchical sharding]
-            for g in grads:                                # average over the N/S groups: now over all N
-                comm.all_reduce(g, op="avg", group=self.replicate_group)
+            for b, g in zip(self.layout.buckets, grads):   # average over the N/S groups: over all N
+                comm.all_reduce(g, op="avg", group=self.replicate_group, tag=f"bucket {b.index} across")
         if self.scaler is not None:                        # fp16: the gradients are still S times too large
             grads = self.scaler.unscale(grads)             # fp32 / S; None: some rank overflowed
         if grads is not None:                              # (None: every rank skips this step, loss_scale.py)
             if self.clip_grad_norm is not None:
                 self.last_grad_norm = self._clip(grads)
             self.optimizer.step(grads)
+            events.emit("optimizer step", engine=self)
             self._after_step()
             self._track_peak()
-            self._mark("step")
+            events.emit("step", engine=self)
         self._zero_grad()
         self._accumulating = False
         self.activations.new_step()
@@ -200,7 +193,8 @@ class Engine:
         for g in grads:
             squares += g.float().pow(2).sum()
         if self.sharded:
-            comm.all_reduce(squares, op="sum", group=self.shard_group)   # sum of squares over all partitions
+            comm.all_reduce(squares, op="sum", group=self.shard_group,   # squares over all partitions
+                            tag="gradient norm")
         norm = squares.sqrt()
         scale = (self.clip_grad_norm / (norm + 1e-6)).clamp(max=1.0)
         for g in grads:
@@ -227,7 +221,7 @@ class Engine:
             if self.sharded:                                   # rebuild the bucket from N partitions
                 full = torch.empty(b.padded_numel, dtype=torch.float32, device=self.device)
                 comm.all_gather(full, master.to(self.device).contiguous(),   # host masters: offload
-                                group=self.shard_group)
+                                group=self.shard_group, tag=f"bucket {b.index} masters")
             for p, view in b.views(full):
                 values[id(p)] = view.detach().cpu().clone()
         out = {}
@@ -267,7 +261,8 @@ class Engine:
             if modifier_rank is not None:
                 with torch.no_grad():
                     for p in params:
-                        comm.broadcast(p.data, src=modifier_rank)   # rank r's values, everywhere
+                        comm.broadcast(p.data, src=modifier_rank,   # rank r's values, everywhere
+                                       tag="gathered(modifier_rank)")
                 self._after_user_write(params)
         finally:
             self._release_for_user(params)
@@ -320,26 +315,35 @@ class Engine:
 
     # --- the memory timeline: one rank's bytes by category at each event of a step --------------------
     def watch(self, units: list[nn.Module]) -> None:
-        """Mark the end of each unit's forward and the start of its backward in memory_timeline (wrap
-        calls it with the model's units, at every stage)."""
+        """Tell the event stream where each unit's forward ends and its backward starts (wrap calls it
+        with the model's units, at every stage): what memory_timeline() and the step-through show."""
         for i, unit in enumerate(units):
             unit.register_forward_hook(lambda module, args, output, i=i: self._on_unit_forward(i, output))
 
     def _on_unit_forward(self, i: int, output) -> None:
-        if self.memory_timeline is None:
-            return
-        self._mark(f"forward {i}")
+        events.emit("unit forward", engine=self, index=i)
         # its output's gradient arrives: its backward starts (the first output tensor that needs one)
         needs_grad = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
         if needs_grad:
-            needs_grad[0].register_hook(lambda grad: self._mark(f"backward {i}"))
+            needs_grad[0].register_hook(lambda grad: events.emit("unit backward", engine=self, index=i))
 
-    def _mark(self, event: str) -> None:
-        """While memory_timeline is a list: append (time, event, bytes by category now), activations
-        (saved for backward, alive) included; the model states as memory() counts them."""
-        if self.memory_timeline is not None:
-            self.memory_timeline.append((time.perf_counter(), event,
-                                         {**self._measure(), "activations": self.activations.alive}))
+    @contextlib.contextmanager
+    def memory_timeline(self):
+        """Inside the block: a list of (time, event, bytes by category now) at each of this engine's
+        events: "forward i", "backward i", "bucket k launched", "bucket k arrived", "end of backward",
+        "step"; the categories as memory() counts them, plus the activations alive."""
+        timeline: list[tuple[float, str, dict[str, int]]] = []
+        labels = {"unit forward": "forward {index}", "unit backward": "backward {index}",
+                  "bucket launched": "bucket {index} launched", "bucket arrived": "bucket {index} arrived",
+                  "backward done": "end of backward", "step": "step"}
+
+        def record(name: str, fields: dict) -> None:
+            if fields.get("engine") is self and name in labels:
+                index = fields["bucket"].index if "bucket" in fields else fields.get("index")
+                timeline.append((time.perf_counter(), labels[name].format(index=index),
+                                 {**self._measure(), "activations": self.activations.alive}))
+        with events.subscribed(record):
+            yield timeline
 
     def _track_peak(self) -> None:
         """Measure every storage (at the end of backward and of a step) and count on from there."""
@@ -348,21 +352,26 @@ class Engine:
 
     # [Note: counted peaks] Stage 3 wants the peak where it happens, at each unit gathered and each
     # gradient bucket in flight: several times a step. Re-measuring every storage there (_track_peak)
-    # cost 12-25 % of a stage-3 step on a 2M-parameter model. Between two measurements, the only model
+    # would cost a noticeable part of a step (docs/performance.md). Between two measurements, the only model
     # states that come and go in a step are the buffers the stages allocate and free themselves (a unit's
-    # full parameters, a bucket's staging buffer): they count their bytes in and out (_count), and those
-    # moments compare the running count with the peak (_note_peak). Autograd's p.grad needs no count:
-    # stages 2-3 free each one the moment it is complete, before any such moment. Except inside no_sync(),
-    # where gradients accumulate in p.grad until the step: then every moment measures again.
-    def _count(self, category: str, nbytes: int) -> None:
-        if self._now is not None:
-            self._now[category] += nbytes
+    # full parameters and hpZ's secondaries, a bucket's staging buffer): their events carry the bytes in
+    # and out (_COUNTED), and the moments of _PEAKS compare the running count with the peak. Autograd's
+    # p.grad needs no count: stages 2-3 free each one the moment it is complete, before any such moment.
+    # Except inside no_sync(), where gradients accumulate in p.grad until the step: then every moment
+    # measures again.
+    _COUNTED = {"unit gather": "params", "unit freed": "params", "secondary": "params", "staging": "grads"}
+    _PEAKS = ("unit gathered", "bucket ready")
 
-    def _note_peak(self) -> None:
-        if self._now is None or self._accumulating:
-            self._track_peak()
-        else:
-            self._update_peak(self._now)
+    def _count(self, name: str, fields: dict) -> None:
+        if fields.get("engine") is not self:
+            return
+        if name in self._COUNTED and self._now is not None:
+            self._now[self._COUNTED[name]] += fields["nbytes"]
+        elif name in self._PEAKS:
+            if self._now is None or self._accumulating:
+                self._track_peak()
+            else:
+                self._update_peak(self._now)
 
     def _update_peak(self, now: dict[str, int]) -> None:
         total = now["params"] + now["grads"] + now["optimizer"]

@@ -29,6 +29,13 @@ from torch import nn
 DEFAULT_BUCKET_BYTES = 25e6      # PyTorch DDP's bucket_cap_mb = 25; used by DDP and stage 2
 
 
+def partition(flat: torch.Tensor, index: int, parts: int) -> torch.Tensor:
+    """Piece `index` of a 1-D buffer cut into `parts` equal pieces: [numel / parts], a view. The one rule
+    for "rank r's slice" (of a bucket, of a collective's buffer, of hpZ's node group), used everywhere."""
+    size = flat.numel() // parts
+    return flat[index * size: (index + 1) * size]
+
+
 def padded_size(numel: int, parts: int) -> int:
     """numel rounded up to a multiple of `parts`."""
     return -(-numel // parts) * parts
@@ -101,7 +108,7 @@ class FlatLayout:
     def my_partition(self, bucket_buffer: torch.Tensor, b: Bucket) -> torch.Tensor:
         """This rank's partition of a full bucket buffer: [shard_numel]. A view, so collectives can work
         in place (reduce-scatter's output, all-gather's input)."""
-        return bucket_buffer[self.rank * b.shard_numel: (self.rank + 1) * b.shard_numel]
+        return partition(bucket_buffer, self.rank, b.world_size)
 
     @staticmethod
     def shard(shard_buffer: torch.Tensor, b: Bucket) -> torch.Tensor:
@@ -116,6 +123,17 @@ class FlatLayout:
             for p, view in b.views(self.full(flat, b)):
                 view.copy_(p.detach())
         return flat
+
+    @staticmethod
+    def flatten_bucket(b: Bucket, dtype: torch.dtype, device: torch.device,
+                       value_of=lambda p: p.detach()) -> torch.Tensor:
+        """A new buffer [padded_numel] of one bucket, holding value_of(p) of each parameter (padding
+        zero), and the parameters made views of it (stage 3: a unit's full buffer)."""
+        full = torch.zeros(b.padded_numel, dtype=dtype, device=device)
+        for p, view in b.views(full):
+            view.copy_(value_of(p))
+        FlatLayout.point_bucket_into(b, full)
+        return full
 
     def point_params_into(self, flat: torch.Tensor) -> None:
         """Make every parameter a view of `flat`: writing the buffer (an all-gather) updates the model.

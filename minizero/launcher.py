@@ -20,7 +20,12 @@ How the processes start, and why not plain `fork`:
   not in a notebook cell or a REPL.
 
 Failure handling: if any rank raises or dies, `launch` kills the others at once (they may be blocked in
-a collective waiting for the dead one) and raises RuntimeError naming the rank and its exception.
+a collective waiting for the dead one) and raises RuntimeError naming the rank and its exception,
+followed by every rank's last collectives (the flight recorder of minizero/desync.py).
+Ranks out of step: each rank's collectives are fingerprinted and compared (minizero/desync.py). When
+the ranks issue different collectives, or none finishes for `stall_timeout` seconds while a rank
+waits, the run stops in seconds with one line naming the rank that diverged and what each issued,
+instead of hanging until the backend's collective timeout (comm.DEFAULT_TIMEOUT_S).
 A rank that runs out of memory says so in that one line ("rank 2 failed: out of memory (...)"), one
 killed by a signal names the signal (SIGKILL is also what the kernel's OOM killer sends).
 
@@ -53,7 +58,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from minizero import comm
+from minizero import comm, desync
 from minizero.network import network_from_env
 
 _GRACE_S = 5.0          # after a failure, how long survivors get between SIGTERM and SIGKILL
@@ -92,11 +97,13 @@ def _out_of_memory(exc: BaseException) -> bool:
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str | None, payload: bytes, conn,
-            memory_cap: int | None = None, network=None) -> None:
+            memory_cap: int | None = None, network=None, stall_timeout: float | None = None,
+            check_every: int = 0) -> None:
     """Body of each child process: join the group, run fn, send back ("ok", result) or ("error", ...)."""
     # Ranks share the machine's cores; more threads than cores per rank only adds contention.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    watch = None
     try:
         if memory_cap is not None:
             resource.setrlimit(resource.RLIMIT_DATA, (memory_cap, hard))
@@ -104,6 +111,9 @@ def _worker(rank: int, world_size: int, port: int, backend: str | None, payload:
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=datetime.timedelta(seconds=60))
         comm.init(rank, world_size, backend=backend, store=store)
         comm.set_network(network)       # the parent's, not the environment the forkserver started with
+        if stall_timeout is not None or check_every:
+            # a verdict is the parent's to report: it reads it from the store and stops every rank
+            watch = desync.watch(store, stall_timeout, check_every, on_verdict=lambda line: None)
         result = fn(*args)
         comm.destroy(wait_for_peers=True)
         conn.send(("ok", _dumps(result)))
@@ -119,6 +129,8 @@ def _worker(rank: int, world_size: int, port: int, backend: str | None, payload:
             message = f"out of memory{cap} ({' '.join(message.split())})"
         conn.send(("error", message, traceback.format_exc()))
     finally:
+        if watch is not None:
+            watch.stop()
         comm.destroy()
         conn.close()
 
@@ -137,12 +149,19 @@ def _stop(procs: list) -> None:
 
 
 def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None,
-           start_method: str | None = None, timeout: float | None = None, memory_cap: int | None = None) -> list:
+           start_method: str | None = None, timeout: float | None = None,
+           memory_cap: int | None = None,
+           stall_timeout: float | None = desync.DEFAULT_STALL_TIMEOUT_S,
+           check_every: int = desync.DEFAULT_CHECK_EVERY) -> list:
     """Run fn(*args) on `world_size` ranks; return the list of their return values, by rank.
 
     backend: "gloo" (CPU) or "nccl" (one GPU per rank); default NCCL when CUDA is available.
     timeout: seconds for the whole run (None: no limit); past it every rank is killed.
     memory_cap: bytes of private memory each rank may hold, torch's own included (RLIMIT_DATA; None: no cap).
+    stall_timeout: seconds in which no rank issues or finishes a collective while one waits, before
+      the run is stopped naming who never issued it (default 20, $MINIZERO_STALL_TIMEOUT_S; None:
+      never). check_every: compare the ranks' collective fingerprints before the first and every
+      k-th collective (0: only when the run stalls). Both: minizero/desync.py.
     Raises RuntimeError("rank R failed: ...") if any rank raises or dies; no child outlives the call.
     The ranks model the network this process has (comm.set_network, else MINIZERO_NETWORK; network.py).
     """
@@ -151,6 +170,12 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None
     if backend == "nccl" and world_size > torch.cuda.device_count():
         raise ValueError(f"nccl needs one GPU per rank: world_size={world_size}, "
                          f"GPUs={torch.cuda.device_count()}")
+    if stall_timeout is not None and (isinstance(stall_timeout, bool) or not (
+            isinstance(stall_timeout, (int, float)) and stall_timeout > 0)):
+        raise ValueError("stall_timeout must be a positive number of seconds or None, "
+                         f"got {stall_timeout!r}")
+    if not (isinstance(check_every, int) and check_every >= 0) or isinstance(check_every, bool):
+        raise ValueError(f"check_every must be a number of collectives >= 0, got {check_every!r}")
     if memory_cap is not None and not (isinstance(memory_cap, int) and not isinstance(memory_cap, bool)
                                        and memory_cap > 0):
         raise ValueError(f"memory_cap must be a positive number of bytes, got {memory_cap!r}")
@@ -165,13 +190,13 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None
         for rank in range(world_size):
             recv_end, send_end = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_worker, args=(rank, world_size, store.port, backend, payload, send_end,
-                                                 memory_cap, network),
+                                                 memory_cap, network, stall_timeout, check_every),
                             name=f"minizero-rank{rank}", daemon=True)
             p.start()
             send_end.close()            # the child holds the only writer now: EOF means it died
             procs.append(p)
             conns.append(recv_end)
-        return _collect(procs, conns, timeout)
+        return _collect(procs, conns, timeout, store)
     finally:
         _stop(procs)
         for c in conns:
@@ -190,11 +215,12 @@ def _died(exitcode: int | None) -> str:
     return text
 
 
-def _collect(procs: list, conns: list, timeout: float | None) -> list:
+def _collect(procs: list, conns: list, timeout: float | None, store: dist.Store) -> list:
     """Wait for every rank's message. On a failure, listen a moment longer before naming the culprit:
     when a rank dies, its peers soon fail too ("connection reset by peer" in a collective), and their
     reports can arrive before the dead rank's closed pipe. A rank that died without a word is the cause;
-    otherwise the first rank that raised. The caller then kills whoever is left."""
+    otherwise the first rank that raised. Ranks out of step are named by desync's verdict instead,
+    which may come while every rank still waits. The caller then kills whoever is left."""
     deadline = None if timeout is None else time.monotonic() + timeout
     results: list = [None] * len(procs)
     pending = set(range(len(procs)))
@@ -203,8 +229,12 @@ def _collect(procs: list, conns: list, timeout: float | None) -> list:
     while pending and (settle_until is None or time.monotonic() < settle_until):
         if deadline is not None and time.monotonic() > deadline:
             raise RuntimeError(f"minizero.launch: timed out after {timeout} s; ranks {sorted(pending)} "
-                               "had not finished")
-        multiprocessing.connection.wait([conns[r] for r in pending], timeout=0.1 if failures else 1.0)
+                               f"had not finished{desync.report(store, len(procs))}")
+        verdict = desync.verdict(store)
+        if verdict is not None:
+            raise RuntimeError(f"ranks out of step: {verdict}{desync.report(store, len(procs))}")
+        multiprocessing.connection.wait([conns[r] for r in pending],
+                                        timeout=0.1 if failures else 0.5)
         for r in sorted(pending):
             if not conns[r].poll():
                 continue
@@ -223,5 +253,8 @@ def _collect(procs: list, conns: list, timeout: float | None) -> list:
             settle_until = time.monotonic() + _SETTLE_S
     if failures:
         r = min(failures, key=lambda rank: failures[rank][0])
-        raise RuntimeError(f"rank {r} failed: {failures[r][1]}")
+        verdict = desync.verdict(store)
+        first = (f"ranks out of step: {verdict}" if verdict is not None else
+                 f"rank {r} failed: {failures[r][1]}")
+        raise RuntimeError(first + desync.report(store, len(procs)))
     return results

@@ -159,23 +159,19 @@ def network_from_env() -> Network | None:
 
 
 # --------------------------------------------------------------------------------------------------------
-# Time: a rank's link, and handles that complete when the model says
+# Time: a rank's link
 # --------------------------------------------------------------------------------------------------------
 
 class Link:
-    """One rank's link: collectives are booked on it one after another (time.perf_counter seconds).
-    Set `history = []` to record (start, end, kind) of each transfer from then on (a timeline)."""
+    """One rank's link: collectives are booked on it one after another (time.perf_counter seconds). The
+    event stream's "collective" events carry each transfer's (start, end) on it (a timeline)."""
 
     def __init__(self) -> None:
         self.free_at = 0.0
-        self.history: list[tuple[float, float, str]] | None = None
 
-    def book(self, seconds: float, kind: str = "") -> float:
+    def book(self, seconds: float) -> float:
         """Book a transfer of `seconds` issued now: it starts when the link is free; returns its end."""
-        start = max(time.perf_counter(), self.free_at)
-        self.free_at = start + seconds
-        if self.history is not None:
-            self.history.append((start, self.free_at, kind))
+        self.free_at = max(time.perf_counter(), self.free_at) + seconds
         return self.free_at
 
 
@@ -184,16 +180,3 @@ def sleep_until(deadline: float) -> None:
     on an idle core, but on a busy one it can)."""
     while (left := deadline - time.perf_counter()) > 0:
         time.sleep(left)
-
-
-class ModeledHandle:
-    """An async collective's handle whose wait() returns once the real collective is done *and* the
-    modelled network has delivered it."""
-
-    def __init__(self, handle, done_at: float):
-        self.handle, self.done_at = handle, done_at
-
-    def wait(self) -> bool:
-        self.handle.wait()
-        sleep_until(self.done_at)
-        return True

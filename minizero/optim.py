@@ -20,9 +20,8 @@ optimizer state. Nothing is copied and no value changes (Adam is elementwise: a 
 its elements would be inside the whole). Why: torch's CPU AdamW (the single-tensor path) makes ~6 passes
 over each parameter (moments, denominator, update). On a flat partition of 8 MB or more each pass streams
 the master, the gradient and both moments from DRAM; on 1 MiB views the 4-5 tensors of one view stay in
-cache from one pass to the next. Measured on 2 cores: 2x faster at Ψ/N = 4M, 3x at 8M, and what made
-DDP and stage 1 slower than torch's peers (whose optimizer sees the model's own, smaller parameters) from
-~2M parameters up. DeepSpeed steps one flat partition per group and pays the same price. The views are
+cache from one pass to the next (2-3x faster: docs/performance.md). DeepSpeed steps one flat partition
+per group and pays the same price. The views are
 invisible from outside: master.grad is what the optimizer steps (a step pre-hook hands each view its part),
 state_dict() speaks in buckets, and the state's bytes are the same KΨ/N (plus Adam's 4-byte step counter per view).
 """

@@ -8,7 +8,7 @@ On a slow network the bytes of a step are the time of a step (stage 3 moves 3Ψ)
 the three Ψ by sending fewer bits of what travels; what is stored (the shard, the fp32 masters, the
 optimizer states) is never quantized:
   * qwZ, quantized weights: stage 3's *forward* all-gather sends each rank's parameter partition in int8
-    (zero3.Unit.gather). Backward's all-gather stays in full precision: the gradients are computed with
+    (unit.Unit.gather). Backward's all-gather stays in full precision: the gradients are computed with
     exact weights, as in ZeRO++ (DeepSpeed's zero_quantized_weights).
   * qgZ, quantized gradients: the gradient reduce-scatter of stages 2-3 (zero2.Zero2.reduce_scatter_grads)
     becomes an all-to-all of int8 chunks: each rank quantizes chunk j of its bucket for rank j, and each
@@ -91,7 +91,7 @@ def _started(handles: list, finish, async_op: bool):
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, block: int = BLOCK, async_op: bool = False,
-               group: comm.Group | None = None):
+               group: comm.Group | None = None, tag: str = ""):
     """comm.all_gather with int8 on the wire (qwZ): input [n] from every rank -> output [N * n], rank r's
     (dequantized) input at output[r*n:(r+1)*n]. This rank's own part is dequantized too, so every rank
     computes with the same weights. Sends (N-1)/N · N·wire_bytes(n) instead of (N-1)/N · N·n·e."""
@@ -99,8 +99,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, block: int = BLOCK, as
     q, scales = quantize(input, block)                                          # [n], [⌈n/B⌉]
     q_all = torch.empty(n * q.numel(), dtype=q.dtype, device=q.device)          # [N * n] int8
     scales_all = torch.empty(n * scales.numel(), dtype=torch.float32, device=q.device)
-    handles = [comm.all_gather(q_all, q, async_op=True, group=group),
-               comm.all_gather(scales_all, scales, async_op=True, group=group)]
+    handles = [comm.all_gather(q_all, q, async_op=True, group=group, tag=tag),
+               comm.all_gather(scales_all, scales, async_op=True, group=group, tag=f"{tag} scales")]
 
     def finish():
         output.copy_(dequantize(q_all.view(n, q.numel()), scales_all.view(n, scales.numel()), block).reshape(-1))
@@ -108,7 +108,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, block: int = BLOCK, as
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, block: int = BLOCK, async_op: bool = False,
-                   group: comm.Group | None = None):
+                   group: comm.Group | None = None, tag: str = ""):
     """comm.reduce_scatter(op="avg") with int8 on the wire (qgZ): input [N * n] -> output [n], the average
     over ranks of chunk r. An all-to-all moves the int8 chunks (chunk j to rank j), then each rank
     dequantizes the N chunks it received and averages them in fp32: int8 values are never summed (they
@@ -117,9 +117,23 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, block: int = BLOCK
     n = comm.group_size(group)
     q, scales = quantize(input.view(n, input.numel() // n), block)   # [N, n], [N, ⌈n/B⌉]: row j for rank j
     q_in, scales_in = torch.empty_like(q), torch.empty_like(scales)           # row j from rank j
-    handles = [comm.all_to_all(q_in, q, async_op=True, group=group),
-               comm.all_to_all(scales_in, scales, async_op=True, group=group)]
+    handles = [comm.all_to_all(q_in, q, async_op=True, group=group, tag=tag),
+               comm.all_to_all(scales_in, scales, async_op=True, group=group, tag=f"{tag} scales")]
 
     def finish():
         output.copy_(dequantize(q_in, scales_in, block).mean(dim=0))
     return _started(handles, finish, async_op)
+
+
+class Int8Blocks:
+    """A comm.Route's codec for ZeRO++: int8 blocks of `block` elements on the wire (qwZ's all-gather,
+    qgZ's reduce-scatter), in place of comm.EXACT."""
+
+    def __init__(self, block: int = BLOCK):
+        self.block = block
+
+    def all_gather(self, output, input, group, tag):
+        return all_gather(output, input, self.block, async_op=True, group=group, tag=tag)
+
+    def reduce_scatter(self, output, input, group, tag):
+        return reduce_scatter(output, input, self.block, async_op=True, group=group, tag=tag)

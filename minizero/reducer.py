@@ -26,25 +26,26 @@ import weakref
 from collections import deque
 from typing import Callable
 
+from minizero import events
 from minizero.flat import Bucket
 
 
 class GradBuckets:
     """launch(bucket) -> async handle or None (nothing to send); done(bucket) runs after its handle;
     on_grad(param, bucket), if given, runs as each parameter's gradient is complete (stage 2 uses it to
-    move the gradient into the bucket's buffer at once, so full gradients never pile up); mark(event)
-    is told when a bucket is launched and when it has arrived (engine.memory_timeline)."""
+    move the gradient into the bucket's buffer at once, so full gradients never pile up). The event
+    stream hears "bucket launched" (in_backward: before backward ended) and "bucket arrived", with
+    engine=owner."""
 
     def __init__(self, buckets: list[Bucket], launch: Callable, done: Callable | None = None,
-                 on_grad: Callable | None = None, max_in_flight: int = 2, mark: Callable = lambda event: None,
-                 overlap: bool = True):
-        self.buckets = buckets
-        self.overlap = overlap
-        self.launch, self.done, self.on_grad, self.mark = launch, done, on_grad, mark
+                 on_grad: Callable | None = None, max_in_flight: int = 2, overlap: bool = True,
+                 owner=None):
+        self.buckets, self.overlap, self.owner = buckets, overlap, owner
+        self.launch, self.done, self.on_grad = launch, done, on_grad
         self.max_in_flight = max_in_flight
         self._bucket_of = {p: i for i, b in enumerate(buckets) for p in b.params}
         self._in_flight: deque = deque()
-        self.overlapped = 0          # buckets the last backward launched before it ended (observability)
+        self._in_backward = True
         self._reset()
         # The hook holds the reducer weakly. A parameter keeps its post-accumulate-grad hooks in its C++
         # autograd metadata, where Python's cycle collector cannot follow them: a strong reference would
@@ -75,7 +76,7 @@ class GradBuckets:
                 self._wait_oldest()
             b = self.buckets[self._next]
             self._in_flight.append((b, self.launch(b)))
-            self.mark(f"bucket {b.index} launched")
+            events.emit("bucket launched", engine=self.owner, bucket=b, in_backward=self._in_backward)
             self._next += 1
 
     def _wait_oldest(self) -> None:
@@ -84,15 +85,16 @@ class GradBuckets:
             handle.wait()
             if self.done is not None:
                 self.done(b)
-            self.mark(f"bucket {b.index} arrived")
+            events.emit("bucket arrived", engine=self.owner, bucket=b)
 
     def finish(self) -> None:
         """Call after loss.backward(): launch the rest in order, wait for all, get ready for the next."""
-        self.overlapped = self._next
         self._missing = [0] * len(self.buckets)
+        self._in_backward = False
         self._launch_ready()
         while self._in_flight:
             self._wait_oldest()
+        self._in_backward = True
         self._reset()
 
 

@@ -1,16 +1,18 @@
-"""Stage 3's units: which modules are gathered together, and which parameters each one owns.
+"""Which modules are stage 3's units, and which parameters each one owns (the Unit itself: unit.py).
 
     engine = minizero.wrap(model, 3, optimizer)                    # default_units(model)
     engine = minizero.wrap(model, 3, optimizer, units=list(model.blocks))
 
 Run its tests:  python -m pytest tests/test_zero3_units.py
 
-A unit is the granularity of stage 3 (zero3.py): its parameters are all-gathered before it runs and freed
-after, so the largest unit, not the model, bounds the parameter memory in flight. FSDP users choose units
-with a wrap policy (a transformer's blocks, or by size); DeepSpeed fetches module by module.
+A unit is the granularity of stage 3 (zero3.py): the largest unit, not the model, bounds the parameter
+memory in flight. FSDP users choose units with a wrap policy (a transformer's blocks, or by size);
+DeepSpeed fetches module by module.
 """
 
 from __future__ import annotations
+
+import warnings
 
 from torch import nn
 
@@ -45,10 +47,10 @@ def default_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-def assign_units(model: nn.Module, units: list[nn.Module]) -> tuple[list[nn.Module], list[list[nn.Parameter]],
-                                                                     list[list[nn.Parameter]]]:
+def assign_units(model: nn.Module, units: list[nn.Module], chosen: bool = False
+                 ) -> tuple[list[nn.Module], list[list[nn.Parameter]], list[list[nn.Parameter]]]:
     """(unit modules, the trainable and the frozen parameters each owns), in bucket order; the model is
-    always a unit.
+    always a unit. chosen: the user chose the units (wrap's units=); warn if one holds most of Ψ.
 
     A parameter belongs to the innermost unit containing every module that holds it, so a weight tied
     across units (the GPT's embedding and head) is gathered whenever either use needs it. Units owning
@@ -65,5 +67,12 @@ def assign_units(model: nn.Module, units: list[nn.Module]) -> tuple[list[nn.Modu
         owner = min((u for u in units if holders[id(p)] <= members[id(u)]), key=lambda u: len(members[id(u)]))
         owned[id(owner)].append(p)
     kept = [u for u in reversed(units) if owned[id(u)]]
+    sizes = {id(u): sum(p.numel() for p in owned[id(u)]) for u in kept}
+    largest = max(kept, key=lambda u: sizes[id(u)])
+    share = sizes[id(largest)] / sum(sizes.values())
+    if chosen and share > 0.5:                  # gathered whole, it is most of the model: little saved
+        name = next(n for n, m in model.named_modules() if m is largest) or "<root>"
+        warnings.warn(f"stage 3: unit {name!r} holds {share:.0%} of the parameters; pass units= with "
+                      "smaller submodules (e.g. each block)", stacklevel=4)
     return (kept, [[p for p in owned[id(u)] if p.requires_grad] for u in kept],
             [[p for p in owned[id(u)] if not p.requires_grad] for u in kept])

@@ -14,27 +14,19 @@ from minizero import activations
 from minizero.construct import partition_of
 from minizero.ddp import DDP
 from minizero.engine import Engine
-from minizero.memory import STAGES
+from minizero.options import STAGES, check_options, check_positive_int, check_stage
+from minizero.units import default_units
 from minizero.zero1 import Zero1
 from minizero.zero2 import Zero2
-from minizero.units import default_units
 from minizero.zero3 import Zero3
 
 ENGINES = dict(zip(STAGES, (DDP, Zero1, Zero2, Zero3)))
-# Options beyond COMMON_OPTIONS and offload (which every stage takes), by stage.
-# shard_group_size: HSDP / MiCS, hpz_group_size: ZeRO++'s hpZ ([Note: hierarchical sharding], engine.py).
-QUANTIZED = {"quantized_gradients", "quantization_block"}    # ZeRO++ qgZ (quantize.py): stages 2-3
-STAGE_OPTIONS = {0: {"bucket_size", "overlap"}, 1: {"shard_group_size"},
-                 2: {"bucket_size", "shard_group_size"} | QUANTIZED,
-                 3: {"units", "prefetch", "shard_group_size", "hpz_group_size", "quantized_weights"} | QUANTIZED}
-COMMON_OPTIONS = {"dtype", "reduce_dtype", "loss_scale", "clip_grad_norm"}
+__all__ = ["check", "check_options", "engine_class", "wrap"]     # which stage takes what: options.py
 
 
 def engine_class(stage: int) -> type[Engine]:
-    """The engine of ZeRO `stage`; the one check of a stage number (CLI, config reader and wrap use it)."""
-    if isinstance(stage, bool) or stage not in ENGINES:
-        raise ValueError(f"stage must be one of {', '.join(map(str, STAGES))} (0 = DDP), got {stage!r}")
-    return ENGINES[stage]
+    """The engine of ZeRO `stage`."""
+    return ENGINES[check_stage(stage)]
 
 
 def check(stage: int, dtype: str = "fp32", offload: bool | str = False, reduce_dtype: str | None = None, *,
@@ -43,15 +35,6 @@ def check(stage: int, dtype: str = "fp32", offload: bool | str = False, reduce_d
     """Raise ValueError (one line) if wrap would refuse this stage, dtype, offload, reduce_dtype or group
     sizes at `world_size` ranks: for callers that want to know before they build a model or start processes."""
     engine_class(stage).check(dtype, offload, reduce_dtype, shard_group_size, hpz_group_size, world_size)
-
-
-def check_options(stage: int, options) -> None:
-    """Raise TypeError (one line) if `stage` does not take one of the option names in `options`."""
-    unknown = sorted(set(options) - COMMON_OPTIONS - STAGE_OPTIONS[engine_class(stage).stage])
-    if unknown:
-        takers = sorted({s for name in unknown for s, names in STAGE_OPTIONS.items() if name in names})
-        where = f" (only stage {' and '.join(map(str, takers))})" if takers else ""
-        raise TypeError(f"stage {stage} does not take option(s) {', '.join(unknown)}{where}")
 
 
 def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
@@ -66,7 +49,9 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
     options:   dtype ("fp32" | "bf16" | "fp16"), reduce_dtype (None | "fp32": bf16/fp16 gradients reduced
                and accumulated in fp32; engine.py), loss_scale (fp16: None = dynamic, a number = static, a
                dict = dynamic options; minizero/loss_scale.py), clip_grad_norm, bucket_size (bytes; stages 0, 2),
-               overlap (stage 0; False: all-reduce every bucket after backward), units and prefetch (stage 3),
+               overlap (stage 0; False: all-reduce every bucket after backward), buckets_in_flight (stages
+               0, 2, 3: gradient buckets whose collective may be in flight at once, default 2; more
+               overlap, more memory), units and prefetch (stage 3),
                shard_group_size (stages 1-3: partition within groups of S ranks, replicate across them; HSDP /
                MiCS) and hpz_group_size (stage 3: ZeRO++'s hpZ, backward's all-gather within groups of R
                ranks, a node; see engine.py and zero3.py); ZeRO++ (quantize.py): quantized_weights (stage 3's
@@ -92,9 +77,8 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
     for flag in ("prefetch", "overlap", "quantized_weights", "quantized_gradients"):
         if flag in options and not isinstance(options[flag], bool):
             raise TypeError(f"{flag} must be True or False, got {options[flag]!r}")
-    block = options.get("quantization_block", 1)
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-        raise ValueError(f"quantization_block must be a positive number of elements, got {block!r}")
+    check_positive_int("quantization_block", options.get("quantization_block", 1), "number of elements")
+    check_positive_int("buckets_in_flight", options.get("buckets_in_flight", 1), "number of buckets")
     if "units" in options:
         mine = {id(m) for m in model.modules()}
         if not (isinstance(options["units"], (list, tuple, nn.ModuleList))

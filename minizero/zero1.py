@@ -24,9 +24,8 @@ Why not reduce-scatter bucket by bucket during backward, as DDP and stage 2 do: 
 backward before the step would add into a mixed buffer; keeping the reduced partitions apart from the
 buffer backward adds into is exactly stage 2's gradient shard. So stage 1 pays knowingly: its
 reduce-scatter (Ψ(N-1)/N per rank) waits at the step instead of hiding behind backward, where DDP +
-ZeroRedundancyOptimizer overlaps its all-reduce (twice the bytes). Stage 2 is the answer when it matters.
-What that costs, measured (`python -m minizero.bench --world-size 2 --sizes 50M --stages 1 --phases`):
-backward 755 ms here against 957 ms there, the step 445 ms against 202 ms; the same time per step.
+ZeroRedundancyOptimizer overlaps its all-reduce (twice the bytes): docs/performance.md measures what
+that costs. Stage 2 is the answer when it matters.
 """
 
 from __future__ import annotations
@@ -42,7 +41,6 @@ from minizero.optim import ShardOptimizer
 
 class Zero1(Engine):
     stage = 1
-    offload_choices = (False, True, "optimizer")        # optimizer state on the host: offload.py
 
     def __init__(self, model, optimizer, **kwargs):
         super().__init__(model, optimizer, **kwargs)
@@ -84,7 +82,8 @@ class Zero1(Engine):
         for b in self.layout.buckets:
             full = self.layout.full(self.flat_grads, b)
             mine = self.layout.my_partition(full, b)
-            comm.reduce_scatter(mine, full, op="avg", group=self.shard_group)   # in place: mine gets the average
+            comm.reduce_scatter(mine, full, op="avg", group=self.shard_group,    # in place: mine gets
+                                tag=f"bucket {b.index}")                   # the average
             parts.append(mine)
         return parts
 
@@ -95,7 +94,8 @@ class Zero1(Engine):
     def _after_step(self) -> None:
         for b in self.layout.buckets:
             full = self.layout.full(self.flat_params, b)
-            comm.all_gather(full, self.layout.my_partition(full, b), group=self.shard_group)   # in place: mine is input
+            comm.all_gather(full, self.layout.my_partition(full, b), group=self.shard_group,
+                            tag=f"bucket {b.index}")                       # in place: mine is input
 
     def _extra_tensors(self, category):
         return [self.flat_grads] if category == "grads" else []

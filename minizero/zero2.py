@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from minizero import comm, quantize
-from minizero.flat import DEFAULT_BUCKET_BYTES, split_into_buckets
+from minizero import comm, events, quantize
+from minizero.flat import DEFAULT_BUCKET_BYTES, Bucket, split_into_buckets
 from minizero.reducer import GradBuckets
 from minizero.zero1 import Zero1
 
@@ -42,8 +42,9 @@ class Zero2(Zero1):
     contiguous_gradients = True
 
     def __init__(self, model, optimizer, *, bucket_size: float = DEFAULT_BUCKET_BYTES,
-                 quantized_gradients: bool = False, quantization_block: int = quantize.BLOCK, **kwargs):
-        self.bucket_size = bucket_size
+                 buckets_in_flight: int = 2, quantized_gradients: bool = False,
+                 quantization_block: int = quantize.BLOCK, **kwargs):
+        self.bucket_size, self.buckets_in_flight = bucket_size, buckets_in_flight
         self.quantized_gradients, self.quantization_block = quantized_gradients, quantization_block   # qgZ
         super().__init__(model, optimizer, **kwargs)
 
@@ -57,15 +58,18 @@ class Zero2(Zero1):
         # [Ψ/N] in reduce_dtype; the staging buffers too: each gradient is upcast as it is staged
         self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.grad_dtype, device=self.device)
         self.staging: dict[int, torch.Tensor] = {}       # bucket index -> its full gradients, in flight
+        # how a bucket's gradients travel: the shard group ([Note: hierarchical sharding]); qgZ: int8
+        codec = quantize.Int8Blocks(self.quantization_block) if self.quantized_gradients else comm.EXACT
+        self.reduce_route = comm.Route(self.shard_group, codec)
         self.reducer = GradBuckets(self.layout.buckets, launch=self._bucket_ready, done=self._accumulate_bucket,
                                    on_grad=self._stage_gradient if self.contiguous_gradients else None,
-                                   mark=self._mark)
+                                   max_in_flight=self.buckets_in_flight, owner=self)
         self._offset = {p: off for b in self.layout.buckets for p, off in zip(b.params, b.offsets)}
 
     def _staging_buffer(self, b) -> torch.Tensor:
         if b.index not in self.staging:                  # zeros: unused parameters reduce as zeros
             self.staging[b.index] = torch.zeros(b.padded_numel, dtype=self.grad_dtype, device=self.device)
-            self._count("grads", self.staging[b.index].nbytes)       # [Note: counted peaks] (engine.py)
+            events.emit("staging", engine=self, bucket=b, nbytes=self.staging[b.index].nbytes)
         return self.staging[b.index]                     # [Ψ_b padded]
 
     def _stage_gradient(self, p, b) -> None:
@@ -95,16 +99,16 @@ class Zero2(Zero1):
             if p.grad is not None:
                 self._stage_gradient(p, b)
         staging = self._staging_buffer(b)
-        self._note_peak()                                # buckets in flight: the gradient peak
-        if self.quantized_gradients:                     # ZeRO++ qgZ: int8 chunks in an all-to-all (quantize.py)
-            return quantize.reduce_scatter(self.layout.my_partition(staging, b), staging,
-                                           self.quantization_block, async_op=True, group=self.shard_group)
-        return comm.reduce_scatter(self.layout.my_partition(staging, b), staging, op="avg", async_op=True,
-                                   group=self.shard_group)        # [Note: hierarchical sharding]
+        events.emit("bucket ready", engine=self, bucket=b)          # buckets in flight: the gradient peak
+        mine = self.layout.my_partition(staging, b)
+        return self.reduce_route.reduce_scatter(mine, staging, self.bucket_tag(b))    # averaged: rank r gets r
+
+    def bucket_tag(self, b: Bucket) -> str:
+        return f"bucket {b.index}"                       # what its collectives are for (event stream)
 
     def _accumulate_bucket(self, b) -> None:
         staging = self.staging.pop(b.index)
-        self._count("grads", -staging.nbytes)
+        events.emit("staging", engine=self, bucket=b, nbytes=-staging.nbytes)
         self.layout.shard(self.grad_shard, b).add_(self.layout.my_partition(staging, b))
 
     def _after_backward(self) -> None:

@@ -119,9 +119,11 @@ def buckets_launched_during_backward(stage: int) -> tuple[int, int]:
     from minizero.lab.train import loss_fn
     engine = minizero.wrap(make_model(GPTConfig()), stage, functools.partial(torch.optim.SGD, lr=0.1),
                            bucket_size=100_000)
+    from minizero import events
     x, y = local_batch(*global_batch(0, 8, 32), comm.rank(), comm.world_size())
-    engine.backward(loss_fn(engine(x), y))
-    return len(engine.layout.buckets), engine.reducer.overlapped
+    with events.recorded("bucket launched") as launched:
+        engine.backward(loss_fn(engine(x), y))
+    return len(engine.layout.buckets), sum(f["in_backward"] for _, _, f in launched)
 
 
 def build_sharded(kind: str, seed: int = 3) -> dict:

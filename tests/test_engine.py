@@ -28,7 +28,7 @@ def test_gathered_reads_full_parameters_and_rank_1_writes_reach_every_rank(round
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_memory_timeline_of_one_step(stage):
-    """engine.memory_timeline: activations grow block by block through forward and are released block by
+    """engine.memory_timeline(): activations grow block by block through forward and are released block by
     block through backward; buckets launch and arrive; stage 3 holds no unit between forwards."""
     import functools
     from minizero.lab.data import global_batch
@@ -36,11 +36,11 @@ def test_memory_timeline_of_one_step(stage):
     from minizero.lab.train import loss_fn
     engine = minizero.wrap(make_model(GPTConfig()), stage, functools.partial(torch.optim.SGD, lr=0.1))
     x, y = global_batch(0, 8, 32)
-    engine.memory_timeline = []
-    engine.backward(loss_fn(engine(x), y))
-    engine.step()
-    events = [event for _, event, _ in engine.memory_timeline]
-    bytes_at = {event: b for _, event, b in engine.memory_timeline}
+    with engine.memory_timeline() as timeline:
+        engine.backward(loss_fn(engine(x), y))
+        engine.step()
+    events = [event for _, event, _ in timeline]
+    bytes_at = {event: b for _, event, b in timeline}
     blocks = range(4)
     assert [e for e in events if e.startswith(("forward", "backward "))] == \
         [f"forward {i}" for i in blocks] + [f"backward {i}" for i in reversed(blocks)]

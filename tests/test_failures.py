@@ -90,6 +90,11 @@ def test_a_killed_rank_ends_the_run():
     # the survivors' "connection reset" errors may reach the parent first: launch must still blame rank 1
     assert message.startswith("rank 1 failed: process died (exit code -9)"), message[:200]
     assert "killed by SIGKILL" in message, message[:200]      # also what the kernel's OOM killer sends
+    # the flight recorder (minizero/desync.py): every rank's last collectives, the dead one's too
+    report = str(info.value).split("--- the last 20 collectives of each rank")[1]
+    assert [line.split(":")[0] for line in report.splitlines() if line.startswith("rank")] == \
+        ["rank 0", "rank 1", "rank 2", "rank 3"]
+    assert "rank 1: nothing recorded" not in report
 
 
 def test_cli_exits_nonzero_naming_the_rank_and_leaves_nothing(tmp_path):

@@ -79,3 +79,103 @@ def test_entry_points_are_thin(entry):
     path = PACKAGE / (entry.replace(".", "/") + ".py")
     code = [line for line in path.read_text().splitlines() if line.strip()]
     assert len(code) <= 15, f"{path} has {len(code)} lines: an entry point only names a command"
+
+
+# --------------------------------------------------------------------------------------------------------
+# Nothing outside the implementation changes it at run time: tooling, graders and notebooks observe it
+# through its events (minizero/events.py) and documented extension points (options of wrap, subclasses).
+# --------------------------------------------------------------------------------------------------------
+
+ROOT = PACKAGE.parent
+OBSERVERS = ("minizero/lab", "exercises", "notebooks")
+# Names that hold the implementation's objects wherever they appear (`engine.x = ...`, `e.reducer.y = ...`)
+IMPLEMENTATION_OBJECTS = {"engine", "unit", "units", "reducer", "optimizer", "layout", "scaler",
+                          "activations", "link"}
+
+
+def implementation_modules(tree: ast.AST) -> set[str]:
+    """Local names bound to an implementation module: `from minizero import comm`, `import minizero.comm
+    as c`, `import minizero` (every minizero.<core> chain)."""
+    core = {n.removeprefix("minizero.") for n in core_modules()} | {"minizero"}
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "minizero":
+            names.update(a.asname or a.name for a in node.names if a.name in core)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("minizero."):
+            names.update(a.asname or a.name for a in node.names
+                         if f"{node.module}.{a.name}".removeprefix("minizero.") in core)
+        elif isinstance(node, ast.Import):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names
+                         if a.name.split(".")[0] == "minizero")
+    return names
+
+
+def _chain(node: ast.AST) -> list[str]:
+    """`a.b.c` -> ["a", "b", "c"]; other bases (calls, subscripts) end the chain."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+    return parts[::-1]
+
+
+def run_time_patches(source: str) -> list[str]:
+    """Every assignment (=, augmented =, del, setattr, delattr) to an attribute of an implementation
+    module or of an implementation object, as 'line: target'."""
+    tree = ast.parse(source)
+    modules, found = implementation_modules(tree), []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = node.targets
+        attributes = [t for target in targets for t in ast.walk(target) if isinstance(t, ast.Attribute)
+                      and isinstance(t.ctx, (ast.Store, ast.Del))]
+        objects = [t.value for t in attributes]
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                node.func.id in ("setattr", "delattr") and node.args:
+            objects.append(node.args[0])
+        for obj in objects:
+            chain = _chain(obj)
+            if chain and (chain[0] in modules or IMPLEMENTATION_OBJECTS & set(chain)):
+                found.append(f"{node.lineno}: {ast.unparse(obj)}")
+    return found
+
+
+def observer_sources() -> dict[str, str]:
+    """Every Python source of the observers, notebooks' code cells included (magics left out)."""
+    import json
+    out = {}
+    for folder in OBSERVERS:
+        for path in sorted((ROOT / folder).rglob("*")):
+            rel = str(path.relative_to(ROOT))
+            if path.suffix == ".py":
+                out[rel] = path.read_text()
+            elif path.suffix == ".ipynb":
+                cells = json.loads(path.read_text())["cells"]
+                out[rel] = "\n".join("\n".join(line for line in "".join(c["source"]).splitlines()
+                                               if not line.lstrip().startswith(("%", "!")))
+                                     for c in cells if c["cell_type"] == "code")
+    return out
+
+
+@pytest.mark.parametrize("path", sorted(observer_sources()))
+def test_nothing_patches_the_implementation_at_run_time(path):
+    patches = run_time_patches(observer_sources()[path])
+    assert not patches, (f"{path} assigns attributes of minizero's implementation at run time "
+                         f"({'; '.join(patches)}): subscribe to minizero.events or use an extension point")
+
+
+def test_the_rule_catches_each_kind_of_patch():
+    # The check itself can fail: each line below patches the implementation; none of the last four does.
+    patches = run_time_patches(
+        "from minizero import comm\nimport minizero\nfrom minizero.lab import stepthrough\n"
+        "comm.all_gather = None\nminizero.comm.GLOO = False\nengine.timeline = []\n"
+        "setattr(comm, 'reduce_scatter', f)\ndel unit.free\ne.reducer.max_in_flight += 1\n"
+        "stepthrough.x = 1\nself.y = 2\np.grad = None\nslider.value = 3\n")
+    assert sorted(int(p.split(":")[0]) for p in patches) == [4, 5, 6, 7, 8, 9], patches

@@ -182,4 +182,4 @@ def test_overlap_is_a_stage_0_flag():
 
 def test_cli_no_overlap_is_for_ddp(capsys):
     assert run_main(["--stage", "2", "--no-overlap"]) == 2
-    assert "--no-overlap is for --stage 0" in capsys.readouterr().err
+    assert "stage 2 does not take option(s) overlap (only stage 0)" in capsys.readouterr().err

@@ -7,6 +7,7 @@ from _checks import StageSuite, assert_matches_reference
 from _workers import zero3_with_tied_units
 
 import minizero
+from minizero import events
 from minizero.lab.data import global_batch
 from minizero.lab.demo import zero3_timeline_worker
 from minizero.lab.model import GPTConfig, make_model
@@ -57,19 +58,18 @@ def test_the_peak_is_counted_at_each_gather_not_measured_again(monkeypatch):
     at every unit gathered and bucket launched; what it counts there equals a measurement."""
     model = make_model(GPTConfig())
     engine = minizero.wrap(model, 3, functools.partial(torch.optim.SGD, lr=0.1), units=list(model.blocks))
-    measure, note = engine._measure, getattr(engine, "_note_peak", lambda: None)
+    measure = engine._measure
     measured, counted = [], []
     monkeypatch.setattr(engine, "_measure", lambda: measured.append(1) or measure())
 
-    def check_then_note():
-        if engine._now is not None:
+    def compare(name, fields):                  # after the engine's own subscriber has counted
+        if name in ("unit gathered", "bucket ready") and fields["engine"] is engine and engine._now:
             counted.append((dict(engine._now), measure()))
-        note()
-    monkeypatch.setattr(engine, "_note_peak", check_then_note, raising=False)
     x, y = global_batch(0, 8, 32)
-    for _ in range(3):
-        engine.backward(loss_fn(engine(x), y))
-        engine.step()
+    with events.subscribed(compare):
+        for _ in range(3):
+            engine.backward(loss_fn(engine(x), y))
+            engine.step()
     assert len(measured) <= 1 + 2 * 3, f"{len(measured)} measurements in 3 steps"
     assert len(counted) >= 3 * 3 * len(model.blocks)            # each block: 2 gathers + 1 bucket a step
     assert all(now[k] == real[k] for now, real in counted for k in ("params", "grads", "optimizer"))

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import minizero
 from minizero import comm
+from minizero.lab.demo import unit_timeline
 from minizero.lab.model import GPT, make_model
 from minizero.lab.train import TrainConfig, forward_backward
 from _checks import assert_matches_reference
@@ -51,12 +52,12 @@ def train_checkpointed(runs: list[tuple[TrainConfig, str]]) -> list[dict]:
         model = Checkpointed(make_model(cfg.model_config(), seed=cfg.seed), mode)
         engine = minizero.wrap(model, 3, cfg.optimizer_factory(), offload=cfg.offload, **cfg.engine_options())
         for step in range(cfg.steps):
-            engine.timeline = [] if step == cfg.steps - 1 else None
-            forward_backward(cfg, step, engine, engine.backward, engine.no_sync)
-            engine.step()
+            with unit_timeline(engine) as timeline:
+                forward_backward(cfg, step, engine, engine.backward, engine.no_sync)
+                engine.step()
         state = {name.removeprefix("gpt."): value for name, value in engine.full_state_dict().items()}
         out.append({"rank": comm.rank(), "state_dict": state, "unit_names": engine.unit_names,
-                    "events": [(event, b) for _, event, b in engine.timeline]})
+                    "events": [(event, b) for _, event, b in timeline]})
     return out
 
 

@@ -17,7 +17,6 @@ from minizero.cli import OneLineParser, UsageError, fail
 from minizero.lab.model import GPT, MODEL_NAMES, GPTConfig, count_params
 from minizero.lab.train import state_bytes
 from minizero.memory import (
-    STAGES,
     activation_bytes,
     element_bytes,
     estimate,
@@ -25,6 +24,7 @@ from minizero.memory import (
     optimizer_k,
 )
 from minizero.optim import DTYPES
+from minizero.options import STAGES
 
 GPT2_VOCAB = 50257
 

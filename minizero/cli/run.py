@@ -23,7 +23,7 @@ import argparse
 import os
 import sys
 
-from minizero import checkpoint, comm
+from minizero import checkpoint, comm, desync
 from minizero.cli import OneLineParser, UsageError, emit
 from minizero.lab.deepspeed_config import ConfigError, load_deepspeed_config
 from minizero.lab.model import MODEL_NAMES, make_model
@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load", default=None, metavar="DIR",
                    help="resume from a checkpoint of this model and optimizer, saved at any stage, world "
                         "size, dtype or offload (resharded; --steps counts from 0)")
+    p.add_argument("--stall-timeout", type=float, default=desync.DEFAULT_STALL_TIMEOUT_S,
+                   metavar="S", help="stop a run in which no collective finishes for S seconds "
+                   "while a rank waits, naming the rank out of step (minizero/desync.py; default "
+                   "%(default)g, 0: off)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
@@ -212,8 +216,6 @@ def validate(cfg: TrainConfig) -> None:
         bad("--lr and --clip-grad-norm must be > 0")
     if cfg.bucket_size <= 0:
         bad("--bucket-size-mb must be > 0")
-    if not cfg.overlap and cfg.stage != 0:
-        bad(f"--no-overlap is for --stage 0 (DDP), got --stage {cfg.stage}")
     if cfg.grad_accum < 1 or cfg.batch_size < 1:
         bad("--grad-accum and --batch-size must be >= 1")
     if cfg.batch_size % (cfg.world_size * cfg.grad_accum):
@@ -233,17 +235,22 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         cfg = config_from_args(args)
         network = network_from_args(args)
+        if args.stall_timeout < 0:
+            raise UsageError(f"--stall-timeout must be >= 0 seconds, got {args.stall_timeout:g}")
     except UsageError as e:
         print(f"minizero.run: error: {e}", file=sys.stderr)
         return 2
+    stall_timeout = args.stall_timeout or None            # 0: off
     cfg.log_every = 0 if args.quiet else max(1, cfg.steps // 10)
     comm.set_network(network)             # here under torchrun; minizero.launch hands it to its ranks
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
         if under_torchrun:
-            results, is_reporter = _run_under_torchrun(cfg, args)
+            results, is_reporter = _run_under_torchrun(cfg, args, stall_timeout)
         else:
-            results, is_reporter = launch(train_worker, cfg.world_size, cfg, backend=cfg.backend), True
+            results = launch(train_worker, cfg.world_size, cfg, backend=cfg.backend,
+                             stall_timeout=stall_timeout)
+            is_reporter = True
     except UsageError as e:
         print(f"minizero.run: error: {e}", file=sys.stderr)
         return 2
@@ -264,13 +271,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run_under_torchrun(cfg: TrainConfig, args) -> tuple[list[dict], bool]:
+def _run_under_torchrun(cfg: TrainConfig, args,
+                        stall_timeout: float | None) -> tuple[list[dict], bool]:
     world = int(os.environ["WORLD_SIZE"])
     if args.world_size is not None and args.world_size != world:
         raise UsageError(f"--world-size {args.world_size} disagrees with torchrun's WORLD_SIZE={world}")
     # cfg.world_size already came from WORLD_SIZE (config_from_args) and was validated there
     comm.init(backend=cfg.backend)
+    watch = desync.watch(stall_timeout=stall_timeout)
     result = train_worker(cfg)
+    if watch is not None:
+        watch.stop()
     result.pop("state_dict", None)
     results = comm.all_gather_object(result)      # every rank's numbers; rank 0 reports them
     comm.destroy(wait_for_peers=True)

@@ -35,7 +35,7 @@ optimizer step (with what it communicates) on each side, which says where a rati
 
 And what minizero's own measurement costs (the default run only, not with --sizes): engine(x) runs the
 forward under the activation meter (activations.py: a saved-tensor hook per tensor forward saves,
-engine.memory()["activations"]); `engine.activations.enabled = False` turns it off. Both run the same
+engine.memory()["activations"]); `engine.module(x)` runs the same forward without it. Both run the same
 loop (meter_worker), in alternating order like the pairs, and must end at the same losses.
 """
 
@@ -113,11 +113,11 @@ def meter_worker(cfg: TrainConfig, meter: bool) -> dict:
     off: step times, losses, the activations' peak."""
     engine = wrap(make_model(cfg.model_config(), seed=cfg.seed), cfg.stage, cfg.optimizer_factory(),
                   offload=cfg.offload, **cfg.engine_options())
-    engine.activations.enabled = meter
+    forward = engine if meter else engine.module          # engine(x) records what forward saves
     step_times, losses = [], []
     for step in range(cfg.steps):
         start = time.perf_counter()
-        losses.append(forward_backward(cfg, step, engine, engine.backward, engine.no_sync))
+        losses.append(forward_backward(cfg, step, forward, engine.backward, engine.no_sync))
         engine.step()
         if comm.device().type == "cuda":
             torch.cuda.synchronize()

@@ -7,12 +7,13 @@ Why it exists: [Note: collectives on gloo] in minizero/comm.py. On gloo, comm ru
 all-reduce (and a copy) and all-gather as N broadcasts, because gloo's own reduce-scatter and all-gather
 are slower than those. This measures that claim on the machine at hand, for fp32 tensors of `numel`
 elements: each row is the median over `repeats` calls of the slowest rank's time, every rank starting
-together (a barrier before each call). "backend's" rows call comm with comm.GLOO_WORKAROUNDS off, so both
-sides go through the same function and tally the same bytes. Under NCCL both rows are NCCL's own.
+together (a barrier before each call). "backend's" rows call comm inside comm.backend_collectives(),
+so both sides go through the same function and tally the same bytes. Under NCCL both rows are NCCL's own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -20,6 +21,7 @@ import torch
 
 from minizero import comm
 from minizero.cli import OneLineParser, UsageError, emit, fail
+from minizero.flat import partition
 from minizero.launcher import launch
 
 ROWS = ("all_reduce", "reduce_scatter", "all_gather")      # each: the backend's, then minizero's
@@ -33,8 +35,8 @@ def collectives_worker(numels: list[int], repeats: int) -> list[dict]:
     for numel in numels:
         numel -= numel % n                                   # N equal pieces
         source = torch.randn(numel, generator=torch.Generator().manual_seed(r)).to(device)
-        def mine(x, m=numel // n):                           # this rank's piece: [numel / N]
-            return x[r * m:][:m]
+        def mine(x):                                         # this rank's piece: [numel / N]
+            return partition(x, r, n)
         calls = {"all_reduce": lambda x: comm.all_reduce(x),
                  "reduce_scatter": lambda x: comm.reduce_scatter(mine(x), x),                  # in place
                  "all_gather": lambda x: comm.all_gather(x, mine(x))}                          # in place
@@ -44,13 +46,13 @@ def collectives_worker(numels: list[int], repeats: int) -> list[dict]:
             for side, workaround in (("backend", False), ("minizero", True)):
                 if kind == "all_reduce" and workaround:
                     continue                                  # one way only
-                comm.GLOO_WORKAROUNDS = workaround
                 times[f"{kind} ({side})"] = []
                 for _ in range(repeats):
                     x = source.clone()
                     comm.barrier()
                     start = time.perf_counter()
-                    calls[kind](x)
+                    with contextlib.nullcontext() if workaround else comm.backend_collectives():
+                        calls[kind](x)
                     if device.type == "cuda":
                         torch.cuda.synchronize()
                     times[f"{kind} ({side})"].append(time.perf_counter() - start)
@@ -58,7 +60,6 @@ def collectives_worker(numels: list[int], repeats: int) -> list[dict]:
                 results.append(x if kind != "reduce_scatter" else mine(x))
             assert all(torch.allclose(res, results[0], rtol=1e-5, atol=1e-5) for res in results), \
                 f"{kind}: minizero.comm's way and the backend's disagree"
-        comm.GLOO_WORKAROUNDS = True
         out.append({"numel": numel, "seconds": times, "backend": comm.backend()})
     return out
 
@@ -79,7 +80,7 @@ def measure(world_sizes=(2, 4), numels=(1_000_000, 8_000_000, 50_000_000), repea
 def format_table(report: dict) -> str:
     names = list(report["rows"][0]["ms"])
     lines = [(f"collectives, fp32, median of {report['config']['repeats']} calls on the slowest rank, ms "
-              f"(backend's: comm.GLOO_WORKAROUNDS off; minizero.comm: [Note: collectives on gloo])"),
+              f"(backend's: comm.backend_collectives(); minizero.comm: [Note: collectives on gloo])"),
              f"{'N':>2} {'elements':>11} {'backend':>7}" + "".join(f"{name:>27}" for name in names)]
     for row in report["rows"]:
         lines.append(f"{row['world_size']:>2} {row['numel']:>11,} {row['backend']:>7}"

@@ -12,6 +12,7 @@ the workers of these longer experiments live here; the short worker each stage n
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -20,7 +21,7 @@ import time
 
 import torch
 
-from minizero import comm
+from minizero import comm, events
 from minizero.lab.data import global_batch, local_batch
 from minizero.lab.model import make_model
 from minizero.lab.reference import max_abs_diff, reference_train, tolerance
@@ -186,9 +187,20 @@ def measure_collectives(world_sizes=(2, 3, 4), numel: int = 1_000_000, backend: 
 # 04_zero3: when each unit is gathered and freed, with and without prefetch
 # --------------------------------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def unit_timeline(engine):
+    """Inside the block: a list of (time, "gather" | "prefetch" | "free", unit index) for each of a stage-3
+    engine's units, from the event stream ("unit gather" and "unit freed", events.py)."""
+    timeline: list[tuple[float, str, int]] = []
+    with events.recorded("unit gather", "unit freed") as log:
+        yield timeline
+    timeline.extend((t, ("prefetch" if f["prefetch"] else "gather") if name == "unit gather" else "free",
+                     f["unit"].index) for t, name, f in log if f["engine"] is engine)
+
+
 def zero3_timeline_worker(cfgs: list[TrainConfig]) -> list[dict]:
     """Worker: for each stage-3 configuration, one warm-up step (it records the unit order prefetch
-    follows), then one step with `engine.timeline` recording every gather / prefetch / free."""
+    follows), then one step with `unit_timeline` recording every gather / prefetch / free."""
     out = []
     for cfg in cfgs:
         model = make_model(cfg.model_config(), seed=cfg.seed)
@@ -199,17 +211,17 @@ def zero3_timeline_worker(cfgs: list[TrainConfig]) -> list[dict]:
                                comm.rank(), comm.world_size())
             if step == 1:
                 comm.barrier()
-                engine.timeline = []
                 marks["start"] = time.perf_counter()
-            loss = loss_fn(engine(x.to(engine.device)), y.to(engine.device))
-            marks["backward"] = time.perf_counter()
-            engine.backward(loss)
-            marks["step"] = time.perf_counter()
-            engine.step()
-            marks["end"] = time.perf_counter()
+            with unit_timeline(engine) if step == 1 else contextlib.nullcontext([]) as timeline:
+                loss = loss_fn(engine(x.to(engine.device)), y.to(engine.device))
+                marks["backward"] = time.perf_counter()
+                engine.backward(loss)
+                marks["step"] = time.perf_counter()
+                engine.step()
+                marks["end"] = time.perf_counter()
         t0 = marks["start"]
         out.append({"prefetch": cfg.prefetch, "unit_names": engine.unit_names,
-                    "events": [(t - t0, event, b) for t, event, b in engine.timeline],
+                    "events": [(t - t0, event, b) for t, event, b in timeline],
                     "marks": {k: v - t0 for k, v in marks.items()},
                     "peak_params": engine.memory()["peak_params"], "num_params": sum(
                         p.numel() for p in model.parameters())})
@@ -353,18 +365,18 @@ def activation_sweep(model: str, seqs, batches, dtype: str = "fp32") -> list[dic
 
 
 def memory_timeline_worker(cfgs: list[TrainConfig]) -> list[dict]:
-    """Worker: for each configuration one warm-up step, then one step with engine.memory_timeline on."""
+    """Worker: for each configuration one warm-up step, then one step inside engine.memory_timeline()."""
     out = []
     for cfg in cfgs:
         engine = wrap(make_model(cfg.model_config(), seed=cfg.seed), cfg.stage, cfg.optimizer_factory(),
                       offload=cfg.offload, **cfg.engine_options())
         for step in range(2):
-            engine.memory_timeline = [] if step == 1 else None
-            forward_backward(cfg, step, engine, engine.backward, engine.no_sync)
-            engine.step()
-        t0 = engine.memory_timeline[0][0]
+            with engine.memory_timeline() if step == 1 else contextlib.nullcontext([]) as timeline:
+                forward_backward(cfg, step, engine, engine.backward, engine.no_sync)
+                engine.step()
+        t0 = timeline[0][0]
         out.append({"stage": cfg.stage, "checkpointing": cfg.activation_checkpointing,
-                    "events": [(t - t0, event, b) for t, event, b in engine.memory_timeline]})
+                    "events": [(t - t0, event, b) for t, event, b in timeline]})
     return out
 
 
@@ -403,16 +415,13 @@ class _FaultyScaler(LossScaler):
 
 def loss_scale_worker(cfg: TrainConfig, faults: dict[int, int]) -> dict:
     """Worker: train cfg (fp16) with _FaultyScaler as the engine's scaler; this rank's trace and losses."""
-    scalers = []
+    scaler = _FaultyScaler(cfg.loss_scale, faults)
 
     def build(model, stage, optimizer, **options):
-        engine = wrap(model, stage, optimizer, **options)
-        engine.scaler = _FaultyScaler(cfg.loss_scale, faults)      # the engine's public scaler
-        scalers.append(engine.scaler)
-        return engine
+        return wrap(model, stage, optimizer, **{**options, "loss_scale": scaler})   # a LossScaler as is
 
     result = train_worker(cfg, make_engine=build)
-    return {"rank": comm.rank(), "trace": scalers[-1].trace, "losses": result["losses"],
+    return {"rank": comm.rank(), "trace": scaler.trace, "losses": result["losses"],
             "skipped_steps": result["skipped_steps"]}
 
 

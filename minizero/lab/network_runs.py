@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from minizero import comm
+from minizero import comm, events
 from minizero.lab.model import make_model
 from minizero.lab.train import TrainConfig, forward_backward, model_num_params
 from minizero.launcher import launch
@@ -53,34 +53,35 @@ def _instrument(blocks, events: list, sleep: float) -> None:
 
 
 def _train(cfg: TrainConfig, block_sleep: float = 0.0) -> dict:
-    """cfg.steps steps, each timed and recorded: its blocks' forward and backward events (_instrument) and
-    the transfers on this rank's modelled link (network.Link.history). The step time reported is the
-    fastest after the first (a warm-up), with its timeline: other work on a shared CPU slows steps down at
-    random and never speeds one up, so the minimum of a few steps is the steadiest statistic (timeit's)."""
+    """cfg.steps steps, each timed and recorded: its blocks' forward and backward events (_instrument)
+    and the transfers on this rank's modelled link (the "collective" events' `modeled` times). The step
+    time reported is the fastest after the first (a warm-up), with its timeline: other work on a shared
+    CPU slows steps down at random and never speeds one up, so the minimum of a few steps is the
+    steadiest statistic (timeit's)."""
     model = make_model(cfg.model_config(), seed=cfg.seed)
     engine = wrap(model, cfg.stage, cfg.optimizer_factory(), offload=cfg.offload, **cfg.engine_options())
-    events: list = []
-    _instrument(model.blocks, events, block_sleep)
+    marks: list = []
+    _instrument(model.blocks, marks, block_sleep)
 
     def backward(loss):
         engine.backward(loss)
-        events.append((time.perf_counter(), "end of backward"))
+        marks.append((time.perf_counter(), "end of backward"))
 
     times, timelines, losses = [], [], []
     for step in range(cfg.steps):
         comm.reset_tally()
-        events.clear()
-        comm.link.history = []
+        marks.clear()
         start = time.perf_counter()
-        losses.append(forward_backward(cfg, step, engine, backward, engine.no_sync))
-        engine.step()
+        with events.recorded("collective") as issued:
+            losses.append(forward_backward(cfg, step, engine, backward, engine.no_sync))
+            engine.step()
         if engine.device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-        timelines.append({"events": [(t - start, event) for t, event in events],
-                          "transfers": [(a - start, b - start, kind) for a, b, kind in comm.link.history],
-                          "end": times[-1]})
-    comm.link.history = None
+        transfers = [(f["modeled"][0] - start, f["modeled"][1] - start, f["kind"])
+                     for _, _, f in issued if f["modeled"] is not None]
+        timelines.append({"events": [(t - start, event) for t, event in marks],
+                          "transfers": transfers, "end": times[-1]})
     fastest = min(range(1, cfg.steps), key=times.__getitem__)
     return {"step_times": times, "step_time_s": times[fastest], "timeline": timelines[fastest], "losses": losses,
             "comm": comm.tally(), "num_params": model_num_params(engine), "world_size": cfg.world_size}

@@ -15,14 +15,17 @@ so every value fits on screen and padding shows. Every buffer is drawn in the co
 flat layout (flat.FlatLayout): element j of a rank's row is element j of the padded flat buffer, and a
 rank that does not hold element j (another rank's partition, a freed unit) has None there.
 
-How the phases are observed without a hook in minizero itself (tooling watching the engine, for one step):
-  * minizero.comm's all_reduce, reduce_scatter and all_gather are wrapped: a snapshot before a gradient
-    collective during backward (each rank's own gradients) and one after it. The wrapped collectives run
-    synchronously, so no snapshot reads a buffer a collective is still writing. Each names its group: with
-    shard groups (shard_group_size), step()'s all-reduce across them is a phase of its own, "all_reduce_across";
-  * the reducer keeps one bucket in flight (minizero lets two overlap), so the phases come bucket by bucket;
-  * stage 3: each unit's free (its gathers are the all-gathers above), prefetch off;
-  * the optimizer's step, the end of forward and the end of backward.
+How the phases are observed: through minizero's event stream (minizero/events.py), for one step, with
+nothing in the engine replaced:
+  * "collective" and "collective done" (minizero.comm): a snapshot before a gradient collective during
+    backward (each rank's own gradients) and one after it. Inside comm.synchronous() every collective
+    completes as it is issued, so no snapshot reads a buffer a collective is still writing. Each names
+    its group: with shard groups (shard_group_size), step()'s all-reduce across them is a phase of its
+    own, "all_reduce_across";
+  * wrap(..., buckets_in_flight=1): one bucket in flight (minizero lets two overlap), so the phases come
+    bucket by bucket;
+  * stage 3: "unit freed" (its gathers are the all-gathers above), prefetch off;
+  * "optimizer step", and the end of forward and of backward.
 None of it changes a value: `check` compares every phase with one process stepping the whole batch.
 """
 
@@ -35,15 +38,15 @@ import math
 from collections import OrderedDict
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from minizero import comm
+from minizero import comm, events
 from minizero.launcher import launch
 from minizero.wrap import check as check_settings
 from minizero.wrap import wrap
 
 GRADIENTS = ("gradients", "gradients in flight")     # the local, full gradients a collective reduces
+KINDS = ("all_reduce", "reduce_scatter", "all_gather")   # the collectives whose phases are shown
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,14 +82,10 @@ def _optimizer(cfg: StepConfig):
 # The recorder, inside each rank
 # --------------------------------------------------------------------------------------------------------
 
-class _Done:
-    def wait(self) -> bool:
-        return True
-
-
 class _Recorder:
     def __init__(self, engine):
         self.engine, self.phases, self.in_backward = engine, [], False
+        self.issued: dict[int, tuple] = {}             # collective seq -> (kind, group, bucket) till done
         self.workspace: list[tuple[int, int]] = []     # flat ranges a reduce-scatter left undefined: None
         names = {id(p): name for name, p in engine.module.named_parameters()}
         self.segments = [(names[id(p)], b.start + off, p.numel())
@@ -183,38 +182,29 @@ class _Recorder:
 
     @contextlib.contextmanager
     def watching(self):
-        """For one step: the wrapped collectives, one bucket in flight, each unit's free, the optimizer."""
-        e = self.engine
-        saved = {kind: getattr(comm, kind) for kind in ("all_reduce", "reduce_scatter", "all_gather")}
-        for kind, real in saved.items():
-            setattr(comm, kind, functools.partial(self._collective, kind, real))
-        reducer = getattr(e, "reducer", None)
-        if reducer is not None:
-            in_flight, reducer.max_in_flight = reducer.max_in_flight, 1
-        for unit in getattr(e, "units", []):
-            unit.free = functools.partial(self._free, unit, unit.free)
-        step = e.optimizer.step
-        e.optimizer.step = self._step
-        try:
+        """For one step: every collective run to completion as it is issued (comm.synchronous()), and a
+        snapshot at the events that end a phase (events.py)."""
+        with comm.synchronous(), events.subscribed(self._on_event):
             yield
-        finally:
-            for kind, real in saved.items():
-                setattr(comm, kind, real)
-            if reducer is not None:
-                reducer.max_in_flight = in_flight
-            for unit in getattr(e, "units", []):
-                del unit.free
-            e.optimizer.step = step
 
-    def _collective(self, kind, real, *args, async_op: bool = False, **kwargs):
-        full = args[1] if kind == "reduce_scatter" else args[0]
-        if not full.numel():                           # stage 3: a unit's empty buffer of frozen parameters
-            return real(*args, async_op=async_op, **kwargs)
-        e, b = self.engine, self._bucket_of(full)
-        name, group = self._name(b), kwargs.get("group")
-        if kind != "all_gather" and self.in_backward:
-            self.snap(f"{name}: its gradients are complete, each rank's from its own rows", "ready", b)
-        real(*args, async_op=False, **kwargs)
+    def _on_event(self, name: str, fields: dict) -> None:
+        e = self.engine
+        if name == "collective" and fields["kind"] in KINDS and fields["numel"]:
+            b = self._bucket_of(fields["tensor"])
+            self.issued[fields["seq"]] = (fields["kind"], fields["group"], b)
+            if fields["kind"] != "all_gather" and self.in_backward:
+                self.snap(f"{self._name(b)}: its gradients are complete, each rank's from its own rows",
+                          "ready", b)
+        elif name == "collective done" and fields["seq"] in self.issued:
+            self._after_collective(*self.issued.pop(fields["seq"]))
+        elif name == "unit freed" and fields["engine"] is e:
+            self.snap(f"free unit {fields['unit'].name}: only the shard is left", "free", fields["unit"].bucket)
+        elif name == "optimizer step" and fields["engine"] is e:
+            what = "its partition" if e.sharded else "every parameter (all ranks the same)"
+            self.snap(f"optimizer step: each rank updates {what}", "step")
+
+    def _after_collective(self, kind: str, group, b) -> None:
+        e, name = self.engine, self._name(b)
         if kind == "reduce_scatter":                   # only this rank's partition is defined now
             mine = self.owned(b)
             self.workspace += [(b.start, mine), (mine + b.shard_numel, b.start + b.padded_numel)]
@@ -222,41 +212,30 @@ class _Recorder:
         # (a column: the ranks holding the same partition) or hpZ's row of R ranks; None: all N
         within = "" if group is None else f" within each group of {group.size}"
         if kind == "all_reduce" and group is not None and group is e.replicate_group:
-            self.snap(f"all-reduce {name} across the {group.size} shard groups: partition p of every group "
-                      f"holds the average over all N ranks", "all_reduce_across", b)
+            self.snap(f"all-reduce {name} across the {group.size} shard groups: partition p of every "
+                      f"group holds the average over all N ranks", "all_reduce_across", b)
         elif kind == "all_reduce":
             self.snap(f"all-reduce {name}: every rank holds the average of all ranks' gradients", kind, b)
         elif kind == "reduce_scatter" and group is not None:
             self.snap(f"reduce-scatter {name}{within}: each rank's partition holds its group's average "
                       f"(the rest was workspace)", kind, b)
         elif kind == "reduce_scatter":
-            self.snap(f"reduce-scatter {name}: rank r's partition r holds the average (the rest was workspace)",
-                      kind, b)
+            self.snap(f"reduce-scatter {name}: rank r's partition r holds the average (the rest was "
+                      f"workspace)", kind, b)
         elif e.stage == 3:
             when = "for its backward" if self.in_backward else "for its forward"
             hpz = " (hpZ: from the secondary partitions)" if group is not None and group is e.hpz_group else ""
             self.snap(f"all-gather {name} {when}{within}{hpz}: its full parameters on every rank", kind, b)
         else:
             self.snap(f"all-gather {name}{within}: every rank's updated partition, on every rank", kind, b)
-        return _Done() if async_op else None
-
-    def _free(self, unit, real) -> None:
-        was = unit.state
-        real()
-        if was != "free":
-            self.snap(f"free unit {unit.name}: only the shard is left", "free", unit.bucket)
-
-    def _step(self, grads) -> None:
-        type(self.engine.optimizer).step(self.engine.optimizer, grads)
-        what = "its partition" if self.engine.sharded else "every parameter (all ranks the same)"
-        self.snap(f"optimizer step: each rank updates {what}", "step")
 
 
 def worker(cfg: StepConfig) -> dict:
     """Worker: wrap the tiny model at cfg.stage, train one step on this rank's rows, recording every phase."""
     r, n = comm.rank(), comm.world_size()
-    options = {0: {"bucket_size": 4 * cfg.bucket_elems}, 1: {}, 2: {"bucket_size": 4 * cfg.bucket_elems},
-               3: {"prefetch": False}}[cfg.stage]
+    options = {0: {"bucket_size": 4 * cfg.bucket_elems, "buckets_in_flight": 1}, 1: {},
+               2: {"bucket_size": 4 * cfg.bucket_elems, "buckets_in_flight": 1},
+               3: {"prefetch": False, "buckets_in_flight": 1}}[cfg.stage]
     groups = {"shard_group_size": cfg.shard_group_size, "hpz_group_size": cfg.hpz_group_size}
     options.update({name: size for name, size in groups.items() if size is not None})
     engine = wrap(tiny_model(cfg.seed), cfg.stage, _optimizer(cfg), offload=cfg.offload,
@@ -435,19 +414,14 @@ def ring_worker(numel: int) -> dict:
     exchanges are observed: before each one, the rank's padded buffer and the chunk it sends."""
     r = comm.rank()
     tensor = 10.0 * r + torch.arange(1, numel + 1, dtype=torch.float32)
-    inputs, states, sends, real = tensor.tolist(), [], [], dist.batch_isend_irecv
+    inputs, states, sends = tensor.tolist(), [], []
 
-    def observed(ops):
-        send = next(op for op in ops if op.op is dist.isend)
-        states.append(send.tensor._base.tolist())             # the ring's padded buffer, as it is now
-        sends.append(send.tensor.storage_offset() // send.tensor.numel())
-        return real(ops)
-
-    dist.batch_isend_irecv = observed
-    try:
+    def observed(name: str, fields: dict) -> None:
+        if name == "ring exchange":
+            states.append(fields["buffer"].tolist())           # the ring's padded buffer, as it is now
+            sends.append(fields["send"])
+    with events.subscribed(observed):
         comm.ring_all_reduce(tensor)
-    finally:
-        dist.batch_isend_irecv = real
     padding = states[-1][numel:]                               # chunk sums of zeros stay zeros
     return {"inputs": inputs, "states": states + [tensor.tolist() + padding], "sends": sends}
 

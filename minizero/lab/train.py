@@ -26,6 +26,7 @@ from minizero.lab.data import IGNORE, global_batch, local_batch
 from minizero.lab.faults import Fault
 from minizero.lab.model import GPTConfig, make_model
 from minizero.construct import sharded_init
+from minizero.options import takes
 from minizero.wrap import wrap
 
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
@@ -93,11 +94,11 @@ class TrainConfig:
             opts["loss_scale"] = self.loss_scale
         if self.reduce_dtype is not None:
             opts["reduce_dtype"] = self.reduce_dtype
-        if self.stage in (0, 2):
+        if takes(self.stage, "bucket_size"):
             opts["bucket_size"] = self.bucket_size
-        if self.stage == 0 and not self.overlap:
+        if not self.overlap:                                          # only when off: wrap checks the stage
             opts["overlap"] = False
-        if self.stage == 3:
+        if takes(self.stage, "prefetch"):
             opts["prefetch"] = self.prefetch
         for name in ("quantized_weights", "quantized_gradients"):       # only when on: wrap checks the stage
             if getattr(self, name):
@@ -160,16 +161,16 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
     if cfg.init_state:
         model.load_state_dict(torch.load(cfg.init_state, map_location="cpu", weights_only=True))
     engine = make_engine(model, cfg.stage, cfg.optimizer_factory(), offload=cfg.offload, **cfg.engine_options())
-    engine.step_count = cfg.start_step
     if cfg.load_dir:
         engine.load(cfg.load_dir)                 # also restores step_count: the data continues there
+    first = engine.step_count if cfg.load_dir else cfg.start_step
     fault = cfg.fault or Fault.from_env()
     if fault:
         fault.arm(engine)
     device = comm.device()
     losses, step_times, phase_times, comm_per_step, loss_scales = [], [], [], [], []
     memory = None
-    for step in range(engine.step_count, cfg.steps):
+    for step in range(first, cfg.steps):
         comm.reset_tally()
         start, phases = time.perf_counter(), {}
         step_loss = forward_backward(cfg, step, engine, engine.backward, engine.no_sync, phases)
@@ -186,7 +187,7 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
         if cfg.log_every and rank == 0 and (step % cfg.log_every == 0 or step == cfg.steps - 1):
             print(f"step {step + 1:>4}/{cfg.steps}  loss {step_loss:.4f}  "
                   f"{step_times[-1] * 1e3:.1f} ms/step", flush=True)
-        if cfg.save_every and (engine.step_count % cfg.save_every == 0 or step == cfg.steps - 1):
+        if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step == cfg.steps - 1):
             checkpoint.save_numbered(engine, cfg.save_dir, cfg.keep_last)
     if cfg.save_dir and not cfg.save_every:
         engine.save(cfg.save_dir)

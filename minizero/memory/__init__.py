@@ -39,8 +39,8 @@ import torch
 from minizero import quantize
 from minizero.comm import column_of, ranks_span_nodes, ring_bytes, row_of
 from minizero.optim import DTYPES
+from minizero.options import check_stage
 
-STAGES = (0, 1, 2, 3)                      # 0 = DDP; minizero.wrap has one engine per stage
 CATEGORIES = ("params", "grads", "optimizer", "offloaded")
 
 
@@ -100,8 +100,7 @@ def estimate_breakdown(num_params: int, world_size: int, stage: int, *, param_by
 
     shard_group_size=S: partitioned over S ranks, replicated over N/S groups: S in place of N.
     """
-    if stage not in STAGES:
-        raise ValueError(f"stage must be one of {', '.join(map(str, STAGES))} (0 = DDP), got {stage!r}")
+    check_stage(stage)
     psi, n = float(num_params), _partitions(world_size, stage, shard_group_size)
     params = param_bytes * (psi + frozen) / (n if stage >= 3 else 1)
     grads = grad_bytes * psi / (n if stage >= 2 else 1)

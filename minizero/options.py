@@ -1,0 +1,81 @@
+"""What each stage takes, and the checks of option values: one home for each rule.
+
+    python -m pytest tests/test_wrap.py
+
+`minizero.wrap`, the engines' own checks, `minizero.memory`, the training loop (lab/train.py), the CLI and
+the DeepSpeed-config reader all ask this table, so a rule ("offload needs stage 1-3", "hpZ needs stage 3")
+is written once. The table follows the paper: each stage partitions one more kind of model state
+(P_os, P_os+g, P_os+g+p), and what an option changes exists only from the stage that has it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STAGES = (0, 1, 2, 3)                          # 0 = DDP; minizero.wrap has one engine per stage
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    partitions: tuple[str, ...]                # the model states it partitions over N (the paper's P_*)
+    offload: tuple                             # what offload= may be
+    options: frozenset[str]                    # the options it takes beyond COMMON_OPTIONS
+
+
+COMMON_OPTIONS = frozenset({"dtype", "reduce_dtype", "loss_scale", "clip_grad_norm"})
+_QUANTIZED = frozenset({"quantized_gradients", "quantization_block"})    # ZeRO++ qgZ (quantize.py)
+_HOST = (False, True, "optimizer")             # offload.py: the optimizer's state in host memory
+
+CAPABILITIES = {
+    0: Capabilities((), (False,), frozenset({"bucket_size", "overlap", "buckets_in_flight"})),
+    1: Capabilities(("optimizer",), _HOST, frozenset({"shard_group_size"})),
+    2: Capabilities(("optimizer", "gradients"), _HOST,
+                    frozenset({"bucket_size", "buckets_in_flight", "shard_group_size"}) | _QUANTIZED),
+    3: Capabilities(("optimizer", "gradients", "parameters"), _HOST + ("params",),
+                    frozenset({"units", "prefetch", "buckets_in_flight", "shard_group_size",
+                               "hpz_group_size", "quantized_weights"}) | _QUANTIZED),
+}
+
+
+def check_stage(stage) -> int:
+    """The one check of a stage number (wrap, the CLI and the config reader use it)."""
+    if isinstance(stage, bool) or stage not in CAPABILITIES:
+        raise ValueError(f"stage must be one of {', '.join(map(str, STAGES))} (0 = DDP), got {stage!r}")
+    return stage
+
+
+def takes(stage: int, option: str) -> bool:
+    """Whether `stage` takes `option` (an option name of wrap, COMMON_OPTIONS included)."""
+    return option in COMMON_OPTIONS or option in CAPABILITIES[check_stage(stage)].options
+
+
+def check_options(stage: int, options) -> None:
+    """Raise TypeError (one line) if `stage` does not take one of the option names in `options`."""
+    unknown = sorted(name for name in options if not takes(stage, name))
+    if unknown:
+        takers = sorted({s for name in unknown for s in STAGES if name in CAPABILITIES[s].options})
+        where = f" (only stage {' and '.join(map(str, takers))})" if takers else ""
+        raise TypeError(f"stage {stage} does not take option(s) {', '.join(unknown)}{where}")
+
+
+def check_offload(stage: int, offload) -> None:
+    """Raise ValueError (one line) unless `offload` is something `stage` can offload."""
+    choices = CAPABILITIES[check_stage(stage)].offload
+    if offload in choices:
+        return
+    if stage == 0:
+        raise ValueError("offload needs ZeRO stage 1, 2 or 3 (DDP replicates the optimizer)")
+    if offload == "params":
+        raise ValueError(f"offload='params' needs stage 3 (stage {stage} keeps full parameters)")
+    raise ValueError(f"offload must be one of {choices} for stage {stage}, got {offload!r}")
+
+
+def is_positive_int(value) -> bool:
+    """An int >= 1 that is not a bool (True is an int in Python, and never meant as a count)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_positive_int(name: str, value, what: str = "integer") -> None:
+    """Raise ValueError (one line) unless `value` is a positive int: "NAME must be a positive WHAT"."""
+    if not is_positive_int(value):
+        raise ValueError(f"{name} must be a positive {what}, got {value!r}")

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The GPU path in one command (issue 30): tests/test_cuda.py on this machine's GPUs, then a summary
+# to paste into an issue or the README.
+#
+#     scripts/gpu_smoke.sh                  # from anywhere; N = 1, and N = 2 too with 2+ GPUs
+#     scripts/gpu_smoke.sh -k offload       # extra arguments go to pytest
+#
+# The summary: the machine (torch, CUDA, NCCL, GPUs); per stage, offload setting and dtype, the
+# device model states of the default GPT by the formula, by engine.memory() and as CUDA's allocator
+# frees them, and the allocator's peak (max_memory_allocated) next to engine.memory()'s peak plus the
+# activations; how far offload takes the device bytes down (allocator, engine.memory(), formula);
+# with 2+ GPUs, how long stage 3's all-gathers ran beside compute with and without prefetch; then
+# pytest's result line. The whole log stays in $TMPDIR. Exit status: pytest's (2: no CUDA).
+# Meant to take under 5 minutes on one GPU; the whole pytest run is stopped after 9.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"      # this checkout's minizero, installed or not
+python=${PYTHON:-python}
+
+machine=$("$python" - <<'PY'
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    sys.exit(f"gpu_smoke: torch {torch.__version__} (CUDA build: {torch.version.cuda}) sees no GPU")
+nccl = ".".join(map(str, torch.cuda.nccl.version()))
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {nccl}, "
+      f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}")
+PY
+) || exit 2
+
+log="${TMPDIR:-/tmp}/minizero-gpu-smoke-$(date +%Y%m%d-%H%M%S).log"
+echo "gpu_smoke: $machine; log: $log"
+start=$SECONDS
+timeout 540 "$python" -m pytest tests/test_cuda.py -q -s -rfEsxX -p no:cacheprovider "$@" 2>&1 \
+    | tee "$log"
+status=${PIPESTATUS[0]}
+
+echo
+echo "=== minizero GPU smoke summary: $machine ==="
+grep -o 'gpu-smoke: .*' "$log" | sed 's/^gpu-smoke: //'
+grep -E '^(FAILED|ERROR|XPASS|XFAIL)' "$log"
+result=$(grep -E '(passed|failed|error|skipped).* in [0-9.]+s' "$log" | tail -1 | tr -d '=' | xargs)
+echo "pytest: ${result:-no result line (exit status $status; see the log)}; $((SECONDS - start)) s"
+[ "$status" = 124 ] && echo "gpu_smoke: stopped after 540 s"
+exit "$status"

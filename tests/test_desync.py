@@ -1,0 +1,155 @@
+"""Ranks out of step are named in seconds (minizero/desync.py), not found by the collective timeout.
+
+    python -m pytest tests/test_desync.py
+
+The two hangs users meet most (a rank whose forward skips a block at stage 3; a rank that runs one
+micro-batch more) end with one line naming the rank and what each rank issued, through
+minizero.launch, the CLI and torchrun; a rank with a model of another size is named before the first
+collective; a rank that never issues a collective is named after the stall timeout. The verdicts'
+wording is tested on hand-written fingerprints, without processes.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import minizero
+from minizero import desync
+from minizero.cli.run import main as run_main
+from minizero.lab.faults import Fault, never_issue_on, train_another_model_on
+from minizero.lab.train import TrainConfig, train_worker
+
+FAST = 30            # seconds, start to end: the issue's bound (the collective timeout is 120 s)
+LINE = (r"^ranks out of step: rank 1 issued (\w+) of [\d,]+ float32 elements as collective "
+        r"#(\d+), where rank 0 issued (\w+) of")
+
+
+def fp(seq, kind="all_gather", numel=8256, tag="", ranks=None):
+    return {"seq": seq, "kind": kind, "numel": numel, "dtype": "float32", "tag": tag,
+            "ranks": ranks}
+
+
+# --- the verdicts, on fingerprints written by hand -----------------------------------------------
+
+def test_the_odd_rank_out_is_named_with_both_collectives():
+    same = [fp(40, tag="unit 1 (blocks.1)")]
+    windows = [same + [fp(41, tag="unit 2 (blocks.2)")], same + [fp(41, tag="unit 3 (blocks.3)")],
+               same + [fp(41, tag="unit 2 (blocks.2)")]]
+    assert desync.mismatch(windows) == (
+        "rank 1 issued all_gather of 8,256 float32 elements for unit 3 (blocks.3) as collective "
+        "#41, where rank 0 issued all_gather of 8,256 float32 elements for unit 2 (blocks.2); "
+        + desync.LIKELY_PATH)
+    assert desync.mismatch(windows[::2]) is None                      # ranks 0 and 2 agree
+
+
+def test_a_model_of_another_size_is_named_as_such_and_groups_compare_by_size():
+    line = desync.mismatch([[fp(1, "broadcast", 448)], [fp(1, "broadcast", 512)]])
+    assert line.startswith("rank 1 issued broadcast of 512 float32 elements as collective #1")
+    assert line.endswith(desync.LIKELY_MODEL)
+    rows = [[fp(7, ranks=[0, 1])]] * 2 + [[fp(7, ranks=[2, 3])]] * 2
+    assert desync.mismatch(rows) is None                 # HSDP: each rank's own shard group
+
+
+def test_a_stall_names_who_never_issued_what_the_others_wait_on():
+    def state(issued, finished, pending):
+        return {"issued": issued, "finished": finished, "pending": pending,
+                "recent": [fp(s, "all_reduce", 3, "the loss") for s in range(1, issued + 1)]}
+    # rank 0's #2 is pending below its finished #4: a prefetch never waited for, which blocks nobody
+    line = desync.stall([state(5, 4, [2, 5]), state(4, 4, []), state(5, 4, [5])], 20.4)
+    assert line == (
+        "ranks 0, 2 waited 20 s on collective #5 (all_reduce of 3 float32 elements for the loss), "
+        "which rank 1 never issued (its last was #4 (all_reduce of 3 float32 elements for the "
+        "loss)); rank 1 issued fewer (a skipped unit, a collective behind an `if rank`?) or are "
+        "busy outside minizero.comm")
+
+
+# --- real runs -----------------------------------------------------------------------------------
+
+def _diverging(stage: int, n: int, mode: str) -> TrainConfig:
+    return TrainConfig(stage=stage, world_size=n, steps=4, model="tiny", batch_size=12,
+                       model_overrides={"n_layer": 4}, fault=Fault(rank=1, step=1, mode=mode))
+
+
+@pytest.mark.parametrize("stage, n, mode", [(3, 3, "skip-block"), (3, 2, "extra-micro-batch"),
+                                            (2, 2, "extra-micro-batch")])
+def test_ranks_out_of_step_are_named_in_seconds(stage, n, mode):
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=LINE) as info:
+        minizero.launch(train_worker, n, _diverging(stage, n, mode))
+    assert time.monotonic() - start < FAST
+    first, *rest = str(info.value).splitlines()
+    assert first.endswith(desync.LIKELY_PATH)
+    assert rest[0].startswith("--- the last 20 collectives of each rank")    # the flight recorder
+    assert [line.split(":")[0] for line in rest if line.startswith("rank")] == \
+        [f"rank {r}" for r in range(n)]
+
+
+def test_a_skipped_block_at_stage_2_is_no_hang():
+    # stage 2 reduces every bucket whether or not a rank's forward used it (zeros): it completes
+    results = minizero.launch(train_worker, 2, _diverging(2, 2, "skip-block"))
+    assert len(results[1]["losses"]) == 4
+
+
+def test_a_model_of_another_size_is_named_before_the_first_collective_runs():
+    with pytest.raises(RuntimeError, match=r"^ranks out of step: rank 1 issued broadcast of [\d,]+ "
+                                           r"float32 elements as collective #1, where rank 0 "
+                                           r"issued broadcast of [\d,]+ float32 elements; likely "
+                                           r"cause: the ranks built different models"):
+        minizero.launch(train_another_model_on, 2, 1, TrainConfig(stage=3, steps=1, model="tiny"))
+
+
+def test_a_rank_that_never_issues_is_named_after_the_stall_timeout():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"^ranks out of step: rank 0 waited \d+ s on collective "
+                                           r"#1 \(all_reduce of 3 float32 elements for the loss\), "
+                                           r"which rank 1 never issued \(it issued none\)"):
+        minizero.launch(never_issue_on, 2, 1, 60.0, stall_timeout=3)
+    assert time.monotonic() - start < FAST
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, "3"])
+def test_bad_stall_timeout_is_refused(bad):
+    with pytest.raises(ValueError, match="stall_timeout must be a positive number of seconds"):
+        minizero.launch(never_issue_on, 2, 1, 0.0, stall_timeout=bad)
+
+
+# --- the CLI and torchrun ------------------------------------------------------------------------
+
+def _fault_env(mode: str) -> dict:
+    return dict(os.environ, MINIZERO_FAIL_RANK="1", MINIZERO_FAIL_STEP="1",
+                MINIZERO_FAIL_MODE=mode, MINIZERO_FAIL_BLOCK="1")
+
+
+def test_cli_refuses_a_negative_stall_timeout_in_one_line(capsys):
+    assert run_main(["--stall-timeout", "-1"]) == 2
+    assert capsys.readouterr().err == \
+        "minizero.run: error: --stall-timeout must be >= 0 seconds, got -1\n"
+
+
+def test_cli_names_a_skipped_block_in_one_line():
+    start = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "minizero.run", "--stage", "3", "--world-size", "2",
+                        "--steps", "3", "--model", "tiny", "--batch-size", "8", "--quiet"],
+                       capture_output=True, text=True, timeout=120, env=_fault_env("skip-block"),
+                       check=False)
+    assert time.monotonic() - start < FAST
+    assert p.returncode == 1, p.stderr[-2000:]
+    first = p.stderr.splitlines()[0]
+    assert first.startswith("minizero.run: ranks out of step: rank 1 issued "), first
+
+
+def test_torchrun_names_an_extra_micro_batch():
+    start = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", "3", "-m", "minizero.run", "--stage", "2", "--steps",
+                        "3", "--model", "tiny", "--batch-size", "12", "--quiet"],
+                       capture_output=True, text=True, timeout=120,
+                       env=_fault_env("extra-micro-batch"), check=False)
+    assert time.monotonic() - start < FAST + 10        # torchrun's own start and teardown: ~8 s
+    assert p.returncode != 0
+    lines = [line for line in p.stderr.splitlines() if "ranks out of step" in line]
+    assert lines and lines[0].startswith("minizero: ranks out of step: rank 1 issued "), \
+        p.stderr[-3000:]
