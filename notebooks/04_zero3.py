@@ -209,9 +209,10 @@ plots.memory_by_category(runs, "stage 3");
 # %% [markdown]
 # ## When is each unit gathered?
 #
-# A Zero3 engine records `(time, "gather" | "prefetch" | "free", unit)` in `engine.timeline` when
-# that is set to a list (`minizero.lab.demo.zero3_timeline_worker` does so for one step after a
-# warm-up step, which records the order prefetch follows). Each bar is a span during which a unit's
+# A Zero3 engine emits an event each time a unit is gathered (or prefetched) and freed
+# (`minizero/events.py`); `minizero.lab.demo.unit_timeline` collects them as `(time, "gather" |
+# "prefetch" | "free", unit)` for one step after a warm-up step, which records the order prefetch
+# follows (`minizero.lab.demo.zero3_timeline_worker`). Each bar is a span during which a unit's
 # full parameters exist on rank 0. Without prefetch a unit is gathered when it is needed and the
 # computation waits; with prefetch the next unit's all-gather is already in flight while the current
 # one computes (hatched bars), at the cost of one more unit in memory.

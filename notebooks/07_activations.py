@@ -128,10 +128,10 @@ plots.full_memory({key: runs[N] for key, runs in measured.items()});
 #
 # ## One step, event by event
 #
-# `engine.memory_timeline = []` records the bytes by category at each event: the end of a block's
-# forward, the start of its backward, a gradient bucket launched and arrived, the step. Activations
-# rise block by block through forward and fall in reverse through backward; stage 3 gathers each
-# block's parameters for its backward and frees them after.
+# `with engine.memory_timeline() as timeline:` records the bytes by category at each event: the end
+# of a block's forward, the start of its backward, a gradient bucket launched and arrived, the step.
+# Activations rise block by block through forward and fall in reverse through backward; stage 3
+# gathers each block's parameters for its backward and frees them after.
 
 # %%
 timelines = demo.memory_timelines((0, 3), N, MODEL, BACKEND)
@@ -147,9 +147,9 @@ plots.memory_timeline(timelines);
 #   are in flight (`minizero.reducer.GradBuckets`).
 # - **Memory defragmentation (M_D).** Long-lived tensors live in preallocated contiguous buffers
 #   (`minizero/flat.py`: parameters and gradients as views of one flat buffer per bucket; stage 3's
-#   `Unit.full`); short-lived gradients are copied into their bucket's buffer the moment they are
-#   complete (`minizero.zero2.Zero2.contiguous_gradients`), so they never interleave with
-#   activations.
+#   `minizero.unit.Unit`'s `full`); short-lived gradients are copied into their bucket's buffer the
+#   moment they are complete (`minizero.zero2.Zero2.contiguous_gradients`), so they never interleave
+#   with activations.
 
 # %% [markdown]
 # ## What to try
