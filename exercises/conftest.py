@@ -17,12 +17,17 @@ if HERE not in sys.path:
 
 
 def pytest_addoption(parser):
-    parser.addoption("--solutions", action="store_true", default=False,
-                     help="grade exercises/solutions/ (the reference answers) instead of your files")
+    parser.addoption(
+        "--solutions",
+        action="store_true",
+        default=False,
+        help="grade exercises/solutions/ (the reference answers) instead of your files",
+    )
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "points(n): what the test is worth; minizero.grade adds them up")
+    config.addinivalue_line("markers", "points(n): what the test is worth; minizero.grade adds "
+                                       "them up")
 
 
 @pytest.fixture

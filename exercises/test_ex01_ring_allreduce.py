@@ -1,7 +1,7 @@
 """Grader for exercise 1 (ring all-reduce):  pytest exercises -k ex01
 
-Three ranks run your ring_all_reduce on rank-dependent tensors of several sizes, with every collective
-of torch.distributed disabled and the bytes handed to point-to-point sends counted.
+Three ranks run your ring_all_reduce on rank-dependent tensors of several sizes, with every
+collective of torch.distributed disabled and the bytes handed to point-to-point sends counted.
 """
 
 import math
@@ -15,18 +15,32 @@ from minizero import comm
 
 N = 3
 SHAPES = [(10,), (4, 6), (2,)]        # not divisible by N; 2 elements: fewer than ranks
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_single", "all_gather_into_tensor", "reduce_scatter",
-               "reduce_scatter_single", "reduce_scatter_tensor", "broadcast", "reduce", "all_to_all_single")
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_single",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "reduce",
+    "all_to_all_single",
+)
+# minizero.comm's collectives and its own ring are refused in the source too (g.guard)
+REFUSED = tuple(f"minizero.comm.{name}" for name in ("ring_all_reduce", "all_to_all", *COLLECTIVES))
 
 
 def rank_tensor(shape, rank: int) -> torch.Tensor:
-    return (torch.arange(math.prod(shape), dtype=torch.float32) * (rank + 1) + 100 * rank).reshape(shape)
+    return (torch.arange(math.prod(shape), dtype=torch.float32) * (rank + 1) + 100 * rank).reshape(
+        shape
+    )
 
 
 def _forbid(name):
     def forbidden(*args, **kwargs):
-        raise AssertionError(f"ex01 must not call torch.distributed.{name}: the exercise builds all-reduce "
-                             "from exchange() (point-to-point sends) alone")
+        raise AssertionError(f"ex01 must not call torch.distributed.{name}: the exercise builds "
+                             "all-reduce from exchange() (point-to-point sends) alone")
     return forbidden
 
 
@@ -58,6 +72,7 @@ def worker(module_name: str) -> list[dict]:
 
 
 def check(impl: str) -> None:
+    g.guard(impl, REFUSED)
     results = g.launch(worker, N, impl)
     for rank, per_shape in enumerate(results):
         for shape, res in zip(SHAPES, per_shape):
@@ -66,20 +81,21 @@ def check(impl: str) -> None:
             chunk = -(-numel // N)
             if not torch.allclose(got, expected):
                 if res["returned"] is not None and torch.allclose(res["returned"], expected):
-                    raise AssertionError(f"rank {rank}, tensor of shape {shape}: you returned the right sum "
-                                         "but the tensor passed in was not changed: write the sum in place")
+                    raise AssertionError(f"rank {rank}, tensor of shape {shape}: you returned the "
+                                         "right sum but the tensor passed in was not changed: "
+                                         "write the sum in place")
                 i = int((got - expected).abs().reshape(-1).argmax())
                 raise AssertionError(
-                    f"rank {rank}, tensor of shape {shape}, element {i} (chunk {i // chunk} of {N}, "
-                    f"{chunk} elements each): expected the sum over ranks {expected.reshape(-1)[i].item():g}, "
-                    f"got {got.reshape(-1)[i].item():g}. Rank r's tensor started as "
-                    f"arange({numel}) * (r + 1) + 100 r.")
+                    f"rank {rank}, tensor of shape {shape}, element {i} (chunk {i // chunk} of {N}"
+                    f", {chunk} elements each): expected the sum over ranks "
+                    f"{expected.reshape(-1)[i].item():g}, got {got.reshape(-1)[i].item():g}. Rank "
+                    f"r's tensor started as arange({numel}) * (r + 1) + 100 r.")
             want = 2 * (N - 1) * chunk * got.element_size()
             if res["sent"] != want:
                 raise AssertionError(
-                    f"rank {rank}, tensor of shape {shape}: sent {res['sent']} bytes through exchange(); "
-                    f"a ring sends 2(N-1) = {2 * (N - 1)} chunks of ceil({numel}/{N}) = {chunk} elements, "
-                    f"{want} bytes"
+                    f"rank {rank}, tensor of shape {shape}: sent {res['sent']} bytes through "
+                    f"exchange(); a ring sends 2(N-1) = {2 * (N - 1)} chunks of ceil({numel}/{N}) "
+                    f"= {chunk} elements, {want} bytes"
                     + (" (whole tensors instead of chunks?)" if res["sent"] > want else ""))
 
 

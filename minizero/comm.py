@@ -300,13 +300,15 @@ class _Issued:
 
     def __init__(self, handle, seq: int, kind: str, tag: str, modeled):
         self.handle, self.seq, self.kind, self.tag, self.modeled = handle, seq, kind, tag, modeled
+        self.done = False
 
     def wait(self) -> bool:
-        if self.handle is not None:
-            self.handle.wait()
-            self.handle = None
+        if not self.done:
+            if self.handle is not None:
+                self.handle.wait()
             if self.modeled is not None:
                 sleep_until(self.modeled[1])
+            self.done = True
             events.emit("collective done", seq=self.seq, kind=self.kind, tag=self.tag)
         return True
 

@@ -59,6 +59,7 @@ import torch
 import torch.distributed as dist
 
 from minizero import comm, desync
+from minizero.options import check_positive_int
 from minizero.network import network_from_env
 
 _GRACE_S = 5.0          # after a failure, how long survivors get between SIGTERM and SIGKILL
@@ -155,7 +156,8 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None
            check_every: int = desync.DEFAULT_CHECK_EVERY) -> list:
     """Run fn(*args) on `world_size` ranks; return the list of their return values, by rank.
 
-    backend: "gloo" (CPU) or "nccl" (one GPU per rank); default NCCL when CUDA is available.
+    backend: "gloo" (CPU) or "nccl" (one GPU per rank); default NCCL when there is a GPU per rank,
+      else gloo (NCCL refuses two ranks on one GPU).
     timeout: seconds for the whole run (None: no limit); past it every rank is killed.
     memory_cap: bytes of private memory each rank may hold, torch's own included (RLIMIT_DATA; None: no cap).
     stall_timeout: seconds in which no rank issues or finishes a collective while one waits, before
@@ -165,8 +167,9 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None
     Raises RuntimeError("rank R failed: ...") if any rank raises or dies; no child outlives the call.
     The ranks model the network this process has (comm.set_network, else MINIZERO_NETWORK; network.py).
     """
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    check_positive_int("world_size", world_size)
+    if backend is None:
+        backend = "nccl" if 0 < world_size <= torch.cuda.device_count() else "gloo"
     if backend == "nccl" and world_size > torch.cuda.device_count():
         raise ValueError(f"nccl needs one GPU per rank: world_size={world_size}, "
                          f"GPUs={torch.cuda.device_count()}")
@@ -176,9 +179,8 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None
                          f"got {stall_timeout!r}")
     if not (isinstance(check_every, int) and check_every >= 0) or isinstance(check_every, bool):
         raise ValueError(f"check_every must be a number of collectives >= 0, got {check_every!r}")
-    if memory_cap is not None and not (isinstance(memory_cap, int) and not isinstance(memory_cap, bool)
-                                       and memory_cap > 0):
-        raise ValueError(f"memory_cap must be a positive number of bytes, got {memory_cap!r}")
+    if memory_cap is not None:
+        check_positive_int("memory_cap", memory_cap, "number of bytes")
     ctx = _context(start_method, fn)
     # The parent hosts the rendezvous store on a port the OS picks, so there is no race for a free port.
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,

@@ -40,6 +40,7 @@ class Zero2(Zero1):
     # is complete (one full parameter gradient alive at a time). Off, reduce_scatter_grads stages the whole
     # bucket at once (exercise 4's grader turns it off: the learner's hook does exactly that).
     contiguous_gradients = True
+    int8_codec = quantize.Int8Blocks   # ZeRO++'s codec (quantize.py); exercise 12 brings its own
 
     def __init__(self, model, optimizer, *, bucket_size: float = DEFAULT_BUCKET_BYTES,
                  buckets_in_flight: int = 2, quantized_gradients: bool = False,
@@ -59,7 +60,7 @@ class Zero2(Zero1):
         self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.grad_dtype, device=self.device)
         self.staging: dict[int, torch.Tensor] = {}       # bucket index -> its full gradients, in flight
         # how a bucket's gradients travel: the shard group ([Note: hierarchical sharding]); qgZ: int8
-        codec = quantize.Int8Blocks(self.quantization_block) if self.quantized_gradients else comm.EXACT
+        codec = self.int8_codec(self.quantization_block) if self.quantized_gradients else comm.EXACT
         self.reduce_route = comm.Route(self.shard_group, codec)
         self.reducer = GradBuckets(self.layout.buckets, launch=self._bucket_ready, done=self._accumulate_bucket,
                                    on_grad=self._stage_gradient if self.contiguous_gradients else None,

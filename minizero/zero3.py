@@ -42,7 +42,6 @@ from torch.utils._pytree import tree_flatten
 
 from minizero import comm, construct
 from minizero.flat import Bucket, FlatLayout, partition
-from minizero.quantize import Int8Blocks
 from minizero.unit import FREE, IDLE, PRE_BACKWARD, Unit, UnitRoutes
 from minizero.units import assign_units, default_units
 from minizero.zero2 import Zero2
@@ -88,7 +87,7 @@ class Zero3(Zero2):
                                        pin_memory=pin)                                  # [Ψ/N]
         # the variants are routes, not branches ([Note: hierarchical sharding], [Note: hpZ])
         exact = comm.Route(self.shard_group, home="host" if host else "device")
-        int8 = Int8Blocks(self.quantization_block)
+        int8 = self.int8_codec(self.quantization_block)
         forward = comm.Route(exact.group, int8, exact.home) if self.quantized_weights else exact
         node = None if self.hpz_group is None else comm.Route(self.hpz_group)
         names = {id(m): name or "<root>" for name, m in self.module.named_modules()}

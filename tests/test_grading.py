@@ -1,5 +1,6 @@
-"""The graders can fail: each rejects plausible wrong answers (exercises/mutants/) with a message that says
-what is wrong; the solutions score full marks and the untouched skeletons zero (via minizero.grade)."""
+"""The graders can fail: each rejects plausible wrong answers (exercises/mutants/) with a message
+that says what is wrong; the solutions score full marks and the untouched skeletons zero (via
+minizero.grade)."""
 
 import importlib
 import json
@@ -11,59 +12,143 @@ import pytest
 
 from minizero.lab.grade import EXERCISES, main, verdict
 
-sys.path.insert(0, str(EXERCISES))            # graders, answers and mutants are imported by name from there
+# graders, answers and mutants are imported by name from there
+sys.path.insert(0, str(EXERCISES))
+import _grading
 
 EXERCISE_NAMES = sorted(p.stem for p in EXERCISES.glob("ex[0-9][0-9]_*.py"))
 
 # (grader, its check, mutant, what the failure message must say)
 MUTANTS = [
-    ("test_ex01_ring_allreduce", "check", "ex01_no_allgather_phase", r"rank 0, .* expected the sum over ranks"),
-    ("test_ex01_ring_allreduce", "check", "ex01_whole_tensor", r"sent 80 bytes through exchange.*, 64 bytes"),
-    ("test_ex02_ddp_bucket", "check_buckets", "ex02_bucket_overflow", r"expected buckets \[\[0, 1\], \[2\]"),
-    ("test_ex02_ddp_bucket", "check_training", "ex02_sum_not_average", r"rank 0, .*averaged over the ranks"),
-    ("test_ex03_zero1_partition", "check_partitions", "ex03_no_padding", r"padded_numel\(1, 2\) = 1, expected"),
-    ("test_ex03_zero1_partition", "check_partitions", "ex03_floor_plus_one", r"padded_numel\(1, 1\) = 2"),
-    ("test_ex03_zero1_partition", "check_training", "ex03_no_all_gather", r"rank \d, .* after 3 SGD steps"),
-    ("test_ex04_zero2_reduce_scatter", "check_training", "ex04_sum_not_average", r"update .* x the reference"),
-    ("test_ex04_zero2_reduce_scatter", "check_training", "ex04_grads_not_freed", r"p\.grad of .* still set"),
-    ("test_ex05_zero3_hooks", "check_training", "ex05_no_free_after_forward", r"after post_forward: .* holds"),
-    ("test_ex05_zero3_hooks", "check_training", "ex05_no_gather_before_backward",
-     r"after pre_backward: its parameters are not materialized"),
-    ("test_ex06_offload_step", "check_training", "ex06_no_copy_back", r"differ from the updated masters"),
-    ("test_ex06_offload_step", "check_training", "ex06_device_grads", r"host_grads\[0\] does not hold"),
-    ("test_ex07_checkpoint_unit", "check_memory", "ex07_keeps_the_graph",
-     r"rank 0: .* is \d+ bytes, 100% of the \d+ bytes saved without checkpointing"),
-    ("test_ex07_checkpoint_unit", "check_training", "ex07_no_input_grads", r"rank 0, .* x the reference's"),
-    ("test_ex07_checkpoint_unit", "check_training", "ex07_recompute_without_grad",
-     r"rank \d, blocks\.3: the recompute in backward ran with grad disabled"),
-    ("test_ex08_global_overflow", "check_decisions", "ex08_local_only",
-     r"rank 0, step 1: your found_overflow returned False, expected True: rank 1's .* combine the ranks' flags"),
-    ("test_ex08_global_overflow", "check_training", "ex08_local_only",
+    ("test_ex01_ring_allreduce", "check", "ex01_no_allgather_phase",
+     r"rank 0, .* expected the sum over ranks"),
+    ("test_ex01_ring_allreduce", "check", "ex01_whole_tensor",
+     r"sent 80 bytes through exchange.*, 64 bytes"),
+    ("test_ex02_ddp_bucket", "check_buckets", "ex02_bucket_overflow",
+     r"expected buckets \[\[0, 1\], \[2\]"),
+    ("test_ex02_ddp_bucket", "check_training", "ex02_sum_not_average",
+     r"rank 0, .*averaged over the ranks"),
+    ("test_ex02_ddp_bucket", "check_training", "ex02_blocking",
+     r"bucket 0: all_reduce_bucket returned None"),
+    ("test_ex03_grad_accumulation", "check_bytes", "ex03_reduce_every_micro_batch",
+     r"sent 528 bytes, expected 264, .*: 2 x that, did you all-reduce after every micro-batch"),
+    ("test_ex03_grad_accumulation", "check_training", "ex03_averages_twice",
+     r"update is 0.5\d* x the ref"),
+    ("test_ex04_zero1_partition", "check_partitions", "ex04_no_padding",
+     r"padded_numel\(1, 2\) = 1, expected"),
+    ("test_ex04_zero1_partition", "check_partitions", "ex04_floor_plus_one",
+     r"padded_numel\(1, 1\) = 2"),
+    ("test_ex04_zero1_partition", "check_training", "ex04_no_all_gather",
+     r"rank \d, .* after 3 SGD steps"),
+    ("test_ex05_clip_global_norm", "check_clipping", "ex05_local_norm",
+     r"rank 0, clipping applies .*: partition 0 was scaled by 0.539, expected 0.25"),
+    ("test_ex05_clip_global_norm", "check_bytes", "ex05_gathers_the_gradients",
+     r"sent 128 bytes to clip 16 elements; .* all-reduce the sum of squares"),
+    ("test_ex06_zero2_reduce_scatter", "check_training", "ex06_sum_not_average",
+     r"update .* x the reference"),
+    ("test_ex06_zero2_reduce_scatter", "check_training", "ex06_grads_not_freed",
+     r"p\.grad of .* still set"),
+    ("test_ex07_zero3_hooks", "check_training", "ex07_no_free_after_forward",
+     r"post_forward: after it, unit.full still holds"),
+    ("test_ex07_zero3_hooks", "check_training", "ex07_no_gather_before_backward",
+     r"pre_backward: after it, its parameters are not materialized"),
+    ("test_ex07_zero3_hooks", "check_training", "ex07_no_prefetch",
+     r"unit 'blocks.1', pre_backward: this unit was not prefetched"),
+    ("test_ex07_zero3_hooks", "check_training", "ex07_calls_unit_gather",
+     r"pre_forward: your hook called unit.gather\(\)"),
+    ("test_ex08_zero3_from_scratch", "check_memory", "ex08_no_free_after_forward",
+     r"rank 0: 35816 bytes of full parameters were materialized at once, .* \(18792 bytes"),
+    ("test_ex08_zero3_from_scratch", "check_prefetch", "ex08_no_prefetch",
+     r"when blocks.0's forward ended, the next block's all-gather had not been issued"),
+    ("test_ex08_zero3_from_scratch", "check_bytes", "ex08_all_reduce_gradients",
+     r"sent 71632 bytes \(all_gather 35816, all_reduce 35816\), expected 3Ψ\(N-1\)/N = 53718"),
+    ("test_ex08_zero3_from_scratch", "check_training", "ex08_local_norm",
+     r"update of this tensor is 1.2\d* x"),
+    ("test_ex09_offload_step", "check_training", "ex09_no_copy_back",
+     r"differ from the updated masters"),
+    ("test_ex09_offload_step", "check_training", "ex09_device_grads",
+     r"host_grads\[0\] does not hold"),
+    ("test_ex10_global_overflow", "check_decisions", "ex10_local_only",
+     r"rank 0, step 1: your found_overflow returned False, expected True: rank 1's .* flags"),
+    ("test_ex10_global_overflow", "check_training", "ex10_local_only",
      r"rank \d, .*: after 4 fp16 steps your run differs from minizero's by up to \d"),
-    ("test_ex08_global_overflow", "check_decisions", "ex08_inf_not_nan",
-     r"rank \d, step 2: .* returned False, expected True: rank 0's partition held a nan .*isfinite"),
-    ("test_ex08_global_overflow", "check_training", "ex08_inf_not_nan", r"differs from minizero's by up to nan"),
-    ("test_ex09_block_quantize", "check_error_bound", "ex09_scale_255",
+    ("test_ex10_global_overflow", "check_decisions", "ex10_inf_not_nan",
+     r"rank \d, step 2: .* returned False, expected True: rank 0's .* held a nan .*isfinite"),
+    ("test_ex10_global_overflow", "check_training", "ex10_inf_not_nan",
+     r"differs from minizero's by up to nan"),
+    ("test_ex11_checkpoint_unit", "check_memory", "ex11_keeps_the_graph",
+     r"rank 0: .* is \d+ bytes, 100% of the \d+ bytes saved without checkpointing"),
+    ("test_ex11_checkpoint_unit", "check_training", "ex11_no_input_grads",
+     r"rank 0, .* x the reference's"),
+    ("test_ex11_checkpoint_unit", "check_training", "ex11_recompute_without_grad",
+     r"rank \d, blocks\.3: the recompute in backward ran with grad disabled"),
+    ("test_ex12_block_quantize", "check_error_bound", "ex12_scale_255",
      r"rows \[3, 50\]: element \d+ .* an error of \d.* x absmax/254 .* scale = absmax / 127"),
-    ("test_ex09_block_quantize", "check_bytes", "ex09_not_int8",
-     r"rank \d: the .* sent \d.* bytes .* with your quantize, \d.* with minizero's: q must be int8"),
+    ("test_ex12_block_quantize", "check_bytes", "ex12_not_int8",
+     r"rank \d: the .* sent \d.* bytes .* your quantize, \d.* with minizero's: q must be int8"),
+    ("test_ex13_predict_and_plan", "check_predictions", "ex13_no_master_copy",
+     r"model_states\(.*bf16.*\)\['optimizer'\] = 0.0, expected .* \(4 per parameter\)"),
+    ("test_ex13_predict_and_plan", "check_predictions", "ex13_stage3_sends_2psi",
+     r"bytes_per_step\(.*stage 3.*\) = .*, expected .* \(2.625 Ψ elements"),
+    ("test_ex13_predict_and_plan", "check_launch", "ex13_plan_without_activations",
+     r"your plan .*'micro_batch': 8} needs \d+ bytes per rank as measured .*: over the budget"),
+    ("test_ex14_overlap_buckets", "check_overlap", "ex14_launch_at_finish",
+     r"rank \d: your step took \d+ ms for \d+ ms of compute and 320 ms of communication"),
+    ("test_ex14_overlap_buckets", "check_policy", "ex14_out_of_order",
+     r"launched in the order \[0, 1, 3, 2, 4, 5, 7, 6\], .*: launch strictly 0, 1, 2"),
+    ("test_ex14_overlap_buckets", "check_policy", "ex14_unbounded",
+     r"8 buckets were in flight at once, at most max_in_flight = 2"),
+    ("test_ex14_overlap_buckets", "check_overlap", "ex14_blocking",
+     r"your step took .* never wait for one you just started"),
 ]
+# Every exercise refuses an answer borrowed from minizero (or PyTorch): one mutant each imports it.
+# The guard reads the source, so the grader's first check rejects it before launching anything.
+MUTANTS += [(f"test_{name}", check, f"{name[:4]}_imports_the_answer",
+             r"line \d+: uses .*, which does what this exercise asks you to build")
+            for name, check in [("ex01_ring_allreduce", "check"),
+                                ("ex02_ddp_bucket", "check_buckets"),
+                                ("ex03_grad_accumulation", "check_training"),
+                                ("ex04_zero1_partition", "check_partitions"),
+                                ("ex05_clip_global_norm", "check_clipping"),
+                                ("ex06_zero2_reduce_scatter", "check_training"),
+                                ("ex07_zero3_hooks", "check_training"),
+                                ("ex08_zero3_from_scratch", "check_training"),
+                                ("ex09_offload_step", "check_training"),
+                                ("ex10_global_overflow", "check_decisions"),
+                                ("ex11_checkpoint_unit", "check_training"),
+                                ("ex12_block_quantize", "check_error_bound"),
+                                ("ex13_predict_and_plan", "check_predictions"),
+                                ("ex14_overlap_buckets", "check_policy")]]
 
 
-@pytest.mark.parametrize("grader, check, mutant, message", MUTANTS, ids=[f"{m[2]}-{m[1]}" for m in MUTANTS])
-def test_grader_rejects_a_plausible_wrong_answer(grader, check, mutant, message):
-    with warnings.catch_warnings():           # @pytest.mark.points is registered by exercises/conftest.py only
+def load(grader: str):
+    # @pytest.mark.points is registered by exercises/conftest.py only
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
-        module = importlib.import_module(grader)
+        return importlib.import_module(grader)
+
+
+@pytest.mark.parametrize(
+    "grader, check, mutant, message", MUTANTS, ids=[f"{m[2]}-{m[1]}" for m in MUTANTS]
+)
+def test_grader_rejects_a_plausible_wrong_answer(grader, check, mutant, message):
     with pytest.raises(AssertionError, match=message):
-        getattr(module, check)(f"mutants.{mutant}")
+        getattr(load(grader), check)(f"mutants.{mutant}")
 
 
 def test_every_mutant_is_used_and_every_exercise_has_one():
     on_disk = {p.stem for p in (EXERCISES / "mutants").glob("ex*.py")}
     assert on_disk == {m[2] for m in MUTANTS}
     assert {m[2][:4] for m in MUTANTS} == {name[:4] for name in EXERCISE_NAMES}
-    assert len(EXERCISE_NAMES) == 9
+    assert [name[:4] for name in EXERCISE_NAMES] == [f"ex{i:02d}" for i in range(1, 15)]   # no gap
+
+
+@pytest.mark.parametrize("name", EXERCISE_NAMES)
+def test_solutions_show_the_answer_instead_of_importing_it(name):
+    grader = load(f"test_{name}")
+    # raises if it borrows
+    _grading.guard(f"solutions.{name}", getattr(grader, "REFUSED", ()),
+                   getattr(grader, "ALLOWED", _grading.ALLOWED))
 
 
 def grade(tmp_path, *flags) -> tuple[subprocess.CompletedProcess, dict | None]:
@@ -76,7 +161,8 @@ def grade(tmp_path, *flags) -> tuple[subprocess.CompletedProcess, dict | None]:
 def test_solutions_score_full_marks(tmp_path):
     proc, score = grade(tmp_path, "--solutions", "--expect-full")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert [row["exercise"] for row in score["exercises"]] == EXERCISE_NAMES     # every exercise is graded
+    # every exercise is graded
+    assert [row["exercise"] for row in score["exercises"]] == EXERCISE_NAMES
     assert score["points"] == score["max_points"] >= len(EXERCISE_NAMES)
     assert "total" in proc.stdout and f"{score['points']}/{score['max_points']}" in proc.stdout
 
@@ -94,13 +180,21 @@ def test_expect_flags_decide_the_exit_code():
     rows = [{"exercise": "ex01_x", "points": 3, "max_points": 3, "passed": 1, "tests": 1},
             {"exercise": "ex02_y", "points": 0, "max_points": 3, "passed": 0, "tests": 2}]
     assert verdict(rows) == (0, "")
-    assert verdict(rows, expect_zero=True) == (1, "expected every exercise to score zero: ex01_x scored")
+    zero = "expected every exercise to score zero: ex01_x scored"
+    assert verdict(rows, expect_zero=True) == (1, zero)
     assert verdict(rows, expect_full=True) == (1, "expected every test to pass: ex02_y did not")
-    assert verdict(rows[1:], expect_zero=True)[0] == 0 and verdict(rows[:1], expect_full=True)[0] == 0
+    assert (
+        verdict(rows[1:], expect_zero=True)[0] == 0 and verdict(rows[:1], expect_full=True)[0] == 0
+    )
 
 
-@pytest.mark.parametrize("argv, message", [(["--expect-zero", "--expect-full"], "not allowed with"),
-                                           (["--exercises", "/nonexistent"], "no graders in /nonexistent")])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--expect-zero", "--expect-full"], "not allowed with"),
+        (["--exercises", "/nonexistent"], "no graders in /nonexistent"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_code_2(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""Mutant: closes a bucket only once it holds *more* than bucket_bytes (PyTorch's rule is "at least")."""
+"""Mutant: closes a bucket only once it holds *more* than bucket_bytes (PyTorch's rule is "at
+least")."""
 
 from solutions.ex02_ddp_bucket import all_reduce_bucket  # noqa: F401  (the correct half)
 

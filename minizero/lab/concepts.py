@@ -37,7 +37,7 @@ CONCEPTS = [
      "updated partitions all-gathered per bucket"),
     ("DeepSpeed", "partitioned_param_coordinator (stage 3 fetch/release)", "minizero.unit.Unit.gather",
      "all-gather a unit before use; Unit.free releases it"),
-    ("DeepSpeed", "stage3_prefetch_bucket_size", "minizero.zero3.Zero3._prefetch_after",
+    ("DeepSpeed", "stage3_prefetch_bucket_size", "minizero.zero3.Zero3.prefetch_after",
      "the next unit in recorded order is gathered ahead"),
     ("DeepSpeed", "offload_optimizer.device = cpu (ZeRO-Offload)", "minizero.offload.HostShardOptimizer",
      "masters and state on the host, step on the host"),

@@ -2,20 +2,21 @@
 
     python -m minizero.grade                       # grade your answers in exercises/exNN_*.py
     python -m minizero.grade -k ex03               # one exercise
-    python -m minizero.grade --solutions           # grade exercises/solutions/ (must score full marks)
+    python -m minizero.grade --solutions           # grade exercises/solutions/ (full marks due)
     python -m minizero.grade --json score.json     # also write the table as JSON
-    python -m minizero.grade --expect-zero         # CI: exit 1 unless every exercise scores zero (skeletons)
+    python -m minizero.grade --expect-zero         # CI: exit 1 unless every exercise scores zero
     python -m minizero.grade --solutions --expect-full   # CI: exit 1 unless every test passes
 
 Each grader is a pytest file, exercises/test_exNN_*.py; a test's points come from its
-`@pytest.mark.points(n)` marker (1 when it has none), and an exercise scores the points of the tests it
-passes. The exit status is 0 whatever the score (unless an --expect flag says otherwise), 2 when the
-graders could not run at all. See exercises/README.md.
+`@pytest.mark.points(n)` marker (1 when it has none), and an exercise scores the points of the tests
+it passes. The exit status is 0 whatever the score (unless an --expect flag says otherwise), 2 when
+the graders could not run at all. See exercises/README.md.
 
 `call_in` is the one helper the graders import from here: graders run the learner's code on several
 ranks with minizero.launch, whose children must import the worker function by name. Launching
-`call_in(directory, module, function, ...)` instead puts the exercises' folder on the child's sys.path
-first, so workers can live next to the exercises whatever sys.path the launcher's server started with.
+`call_in(directory, module, function, ...)` instead puts the exercises' folder on the child's
+sys.path first, so workers can live next to the exercises whatever sys.path the launcher's server
+started with.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ class _Collector:
             return
         if report.when == "call":
             test["passed"] = report.passed
-        if report.failed:                                 # a setup or teardown error fails the test too
+        # a setup or teardown error fails the test too
+        if report.failed:
             test["passed"] = False
             crash = getattr(report.longrepr, "reprcrash", None)
             lines = str(report.longrepr).splitlines() or [""]
@@ -66,7 +68,8 @@ class _Collector:
 
 def score(tests: dict[str, dict]) -> list[dict]:
     """One row per exercise, in exercise order: points earned and possible, tests passed and run."""
-    rows: dict[str, dict] = defaultdict(lambda: {"points": 0, "max_points": 0, "passed": 0, "tests": 0})
+    rows: dict[str, dict] = defaultdict(lambda: {"points": 0, "max_points": 0, "passed": 0,
+                                                 "tests": 0})
     for test in tests.values():
         row = rows[test["exercise"]]
         row["max_points"] += test["points"]
@@ -89,26 +92,32 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def verdict(rows: list[dict], *, expect_zero: bool = False, expect_full: bool = False) -> tuple[int, str]:
+def verdict(rows: list[dict], *, expect_zero: bool = False,
+            expect_full: bool = False) -> tuple[int, str]:
     """(exit code, reason): 1 when an --expect flag is not met, else 0."""
     if expect_zero and any(r["points"] for r in rows):
         return 1, ("expected every exercise to score zero: "
                    + ", ".join(r["exercise"] for r in rows if r["points"]) + " scored")
     if expect_full and any(r["passed"] < r["tests"] for r in rows):
-        return 1, ("expected every test to pass: "
-                   + ", ".join(r["exercise"] for r in rows if r["passed"] < r["tests"]) + " did not")
+        failed = ", ".join(r["exercise"] for r in rows if r["passed"] < r["tests"])
+        return 1, f"expected every test to pass: {failed} did not"
     return 0, ""
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="python -m minizero.grade", description=__doc__.splitlines()[0])
-    parser.add_argument("--solutions", action="store_true", help="grade exercises/solutions/ instead")
-    parser.add_argument("-k", dest="keyword", help="only exercises/tests matching this pytest -k expression")
+    parser.add_argument("--solutions", action="store_true",
+                        help="grade exercises/solutions/ instead")
+    parser.add_argument("-k", dest="keyword",
+                        help="only exercises/tests matching this pytest -k expression")
     parser.add_argument("--json", metavar="PATH", help="also write the score table to PATH as JSON")
-    parser.add_argument("--exercises", metavar="DIR", default=str(EXERCISES), help="the exercises folder")
+    parser.add_argument("--exercises", metavar="DIR", default=str(EXERCISES),
+                        help="the exercises folder")
     expect = parser.add_mutually_exclusive_group()
-    expect.add_argument("--expect-zero", action="store_true", help="exit 1 unless every exercise scores 0")
-    expect.add_argument("--expect-full", action="store_true", help="exit 1 unless every test passes")
+    expect.add_argument("--expect-zero", action="store_true",
+                        help="exit 1 unless every exercise scores 0")
+    expect.add_argument("--expect-full", action="store_true",
+                        help="exit 1 unless every test passes")
     try:
         args = parser.parse_args(argv)
         if not Path(args.exercises, "conftest.py").is_file():
@@ -129,9 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         return fail(parser.prog, f"the graders did not run (pytest exit code {int(code)})")
 
     rows = score(collector.tests)
-    print("\n" + ("solutions in exercises/solutions/\n" if args.solutions else "") + format_table(rows))
+    heading = "solutions in exercises/solutions/\n" if args.solutions else ""
+    print("\n" + heading + format_table(rows))
     if args.json:
-        total = {"points": sum(r["points"] for r in rows), "max_points": sum(r["max_points"] for r in rows)}
+        total = {"points": sum(r["points"] for r in rows),
+                 "max_points": sum(r["max_points"] for r in rows)}
         report = {"solutions": args.solutions, "exercises": rows, **total,
                   "tests": list(collector.tests.values())}
         try:

@@ -1,0 +1,58 @@
+"""Grader for exercise 6 (ZeRO-2 reduce-scatter in the backward hook):  pytest exercises -k ex06
+
+A thin subclass of minizero's stage 2 calls your hook for every finished bucket instead of its own,
+while three ranks train; the result is compared with one process training on the whole batch.
+"""
+
+import pytest
+
+import _grading as g
+from minizero.zero2 import Zero2
+
+# bucket_size 3000 bytes: several buckets, each padded
+CFG = g.config(stage=2, world_size=3)
+
+
+class LearnerZero2(Zero2):
+    """minizero's stage 2 with the learner's hook in place of Zero2.reduce_scatter_grads."""
+    answer = None                                 # the learner's module, set by the worker
+    # p.grad stays until the hook: it stages the whole bucket
+    contiguous_gradients = False
+
+    def reduce_scatter_grads(self, b):
+        if not self._sync:
+            return None                           # inside no_sync(): p.grad keeps accumulating
+        staging, handle = self.answer.reduce_scatter_bucket(list(b.params), b.padded_numel)
+        where = (f"rank {self.rank}, bucket {b.index} ({b.numel} elements, padded to "
+                 f"{b.padded_numel})")
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        kept = [names[id(p)] for p in b.params if p.grad is not None]
+        if kept:
+            raise AssertionError(f"{where}: p.grad of {kept[0]} is still set after your hook: free "
+                                 "the full gradients (p.grad = None), that is the memory stage 2 "
+                                 "saves")
+        if staging.numel() != b.padded_numel:
+            raise AssertionError(f"{where}: staging buffer has {staging.numel()} elements, "
+                                 f"expected {b.padded_numel}: one partition of {b.shard_numel} per "
+                                 "rank")
+        # when handle completes, minizero adds my partition of it
+        self.staging[b.index] = staging
+        return handle
+
+
+def worker(module_name: str) -> dict:
+    LearnerZero2.answer = g.learner(module_name)
+    return g.train_with(LearnerZero2, CFG)
+
+
+def check_training(impl: str) -> None:
+    g.guard(impl)
+    g.assert_matches_reference(CFG, g.launch(worker, CFG.world_size, impl),
+                               hint="Is each bucket's gradient averaged over ranks (not summed), "
+                                    "each parameter copied at its offset, and partition r reduced "
+                                    "onto rank r?")
+
+
+@pytest.mark.points(3)
+def test_zero2_with_your_hook_trains_like_one_process(impl):
+    check_training(impl)
