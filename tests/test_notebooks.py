@@ -1,13 +1,14 @@
-"""Every notebook runs headless, its sources match, and the numbers its plots draw agree with the formulas.
+"""Every notebook runs headless, its sources match, and the numbers its plots draw agree with the
+formulas.
 
-    python -m pytest tests/test_notebooks.py -q        # every notebook, with the small settings of TINY
+    python -m pytest tests/test_notebooks.py -q      # every notebook, with TINY's small settings
 
 Each notebook is executed by nbclient (a timeout per cell; the kernel starts in notebooks/, where
 plots.py is); a cell that raises fails the test with its traceback. The notebook is run with small
-settings: TINY's lines go into a cell right after the one tagged "parameters" (papermill's convention),
-so the cells a learner reads carry no switch for tests. Afterwards one more cell writes what READ names,
-from the kernel's own variables, to a JSON file; the checks below recompute every formula from
-minizero.memory themselves instead of trusting what the notebook computed.
+settings: TINY's lines go into a cell right after the one tagged "parameters" (papermill's
+convention), so the cells a learner reads carry no switch for tests. Afterwards one more cell writes
+what READ names, from the kernel's own variables, to a JSON file; the checks below recompute every
+formula from minizero.memory themselves instead of trusting what the notebook computed.
 
 Every notebook is edited as its jupytext percent-format source, notebooks/NAME.py, and paired with
 NAME.ipynb (`jupytext --sync notebooks/NAME.py`): a test fails when the two hold different cells.
@@ -45,7 +46,7 @@ nbclient = pytest.importorskip("nbclient")
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 CELL_TIMEOUT_S = 300
 
-# the small settings, run after each notebook's "parameters" cell: the tiny model, two steps, N = 1 and 4
+# the small settings, run after each notebook's "parameters" cell: the tiny model, 2 steps, N = 1, 4
 _TINY_RUNS = 'MODEL, STEPS = "tiny", 2\nWORLD_SIZES = (WORLD_SIZES[0], WORLD_SIZES[-1])'
 TINY = {
     "00_communication": "NUMEL, WORLD_SIZES = 10_000, (2, 4)",
@@ -69,25 +70,26 @@ READ = {
                  "timeline_3": '{"intervals": {str(p): ivs for p, ivs in intervals.items()}, '
                                '"unit_names": timelines[True]["unit_names"]}',
                  "lora_3": '{"lora": lora}'},
-    "05_offload": {"offload_5": '{"runs": [r for runs in measured.values() for r in runs.values()]}',
+    "05_offload": {"offload_5": '{"runs": [r for v in measured.values() for r in v.values()]}',
                    "loss_scale_5": '{"loss_scale": fp16}', "steps_5": '{"steps": steps}'},
-    "06_compare": {"compare_6": '{"runs": [r for runs in stages.values() for r in runs.values()]}',
+    "06_compare": {"compare_6": '{"runs": [r for v in stages.values() for r in v.values()]}',
                    "bench_6": '{"bench": report}'},
-    "07_activations": {"activations_7": '{"runs": [r for runs in measured.values() for r in runs.values()], '
-                                        '"activations": rows, "memory_timelines": timelines}',
+    "07_activations": {"activations_7": '{"runs": [r for v in measured.values() '
+                                        'for r in v.values()]'
+                                        ', "activations": rows, "memory_timelines": timelines}',
                        "steps_7": '{"steps": steps}'},
     "08_beyond": {"network_8": '{"network": out}', "steps_8": '{"steps": steps}'},
 }
 # the collectives a stage's step-through must show, in order of first appearance
-STEP_COLLECTIVES = {0: ["all_reduce"], 1: ["reduce_scatter", "all_gather"], 2: ["reduce_scatter", "all_gather"],
-                    3: ["all_gather", "reduce_scatter"]}
-# notebook 08, shard groups of S < N ranks (HSDP / MiCS): the all-reduce across the groups comes in between
+STEP_COLLECTIVES = {0: ["all_reduce"], 1: ["reduce_scatter", "all_gather"],
+                    2: ["reduce_scatter", "all_gather"], 3: ["all_gather", "reduce_scatter"]}
+# notebook 08, shard groups of S < N ranks (HSDP / MiCS): the all-reduce across groups in between
 GROUPED_COLLECTIVES = {1: ["reduce_scatter", "all_reduce_across", "all_gather"],
                        2: ["reduce_scatter", "all_reduce_across", "all_gather"],
                        3: ["all_gather", "reduce_scatter", "all_reduce_across"]}
 # what drives a notebook's interactive control (ipywidgets): every notebook has one
 CONTROLS = ("plots.step_widget(", "plots.ring_widget(", "interact(")
-# the stage notebooks: the worker its ranks run is a cell, and one cell shows a real buffer in-process
+# the stage notebooks: the worker its ranks run is a cell; one cell shows a real buffer in-process
 STAGE_NOTEBOOKS = ("01_ddp", "02_zero1", "03_zero2", "04_zero3", "05_offload")
 
 
@@ -96,7 +98,7 @@ def notebooks() -> list[pathlib.Path]:
 
 
 def with_tiny_settings(nb, name: str):
-    """`nb` with TINY[name] run right after its cell tagged "parameters" (there must be exactly one)."""
+    """`nb` with TINY[name] run right after its cell tagged "parameters" (exactly one must be)."""
     tagged = [i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", [])]
     assert len(tagged) == 1, f"{name}: {len(tagged)} cells tagged 'parameters'"
     nb.cells.insert(tagged[0] + 1, nbformat.v4.new_code_cell(TINY[name]))
@@ -112,13 +114,15 @@ def _cells(nb) -> list[tuple]:
 
 
 def test_each_notebook_is_its_jupytext_source():
-    """The .py a person edits and the .ipynb JupyterLab opens hold the same cells (types, sources, tags)."""
+    """The .py a person edits and the .ipynb JupyterLab opens hold the same cells (types, sources,
+    tags)."""
     jupytext = pytest.importorskip("jupytext")
     for path in notebooks():
         source = path.with_suffix(".py")
-        assert source.exists(), f"{source.name} missing: jupytext --set-formats ipynb,py:percent {path.name}"
+        assert source.exists(), f"{source.name} missing: jupytext --set-formats ipynb,py:percent"
         ipynb, text = _cells(nbformat.read(path, as_version=4)), _cells(jupytext.read(source))
-        differ = next((i for i, (a, b) in enumerate(zip(ipynb, text)) if a != b), min(len(ipynb), len(text)))
+        differ = next((i for i, (a, b) in enumerate(zip(ipynb, text)) if a != b),
+                      min(len(ipynb), len(text)))
         assert ipynb == text, (f"{path.name} and {source.name} differ from cell {differ} on: "
                                f"jupytext --sync notebooks/{source.name}")
 
@@ -127,7 +131,7 @@ def test_notebooks_are_committed_without_outputs():
     for path in notebooks():
         nb = nbformat.read(path, as_version=4)
         for cell in nb.cells:
-            assert not cell.get("outputs") and not cell.get("execution_count"), f"{path.name} has outputs"
+            assert not cell.get("outputs") and not cell.get("execution_count"), path.name
 
 
 def test_learner_cells_carry_no_test_plumbing_and_no_file_writes_notebooks():
@@ -141,29 +145,33 @@ def test_learner_cells_carry_no_test_plumbing_and_no_file_writes_notebooks():
 
 
 def test_markdown_is_never_indented_into_a_code_block():
-    """A paragraph indented by 4+ spaces renders as a code block (the step-through's introduction did)."""
+    """A paragraph indented by 4+ spaces renders as a code block (the step-through's introduction
+    did)."""
     for path in notebooks():
         for i, cell in enumerate(nbformat.read(path, as_version=4).cells):
             if cell.cell_type == "markdown":
                 fenced = False
                 for line in cell.source.splitlines():
                     fenced ^= line.lstrip().startswith("```")
-                    assert fenced or not re.match(r" {4,}[A-Za-z`(]", line), f"{path.name}, cell {i}: {line!r}"
+                    indented = re.match(r" {4,}[A-Za-z`(]", line)
+                    assert fenced or not indented, f"{path.name}, cell {i}: {line!r}"
 
 
 def test_every_notebook_has_a_control_and_ends_with_what_to_try():
     for path in notebooks():
         nb = nbformat.read(path, as_version=4)
         code = [c.source for c in nb.cells if c.cell_type == "code"]
-        assert any(control in src for src in code for control in CONTROLS), f"{path.name}: no widget"
+        assert any(c in src for src in code for c in CONTROLS), f"{path.name}: no widget"
         last = nb.cells[-1]
-        assert last.cell_type == "markdown" and last.source.startswith(("## What to try", "**What to try**")), path.name
+        assert last.cell_type == "markdown", path.name
+        assert last.source.startswith(("## What to try", "**What to try**")), path.name
 
 
 @pytest.mark.parametrize("name", STAGE_NOTEBOOKS)
 def test_a_stage_notebook_shows_the_mechanism_in_its_cells(name):
     """A %%writefile cell is the worker the ranks run (wrap, backward, step, memory); another cell
-    launches it; and a cell builds the stage's buffers in this process (minizero.flat or minizero.wrap)."""
+    launches it; and a cell builds the stage's buffers in this process (minizero.flat or
+    minizero.wrap)."""
     code = [c.source for c in nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4).cells
             if c.cell_type == "code"]
     workers = [src for src in code if src.startswith("%%writefile")]
@@ -171,9 +179,10 @@ def test_a_stage_notebook_shows_the_mechanism_in_its_cells(name):
     for call in ("minizero.wrap(", ".backward(", ".step()", ".memory()"):
         assert call in workers[0], f"{name}: the worker does not call {call}"
     module = workers[0].split()[1].removesuffix(".py")
-    assert any(f"minizero.launch({module}." in src for src in code), f"{name}: nothing launches {module}"
-    assert any("minizero.launch" not in src and re.search(r"FlatLayout\.build\(|minizero\.wrap\(", src)
-               and not src.startswith("%%") for src in code), f"{name}: no in-process cell"
+    assert any(f"minizero.launch({module}." in src for src in code), f"{name}: {module} unused"
+    in_process = re.compile(r"FlatLayout\.build\(|minizero\.wrap\(")
+    assert any(in_process.search(src) and "minizero.launch" not in src and not src.startswith("%%")
+               for src in code), f"{name}: no in-process cell"
 
 
 EDITED_WORKER = """
@@ -186,17 +195,18 @@ if __name__ == "__main__":
     sys.path.insert(0, os.getcwd())
     write(1)
     import cell_worker
-    first = minizero.launch(cell_worker.train, 2)         # the kernel's first launch starts the server
+    first = minizero.launch(cell_worker.train, 2)     # the kernel's first launch starts the server
     time.sleep(1.1)                                       # a newer file for the import system
-    write(2)                                              # the learner edits the cell and reruns both
+    write(2)                                          # the learner edits the cell, reruns both
     importlib.reload(cell_worker)
     print(first, minizero.launch(cell_worker.train, 2))
 """
 
 
 def test_an_edited_worker_cell_reaches_the_ranks(tmp_path):
-    """A %%writefile worker launched first in a kernel, edited, launched again: the ranks run the edit (a
-    forkserver that preloaded the first version would hand every later rank the stale module)."""
+    """A %%writefile worker launched first in a kernel, edited, launched again: the ranks run the
+    edit (a forkserver that preloaded the first version would hand every later rank the stale
+    module)."""
     (tmp_path / "kernel.py").write_text(EDITED_WORKER)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(NOTEBOOKS.parent),
                                                                      os.environ.get("PYTHONPATH")]))}
@@ -211,8 +221,9 @@ def test_notebook_runs_and_its_plots_match_the_formulas(name, tmp_path):
     nb = with_tiny_settings(nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4), name)
     found = tmp_path / "read.json"
     entries = ", ".join(f"{key!r}: {expr}" for key, expr in READ[name].items())
-    nb.cells.append(nbformat.v4.new_code_cell(
-        f"import json as _json\nwith open({str(found)!r}, 'w') as _f:\n    _json.dump({{{entries}}}, _f)"))
+    nb.cells.append(nbformat.v4.new_code_cell(f"import json as _json\n"
+                                              f"with open({str(found)!r}, 'w') as _f:\n"
+                                              f"    _json.dump({{{entries}}}, _f)"))
     nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                             resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
     for export, data in json.loads(found.read_text()).items():
@@ -239,10 +250,11 @@ def test_notebook_runs_and_its_plots_match_the_formulas(name, tmp_path):
 
 
 def check_bench(report: dict) -> None:
-    """Every pair ends at the peer's parameters, and its figure has a ratio for each repeat to draw."""
+    """Every pair ends at the peer's parameters; its figure has a ratio for each repeat to draw."""
     for p in report["pairs"]:
         assert p["max_param_diff"] < 1e-5, p
-        assert len(p["repeat_ratios"]) == report["config"]["repeats"] and min(p["repeat_ratios"]) > 0, p
+        ratios = p["repeat_ratios"]
+        assert len(ratios) == report["config"]["repeats"] and min(ratios) > 0, p
 
 
 def check_steps(steps: dict, notebook: int) -> None:
