@@ -2,6 +2,8 @@
 
     import functools, torch, minizero
     engine = minizero.wrap(model, stage=2, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
+    engine, optimizer, _, scheduler = minizero.initialize(model=model, config="ds.json")  # DeepSpeed
+    model = minizero.FullyShardedDataParallel(model)     # FairScale: you build the optimizer
     results = minizero.launch(worker_fn, world_size=4)      # run a function on 4 ranks
     with minizero.sharded_init(): model = MyModel()         # stage 3: built partitioned, never whole
 
@@ -17,7 +19,9 @@ give the commands their names: python -m minizero.run | bench | memory | scale |
 """
 
 from minizero.construct import sharded_init
+from minizero.fsdp import FullyShardedDataParallel
+from minizero.initialize import initialize
 from minizero.launcher import launch
 from minizero.wrap import wrap
 
-__all__ = ["launch", "sharded_init", "wrap"]
+__all__ = ["FullyShardedDataParallel", "initialize", "launch", "sharded_init", "wrap"]

@@ -4,6 +4,7 @@
     engine.load("ckpt")      # collective, in fresh processes: any stage, world size, dtype, offload
     python -m minizero.consolidate ckpt model.pt [--optimizer-state]   # the whole state, for any N
     python -m minizero.run --save run --save-every 100 --keep-last 2 --resume     # kill-safe auto-resume
+    python -m minizero.consolidate run model.pt     # a run directory: its newest checkpoint (find)
 
 Run its tests:  python -m pytest tests/test_checkpoint.py
 
@@ -236,6 +237,22 @@ def latest(run_dir: str) -> str | None:
     """The newest complete (committed) checkpoint of a run directory, or None if it has none yet."""
     complete = _complete(run_dir)
     return complete[-1] if complete else None
+
+
+def find(directory: str) -> str:
+    """The checkpoint to read from `directory`: the directory itself when it is one (it has a
+    manifest), else the newest complete step-NNNNNN of a run directory (--save DIR --save-every K),
+    as DeepSpeed's zero_to_fp32 follows a save folder's `latest`. CheckpointError (one line) for a
+    run directory whose saves all failed to commit; anything else is returned as it is, for
+    read_manifest to say what it lacks."""
+    directory = os.fspath(directory)
+    if os.path.exists(os.path.join(directory, MANIFEST)) or not os.path.isdir(directory):
+        return directory
+    newest = latest(directory)
+    if newest is None and any(map(_STEP_DIR.fullmatch, os.listdir(directory))):
+        raise CheckpointError(f"{directory} has step-NNNNNN folders but no complete checkpoint "
+                              f"(none has its {MANIFEST}: every save was interrupted)")
+    return newest or directory
 
 
 def _complete(run_dir: str) -> list[str]:

@@ -49,7 +49,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from minizero import activations, checkpoint, comm, construct, events
+from minizero import activations, checkpoint, comm, construct, disk, events
 from minizero.loss_scale import scaler_for
 from minizero.memory import measure
 from minizero.optim import DTYPES
@@ -63,8 +63,9 @@ class Engine:
     def __init__(self, model: nn.Module, optimizer, *, dtype: str = "fp32", offload: bool | str = False,
                  clip_grad_norm: float | None = None, loss_scale: float | dict | None = None,
                  reduce_dtype: str | None = None, shard_group_size: int | None = None,
-                 hpz_group_size: int | None = None):
-        self.check(dtype, offload, reduce_dtype, shard_group_size, hpz_group_size)
+                 hpz_group_size: int | None = None, offload_path: str | None = None):
+        self.check(dtype, offload, reduce_dtype, shard_group_size, hpz_group_size,
+                   offload_path=offload_path)
         # fp16: the loss is multiplied by S before backward, the gradients divided by it in step()
         self.scaler = scaler_for(dtype, loss_scale)
         if clip_grad_norm is not None and not clip_grad_norm > 0:
@@ -77,6 +78,7 @@ class Engine:
         self.dtype = DTYPES[dtype]
         self.grad_dtype = DTYPES[reduce_dtype or dtype]    # what gradients are reduced and accumulated in
         self.offload = offload
+        self.offload_path = offload_path              # offload="disk": its file's folder (disk.py)
         self.clip_grad_norm = clip_grad_norm
         self.rank, self.world_size, self.device = comm.rank(), comm.world_size(), comm.device()
         # [Note: hierarchical sharding]: who this rank shards with (None: all N) and replicates with
@@ -106,11 +108,11 @@ class Engine:
     @classmethod
     def check(cls, dtype: str = "fp32", offload: bool | str = False, reduce_dtype: str | None = None,
               shard_group_size: int | None = None, hpz_group_size: int | None = None,
-              world_size: int | None = None) -> None:
-        """The rules for dtype, offload, reduce_dtype and the group sizes: the engine checks them when it
-        is built, and wrap.check / the CLI call this before anything is built (or any process started;
-        world_size: the N to check against, default this process group's). Which stage takes what:
-        options.py."""
+              world_size: int | None = None, offload_path: str | None = None) -> None:
+        """The rules for dtype, offload (and its folder), reduce_dtype and the group sizes: the engine
+        checks them when it is built, and wrap.check / the CLI call this before anything is built (or
+        any process started; world_size: the N to check against, default this process group's). Which
+        stage takes what: options.py."""
         n = comm.world_size() if world_size is None else world_size
         if shard_group_size is not None and not takes(cls.stage, "shard_group_size"):
             raise ValueError("shard_group_size needs ZeRO stage 1, 2 or 3 (DDP partitions nothing)")
@@ -131,6 +133,10 @@ class Engine:
         if reduce_dtype not in (None, "fp32", dtype):
             raise ValueError(f"reduce_dtype must be None, 'fp32' or the compute dtype {dtype!r}, got {reduce_dtype!r}")
         check_offload(cls.stage, offload)
+        if offload_path is not None and offload != "disk":
+            raise ValueError("offload_path is the disk tier's folder: it needs offload='disk'")
+        if offload == "disk":
+            disk.check_folder(offload_path)              # missing or unwritable: before any build
 
     def _broadcast_from_rank0(self) -> None:
         """All replicas start from rank 0's weights and buffers, whatever each process initialised."""
@@ -295,7 +301,8 @@ class Engine:
         `peak`, which is the model states' figure)."""
         now = self._measure()
         self._update_peak(now)
-        return {**now, **self._peak, "activations": self.activations.peak}
+        return {**now, **self._peak, "activations": self.activations.peak,
+                "disk": self.optimizer.disk_bytes()}       # the disk tier's file (disk.py), else 0
 
     def _memory_groups(self) -> dict[str, list[torch.Tensor]]:
         params = self._params

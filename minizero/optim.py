@@ -141,6 +141,9 @@ class ShardOptimizer:
     def host_tensors(self) -> list[torch.Tensor]:
         return []
 
+    def disk_bytes(self) -> int:
+        return 0                      # the disk tier (disk.py) keeps its state in a file
+
     def master_values(self) -> list[torch.Tensor]:
         """The fp32 values of the owned parameters, one per part, wherever they live (for full_state_dict)."""
         return [m.detach() for m in self.masters]

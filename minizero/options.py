@@ -24,7 +24,8 @@ class Capabilities:
 
 COMMON_OPTIONS = frozenset({"dtype", "reduce_dtype", "loss_scale", "clip_grad_norm"})
 _QUANTIZED = frozenset({"quantized_gradients", "quantization_block"})    # ZeRO++ qgZ (quantize.py)
-_HOST = (False, True, "optimizer")             # offload.py: the optimizer's state in host memory
+_HOST = (False, True, "optimizer", "disk")     # the optimizer's state in host memory (offload.py) or
+                                               # in a file (disk.py, ZeRO-Infinity's disk tier)
 
 CAPABILITIES = {
     0: Capabilities((), (False,), frozenset({"bucket_size", "overlap", "buckets_in_flight"})),

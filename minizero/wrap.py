@@ -31,18 +31,22 @@ def engine_class(stage: int) -> type[Engine]:
 
 def check(stage: int, dtype: str = "fp32", offload: bool | str = False, reduce_dtype: str | None = None, *,
           shard_group_size: int | None = None, hpz_group_size: int | None = None,
-          world_size: int | None = None) -> None:
-    """Raise ValueError (one line) if wrap would refuse this stage, dtype, offload, reduce_dtype or group
-    sizes at `world_size` ranks: for callers that want to know before they build a model or start processes."""
-    engine_class(stage).check(dtype, offload, reduce_dtype, shard_group_size, hpz_group_size, world_size)
+          world_size: int | None = None, offload_path: str | None = None) -> None:
+    """Raise ValueError (one line) if wrap would refuse this stage, dtype, offload, offload_path,
+    reduce_dtype or group sizes at `world_size` ranks: for callers that want to know before they
+    build a model or start processes."""
+    engine_class(stage).check(dtype, offload, reduce_dtype, shard_group_size, hpz_group_size,
+                              world_size, offload_path)
 
 
 def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
-         activation_checkpointing: bool | str = False, **options) -> Engine:
+         activation_checkpointing: bool | str = False, offload_path: str | None = None,
+         **options) -> Engine:
     """Wrap `model` for ZeRO `stage` (0 = DDP).
 
     optimizer: a factory params -> torch.optim.Optimizer (it is handed the parameters this rank steps).
-    offload:   stages 1-3: True/"optimizer" keeps optimizer state on the host; stage 3 also "params".
+    offload:   stages 1-3: True/"optimizer" keeps optimizer state on the host; stage 3 also
+               "params"; "disk": in a file in the folder offload_path (ZeRO-Infinity, disk.py).
     activation_checkpointing: True recomputes each unit's forward in backward, "cpu" also keeps the
                units' inputs on the host until then (activations.py); units as stage 3's (`units=` or
                units.default_units: a transformer's blocks), at every stage.
@@ -88,7 +92,7 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
         raise ValueError(f"activation_checkpointing must be False, True or 'cpu', got {activation_checkpointing!r}")
     units = list(options.get("units") or default_units(model))      # before stage 3 frees the parameters
     # (a transformer's blocks: what is checkpointed, and what memory_timeline's events name)
-    built = engine(model, optimizer, offload=offload, **options)
+    built = engine(model, optimizer, offload=offload, offload_path=offload_path, **options)
     if activation_checkpointing:
         activations.checkpoint(units, activation_checkpointing, built.activations)
     built.watch(units)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from minizero import comm
+from minizero.disk import DiskShardOptimizer
 from minizero.engine import Engine
 from minizero.flat import FlatLayout
 from minizero.offload import HostShardOptimizer
@@ -60,6 +61,8 @@ class Zero1(Engine):
         self.layout.point_params_into(self.flat_params)
 
     def _make_optimizer(self, parts):
+        if self.offload == "disk":
+            return DiskShardOptimizer(parts, self.optimizer_factory, self.offload_path)
         cls = HostShardOptimizer if self.offload else ShardOptimizer
         return cls(parts, self.optimizer_factory)        # <- the essential line: it sees Ψ/N parameters
 

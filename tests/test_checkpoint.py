@@ -18,6 +18,7 @@ import minizero
 from minizero import checkpoint
 from minizero.checkpoint import CheckpointError, consolidate
 from minizero.cli.consolidate import main
+from minizero.cli.run import build_parser, config_from_args
 from minizero.cli.run import main as run_main
 from minizero.lab.model import make_model
 from minizero.lab.train import TrainConfig, train_several, train_worker
@@ -288,7 +289,8 @@ PERIODIC = ["--stage", "2", "--world-size", "2", "--model", "tiny", "--batch-siz
 def uninterrupted(tmp_path_factory):
     d = tmp_path_factory.mktemp("periodic")
     assert run_main(PERIODIC + ["--save", str(d / "run"), "--json", str(d / "full.json")]) == 0
-    return json.loads((d / "full.json").read_text())["losses"], consolidate(checkpoint.latest(d / "run"))
+    losses = json.loads((d / "full.json").read_text())["losses"]
+    return losses, consolidate(checkpoint.latest(d / "run")), d / "run"
 
 
 @pytest.mark.parametrize("fault, resumed_from", [
@@ -304,11 +306,31 @@ def test_a_killed_run_restarted_with_the_same_command_ends_bit_identical(uninter
     assert p.returncode == 1 and "exit code -9" in p.stderr, p.stderr[-2000:]     # SIGKILL'ed
     assert checkpoint.latest(tmp_path / "run").endswith(f"step-{resumed_from:06d}")
     assert run_main(command) == 0                                      # the same command, no fault
-    losses, state = uninterrupted
+    losses, state, _ = uninterrupted
     assert json.loads((tmp_path / "out.json").read_text())["losses"] == losses[resumed_from:]
     assert sorted(os.listdir(tmp_path / "run")) == ["step-000004", "step-000006"]     # --keep-last 2
     resumed = consolidate(checkpoint.latest(tmp_path / "run"))
     assert all(torch.equal(resumed[k], v) for k, v in state.items()), "not bit-identical"
+
+
+def test_a_run_directory_loads_and_consolidates_as_its_newest_checkpoint(uninterrupted, tmp_path,
+                                                                         capsys):
+    _, state, run = uninterrupted                  # step-000004 and step-000006 (--keep-last 2)
+    out = tmp_path / "model.pt"
+    assert main([str(run), str(out)]) == 0
+    err = capsys.readouterr().err
+    assert f"reading {run / 'step-000006'}, the newest complete checkpoint of {run}" in err
+    consolidated = torch.load(out, weights_only=True)
+    assert all(torch.equal(consolidated[k], v) for k, v in state.items())
+    cfg = config_from_args(build_parser().parse_args(["--model", "tiny", "--load", str(run)]))
+    assert cfg.load_dir == str(run / "step-000006")
+    assert f"loading {run / 'step-000006'}" in capsys.readouterr().err
+    broken = tmp_path / "broken"                   # its only save was killed before its commit
+    (broken / "step-000002").mkdir(parents=True)
+    assert main([str(broken), str(out)]) == 2
+    assert run_main(["--model", "tiny", "--load", str(broken)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("no complete checkpoint") == 2 and err.count("\n") == 2, err
 
 
 # --- universal loading: another world size, another stage, with Adam's moments carried ----------------------

@@ -22,6 +22,10 @@ def _check_summary(data, stage, n, steps):
         assert {"params", "grads", "optimizer", "offloaded", "peak"} <= r["memory"].keys()
         assert r["memory"]["activations"] > 0
         assert r["comm_bytes_per_step"]["total"] > 0
+    t = data["throughput"]                         # tokens/s, FLOP/s, MFU (lab/throughput.py)
+    assert t["tokens_per_s"] > 0
+    assert t["flops_per_s"] == pytest.approx(t["tokens_per_s"] * t["flops_per_token"])
+    assert 0 < t["mfu"] < 1, t
 
 
 def test_run_prints_table_and_writes_json(tmp_path):
@@ -31,6 +35,7 @@ def test_run_prints_table_and_writes_json(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "step    1/4" in p.stdout and "th." in p.stdout and "loss" in p.stdout and "activ." in p.stdout
+    assert "tokens/s" in p.stdout and "MFU" in p.stdout
     data = json.loads(out.read_text())
     _check_summary(data, 2, 3, 4)
     estimate = data["theory"]["activations"]              # with checkpointing: about half of without
@@ -139,3 +144,33 @@ def test_a_damaged_checkpoint_is_refused_before_any_process_starts(saved_n2, tmp
     assert main(["--stage", "2", "--world-size", "2", "--model", "tiny", "--load", str(d)]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def _stderr_on_a_terminal(*args: str) -> tuple[str, str]:
+    """python -m minizero.run, stderr on a pseudo-terminal as a person sees it: (stdout, stderr)."""
+    import os
+    import pty
+    master, slave = pty.openpty()
+    p = subprocess.run([sys.executable, "-m", "minizero.run", *args], stdout=subprocess.PIPE,
+                       stderr=slave, text=True, timeout=120, check=False)
+    os.close(slave)
+    err = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:                                  # EIO: the terminal's other end is closed
+            break
+        if not chunk:
+            break
+        err += chunk
+    os.close(master)
+    assert p.returncode == 0, err
+    return p.stdout, err.decode(errors="replace")
+
+
+def test_a_terminal_sees_a_progress_bar_and_quiet_or_a_pipe_does_not(tmp_path):
+    out, err = _stderr_on_a_terminal("--world-size", "1", "--steps", "3", "--model", "tiny")
+    assert "3/3" in err and "loss=" in err and "step    1/3" not in out    # the bar replaces them
+    out, err = _stderr_on_a_terminal("--world-size", "1", "--steps", "3", "--model", "tiny",
+                                     "--quiet")
+    assert "3/3" not in err and "step    1/3" not in out and err == ""

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from minizero.cli.run import build_parser, config_from_args, main
-from minizero.lab.deepspeed_config import (
+from minizero.config import (
     ALWAYS_ON,
     KEYS,
     NOT_IMPLEMENTED,
@@ -105,12 +105,13 @@ def test_grad_accum_dtype_sets_reduce_dtype(tmp_path):
 
 
 def test_not_implemented_keys_warn_by_name():
-    _, warnings = load_deepspeed_config({"amp": {"enabled": True}, "scheduler": {"type": "WarmupLR"},
+    _, warnings = load_deepspeed_config({"amp": {"enabled": True}, "steps_per_print": 10,
                                          "zero_optimization": {"stage": 2, "overlap_comm": False,
                                                                "contiguous_gradients": True,
                                                                "allgather_bucket_size": 5e8}}, 2)
     assert len(warnings) == 4
-    for key, warning in zip(("'amp'", "'scheduler'", "'zero_optimization.allgather_bucket_size'",
+    for key, warning in zip(("'amp'", "'steps_per_print'",
+                             "'zero_optimization.allgather_bucket_size'",
                              "'zero_optimization.overlap_comm: false'"), warnings):
         assert warning.startswith(key + " is not implemented: ")
     assert load_deepspeed_config({"fp16": {"enabled": False}, "wall_clock_breakdown": False}, 2)[1] == []
@@ -176,6 +177,8 @@ def test_bad_configs_raise_one_line(cfg, message):
     ('{"zero_optimisation": {"stage": 2}}', "unknown key 'zero_optimisation' (did you mean"),
     ('{"train_batch_size": 64,}', "is not valid JSON: "),
     ('[1, 2]', "the config must be a JSON object"),
+    ('{"scheduler": {"type": "OneCycle"}}',
+     "scheduler.type must be one of WarmupLR, WarmupDecayLR, WarmupCosineLR"),
     (None, "config file not found: "),
 ])
 def test_cli_bad_config_is_one_line_exit_2(tmp_path, capsys, text, message):
@@ -203,8 +206,8 @@ def test_flags_given_override_the_file_and_only_those(tmp_path, capsys):
     assert (cfg.stage, cfg.world_size, cfg.batch_size, cfg.grad_accum, cfg.dtype, cfg.offload, cfg.lr,
             cfg.clip_grad_norm, cfg.bucket_size, cfg.optimizer_params) \
         == (2, 4, 32, 2, "bf16", "optimizer", 1e-3, 1.0, 2000, {"betas": (0.8, 0.9), "weight_decay": 0.0})
-    assert capsys.readouterr().err == ("minizero.run: warning: 'scheduler' is not implemented: "
-                                       "the learning rate stays constant\n")
+    assert cfg.scheduler == {"type": "WarmupLR", "params": {}}
+    assert capsys.readouterr().err == ""
     cfg = _cfg("--config", str(path), "--world-size", "2", "--stage", "3", "--offload", "params",
                "--batch-size", "8", "--grad-accum", "1", "--dtype", "fp32", "--lr", "0.01",
                "--clip-grad-norm", "2", "--bucket-size-mb", "1", "--no-prefetch", "--optimizer", "sgd")

@@ -15,7 +15,7 @@ import torch
 import minizero
 from minizero.flat import padded_size
 from minizero.lab import deepspeed_peer
-from minizero.lab.deepspeed_config import load_deepspeed_config
+from minizero.config import load_deepspeed_config
 from minizero.lab.model import make_model
 from minizero.lab.reference import max_abs_diff
 from minizero.lab.train import TrainConfig, train_worker

@@ -20,7 +20,7 @@ from minizero import comm
 from minizero.checkpoint import read_manifest
 from minizero.cli.run import main as run_main
 from minizero.lab.data import global_batch, local_batch
-from minizero.lab.deepspeed_config import ConfigError, load_deepspeed_config
+from minizero.config import ConfigError, load_deepspeed_config
 from minizero.lab.model import GPTConfig, make_model
 from minizero.lab.peers import peer_worker
 from minizero.lab.reference import tolerance

@@ -10,6 +10,7 @@ from minizero.lab.model import GPT, MODEL_NAMES, GPTConfig, count_params
 from minizero.memory import (
     activation_bytes,
     comm_volume,
+    disk_traffic,
     element_bytes,
     estimate,
     estimate_breakdown,
@@ -27,13 +28,37 @@ def test_paper_figure_1_numbers():
 
 def test_formulas_by_category():
     psi, n = 1000, 4
-    assert estimate_breakdown(psi, n, 0) == {"params": 2000, "grads": 2000, "optimizer": 12000, "offloaded": 0}
+    assert estimate_breakdown(psi, n, 0) == {"params": 2000, "grads": 2000, "optimizer": 12000,
+                                             "offloaded": 0, "disk": 0}
     assert estimate_breakdown(psi, n, 1)["optimizer"] == 3000
     assert estimate_breakdown(psi, n, 2)["grads"] == 500
     assert estimate(psi, n, 3) == (2 + 2 + 12) * psi / n
     assert estimate(psi, n, 0, param_bytes=4, grad_bytes=4, k=8) == 16 * psi
     off = estimate_breakdown(psi, n, 3, offload="params")
     assert off["params"] == off["optimizer"] == 0 and off["offloaded"] == (12 + 4 + 2) * psi / n
+
+
+def test_disk_tier_formula():
+    """ZeRO-Infinity's disk tier: the KΨ/N of optimizer state move to disk, read and written once
+    a step; fp32 parameters stay their own master (K = 8), unlike the host tier's (K = 12)."""
+    psi, n = 1000, 4
+    b = estimate_breakdown(psi, n, 3, offload="disk")
+    assert b == {"params": 500, "grads": 500, "optimizer": 0, "offloaded": 0, "disk": 3000}
+    assert estimate(psi, n, 3, offload="disk") == 4 * psi / n
+    assert disk_traffic(psi, n) == {"read": 3000, "written": 3000}
+    assert optimizer_k(8, "fp32", "disk") == 8 and optimizer_k(8, "fp32", "optimizer") == 12
+    assert optimizer_k(8, "bf16", "disk") == 12
+
+
+def test_cli_what_if_architecture(capsys):
+    """GPT-2 XL counted on the meta device (its published 1.56B), the tiers, and DeepSpeed's
+    estimate for it: 18Ψ/N + 4 bytes of the largest layer (the 50257 x 1600 embedding) a device."""
+    assert main(["--model", "gpt2-xl", "--world-size", "2", "--seq", "1024", "--batch", "1"]) == 0
+    out = capsys.readouterr().out
+    psi, largest = 1_557_611_200, 50257 * 1600
+    assert f"Ψ = {psi:,} parameters" in out and f"largest layer {largest:,}" in out
+    assert f"{(18 * psi / 2 + 4 * largest) / 1e9:.2f} GB" in out
+    assert "stage 3 + disk             3.12       0.00       9.35" in out
 
 
 def test_fp16_is_the_papers_accounting_like_bf16():

@@ -11,7 +11,7 @@ import torch
 import minizero
 from minizero import quantize
 from minizero.cli.run import main as run_main
-from minizero.lab.deepspeed_config import load_deepspeed_config
+from minizero.config import load_deepspeed_config
 from minizero.lab.quantized import LR, PSI, VARIANTS, quantized_experiment
 from minizero.lab.train import TrainConfig
 from minizero.memory import comm_volume

@@ -17,12 +17,14 @@ OUT is left as it was (it is written atomically, and only once the checkpoint ha
 from __future__ import annotations
 
 import io
+import sys
 
 import torch
 
 from minizero.checkpoint import (
     CheckpointError,
     consolidate,
+    find,
     read_manifest,
     universal,
     write_atomic,
@@ -34,12 +36,18 @@ PROG = "python -m minizero.consolidate"
 
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog=PROG, description=__doc__.split("\n")[0])
-    parser.add_argument("checkpoint", help="a directory written by engine.save()")
+    parser.add_argument("checkpoint", help="a directory written by engine.save(), or a run "
+                                           "directory (--save-every): its newest step-NNNNNN")
     parser.add_argument("out", help="where to write the state_dict (torch.save)")
     parser.add_argument("--optimizer-state", action="store_true",
                         help="also the whole optimizer state: a file engine.load() accepts at any stage and N")
     try:
         args = parser.parse_args(argv)
+        source = find(args.checkpoint)
+        if source != args.checkpoint:
+            print(f"{PROG}: reading {source}, the newest complete checkpoint of {args.checkpoint}",
+                  file=sys.stderr)
+        args.checkpoint = source
         state = universal(args.checkpoint) if args.optimizer_state else consolidate(args.checkpoint)
         step = read_manifest(args.checkpoint)["step"]
         buf = io.BytesIO()

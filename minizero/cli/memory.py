@@ -4,17 +4,26 @@
     python -m minizero.memory --model default --world-size 4      # minizero's small GPT
     python -m minizero.memory --layers 48 --hidden 1600 --heads 25 --seq 1024 --batch 32 --world-size 64
                                                                   # a GPT: + activations, with checkpointing
+    python -m minizero.memory --model llama-7b --world-size 8 --seq 2048 --batch 1    # any model
 
 A GPT described by --layers/--hidden/--seq/--batch gets Ψ from its shape (lab.model.count_params, with
 --vocab) and its activations per rank (memory.activation_bytes, micro-batch --batch) next to the model
 states: kept for backward, and with activation checkpointing (each block's input, plus one block's
 recompute), on the device or with the inputs on the host.
+
+--model names minizero's GPTs (lab/model.py) or one of ARCHITECTURES, a `transformers` config
+written here (no download). Either is built on the meta device (no memory) to count Ψ (a tied
+weight once) and its largest layer; --seq/--batch add activations by memory.activation_bytes
+(minizero's GPT block with the architecture's layers, width, heads and MLP ratio: for LLaMA's
+three-matrix MLP, an approximation). Below the stages: stage 3's tiers (the optimizer state on the
+host, the parameters too, the disk tier), and what DeepSpeed's estimate_zero3_model_states_mem_needs
+(the numbers estimate_zero3_model_states_mem_needs_all_live prints) says for the same model and N.
 """
 
 from __future__ import annotations
 
 from minizero.cli import OneLineParser, UsageError, fail
-from minizero.lab.model import GPT, MODEL_NAMES, GPTConfig, count_params
+from minizero.lab.model import GPT, MODEL_NAMES, SIZES, GPTConfig, count_params
 from minizero.lab.train import state_bytes
 from minizero.memory import (
     activation_bytes,
@@ -27,10 +36,25 @@ from minizero.optim import DTYPES
 from minizero.options import STAGES
 
 GPT2_VOCAB = 50257
+CHECKPOINTING = (("kept", False), ("checkpointed", True), ("ckpt on host", "cpu"))   # activations
+# Hugging Face configs (transformers class name, its arguments): the published shapes.
+ARCHITECTURES = {
+    "gpt2": ("GPT2Config", {}),
+    "gpt2-xl": ("GPT2Config", {"n_layer": 48, "n_embd": 1600, "n_head": 25}),
+    "llama-7b": ("LlamaConfig", {"hidden_size": 4096, "intermediate_size": 11008,
+                                 "num_hidden_layers": 32, "num_attention_heads": 32,
+                                 "vocab_size": 32000}),
+    "llama-13b": ("LlamaConfig", {"hidden_size": 5120, "intermediate_size": 13824,
+                                  "num_hidden_layers": 40, "num_attention_heads": 40,
+                                  "vocab_size": 32000}),
+}
+TIERS = (("stage 3 + host", "optimizer"), ("stage 3 + params", "params"),
+         ("stage 3 + disk", "disk"))
 
 
-def _table(num_params: int, world_size: int, param_bytes: int, grad_bytes: int, k: int, frozen: int = 0,
-           activations: dict | None = None) -> str:
+def _table(num_params: int, world_size: int, param_bytes: int, grad_bytes: int, k: int,
+           tier_k: dict, frozen: int = 0, activations: dict | None = None) -> str:
+    """The stages' per-rank bytes, then stage 3's tiers (tier_k: K for each offload)."""
     names = {0: "DDP (baseline)", 1: "stage 1  P_os", 2: "stage 2  P_os+g", 3: "stage 3  P_os+g+p"}
     of_them = f" ({frozen:,} of them frozen)" if frozen else ""
     rows = [f"Ψ = {num_params + frozen:,} parameters{of_them}, N = {world_size}, bytes/param: params "
@@ -49,6 +73,12 @@ def _table(num_params: int, world_size: int, param_bytes: int, grad_bytes: int, 
         rows.append(f"{names[s]:20}{b['params'] / 1e9:11.2f}{b['grads'] / 1e9:11.2f}"
                     f"{b['optimizer'] / 1e9:11.2f}{total / 1e9:11.2f}{base / total:8.1f}x"
                     + "".join(f"{(total + a) / 1e9:16.2f}" for a in (activations or {}).values()))
+    rows += ["", f"{'tiers (stage 3)':20}{'device GB':>11}{'host GB':>11}{'disk GB':>11}"]
+    for name, offload in TIERS:
+        b = estimate_breakdown(num_params, world_size, 3, offload=offload,
+                               **{**sizes, "k": tier_k[offload]})
+        rows.append(f"{name:20}{(b['params'] + b['grads'] + b['optimizer']) / 1e9:11.2f}"
+                    f"{b['offloaded'] / 1e9:11.2f}{b['disk'] / 1e9:11.2f}")
     return "\n".join(rows)
 
 
@@ -57,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
                        description="Per-rank model-state memory for each ZeRO stage, and a GPT's activations.")
     what = ap.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=float, help="number of parameters Ψ, e.g. 7.5e9")
-    what.add_argument("--model", choices=MODEL_NAMES, help="a built-in model's real parameter count")
+    what.add_argument("--model", choices=MODEL_NAMES + tuple(SIZES) + tuple(ARCHITECTURES),
+                      help="a minizero GPT or a published architecture, counted on the meta device "
+                           "(--seq, --batch: + activations)")
     what.add_argument("--layers", type=int, help="a GPT of this many blocks (with --hidden, --seq, --batch)")
     ap.add_argument("--hidden", type=int, help="width h")
     ap.add_argument("--heads", type=int, help="attention heads a (default h/64, at least 1)")
@@ -78,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         shape = (args.hidden, args.seq, args.batch)
         if args.layers is not None and not (args.layers >= 1 and all(v is not None and v >= 1 for v in shape)):
             raise UsageError("--layers needs --hidden, --seq and --batch, all >= 1")
+        if args.model is not None and (args.seq is None) != (args.batch is None):
+            raise UsageError("--model takes --seq and --batch together (activations), or neither")
+        if any(v is not None and v < 1 for v in (args.seq, args.batch)):
+            raise UsageError("--seq and --batch must be >= 1")
         heads = args.heads or max(1, (args.hidden or 0) // 64)
         if args.layers is not None and args.hidden % heads:
             raise UsageError(f"--hidden {args.hidden} must be divisible by --heads {heads}")
@@ -91,14 +127,72 @@ def main(argv: list[str] | None = None) -> int:
         psi = count_params(cfg)
         activations = {name: activation_bytes(args.layers, args.hidden, heads, args.seq, args.batch,
                                               bytes_per_elem=elem, mlp_ratio=cfg.mlp_ratio, checkpointing=mode)
-                       for name, mode in (("kept", False), ("checkpointed", True), ("ckpt on host", "cpu"))}
+                       for name, mode in CHECKPOINTING}
     elif args.params is not None:
         psi = int(args.params)
     else:
-        psi = GPT(GPTConfig.named(args.model)).num_params()
+        shape = model_shape(args.model)
+        psi = shape["params"]
+        if args.seq is not None:
+            activations = {name: activation_bytes(shape["layers"], shape["hidden"], shape["heads"],
+                                                  args.seq, args.batch, bytes_per_elem=elem,
+                                                  mlp_ratio=shape["mlp_ratio"], checkpointing=mode)
+                           for name, mode in CHECKPOINTING}
     frozen = int(args.frozen)
     if not 0 <= frozen < psi:
         return fail(ap.prog, "--frozen must be >= 0 and fewer than the parameters")
-    print(_table(psi - frozen, args.world_size, elem, elem, optimizer_k(state_bytes("adamw"), args.dtype), frozen,
-                 activations))
+    adam = state_bytes("adamw")
+    tier_k = {offload: optimizer_k(adam, args.dtype, offload) for _, offload in TIERS}
+    print(_table(psi - frozen, args.world_size, elem, elem, optimizer_k(adam, args.dtype), tier_k,
+                 frozen, activations))
+    if args.model is not None:
+        print(deepspeed_estimate(shape, args.world_size))
     return 0
+
+
+def model_shape(name: str) -> dict:
+    """Ψ (a tied weight once), the largest layer (the most parameters one module holds itself) and
+    the block shape of a minizero GPT or an ARCHITECTURES entry, built on the meta device."""
+    import torch
+    with torch.device("meta"):
+        if name in ARCHITECTURES:
+            import transformers
+            kind, kwargs = ARCHITECTURES[name]
+            cfg = getattr(transformers, kind)(**kwargs)
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+            hidden = cfg.hidden_size
+            mlp = getattr(cfg, "intermediate_size", None) or cfg.n_inner or 4 * hidden
+            block = {"layers": cfg.num_hidden_layers, "hidden": hidden,
+                     "heads": cfg.num_attention_heads, "mlp_ratio": mlp / hidden}
+        else:
+            cfg = GPTConfig.named(name)
+            model = GPT(cfg)
+            block = {"layers": cfg.n_layer, "hidden": cfg.n_embd, "heads": cfg.n_head,
+                     "mlp_ratio": cfg.mlp_ratio}
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    return {"params": sum(p.numel() for p in model.parameters()), "largest_layer": largest, **block}
+
+
+def deepspeed_estimate(shape: dict, world_size: int) -> str:
+    """DeepSpeed's own stage-3 estimate for the same model on one node of N devices (the numbers
+    estimate_zero3_model_states_mem_needs_all_live prints; that one counts Ψ by data_ptr, which
+    a meta model lacks, so Ψ and the largest layer are passed as counted here). It adds 4 bytes a
+    parameter of the largest layer (gathered in fp32) and counts 18 bytes a parameter, 2 more than
+    the paper's 16."""
+    import os
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    except ImportError:
+        return "DeepSpeed is not installed: no comparison"
+    rows = [(f"DeepSpeed's stage-3 estimate (Ψ {shape['params']:,}, largest layer "
+             f"{shape['largest_layer']:,}, N = {world_size} on one node):")]
+    for label, offload, params in (("no offload", False, False),
+                                   ("optimizer on the host", True, False),
+                                   ("+ parameters on the host", True, True)):
+        cpu, device, _ = estimate_zero3_model_states_mem_needs(
+            shape["params"], shape["largest_layer"], num_gpus_per_node=world_size,
+            cpu_offload=offload, cpu_offload_params=params)
+        rows.append(f"  {label:26} per device {device / 1e9:8.2f} GB, host (the node, x1.5 "
+                    f"buffer) {cpu / 1e9:8.2f} GB")
+    return "\n".join(rows)

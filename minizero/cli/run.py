@@ -14,7 +14,7 @@
 Ends with a per-rank table: measured parameter / gradient / optimizer / offloaded bytes next to the ZeRO
 paper's formula (minizero.memory.estimate), communicated bytes per step next to the 2Ψ / 3Ψ theory,
 the loss from first to last step, and the step time. Bad input: one line on stderr, exit code 2.
-Precedence: defaults < --config file (minizero.lab.deepspeed_config) < flags given on the command line.
+Precedence: defaults < --config file (minizero.config) < flags given on the command line.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import sys
 
 from minizero import checkpoint, comm, desync
 from minizero.cli import OneLineParser, UsageError, emit
-from minizero.lab.deepspeed_config import ConfigError, load_deepspeed_config
+from minizero.config import ConfigError, load_deepspeed_config
 from minizero.lab.model import MODEL_NAMES, make_model
 from minizero.lab.report import format_table, summarize
-from minizero.lab.train import OPTIMIZERS, TrainConfig, train_worker
+from minizero.lab.train import OPTIMIZERS, TrainConfig, progress_wanted, train_worker
 from minizero.launcher import launch
 from minizero.loss_scale import scaler_for
 from minizero.network import network_from_env, parse_network
@@ -52,7 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp16: a static loss scale S; 0 = dynamic (default; DeepSpeed's fp16.loss_scale)")
     p.add_argument("--offload", nargs="?", const="optimizer", default=None, metavar="WHAT",
                    help="stages 1-3: optimizer state on the host; '--offload params' (stage 3) also "
-                        "keeps parameter shards there")
+                        "keeps parameter shards there; '--offload disk' keeps the optimizer "
+                        "state in a file of --offload-path (ZeRO-Infinity's disk tier, disk.py)")
+    p.add_argument("--offload-path", default=None, metavar="DIR",
+                   help="--offload disk: the folder of each rank's file (DeepSpeed's nvme_path)")
     p.add_argument("--backend", default=None, help="gloo or nccl (default: nccl if CUDA is available)")
     p.add_argument("--batch-size", type=int, default=None, help="global batch rows per step (default 16)")
     p.add_argument("--grad-accum", type=int, default=None, help="micro-batches per step (default 1)")
@@ -88,13 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --save-every: continue from DIR's newest complete checkpoint, if it has one")
     p.add_argument("--load", default=None, metavar="DIR",
                    help="resume from a checkpoint of this model and optimizer, saved at any stage, world "
-                        "size, dtype or offload (resharded; --steps counts from 0)")
+                        "size, dtype or offload (resharded; --steps counts from 0); a --save-every "
+                        "directory: its newest complete step-NNNNNN")
     p.add_argument("--stall-timeout", type=float, default=desync.DEFAULT_STALL_TIMEOUT_S,
                    metavar="S", help="stop a run in which no collective finishes for S seconds "
                    "while a rank waits, naming the rank out of step (minizero/desync.py; default "
                    "%(default)g, 0: off)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--quiet", action="store_true", help="no progress lines or bar")
     return p
 
 
@@ -133,6 +137,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         cfg.loss_scale = None
     if args.offload is not None:
         cfg.offload = args.offload
+    if args.offload_path is not None:
+        cfg.offload_path = args.offload_path
     if args.bucket_size_mb is not None:
         cfg.bucket_size = args.bucket_size_mb * 1e6
     if args.no_prefetch:
@@ -148,6 +154,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     _check_periodic(args)
     if args.resume:
         cfg.load_dir = checkpoint.latest(args.save)          # None: nothing saved yet, start fresh
+    elif cfg.load_dir is not None:
+        cfg.load_dir = _find_checkpoint(cfg.load_dir)   # a run directory: its newest checkpoint
+    if cfg.load_dir not in (None, args.load):
+        print(f"minizero.run: loading {cfg.load_dir}, the newest complete checkpoint of "
+              f"{args.load or args.save}", file=sys.stderr)
     validate(cfg)
     if cfg.load_dir is not None:
         _check_checkpoint(cfg.load_dir, cfg)
@@ -169,6 +180,13 @@ def _check_periodic(args: argparse.Namespace) -> None:
         raise UsageError("--keep-last M needs --save-every and M >= 1")
     if args.resume and (args.save_every is None or args.load is not None):
         raise UsageError("--resume needs --save DIR --save-every K (it continues from DIR), not --load")
+
+
+def _find_checkpoint(directory: str) -> str:
+    try:
+        return checkpoint.find(directory)
+    except checkpoint.CheckpointError as e:
+        raise UsageError(f"--load {directory}: {e}") from None
 
 
 def _check_checkpoint(directory: str, cfg: TrainConfig) -> None:
@@ -197,8 +215,10 @@ def validate(cfg: TrainConfig) -> None:
         cfg.offload = "optimizer"
     try:
         check(cfg.stage, cfg.dtype, cfg.offload, cfg.reduce_dtype,   # the engines' own rules (minizero.wrap)
-              shard_group_size=cfg.shard_group_size, hpz_group_size=cfg.hpz_group_size, world_size=cfg.world_size)
-        check_options(cfg.stage, set(cfg.engine_options()) - {"activation_checkpointing"})
+              shard_group_size=cfg.shard_group_size, hpz_group_size=cfg.hpz_group_size,
+              world_size=cfg.world_size, offload_path=cfg.offload_path)
+        wrap_arguments = {"activation_checkpointing", "offload_path"}     # wrap's own, not options
+        check_options(cfg.stage, set(cfg.engine_options()) - wrap_arguments)
         scaler_for(cfg.dtype, cfg.loss_scale)             # ... and the loss scaler's
     except (ValueError, TypeError) as e:
         bad(str(e))
@@ -241,7 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"minizero.run: error: {e}", file=sys.stderr)
         return 2
     stall_timeout = args.stall_timeout or None            # 0: off
-    cfg.log_every = 0 if args.quiet else max(1, cfg.steps // 10)
+    # on a terminal a progress bar (loss, time left) replaces the progress lines
+    cfg.progress = progress_wanted(args.quiet, args.json)
+    cfg.log_every = 0 if args.quiet or cfg.progress else max(1, cfg.steps // 10)
+    cfg.measure_peak = True               # the throughput line's MFU (lab/throughput.py)
     comm.set_network(network)             # here under torchrun; minizero.launch hands it to its ranks
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:

@@ -8,7 +8,7 @@
     deepspeed_peer.py      DeepSpeed's ZeRO stages 0-3 and offload, inside minizero.launch (extra [peers])
     bench.py scale.py      experiments: minizero vs PyTorch; the largest model each stage fits
     demo.py figures.py     what the notebooks and the slides run
-    deepspeed_config.py    DeepSpeed-style JSON configs; concepts.py: the concept map; grade.py: exercises
+    concepts.py grade.py   the concept map; the exercises' grader (DeepSpeed configs: ../config.py)
     faults.py              failures on purpose, for the tests that a failing rank never hangs the others
 
 The implementation (minizero/*.py) never imports from here: tests/test_layout.py checks it.

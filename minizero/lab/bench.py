@@ -6,6 +6,7 @@
     python -m minizero.bench --world-size 4 --sizes 8M --stages 2 --phases    # where each side's time goes
     python -m minizero.bench --scale --budget-mb 4                  # the scale demo (minizero.scale)
     python -m minizero.bench --scale --micro-batch                  # ... its largest micro-batch per stage
+    python -m minizero.bench --peak --world-size 2                  # the GEMM peak MFU divides by
     python -m minizero.bench --collectives                          # gloo's collectives vs comm's (lab/collectives.py)
 
 Pairs (minizero.lab.peers builds PyTorch's side, minizero.lab.deepspeed_peer DeepSpeed's; both are trained
@@ -55,7 +56,14 @@ from minizero.lab.model import MODEL_NAMES, SIZES, GPTConfig, count_params, make
 from minizero.lab.peers import PEER_OF_STAGE, peer_worker
 from minizero.lab.reference import max_abs_diff
 from minizero.lab.rss import release_freed_memory
-from minizero.lab.train import TrainConfig, forward_backward, train_worker
+from minizero.lab.throughput import peak_worker, throughput
+from minizero.lab.train import (
+    TrainConfig,
+    forward_backward,
+    progress_bar,
+    progress_wanted,
+    train_worker,
+)
 from minizero.launcher import launch
 from minizero.memory import comm_volume
 from minizero.wrap import wrap
@@ -135,7 +143,8 @@ def _run(impl: str, cfg: TrainConfig) -> dict:
     return peer_worker(cfg, impl)
 
 
-def bench_worker(jobs: list[tuple[TrainConfig, list[str]]], repeats: int, meter: bool) -> list[dict]:
+def bench_worker(jobs: list[tuple[TrainConfig, list[str]]], repeats: int, meter: bool,
+                 progress: bool = False) -> list[dict]:
     """Per (configuration, its peers): step times of every repeat of every side (and of minizero with the
     activation meter on and off), memory and comm of the first repeat, and the max |minizero - peer| over
     all parameters after it (full state dicts, on this rank)."""
@@ -145,8 +154,11 @@ def bench_worker(jobs: list[tuple[TrainConfig, list[str]]], repeats: int, meter:
         impls = ["minizero", *peers] + (list(METER) if meter else [])
         out.append({"impls": impls, "times": {impl: [] for impl in impls},
                     "phases": {impl: [] for impl in impls if impl not in METER}})
+    bar = progress_bar(repeats * len(jobs), f"N = {comm.world_size()}",
+                       progress and comm.rank() == 0, unit="config")
     for rep in range(repeats):
         for (cfg, peers), record in zip(jobs, out):
+            bar.update()
             run_cfg = dataclasses.replace(cfg, return_state=rep == 0)
             results = {}
             for impl in record["impls"] if rep % 2 == 0 else record["impls"][::-1]:
@@ -169,6 +181,10 @@ def bench_worker(jobs: list[tuple[TrainConfig, list[str]]], repeats: int, meter:
             record["peak"] = mz["peak"]
             record["comm"] = mz["comm_bytes_per_step"]["total"]
             record["final_loss"] = {impl: results[impl]["losses"][-1] for impl in ["minizero", *peers]}
+    bar.close()
+    peak = peak_worker("fp32")           # MFU's peak: every rank's GEMM at once, one thread each
+    for record in out:
+        record["gemm_flops_per_s"] = peak
     return out
 
 
@@ -177,7 +193,8 @@ def bench_worker(jobs: list[tuple[TrainConfig, list[str]]], repeats: int, meter:
 # --------------------------------------------------------------------------------------------------------
 
 def compare(world_sizes=(2, 4), *, sizes=("default",), steps: int = 10, repeats: int = 3,
-            variants=tuple(VARIANTS), peers=PEER_FAMILIES, meter: bool = True, batch_size: int = 16) -> dict:
+            variants=tuple(VARIANTS), peers=PEER_FAMILIES, meter: bool = True, batch_size: int = 16,
+            progress: bool = False) -> dict:
     """{"config": ..., "pairs": [one record per (N, size, variant, peer)], "meter": [one per (N, size,
     variant)] when meter}; see the module docstring for the fields."""
     pairs, meters = [], []
@@ -189,7 +206,8 @@ def compare(world_sizes=(2, 4), *, sizes=("default",), steps: int = 10, repeats:
                 cfg = TrainConfig(stage=stage, offload=offload, world_size=n, steps=steps, model=size,
                                   batch_size=batch_size, backend="gloo")
                 jobs.append((cfg, peers_of(v, peers), v))
-        per_rank = launch(bench_worker, n, [(cfg, ps) for cfg, ps, _ in jobs], repeats, meter, backend="gloo")
+        per_rank = launch(bench_worker, n, [(cfg, ps) for cfg, ps, _ in jobs], repeats, meter,
+                          progress, backend="gloo")
         for i, (cfg, ps, v) in enumerate(jobs):
             ranks = [rank_records[i] for rank_records in per_rank]
             pairs += [_pair_record(cfg, v, p, ranks) for p in ps]
@@ -219,6 +237,10 @@ def _pair_record(cfg: TrainConfig, variant: str, peer: str, ranks: list[dict]) -
         # the same ratio within each repeat: how far the ratio moves from one repeat to the next
         "repeat_ratios": [statistics.median(mine) / statistics.median(theirs) for mine, theirs in zip(
             _slowest_rank_repeats(ranks, "minizero"), _slowest_rank_repeats(ranks, peer))],
+        # tokens/s, FLOP/s and MFU of each side against the ranks' summed fp32 GEMM peak
+        "throughput": {side: throughput(cfg.model_config(), cfg.batch_size, medians[side],
+                                        cfg.world_size, sum(r["gemm_flops_per_s"] for r in ranks))
+                       for side in SIDES},
         "phase_s": {side: {phase: statistics.median(_slowest_rank_steps(ranks, impl, phase)) for phase in PHASES}
                     for side, impl in zip(SIDES, ("minizero", peer))},
         "memory": {side: [{k: r["memory"][impl].get(k, 0) for k in MEMORY_KEYS} for r in ranks]
@@ -268,16 +290,22 @@ def format_table(report: dict, phases: bool = False) -> str:
               f"{c['dtype']} AdamW, batch {c['batch_size']}; rank 0's device model states and bytes sent per step in MB")]
     lines += ["  " + size_label(s) for s in c["sizes"]]
     lines.append(f"{'N':>2} {'size':>7} {'stage':>9} {'peer':<17}{'mz ms':>9}{'peer ms':>9}{'ratio':>7}"
+                 f"{'mz tok/s':>10}{'mz MFU':>8}{'peer MFU':>9}"
                  f"{'mz dev':>10}{'peer dev':>10}{'mz comm':>10}{'peer comm':>10}{'max |Δp|':>10}")
     for p in report["pairs"]:
         dev = {side: sum(p["memory"][side][0][k] for k in DEVICE_KEYS) for side in SIDES}
         lines.append(f"{p['world_size']:>2} {p['size']:>7} {p['variant']:>9} {p['peer']:<17}"
                      f"{p['step_time_s']['minizero'] * 1e3:9.1f}{p['step_time_s']['peer'] * 1e3:9.1f}"
-                     f"{p['ratio']:7.2f} {mb(dev['minizero'])} {mb(dev['peer'])}"
+                     f"{p['ratio']:7.2f}{p['throughput']['minizero']['tokens_per_s']:10,.0f}"
+                     f"{p['throughput']['minizero']['mfu']:8.1%}"
+                     f"{p['throughput']['peer']['mfu']:9.1%}"
+                     f" {mb(dev['minizero'])} {mb(dev['peer'])}"
                      f" {mb(p['comm_bytes_per_step']['minizero'])} {mb(p['comm_bytes_per_step']['peer'])}"
                      f"{p['max_param_diff']:10.1e}")
     lines.append("ratio = median step time minizero / peer (< 1: minizero faster). Peer comm: ring formula of "
                  "its collectives. dev: params + grads + optimizer on the compute device (offloaded: host).")
+    lines.append("tok/s: tokens per second, all ranks; MFU: model FLOPs per second (6Ψ + attention "
+                 "per token) over the ranks' summed fp32 GEMM peak (minizero/lab/throughput.py)")
     if phases:
         lines.append("")
         lines.append("where the time goes: median ms of each phase on the slowest rank, minizero / peer "
@@ -307,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
         from minizero.lab import scale
         argv.remove("--scale")
         return scale.main(argv)
+    if "--peak" in argv:                        # the GEMM peak MFU divides by (lab/throughput.py)
+        from minizero.lab import throughput
+        argv.remove("--peak")
+        return throughput.main(argv)
     if "--collectives" in argv:                 # gloo's collectives against comm's ways (lab/collectives.py)
         from minizero.lab import collectives
         argv.remove("--collectives")
@@ -325,8 +357,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--phases", action="store_true",
                     help="also print each pair's profile: forward, backward and step times (always in --json)")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
+    ap.add_argument("--quiet", action="store_true",
+                    help="no progress bar (also off when stderr is no terminal)")
     ap.add_argument("--scale", action="store_true", help="run the scale demo instead (see minizero.scale; "
                     "takes --budget-mb, --world-size, --micro-batch, --model, --json)")
+    ap.add_argument("--peak", action="store_true",
+                    help="measure the machine's GEMM peak instead (takes --world-size, --dtypes, "
+                         "--device, --threads, --json; minizero/lab/throughput.py)")
     ap.add_argument("--collectives", action="store_true", help="time each collective as the backend and as "
                     "minizero.comm run it instead (takes --world-size, --numel, --repeats, --json)")
     try:
@@ -336,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail(prog, str(e))
     try:
         report = compare(tuple(args.world_size), sizes=sizes, steps=args.steps, repeats=args.repeats,
-                         variants=tuple(args.stages), peers=peers, meter=args.sizes is None)
+                         variants=tuple(args.stages), peers=peers, meter=args.sizes is None,
+                         progress=progress_wanted(args.quiet, args.json))
     except RuntimeError as e:                       # a rank failed: the launcher says which and why
         print(f"{prog}: {e}", file=sys.stderr)
         return 1

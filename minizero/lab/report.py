@@ -10,6 +10,7 @@ from __future__ import annotations
 import statistics
 
 from minizero.lab.data import sequence_length
+from minizero.lab.throughput import format_throughput, throughput
 from minizero.lab.train import TrainConfig, state_bytes
 from minizero.memory import activation_bytes, comm_volume, element_bytes, estimate_breakdown, grad_bytes, optimizer_k
 
@@ -57,6 +58,11 @@ def summarize(cfg: TrainConfig, results: list[dict], network=None) -> dict:
         "theory": theory(cfg, num_params, num_frozen),
         "step_time_s": statistics.median(times),
         "step_times_s": times,              # rank 0's timed steps: the spread behind that median
+        # tokens/s, achieved FLOP/s and MFU against the ranks' summed GEMM peak (lab/throughput.py)
+        "throughput": throughput(cfg.model_config(), cfg.batch_size, statistics.median(times),
+                                 cfg.world_size,
+                                 sum(r.get("gemm_flops_per_s", 0.0) for r in results) or None,
+                                 cfg.activation_checkpointing),
         # fp16: the loss scale after the last step and the steps skipped on overflow (every rank agrees)
         "loss_scale": results[0]["loss_scale"],
         "skipped_steps": results[0]["skipped_steps"],
@@ -88,6 +94,7 @@ def format_table(summary: dict) -> str:
     losses = summary["losses"]
     lines.append(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "
                  f"median step time {summary['step_time_s'] * 1e3:.1f} ms")
+    lines.append(format_throughput(summary["throughput"]))
     if summary.get("network"):
         sent = summary["ranks"][0]["comm_bytes_per_step"]
         lines.append(f"network model {summary['network']}: rank 0 sent {kb(sent['intra_node']).strip()} kB per "

@@ -6,6 +6,7 @@ and (--micro-batch) the largest micro-batch a fixed GPT can train, with and with
     python -m minizero.bench --scale --budget-mb 4               # the same
     python -m minizero.scale --micro-batch --budget-mb 8 [--model default]    # rows per rank, see below
     python -m minizero.scale --rss [--rss-cap-mb 200]            # real memory under a real cap: lab/rss.py
+    python -m minizero.scale --infinity [--layers 48]            # 1.5B on disk: lab/infinity.py
 
 The model grows in width (n_embd, in steps of 4; n_layer stays 8), Ψ ≈ 12·n_layer·n_embd². A size
 *fits* when building it, wrapping it and taking two real training steps keeps engine.memory()'s device
@@ -45,7 +46,7 @@ from minizero import comm
 from minizero.cli import OneLineParser, UsageError, emit, fail
 from minizero.lab.data import global_batch, local_batch, sequence_length
 from minizero.lab.model import MODEL_NAMES, GPTConfig, make_model
-from minizero.lab.train import TrainConfig, loss_fn
+from minizero.lab.train import TrainConfig, loss_fn, progress_bar, progress_wanted
 from minizero.launcher import launch
 from minizero.memory import activation_bytes, estimate
 from minizero.wrap import wrap
@@ -195,12 +196,23 @@ def micro_batch_worker(budget: float, model: str = "default", variants=VARIANTS,
     return out
 
 
-def largest_models(budget_mb: float, world_sizes=(1, 2, 4)) -> dict:
+def largest_models(budget_mb: float, world_sizes=(1, 2, 4), progress: bool = False) -> dict:
     """{"budget_bytes", "world_sizes", "rows": [{variant, stage, offload, world_size, width, num_params,
     peak}], "stage3_over_ddp": {N: Ψ_max ratio}}: one launch per world size, rank 0's records."""
     budget = budget_mb * 1e6
-    per_n = {n: launch(largest_worker, n, budget, backend="gloo")[0] for n in world_sizes}
+    per_n = {n: launch(largest_worker, n, budget, backend="gloo")[0]
+             for n in _each(world_sizes, progress)}
     return report(budget, per_n)
+
+
+def _each(world_sizes, progress: bool):
+    """The world sizes, one launch each, with a progress bar (time left) when someone watches."""
+    bar = progress_bar(len(world_sizes), "world sizes", progress, unit="N")
+    for n in world_sizes:
+        bar.set_postfix(N=n)
+        yield n
+        bar.update()
+    bar.close()
 
 
 def report(budget: float, per_n: dict[int, list[dict]]) -> dict:
@@ -220,14 +232,15 @@ def report(budget: float, per_n: dict[int, list[dict]]) -> dict:
             "stage3_over_ddp": ratio}
 
 
-def largest_micro_batches(budget_mb: float, world_sizes=(1, 2, 4), model: str = "default") -> dict:
+def largest_micro_batches(budget_mb: float, world_sizes=(1, 2, 4), model: str = "default",
+                          progress: bool = False) -> dict:
     """{"mode": "micro_batch", "budget_bytes", "world_sizes", "model", "num_params", "seq", "rows": [{variant,
     stage, offload, checkpointing, world_size, probes, micro_batch, estimated_micro_batch, capped, peak,
     activations, total, estimated_total}]}: one launch per world size, rank 0's records."""
     budget = budget_mb * 1e6
     mcfg = GPTConfig.named(model)
     rows = []
-    for n in world_sizes:
+    for n in _each(world_sizes, progress):
         for rec in launch(micro_batch_worker, n, budget, model, backend="gloo")[0]:
             best = rec["largest"]
             rows.append({"variant": rec["variant"], "stage": rec["stage"], "offload": rec["offload"],
@@ -284,6 +297,10 @@ def format_micro_batch_table(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     prog = "python -m minizero.scale"
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--infinity" in argv:                  # its own options: lab/infinity.py
+        from minizero.lab import infinity
+        return infinity.main([a for a in argv if a != "--infinity"])
     ap = OneLineParser(prog=prog, description=__doc__.split("\n")[0])
     ap.add_argument("--budget-mb", type=float, default=None,
                     help="per-rank device budget in MB (default 4; 8 with --micro-batch)")
@@ -297,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rss-cap-mb", type=float, default=None,
                     help="with --rss: each rank's cap in MB beyond the baseline, what a rank holds whatever the model (default 200)")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
+    ap.add_argument("--quiet", action="store_true",
+                    help="no progress bar (also off when stderr is no terminal)")
     try:
         args = ap.parse_args(argv)
         if args.rss:
@@ -322,9 +341,12 @@ def main(argv: list[str] | None = None) -> int:
         return _rss(prog, args)
     try:
         if args.micro_batch:
-            report = largest_micro_batches(args.budget_mb, tuple(args.world_size), args.model or "default")
+            report = largest_micro_batches(args.budget_mb, tuple(args.world_size),
+                                           args.model or "default",
+                                           progress=progress_wanted(args.quiet, args.json))
         else:
-            report = largest_models(args.budget_mb, tuple(args.world_size))
+            report = largest_models(args.budget_mb, tuple(args.world_size),
+                                    progress=progress_wanted(args.quiet, args.json))
     except RuntimeError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 1

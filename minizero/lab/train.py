@@ -13,24 +13,27 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import shutil
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from minizero import checkpoint, comm
+from minizero.config import OPTIMIZERS, build_scheduler
 from minizero.flat import DEFAULT_BUCKET_BYTES
 from minizero.lab.data import IGNORE, global_batch, local_batch
 from minizero.lab.faults import Fault
 from minizero.lab.model import GPTConfig, make_model
+from minizero.lab.throughput import peak_worker
 from minizero.construct import sharded_init
 from minizero.options import takes
 from minizero.wrap import wrap
-
-OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
-
 
 def state_bytes(optimizer: str, params: dict | None = None) -> int:
     """Optimizer state per parameter, in bytes, for one of OPTIMIZERS (fp32 state; the paper's K minus the
@@ -48,7 +51,8 @@ class TrainConfig:
     dtype: str = "fp32"                       # "fp32", "bf16" or "fp16" (16-bit compute, fp32 master weights)
     loss_scale: float | dict | None = None    # fp16: None dynamic, a number static, a dict (loss_scale.py)
     reduce_dtype: str | None = None           # "fp32": bf16/fp16 gradients reduced and accumulated in fp32
-    offload: bool | str = False               # False, True/"optimizer", "params" (stage 3)
+    offload: bool | str = False               # False, True/"optimizer", "params" (stage 3), "disk"
+    offload_path: str | None = None           # offload="disk": its file's folder (disk.py)
     backend: str | None = None                # None: nccl if CUDA is available, else gloo
     batch_size: int = 16                      # global rows per optimizer step (all ranks, all micro-batches)
     grad_accum: int = 1                       # micro-batches per step
@@ -56,6 +60,7 @@ class TrainConfig:
     optimizer: str = "adamw"
     lr: float = 3e-3
     optimizer_params: dict = field(default_factory=dict)    # extra keyword arguments (betas, momentum...)
+    scheduler: dict | None = None             # {"type", "params"}: DeepSpeed's (minizero/config.py)
     bucket_size: float = DEFAULT_BUCKET_BYTES               # bytes per gradient bucket (stages 0, 2)
     prefetch: bool = True                                   # stage 3
     quantized_weights: bool = False                         # stage 3: ZeRO++ qwZ (minizero/quantize.py)
@@ -79,6 +84,8 @@ class TrainConfig:
     init_state: str | None = None             # a consolidated state dict (minizero.consolidate): any N,
     start_step: int = 0                       # ... first step's index in the data stream (fresh optimizer)
     fault: Fault | None = None                # a failure to inject (lab/faults.py); else MINIZERO_FAIL_*
+    measure_peak: bool = False                # after training: each rank's GEMM FLOP/s (MFU)
+    progress: bool = False                    # rank 0 shows a progress bar on stderr (progress_bar)
 
     def model_config(self) -> GPTConfig:
         return GPTConfig.named(self.model, **self.model_overrides)
@@ -103,12 +110,30 @@ class TrainConfig:
         for name in ("quantized_weights", "quantized_gradients"):       # only when on: wrap checks the stage
             if getattr(self, name):
                 opts[name] = True
+        if self.offload_path is not None:
+            opts["offload_path"] = self.offload_path
         if self.activation_checkpointing:
             opts["activation_checkpointing"] = self.activation_checkpointing
         for name in ("shard_group_size", "hpz_group_size"):
             if getattr(self, name) is not None:
                 opts[name] = getattr(self, name)
         return opts
+
+
+def progress_wanted(quiet: bool = False, json_path: str | None = None) -> bool:
+    """Progress bars only for a person watching: stderr a terminal, not --quiet, no --json -."""
+    return not quiet and json_path != "-" and sys.stderr.isatty()
+
+
+def progress_bar(total: int, desc: str, enabled: bool, **kwargs) -> tqdm:
+    """A tqdm bar on stderr with time left; disabled, every call on it does nothing. Its size: the
+    terminal's, or 80 x 24 where it reports 0 x 0 (a bare pseudo-terminal: tqdm shows nothing)."""
+    size = shutil.get_terminal_size()
+    # one process writes the bar: a thread lock, not tqdm's default multiprocessing one (a semaphore
+    # that a rank leaving with os._exit leaks, and the resource tracker then warns about on stderr)
+    tqdm.set_lock(threading.RLock())
+    return tqdm(total=total, desc=desc, file=sys.stderr, disable=not enabled, ncols=size.columns,
+                nrows=size.lines, **kwargs)
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -164,19 +189,29 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
     if cfg.load_dir:
         engine.load(cfg.load_dir)                 # also restores step_count: the data continues there
     first = engine.step_count if cfg.load_dir else cfg.start_step
+    schedule = None
+    if cfg.scheduler:                    # over the torch optimizer stepping this rank's masters
+        schedule = build_scheduler(engine.optimizer.optimizer, cfg.scheduler,
+                                   total_num_steps=cfg.steps)
+        schedule.load_state_dict({"last_batch_iteration": first - 1})   # resumed
     fault = cfg.fault or Fault.from_env()
     if fault:
         fault.arm(engine)
     device = comm.device()
     losses, step_times, phase_times, comm_per_step, loss_scales = [], [], [], [], []
     memory = None
+    bar = progress_bar(cfg.steps, f"stage {cfg.stage}", cfg.progress and rank == 0,
+                       initial=first, unit="step")
     for step in range(first, cfg.steps):
         comm.reset_tally()
         start, phases = time.perf_counter(), {}
         step_loss = forward_backward(cfg, step, engine, engine.backward, engine.no_sync, phases)
         if step == cfg.steps - 1:
             memory = engine.memory()              # as held at the end of backward (optimizer state exists)
+        skipped = engine.skipped_steps
         timed_step(engine.step, phases)
+        if schedule is not None and engine.skipped_steps == skipped:   # DeepSpeed: not on overflow
+            schedule.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
         step_times.append(time.perf_counter() - start)
@@ -189,6 +224,9 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
                   f"{step_times[-1] * 1e3:.1f} ms/step", flush=True)
         if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step == cfg.steps - 1):
             checkpoint.save_numbered(engine, cfg.save_dir, cfg.keep_last)
+        bar.set_postfix(loss=f"{step_loss:.4f}", refresh=False)
+        bar.update()
+    bar.close()
     if cfg.save_dir and not cfg.save_every:
         engine.save(cfg.save_dir)
     result = {
@@ -210,6 +248,8 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
         result["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
     if cfg.return_state:
         result["state_dict"] = engine.full_state_dict()
+    if cfg.measure_peak:                  # every rank at once, at the run's dtype: MFU's peak
+        result["gemm_flops_per_s"] = peak_worker(cfg.dtype)
     return result
 
 

@@ -41,7 +41,7 @@ from minizero.comm import column_of, ranks_span_nodes, ring_bytes, row_of
 from minizero.optim import DTYPES
 from minizero.options import check_stage
 
-CATEGORIES = ("params", "grads", "optimizer", "offloaded")
+CATEGORIES = ("params", "grads", "optimizer", "offloaded")   # in memory; estimates add "disk"
 
 
 def element_bytes(dtype: str) -> int:
@@ -58,18 +58,21 @@ def grad_bytes(dtype: str, reduce_dtype: str | None = None) -> int:
 def optimizer_k(state_bytes: int, dtype: str, offload: bool | str = False) -> int:
     """K of the paper for a run: the optimizer's own state per parameter (Adam: two fp32 moments, 8; SGD
     with momentum 4; plain SGD 0) plus the fp32 master copy, which exists when the model computes in
-    lower precision (optim.py) or when the optimizer is offloaded (offload.py keeps a host master)."""
-    master = 4 if (dtype != "fp32" or offload) else 0
+    lower precision (optim.py) or when the optimizer is offloaded to the host (offload.py keeps a
+    host master; the disk tier, disk.py, steps fp32 parameters in place, as in memory)."""
+    master = 4 if (dtype != "fp32" or offload not in (False, "disk")) else 0
     return state_bytes + master
 
 
-def within_padding(measured: float, formula: float, world_size: int, times: int = 1) -> bool:
+def within_padding(measured: float, formula: float, world_size: int, times: int = 1,
+                   blocks: int = 0) -> bool:
     """Whether a measured byte count equals the paper's formula up to padding, the one difference the
     formulas leave out: each bucket is padded by fewer than N elements (flat.padded_size), and no category
     holds more than 16 bytes per element (fp32 + Adam: 4 + 4 + 8; bf16: 2 + 2 + 12); counted generously
     for 8 buckets. `times`: a count that touches every padded bucket several times (stage 3 sends each
-    unit three times a step)."""
-    return formula - 1e-6 <= measured <= formula + times * 8 * world_size * 16
+    unit three times a step). `blocks`: records padded to a whole disk block each (the disk tier's
+    pieces, disk.ALIGN = 4096 bytes: direct I/O moves whole blocks)."""
+    return formula - 1e-6 <= measured <= formula + times * 8 * world_size * 16 + blocks * 4096
 
 
 def _partitions(world_size: int, stage: int, shard_group_size: int | None) -> int:
@@ -96,7 +99,9 @@ def estimate_breakdown(num_params: int, world_size: int, stage: int, *, param_by
 
     offload=True (or "optimizer"): the KΨ/N optimizer states live in host memory (ZeRO-Offload), plus a
     fp32 host copy of the gradient partition to step on. offload="params" (stage 3): the parameter shard
-    lives on the host between uses as well (ZeRO-Infinity's parameter offload).
+    lives on the host between uses as well (ZeRO-Infinity's parameter offload). offload="disk"
+    (ZeRO-Infinity's disk tier, disk.py): the KΨ/N live in a file ("disk"), read and written
+    once a step (disk_traffic); memory holds only the pipeline's three pieces, during the step.
 
     shard_group_size=S: partitioned over S ranks, replicated over N/S groups: S in place of N.
     """
@@ -105,14 +110,26 @@ def estimate_breakdown(num_params: int, world_size: int, stage: int, *, param_by
     params = param_bytes * (psi + frozen) / (n if stage >= 3 else 1)
     grads = grad_bytes * psi / (n if stage >= 2 else 1)
     optimizer = k * psi / (n if stage >= 1 else 1)
-    offloaded = 0.0
-    if offload:
+    offloaded = disk = 0.0
+    if offload == "disk":
+        disk, optimizer = optimizer, 0.0
+    elif offload:
         offloaded = optimizer + 4 * psi / (n if stage >= 1 else 1)   # states + fp32 gradient partition
         optimizer = 0.0
         if offload == "params":
             offloaded += params
             params = 0.0
-    return {"params": params, "grads": grads, "optimizer": optimizer, "offloaded": offloaded}
+    return {"params": params, "grads": grads, "optimizer": optimizer, "offloaded": offloaded,
+            "disk": disk}
+
+
+def disk_traffic(num_params: int, world_size: int, *, k: int = 12,
+                 shard_group_size: int | None = None) -> dict[str, float]:
+    """Bytes one rank's disk tier reads and writes per step (disk.py): every byte of its KΨ/N of
+    state, once each way. A disk of read and write bandwidths B_r, B_w shared by the machine's
+    ranks needs at least the sum over them of KΨ/N · (1/B_r + 1/B_w) a step: the step's floor."""
+    state = k * float(num_params) / _partitions(world_size, 1, shard_group_size)
+    return {"read": state, "written": state}
 
 
 def estimate(num_params: int, world_size: int, stage: int, *, param_bytes: int = 2, grad_bytes: int = 2,

@@ -1,0 +1,227 @@
+"""`minizero.initialize`: DeepSpeed's front end, over minizero's engines.
+
+    engine, optimizer, _, lr_scheduler = minizero.initialize(
+        model=model, model_parameters=model.parameters(), config="ds_config.json")
+    for x, y in micro_batches:              # every micro-batch, as a DeepSpeed script does
+        loss = loss_fn(engine(x), y)
+        engine.backward(loss)               # the loss / gradient_accumulation_steps
+        engine.step()                       # the optimizer and the schedule: at the boundary only
+
+    torchrun --nproc_per_node 2 examples/deepspeed_style.py   # the same script runs DeepSpeed
+
+The config is read by minizero/config.py, the reader `python -m minizero.run --config` uses: its
+zero_optimization, bf16/fp16, gradient_clipping (1.0 when absent, DeepSpeed's default), batch sizes,
+optimizer and scheduler sections. "auto" is resolved where the batch rule or the model's hidden size
+decides it, and is an error elsewhere (config.load_deepspeed_config, flags=False).
+
+Two front ends, one engine: `minizero.wrap(model, stage, optimizer_factory)` is the engine itself.
+initialize builds exactly that engine (wrap) from the config, and adds what DeepSpeed's own engine
+adds on top: gradient accumulation counted by the engine, not by the script. DeepSpeed users call
+backward() and step() after every micro-batch; the engine scales each loss by 1/K (K =
+gradient_accumulation_steps), and only the K-th step() is an optimizer step
+(is_gradient_accumulation_boundary()). In between, stages 0-1 accumulate locally (no_sync(): their
+gradients are whole on every rank anyway) and stages 2-3 reduce-scatter every micro-batch into the
+gradient shard (Ψ/N of gradient memory, DeepSpeed's way). The optimizer is built by minizero over
+this rank's partition: an optimizer object passed in gives its class and settings, never its
+parameters (it was built over the whole model).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import warnings
+
+import torch
+from torch import nn
+
+from minizero import comm
+from minizero.config import (
+    OPTIMIZERS,
+    ConfigError,
+    build_scheduler,
+    load_deepspeed_config,
+)
+from minizero.engine import Engine
+from minizero.wrap import check_options, wrap
+
+# What the config reader gives (TrainConfig's names) that wrap takes as options.
+ENGINE_OPTIONS = ("dtype", "loss_scale", "reduce_dtype", "clip_grad_norm", "bucket_size",
+                  "prefetch", "quantized_weights", "quantized_gradients", "shard_group_size",
+                  "hpz_group_size")
+# Sizes a DeepSpeed config sets at every stage (the reader warns where they mean nothing): left out
+# where the stage takes no such option, as DeepSpeed ignores them there.
+SIZE_OPTIONS = ("bucket_size", "prefetch")
+
+
+class DeepSpeedStyleEngine:
+    """DeepSpeed's engine interface over a minizero engine (`self.engine`, what wrap builds).
+
+    Anything else (memory(), full_state_dict(), gathered(), save(), load()) is the minizero
+    engine's."""
+
+    def __init__(self, engine: Engine, gradient_accumulation_steps: int, micro_batch: int | None,
+                 lr_scheduler=None):
+        self.engine = engine
+        self.module = engine.module
+        self.optimizer = engine.optimizer.optimizer      # torch's, over this rank's masters
+        self.lr_scheduler = lr_scheduler
+        self._accumulation, self._micro_batch = gradient_accumulation_steps, micro_batch
+        self.micro_steps = 0            # backward/step pairs so far
+        self.global_steps = 0           # optimizer steps so far (skipped fp16 ones too: DeepSpeed)
+
+    def __call__(self, *inputs, **kwargs):
+        return self.engine(*inputs, **kwargs)
+
+    forward = __call__
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._accumulation
+
+    def train_micro_batch_size_per_gpu(self) -> int | None:
+        return self._micro_batch
+
+    def train_batch_size(self) -> int | None:
+        if self._micro_batch is None:
+            return None
+        return self._micro_batch * self._accumulation * comm.world_size()
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the current micro-batch is the last of an optimizer step."""
+        return (self.micro_steps + 1) % self._accumulation == 0
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backward of loss / K; gradients accumulate over the step's micro-batches. Returns the
+        scaled loss."""
+        loss = loss / self._accumulation                      # the step's gradient: the mean over K
+        local = self.engine.stage <= 1 and not self.is_gradient_accumulation_boundary()
+        with self.engine.no_sync() if local else contextlib.nullcontext():
+            self.engine.backward(loss)
+        return loss
+
+    def step(self) -> None:
+        """At the boundary: the optimizer step (clipping, fp16 overflow check) and the schedule's
+        step (not after a skipped fp16 step, as DeepSpeed). Between boundaries: nothing but
+        counting."""
+        if self.is_gradient_accumulation_boundary():
+            skipped = self.engine.skipped_steps
+            self.engine.step()
+            if self.lr_scheduler is not None and self.engine.skipped_steps == skipped:
+                self.lr_scheduler.step()
+            self.global_steps += 1
+        self.micro_steps += 1
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+
+def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_parameters=None,
+               training_data=None, lr_scheduler=None, config=None, config_params=None,
+               dist_init_required: bool | None = None):
+    """(engine, optimizer, training_dataloader, lr_scheduler), as deepspeed.initialize returns them.
+
+    config (or config_params, or args.deepspeed_config): a DeepSpeed JSON path or dict.
+    optimizer: None (the config's optimizer section), a torch.optim.Optimizer (its class and
+        settings, one parameter group) or a factory params -> Optimizer. model_parameters: the
+        model's trainable parameters (minizero steps every parameter with requires_grad; anything
+        else is an error).
+    lr_scheduler: None (the config's scheduler section) or a factory optimizer -> scheduler.
+    training_data: a torch Dataset: each rank gets a DataLoader of its share (DistributedSampler) in
+        micro-batches. The process group is joined from torchrun's environment unless it exists
+        (dist_init_required=False: never). Bad values: ValueError / TypeError / ConfigError, one
+        line."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    source = config if config is not None else config_params
+    if source is None:
+        source = getattr(args, "deepspeed_config", None)
+    if source is None:
+        raise ValueError("no config: pass config= (a DeepSpeed JSON path or dict)")
+    if dist_init_required is not False and not comm.is_initialized() and "RANK" in os.environ:
+        comm.init()                        # torchrun's env://, as deepspeed.init_distributed
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)   # Hugging Face models
+    settings, notes = load_deepspeed_config(source, comm.world_size(), flags=False,
+                                            hidden_size=hidden)
+    if comm.rank() == 0:
+        for note in notes:
+            warnings.warn(note, stacklevel=2)
+    _check_parameters(model, model_parameters)
+    factory = _optimizer_factory(optimizer, settings)
+    stage = settings.get("stage", 0)                       # DeepSpeed's default: no ZeRO
+    options = {name: settings[name] for name in ENGINE_OPTIONS if name in settings}
+    for name in SIZE_OPTIONS:
+        if name in options:
+            try:
+                check_options(stage, {name})
+            except TypeError:
+                del options[name]
+    engine = wrap(model, stage, factory, offload=settings.get("offload", False),
+                  activation_checkpointing=settings.get("activation_checkpointing", False),
+                  **options)
+    schedule = _scheduler(engine.optimizer.optimizer, lr_scheduler, settings.get("scheduler"))
+    accumulation = settings.get("grad_accum", 1)
+    micro = None
+    if "batch_size" in settings:
+        micro = settings["batch_size"] // (accumulation * comm.world_size())
+    outer = DeepSpeedStyleEngine(engine, accumulation, micro, schedule)
+    loader = None if training_data is None else _loader(training_data, micro or 1)
+    return outer, outer.optimizer, loader, schedule
+
+
+def _check_parameters(model: nn.Module, model_parameters) -> None:
+    if model_parameters is None:
+        return
+    given = list(model_parameters)
+    if any(isinstance(p, dict) for p in given):
+        raise TypeError("model_parameters: parameter groups are not supported (minizero's "
+                        "optimizer steps one partition per bucket with one set of settings)")
+    if {id(p) for p in given} != {id(p) for p in model.parameters() if p.requires_grad}:
+        raise ValueError("model_parameters must be the model's trainable parameters: minizero "
+                         "steps every parameter with requires_grad=True (False freezes one)")
+
+
+def _optimizer_factory(optimizer, settings: dict):
+    """params -> torch optimizer: from the object or factory given, else from the config's
+    section."""
+    if optimizer is not None and "optimizer" in settings:
+        raise ConfigError("the config has an optimizer section and optimizer= was passed too: "
+                          "choose one")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if len(optimizer.param_groups) != 1:
+            raise TypeError("optimizer: parameter groups are not supported; pass one group or a "
+                            "factory")
+        group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+        return functools.partial(type(optimizer), **group)
+    if optimizer is not None:
+        if not callable(optimizer):
+            raise TypeError("optimizer must be a torch.optim.Optimizer or a factory params -> "
+                            f"Optimizer, got {type(optimizer).__name__}")
+        return optimizer
+    if "optimizer" not in settings:
+        raise ConfigError("no optimizer: give the config an optimizer section or pass optimizer=")
+    lr = {"lr": settings["lr"]} if "lr" in settings else {}
+    params = settings.get("optimizer_params", {})
+    return functools.partial(OPTIMIZERS[settings["optimizer"]], **lr, **params)
+
+
+def _scheduler(optimizer: torch.optim.Optimizer, given, spec: dict | None):
+    if given is not None and spec is not None:
+        raise ConfigError("the config has a scheduler section and lr_scheduler= was passed too: "
+                          "choose one")
+    if given is not None:
+        if not callable(given) or hasattr(given, "step"):
+            raise TypeError("lr_scheduler must be a factory optimizer -> scheduler (minizero "
+                            "builds the optimizer: a scheduler made over yours would step another)")
+        return given(optimizer)
+    return None if spec is None else build_scheduler(optimizer, spec)
+
+
+def _loader(dataset, micro_batch: int):
+    from torch.utils.data import DataLoader, DistributedSampler
+    n = comm.world_size()
+    sampler = DistributedSampler(dataset, n, comm.rank()) if n > 1 else None
+    return DataLoader(dataset, batch_size=micro_batch, sampler=sampler)
