@@ -29,8 +29,8 @@ medians. Every rank computes with one intra-op thread, so every side sees the sa
 
 Reported per pair: ratio = median step time minizero / peer (repeat_ratios: the same within each
 repeat, how much it moves); per-rank model-state bytes (minizero's engine.memory(); the peers' counted
-from their parameters, gradients and optimizer state by minizero.memory.measure); bytes sent per step (minizero's tally; for the peers the ring formula of the
-collectives they issue: they keep no tally); the largest |parameter difference| after the run; and the
+from their parameters, gradients and optimizer state by minizero.memory.measure); bytes sent per step
+(minizero's tally; for the peers the ring formula of the collectives they issue: they keep no tally); the largest |parameter difference| after the run; and the
 profile (--phases): the median time of forward, backward (with the collectives it waits for) and the
 optimizer step (with what it communicates) on each side, which says where a ratio comes from.
 
