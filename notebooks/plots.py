@@ -174,7 +174,8 @@ def unit_timeline(timelines: dict, intervals: dict):
 
 def compare_measured(stages: dict):
     """Three panels from the same runs: device memory per rank vs N on the formula curves, bytes sent per
-    step at the largest N vs 2Ψ / 3Ψ, and the median step time."""
+    step at the largest N vs 2Ψ / 3Ψ, and the step time: a bar at the median, a dot for every step (on
+    shared cores the spread is often wider than the difference between two bars)."""
     fig, (mem, com, tim) = plt.subplots(1, 3, figsize=(15, 4))
     sizes = sorted(next(iter(stages.values())))
     ns = np.arange(1, max(sizes) * 2 + 1)
@@ -203,10 +204,16 @@ def compare_measured(stages: dict):
 
     width = 0.8 / len(sizes)
     for j, n in enumerate(sizes):
-        tim.bar(xs + (j - (len(sizes) - 1) / 2) * width, [runs[n]["step_time_s"] * 1e3 for runs in stages.values()],
-                width * 0.9, label=f"N = {n}", color=plt.cm.Greys(0.35 + 0.6 * j / max(1, len(sizes) - 1)))
+        at = xs + (j - (len(sizes) - 1) / 2) * width
+        tim.bar(at, [runs[n]["step_time_s"] * 1e3 for runs in stages.values()],
+                width * 0.9, label=f"N = {n}", color=plt.cm.Greys(0.2 + 0.4 * j / max(1, len(sizes) - 1)))
+        for x, runs in zip(at, stages.values()):
+            times = np.array(runs[n]["step_times_s"]) * 1e3
+            tim.plot(np.full(len(times), x) + np.linspace(-0.25, 0.25, len(times)) * width, times, ".",
+                     color="black", markersize=3)
+    tim.plot([], [], "k.", markersize=3, label="each step (rank 0)")
     tim.set_xticks(xs, [STAGE_NAMES[s].replace(" (", "\n(") for s in stages], fontsize=8)
-    tim.set(ylabel="median step time (ms)", title="Step time (CPU processes: a rough guide)")
+    tim.set(ylabel="step time (ms): bar = median", title="Step time, every step (CPU processes: a rough guide)")
     tim.legend(fontsize=7)
     fig.tight_layout()
     return fig

@@ -1,20 +1,25 @@
-"""A real browser: JupyterLab runs a notebook and its widgets render; the slide deck navigates by keyboard.
+"""A real browser: every notebook opens in JupyterLab with its markdown rendered as prose, two run
+with their widgets; the slide deck navigates by keyboard.
 
-    python -m pytest tests/test_browser.py -q        # needs /usr/bin/chromium, /usr/bin/chromedriver, selenium
+    python -m pytest tests/test_browser.py -q    # needs /usr/bin/chromium, chromedriver, selenium
 
-Debian's `chromium` and `chromium-driver` packages (`.ci/run` installs them) and the pip package selenium;
-the test skips, saying which is missing, without them. Selenium is handed the system chromedriver and
-chromium explicitly, so Selenium Manager never downloads a browser or a driver.
+Debian's `chromium` and `chromium-driver` packages (`.ci/run` installs them) and the pip package
+selenium; the test skips, saying which is missing, without them. Selenium is handed the system
+chromedriver and chromium explicitly, so Selenium Manager never downloads a browser or a driver.
 
-What a learner does, in headless Chromium: `jupyter lab` serves a temporary copy of notebooks/ (the repo
-is never modified; MINIZERO_SMALL=1 as in tests/test_notebooks.py), NOTEBOOK is opened, *Run → Run All
-Cells* is clicked, and once no cell is running every code cell has its execution count, no output shows
-a traceback, every cell whose source uses ipywidgets shows a rendered control (not "Error displaying
-widget"), and changing that control changes what the kernel computes and shows. A small notebook whose
-widget callback raises, with a widget whose model class the front end does not know, must fail the same
-checks (a check that cannot fail checks nothing). The deck is built the way slides/build.py builds
-it and stepped through with the keys it documents (→, space, PageDown, End, Home): the counter advances
-and every figure of every slide is decoded and laid out. The figures are placeholder PNGs here:
+What a learner does, in headless Chromium: `jupyter lab` serves a temporary copy of notebooks/ (the
+repo is never modified). Every notebook is opened: no error dialog, every markdown cell rendered,
+and no markdown cell rendered as a code block (no `<pre>` in the rendered markdown: a paragraph
+indented by four spaces becomes one, as the step-through's introduction once did). Then NOTEBOOK and
+STAGE_NOTEBOOK, with the small settings of tests/test_notebooks.py (TINY) after their parameters
+cell, are run: *Run → Run All Cells* is clicked, and once no cell is running every code cell has its
+execution count, no output shows a traceback, every cell whose source uses ipywidgets shows a
+rendered control (not "Error displaying widget"), and changing that control changes what the kernel
+computes and shows. A small notebook whose widget callback raises, with a widget whose model class
+the front end does not know, and one whose markdown is indented, must fail the same checks (a check
+that cannot fail checks nothing). The deck is built the way slides/build.py builds it and stepped
+through with the keys it documents (→, space, PageDown, End, Home): the counter advances and every
+figure of every slide is decoded and laid out. The figures are placeholder PNGs here:
 tests/test_slides.py checks the measured ones, which take ~40 s to draw.
 
 On a failure the screenshots and the page's HTML (and JupyterLab's log) are written to a temporary
@@ -43,7 +48,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"     # Debian's, never a downloaded one
-NOTEBOOK = "06_compare"             # fast with MINIZERO_SMALL=1 (~15 s) and has a control that recomputes
+NOTEBOOK = "06_compare"         # fast with the small settings (~15 s), a control that recomputes
+STAGE_NOTEBOOK = "02_zero1"     # a stage notebook: its worker cell, the launch, the in-process cell
+NOTEBOOK_NAMES = sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb"))
 RUN_TIMEOUT_S = 240
 WIDGET_CONTROLS = (".widget-slider, .widget-dropdown, .widget-play, .widget-toggle-buttons, "
                    ".widget-radio, .widget-select, .widget-button, .widget-checkbox, .widget-text")
@@ -64,12 +71,14 @@ def _missing() -> str | None:
 pytestmark = pytest.mark.skipif(_missing() is not None, reason=f"no real browser: {_missing()}")
 
 if _missing() is None:
+    import nbformat
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import Select
+    from test_notebooks import with_tiny_settings
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -135,14 +144,20 @@ def lab(tmp_path_factory):
     """`jupyter lab` on a free port serving a copy of notebooks/; the kernel imports this checkout's minizero."""
     base = tmp_path_factory.mktemp("lab")
     root = base / "notebooks"
-    shutil.copytree(ROOT / "notebooks", root, ignore=shutil.ignore_patterns("*.py[co]", "__pycache__"))
+    # the .ipynb files without their jupytext twins (NN_name.py), which jupytext's contents manager
+    # would otherwise read the cells from: what is checked here is what the .ipynb holds
+    shutil.copytree(ROOT / "notebooks", root,
+                    ignore=shutil.ignore_patterns("*.py[co]", "__pycache__", "[0-9][0-9]_*.py"))
+    for name in (NOTEBOOK, STAGE_NOTEBOOK):       # run here: the small settings of test_notebooks
+        path = root / f"{name}.ipynb"
+        nbformat.write(with_tiny_settings(nbformat.read(path, as_version=4), name), path)
     settings = base / "settings" / "@jupyterlab"
     for extension, values in (("notebook-extension/tracker", {"windowingMode": "none"}),   # every cell in the DOM
                               ("apputils-extension/notification", {"fetchNews": "false"})):  # no news pop-up
         (settings / extension).parent.mkdir(parents=True, exist_ok=True)
         (settings / f"{extension}.jupyterlab-settings").write_text(json.dumps(values))
     token, port = secrets.token_hex(16), free_port()
-    env = {**os.environ, "MINIZERO_SMALL": "1", "MINIZERO_NOTEBOOK_DATA": str(base),
+    env = {**os.environ,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "JUPYTER_CONFIG_DIR": str(base / "config"), "JUPYTER_DATA_DIR": str(base / "data"),
            "JUPYTER_RUNTIME_DIR": str(base / "runtime")}
@@ -201,11 +216,43 @@ def kernel_idle(driver) -> bool:
     return any(re.search(r"\|\s*Idle\b", e.text) for e in driver.find_elements(By.CSS_SELECTOR, ".jp-StatusBar-Widget"))
 
 
+def open_notebook(driver, lab: dict, name: str) -> None:
+    """Open `name`.ipynb in a fresh workspace; wait for its cells and for its kernel to idle."""
+    driver.get(f"{lab['url']}/lab/tree/{name}.ipynb?token={lab['token']}&reset")
+    wait_for(lambda: driver.find_elements(By.CSS_SELECTOR, ".jp-NotebookPanel .jp-Cell"), 60,
+             "the notebook")
+    wait_for(lambda: kernel_idle(driver), 60, "the kernel to start")
+
+
+RENDERED_MARKDOWN = """
+const cells = Array.from(document.querySelectorAll('.jp-NotebookPanel .jp-MarkdownCell'));
+return {cells: cells.length,
+        rendered: cells.filter(c => c.querySelector('.jp-RenderedMarkdown')).length,
+        pre: cells.flatMap(c => Array.from(c.querySelectorAll('.jp-RenderedMarkdown pre')))
+                  .map(p => p.textContent.slice(0, 120)),
+        dialogs: Array.from(document.querySelectorAll('.jp-Dialog'))
+                      .map(d => d.textContent.slice(0, 300))};
+"""
+
+
+def check_markdown(driver, name: str, root: pathlib.Path) -> None:
+    """The notebook opened without an error dialog; each of its markdown cells is rendered, and none
+    holds a code block (no markdown here has a fenced one: a <pre> is prose indented by mistake)."""
+    cells = json.loads((root / f"{name}.ipynb").read_text())["cells"]
+    expected = sum(c["cell_type"] == "markdown" for c in cells)
+    def rendered():
+        state = driver.execute_script(RENDERED_MARKDOWN)
+        return state["rendered"] == expected and state
+    state = wait_for(rendered, 30, f"{name}'s {expected} markdown cells to render")
+    assert not state["dialogs"], f"{name}: an error dialog: {state['dialogs']}"
+    assert state["cells"] == expected, f"{name}: {state['cells']} markdown cells, {expected} in it"
+    if state["pre"]:
+        raise AssertionError(f"{name}: markdown rendered as a code block: {state['pre'][0]!r}")
+
+
 def run_all_cells(driver, lab: dict, name: str) -> list:
     """Open `name`.ipynb, click Run → Run All Cells, wait until no cell is running; the code cells' elements."""
-    driver.get(f"{lab['url']}/lab/tree/{name}.ipynb?token={lab['token']}&reset")
-    wait_for(lambda: driver.find_elements(By.CSS_SELECTOR, ".jp-NotebookPanel .jp-CodeCell"), 60, "the notebook")
-    wait_for(lambda: kernel_idle(driver), 60, "the kernel to start")
+    open_notebook(driver, lab, name)
     menu = lambda selector, label: next(e for e in driver.find_elements(By.CSS_SELECTOR, selector)
                                         if e.text == label)
     menu(".lm-MenuBar-itemLabel", "Run").click()
@@ -260,6 +307,13 @@ def change_a_control(driver, cell) -> str:
                     "the widget's output to change")
 
 
+@pytest.mark.parametrize("name", NOTEBOOK_NAMES)
+def test_notebook_opens_and_its_markdown_renders_as_prose(browser, lab, evidence_dir, name):
+    with screenshots_on_failure(browser, name, evidence_dir, {"jupyterlab.log": lab["log"]}):
+        open_notebook(browser, lab, name)
+        check_markdown(browser, name, lab["root"])
+
+
 def test_notebook_runs_in_jupyterlab_and_its_widgets_work(browser, lab, evidence_dir):
     widgets = widget_cells(NOTEBOOK, lab["root"])
     assert widgets, f"{NOTEBOOK} has no ipywidgets cell: choose another NOTEBOOK"
@@ -270,6 +324,18 @@ def test_notebook_runs_in_jupyterlab_and_its_widgets_work(browser, lab, evidence
         assert interactive, f"no widget cell of {NOTEBOOK} has an output its controls recompute"
         change_a_control(browser, cells[interactive[0]])
         check_cells(cells, widgets)                       # and the recomputed output is no traceback
+
+
+def test_a_stage_notebook_runs_in_jupyterlab(browser, lab, evidence_dir):
+    """Its %%writefile worker is imported by the launched ranks from the folder JupyterLab serves."""
+    log = {"jupyterlab.log": lab["log"]}
+    with screenshots_on_failure(browser, STAGE_NOTEBOOK, evidence_dir, log):
+        cells = run_all_cells(browser, lab, STAGE_NOTEBOOK)
+        check_cells(cells, widget_cells(STAGE_NOTEBOOK, lab["root"]))
+        launched = [c for c in cells
+                    if "minizero.launch(" in c.find_element(By.CSS_SELECTOR, ".jp-InputArea").text]
+        output = launched and launched[0].find_element(By.CSS_SELECTOR, ".jp-OutputArea").text
+        assert "rank 1:" in output, f"the worker cell's launch printed no rank 1: {output!r}"
 
 
 BROKEN = [
@@ -298,6 +364,21 @@ def test_broken_widget_cells_fail_the_checks(browser, lab, evidence_dir):
             check_cells(cells[:2], [1])
         with pytest.raises(AssertionError, match="builds a widget but shows no control"):
             check_cells(cells[2:], [0])
+
+
+def test_indented_markdown_fails_the_check(browser, lab, evidence_dir):
+    """A markdown paragraph indented by 8 spaces (what dedent inside an indented f-string left)."""
+    indented = "## One step\n\n        A model small enough to read every number: `Linear(2, 3)`."
+    cells = [{"cell_type": "markdown", "metadata": {}, "source": "## A heading\n\nProse, as is."},
+             {"cell_type": "markdown", "metadata": {}, "source": indented}]
+    kernel = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb = {"cells": cells, "nbformat": 4, "nbformat_minor": 5, "metadata": {"kernelspec": kernel}}
+    (lab["root"] / "indented_markdown.ipynb").write_text(json.dumps(nb))
+    log = {"jupyterlab.log": lab["log"]}
+    with screenshots_on_failure(browser, "indented_markdown", evidence_dir, log):
+        open_notebook(browser, lab, "indented_markdown")
+        with pytest.raises(AssertionError, match="a code block: ' *A model small enough"):
+            check_markdown(browser, "indented_markdown", lab["root"])
 
 
 # --------------------------------------------------------------------------------------------------------

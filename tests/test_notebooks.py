@@ -1,17 +1,28 @@
-"""Every notebook runs headless, and the numbers its plots draw agree with the ZeRO paper's formulas.
+"""Every notebook runs headless, its sources match, and the numbers its plots draw agree with the
+formulas.
 
-    python -m pytest tests/test_notebooks.py -q        # all notebooks with MINIZERO_SMALL=1
+    python -m pytest tests/test_notebooks.py -q      # every notebook, with TINY's small settings
 
 Each notebook is executed by nbclient (a timeout per cell; the kernel starts in notebooks/, where
-plots.py is); a cell that raises fails the test with its traceback. A notebook hands the data behind its
-figures to `minizero.lab.demo.export`, which writes $MINIZERO_NOTEBOOK_DATA/<name>.json; the checks below
-recompute every formula from minizero.memory themselves instead of trusting what the notebook computed.
+plots.py is); a cell that raises fails the test with its traceback. The notebook is run with small
+settings: TINY's lines go into a cell right after the one tagged "parameters" (papermill's
+convention), so the cells a learner reads carry no switch for tests. Afterwards one more cell writes
+what READ names, from the kernel's own variables, to a JSON file; the checks below recompute every
+formula from minizero.memory themselves instead of trusting what the notebook computed.
+
+Every notebook is edited as its jupytext percent-format source, notebooks/NAME.py, and paired with
+NAME.ipynb (`jupytext --sync notebooks/NAME.py`): a test fails when the two hold different cells.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import re
+import statistics
+import subprocess
+import sys
 
 import pytest
 
@@ -35,58 +46,187 @@ nbclient = pytest.importorskip("nbclient")
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 CELL_TIMEOUT_S = 300
 
-# notebook -> the files it exports
-EXPORTS = {
-    "00_communication": ["00_communication", "ring_0"],
-    "01_ddp": ["stage_0", "steps_0"],
-    "02_zero1": ["stage_1", "steps_1"],
-    "03_zero2": ["stage_2", "steps_2"],
-    "04_zero3": ["stage_3", "timeline_3", "lora_3", "steps_3"],
-    "05_offload": ["offload_5", "loss_scale_5", "steps_5"],
-    "06_compare": ["compare_6"],
-    "07_activations": ["activations_7", "steps_7"],
-    "08_beyond": ["network_8", "steps_8"],
+# the small settings, run after each notebook's "parameters" cell: the tiny model, 2 steps, N = 1, 4
+_TINY_RUNS = 'MODEL, STEPS = "tiny", 2\nWORLD_SIZES = (WORLD_SIZES[0], WORLD_SIZES[-1])'
+TINY = {
+    "00_communication": "NUMEL, WORLD_SIZES = 10_000, (2, 4)",
+    "01_ddp": _TINY_RUNS,
+    "02_zero1": _TINY_RUNS,
+    "03_zero2": _TINY_RUNS,
+    "04_zero3": _TINY_RUNS,
+    "05_offload": _TINY_RUNS,
+    "06_compare": _TINY_RUNS + '\nBENCH_SIZES, BENCH_REPEATS, PEERS = ("tiny",), 1, ("torch",)',
+    "07_activations": _TINY_RUNS + "\nSEQS, BATCHES = (8, 16), (2, 4)",
+    "08_beyond": 'MODEL, BUCKET_SIZE, QSTEPS = "tiny", 400, 4',
+}
+# what the checks read from the executed kernel: {name: expression over the notebook's variables}
+READ = {
+    "00_communication": {"00_communication": '{"collectives": list(results.values())}',
+                         "ring_0": '{"ring": ring}'},
+    "01_ddp": {"stage_0": '{"runs": list(runs.values())}', "steps_0": '{"steps": steps}'},
+    "02_zero1": {"stage_1": '{"runs": list(runs.values())}', "steps_1": '{"steps": steps}'},
+    "03_zero2": {"stage_2": '{"runs": list(runs.values())}', "steps_2": '{"steps": steps}'},
+    "04_zero3": {"stage_3": '{"runs": list(runs.values())}', "steps_3": '{"steps": steps}',
+                 "timeline_3": '{"intervals": {str(p): ivs for p, ivs in intervals.items()}, '
+                               '"unit_names": timelines[True]["unit_names"]}',
+                 "lora_3": '{"lora": lora}'},
+    "05_offload": {"offload_5": '{"runs": [r for v in measured.values() for r in v.values()]}',
+                   "loss_scale_5": '{"loss_scale": fp16}', "steps_5": '{"steps": steps}'},
+    "06_compare": {"compare_6": '{"runs": [r for v in stages.values() for r in v.values()]}',
+                   "bench_6": '{"bench": report}'},
+    "07_activations": {"activations_7": '{"runs": [r for v in measured.values() '
+                                        'for r in v.values()]'
+                                        ', "activations": rows, "memory_timelines": timelines}',
+                       "steps_7": '{"steps": steps}'},
+    "08_beyond": {"network_8": '{"network": out}', "steps_8": '{"steps": steps}'},
 }
 # the collectives a stage's step-through must show, in order of first appearance
-STEP_COLLECTIVES = {0: ["all_reduce"], 1: ["reduce_scatter", "all_gather"], 2: ["reduce_scatter", "all_gather"],
-                    3: ["all_gather", "reduce_scatter"]}
-# notebook 08, shard groups of S < N ranks (HSDP / MiCS): the all-reduce across the groups comes in between
+STEP_COLLECTIVES = {0: ["all_reduce"], 1: ["reduce_scatter", "all_gather"],
+                    2: ["reduce_scatter", "all_gather"], 3: ["all_gather", "reduce_scatter"]}
+# notebook 08, shard groups of S < N ranks (HSDP / MiCS): the all-reduce across groups in between
 GROUPED_COLLECTIVES = {1: ["reduce_scatter", "all_reduce_across", "all_gather"],
                        2: ["reduce_scatter", "all_reduce_across", "all_gather"],
                        3: ["all_gather", "reduce_scatter", "all_reduce_across"]}
 # what drives a notebook's interactive control (ipywidgets): every notebook has one
 CONTROLS = ("plots.step_widget(", "plots.ring_widget(", "interact(")
+# the stage notebooks: the worker its ranks run is a cell; one cell shows a real buffer in-process
+STAGE_NOTEBOOKS = ("01_ddp", "02_zero1", "03_zero2", "04_zero3", "05_offload")
+
+
+def notebooks() -> list[pathlib.Path]:
+    return sorted(NOTEBOOKS.glob("*.ipynb"))
+
+
+def with_tiny_settings(nb, name: str):
+    """`nb` with TINY[name] run right after its cell tagged "parameters" (exactly one must be)."""
+    tagged = [i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", [])]
+    assert len(tagged) == 1, f"{name}: {len(tagged)} cells tagged 'parameters'"
+    nb.cells.insert(tagged[0] + 1, nbformat.v4.new_code_cell(TINY[name]))
+    return nb
 
 
 def test_every_notebook_is_tested():
-    assert sorted(p.stem for p in NOTEBOOKS.glob("*.ipynb")) == sorted(EXPORTS)
+    assert [p.stem for p in notebooks()] == sorted(TINY) == sorted(READ)
+
+
+def _cells(nb) -> list[tuple]:
+    return [(c.cell_type, c.source, c.metadata.get("tags", [])) for c in nb.cells]
+
+
+def test_each_notebook_is_its_jupytext_source():
+    """The .py a person edits and the .ipynb JupyterLab opens hold the same cells (types, sources,
+    tags)."""
+    jupytext = pytest.importorskip("jupytext")
+    for path in notebooks():
+        source = path.with_suffix(".py")
+        assert source.exists(), f"{source.name} missing: jupytext --set-formats ipynb,py:percent"
+        ipynb, text = _cells(nbformat.read(path, as_version=4)), _cells(jupytext.read(source))
+        differ = next((i for i, (a, b) in enumerate(zip(ipynb, text)) if a != b),
+                      min(len(ipynb), len(text)))
+        assert ipynb == text, (f"{path.name} and {source.name} differ from cell {differ} on: "
+                               f"jupytext --sync notebooks/{source.name}")
 
 
 def test_notebooks_are_committed_without_outputs():
-    for path in NOTEBOOKS.glob("*.ipynb"):
+    for path in notebooks():
         nb = nbformat.read(path, as_version=4)
         for cell in nb.cells:
-            assert not cell.get("outputs") and not cell.get("execution_count"), f"{path.name} has outputs"
+            assert not cell.get("outputs") and not cell.get("execution_count"), path.name
+
+
+def test_learner_cells_carry_no_test_plumbing_and_no_file_writes_notebooks():
+    for path in notebooks():
+        for i, cell in enumerate(nbformat.read(path, as_version=4).cells):
+            if cell.cell_type == "code":
+                found = re.search(r"export\(|\btests?\b|MINIZERO_SMALL|\bCI\b", cell.source)
+                assert not found, f"{path.name}, cell {i}: {found.group(0)!r} in a learner's cell"
+    for path in NOTEBOOKS.glob("*.py"):
+        assert not re.search(r"new_(code|markdown)_cell|new_notebook", path.read_text()), path.name
+
+
+def test_markdown_is_never_indented_into_a_code_block():
+    """A paragraph indented by 4+ spaces renders as a code block (the step-through's introduction
+    did)."""
+    for path in notebooks():
+        for i, cell in enumerate(nbformat.read(path, as_version=4).cells):
+            if cell.cell_type == "markdown":
+                fenced = False
+                for line in cell.source.splitlines():
+                    fenced ^= line.lstrip().startswith("```")
+                    indented = re.match(r" {4,}[A-Za-z`(]", line)
+                    assert fenced or not indented, f"{path.name}, cell {i}: {line!r}"
 
 
 def test_every_notebook_has_a_control_and_ends_with_what_to_try():
-    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
+    for path in notebooks():
         nb = nbformat.read(path, as_version=4)
         code = [c.source for c in nb.cells if c.cell_type == "code"]
-        assert any(control in src for src in code for control in CONTROLS), f"{path.name}: no widget"
+        assert any(c in src for src in code for c in CONTROLS), f"{path.name}: no widget"
         last = nb.cells[-1]
-        assert last.cell_type == "markdown" and last.source.startswith(("## What to try", "**What to try**")), path.name
+        assert last.cell_type == "markdown", path.name
+        assert last.source.startswith(("## What to try", "**What to try**")), path.name
 
 
-@pytest.mark.parametrize("name", sorted(EXPORTS))
-def test_notebook_runs_and_its_plots_match_the_formulas(name, tmp_path, monkeypatch):
-    monkeypatch.setenv("MINIZERO_SMALL", "1")
-    monkeypatch.setenv("MINIZERO_NOTEBOOK_DATA", str(tmp_path))       # the kernel inherits the environment
-    nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+@pytest.mark.parametrize("name", STAGE_NOTEBOOKS)
+def test_a_stage_notebook_shows_the_mechanism_in_its_cells(name):
+    """A %%writefile cell is the worker the ranks run (wrap, backward, step, memory); another cell
+    launches it; and a cell builds the stage's buffers in this process (minizero.flat or
+    minizero.wrap)."""
+    code = [c.source for c in nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4).cells
+            if c.cell_type == "code"]
+    workers = [src for src in code if src.startswith("%%writefile")]
+    assert len(workers) == 1, f"{name}: {len(workers)} worker cells"
+    for call in ("minizero.wrap(", ".backward(", ".step()", ".memory()"):
+        assert call in workers[0], f"{name}: the worker does not call {call}"
+    module = workers[0].split()[1].removesuffix(".py")
+    assert any(f"minizero.launch({module}." in src for src in code), f"{name}: {module} unused"
+    in_process = re.compile(r"FlatLayout\.build\(|minizero\.wrap\(")
+    assert any(in_process.search(src) and "minizero.launch" not in src and not src.startswith("%%")
+               for src in code), f"{name}: no in-process cell"
+
+
+EDITED_WORKER = """
+import importlib, os, sys, time
+import minizero
+def write(value):
+    with open("cell_worker.py", "w") as f:
+        f.write(f"def train():\\n    return {value}\\n")
+if __name__ == "__main__":
+    sys.path.insert(0, os.getcwd())
+    write(1)
+    import cell_worker
+    first = minizero.launch(cell_worker.train, 2)     # the kernel's first launch starts the server
+    time.sleep(1.1)                                       # a newer file for the import system
+    write(2)                                          # the learner edits the cell, reruns both
+    importlib.reload(cell_worker)
+    print(first, minizero.launch(cell_worker.train, 2))
+"""
+
+
+def test_an_edited_worker_cell_reaches_the_ranks(tmp_path):
+    """A %%writefile worker launched first in a kernel, edited, launched again: the ranks run the
+    edit (a forkserver that preloaded the first version would hand every later rank the stale
+    module)."""
+    (tmp_path / "kernel.py").write_text(EDITED_WORKER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(NOTEBOOKS.parent),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "kernel.py"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "[1, 1] [2, 2]", out.stdout
+
+
+@pytest.mark.parametrize("name", sorted(READ))
+def test_notebook_runs_and_its_plots_match_the_formulas(name, tmp_path):
+    nb = with_tiny_settings(nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4), name)
+    found = tmp_path / "read.json"
+    entries = ", ".join(f"{key!r}: {expr}" for key, expr in READ[name].items())
+    nb.cells.append(nbformat.v4.new_code_cell(f"import json as _json\n"
+                                              f"with open({str(found)!r}, 'w') as _f:\n"
+                                              f"    _json.dump({{{entries}}}, _f)"))
     nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                             resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
-    for export in EXPORTS[name]:
-        data = json.loads((tmp_path / f"{export}.json").read_text())
+    for export, data in json.loads(found.read_text()).items():
         if "runs" in data:
             check_training_runs(data["runs"])
         if "collectives" in data:
@@ -105,6 +245,16 @@ def test_notebook_runs_and_its_plots_match_the_formulas(name, tmp_path, monkeypa
             check_steps(data["steps"], int(export.split("_")[1]))
         if "ring" in data:
             check_ring(data["ring"])
+        if "bench" in data:
+            check_bench(data["bench"])
+
+
+def check_bench(report: dict) -> None:
+    """Every pair ends at the peer's parameters; its figure has a ratio for each repeat to draw."""
+    for p in report["pairs"]:
+        assert p["max_param_diff"] < 1e-5, p
+        ratios = p["repeat_ratios"]
+        assert len(ratios) == report["config"]["repeats"] and min(ratios) > 0, p
 
 
 def check_steps(steps: dict, notebook: int) -> None:
@@ -199,6 +349,8 @@ def check_training_runs(records: list[dict]) -> None:
         for r in rec["ranks"]:
             sent = r["comm_bytes_per_step"]["total"]
             assert within_padding(sent, sent_formula, n, times=3), f"{where}: {sent} bytes per step"
+        # the step-time panel: a bar at the median of the dots it draws, one per timed step
+        assert rec["step_time_s"] == pytest.approx(statistics.median(rec["step_times_s"])), where
         atol = tolerance(rec["dtype"])
         assert rec["max_abs_diff"] <= atol, f"{where}: {rec['max_abs_diff']} from the reference"
         assert rec["losses"] == pytest.approx(rec["reference_losses"], rel=atol), where

@@ -27,10 +27,10 @@ a slow patch of a shared machine hits every side alike. A step's time is the slo
 make every rank wait for it); the first step of every run is warm-up and dropped; the ratio compares
 medians. Every rank computes with one intra-op thread, so every side sees the same CPU.
 
-Reported per pair: ratio = median step time minizero / peer; per-rank model-state bytes (minizero's
-engine.memory(); the peers' counted from their parameters, gradients and optimizer state by
-minizero.memory.measure); bytes sent per step (minizero's tally; for the peers the ring formula of the
-collectives they issue: they keep no tally); the largest |parameter difference| after the run; and the
+Reported per pair: ratio = median step time minizero / peer (repeat_ratios: the same within each
+repeat, how much it moves); per-rank model-state bytes (minizero's engine.memory(); the peers' counted
+from their parameters, gradients and optimizer state by minizero.memory.measure); bytes sent per step
+(minizero's tally; for the peers the ring formula of the collectives they issue: they keep no tally); the largest |parameter difference| after the run; and the
 profile (--phases): the median time of forward, backward (with the collectives it waits for) and the
 optimizer step (with what it communicates) on each side, which says where a ratio comes from.
 
@@ -231,6 +231,9 @@ def _pair_record(cfg: TrainConfig, variant: str, peer: str, ranks: list[dict]) -
         "stage": cfg.stage, "offload": bool(cfg.offload), "peer": peer,
         "step_time_s": medians,
         "ratio": medians["minizero"] / medians["peer"],
+        # the same ratio within each repeat: how far the ratio moves from one repeat to the next
+        "repeat_ratios": [statistics.median(mine) / statistics.median(theirs) for mine, theirs in zip(
+            _slowest_rank_repeats(ranks, "minizero"), _slowest_rank_repeats(ranks, peer))],
         # tokens/s, FLOP/s and MFU of each side against the ranks' summed fp32 GEMM peak
         "throughput": {side: throughput(cfg.model_config(), cfg.batch_size, medians[side],
                                         cfg.world_size, sum(r["gemm_flops_per_s"] for r in ranks))
@@ -258,16 +261,21 @@ def _meter_record(cfg: TrainConfig, variant: str, ranks: list[dict]) -> dict:
             "losses": {m.split()[1]: first["meter_losses"][m] for m in METER}}
 
 
-def _slowest_rank_steps(ranks: list[dict], impl: str, phase: str | None = None) -> list[float]:
-    """Each step's time (or one phase's: PHASES) on its slowest rank, warm-up steps (the first of every
-    run) dropped."""
+def _slowest_rank_repeats(ranks: list[dict], impl: str, phase: str | None = None) -> list[list[float]]:
+    """Per repeat, each step's time (or one phase's: PHASES) on its slowest rank, warm-up steps (the first
+    of every run) dropped."""
     out = []
     runs = (r["times"][impl] if phase is None else [[t[phase] for t in run] for run in r["phases"][impl]]
             for r in ranks)
     for per_rank_runs in zip(*runs):
         steps = [max(ts) for ts in zip(*per_rank_runs)]
-        out += steps[1:] or steps
+        out.append(steps[1:] or steps)
     return out
+
+
+def _slowest_rank_steps(ranks: list[dict], impl: str, phase: str | None = None) -> list[float]:
+    """_slowest_rank_repeats, all repeats in one list."""
+    return [t for repeat in _slowest_rank_repeats(ranks, impl, phase) for t in repeat]
 
 
 def format_table(report: dict, phases: bool = False) -> str:

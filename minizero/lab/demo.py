@@ -5,11 +5,9 @@ what they return into the numbers a notebook both plots and checks (one source f
     runs = measure_stage(2, world_sizes=(1, 2, 4))     # {N: record}, one minizero.launch per N
     runs[4]["max_abs_diff"], runs[4]["ranks"][0]["memory"], runs[4]["theory"]
 
-Worker functions live here, not in notebook cells, because every launched rank imports the function it
-runs by module name, and a notebook's cells are not a module the children can import.
-
-Set MINIZERO_NOTEBOOK_DATA=DIR and `export(name, data)` also writes DIR/name.json: tests/test_notebooks.py
-reads those files and checks them against minizero.memory's formulas on its own.
+Every launched rank imports the function it runs by module name, and a notebook's cells are no module:
+the workers of these longer experiments live here; the short worker each stage notebook shows is a
+`%%writefile` cell that writes a module next to the notebook.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import os
 import statistics
 import time
@@ -60,7 +57,7 @@ def measure(variants: dict[str, TrainConfig], world_sizes, backend: str | None =
     """{name: {N: record}}: every variant trained at every world size, one launch per world size.
 
     A record is minizero.lab.report.summarize's (per-rank memory and comm tally, the paper's formulas as
-    `theory`, losses, step time) plus `max_abs_diff`, the largest |parameter - reference| over all
+    `theory`, losses, step times) plus `max_abs_diff`, the largest |parameter - reference| over all
     ranks and parameters, `tolerance`, and the reference's losses.
     """
     backend = backend or backend_and_world_sizes()[0]
@@ -117,17 +114,6 @@ def check(records: dict) -> None:
                     f"N={n}, rank {r['rank']}, {cat}: measured {got} bytes, formula {want:.0f}")
             sent, want = r["comm_bytes_per_step"]["total"], rec["theory"]["comm_bytes_per_step"]
             assert within_padding(sent, want, n, times=3), f"N={n}: {sent:.0f} bytes sent, ring theory {want:.0f}"
-
-
-def export(name: str, data) -> str | None:
-    """Write `data` as JSON to $MINIZERO_NOTEBOOK_DATA/name.json when that variable is set (tests)."""
-    folder = os.environ.get("MINIZERO_NOTEBOOK_DATA")
-    if not folder:
-        return None
-    path = os.path.join(folder, f"{name}.json")
-    with open(path, "w") as f:
-        json.dump(data, f)
-    return path
 
 
 # --------------------------------------------------------------------------------------------------------

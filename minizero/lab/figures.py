@@ -45,7 +45,9 @@ def survey(world_sizes=(1, 2, 4), *, width: int = 64, budget_mb: float = 4.0,
 
 def bench_ratios(report: dict):
     """minizero.bench's step-time ratios (minizero / peer) against Ψ: one panel per stage, one line per
-    peer (a line style per N). Below the grey line at 1.0 minizero is faster. Returns the figure."""
+    peer (a line style per N) through the ratio of the medians, and a small dot for the ratio within each
+    repeat: on shared cores the repeats often straddle 1. Below the grey line at 1.0 minizero is faster.
+    Returns the figure."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import NullFormatter
     pairs = report["pairs"]
@@ -60,6 +62,10 @@ def bench_ratios(report: dict):
                 points = sorted((p["num_params"], p["ratio"]) for p in here if p["peer"] == peer and p["world_size"] == n)
                 if points:
                     ax.plot(*zip(*points), style, color=color, label=f"{peer}, N = {n}")
+                repeats = [(p["num_params"], r) for p in here if p["peer"] == peer and p["world_size"] == n
+                           for r in p["repeat_ratios"]]
+                if repeats:
+                    ax.plot(*zip(*repeats), ".", color=color, alpha=0.5, markersize=4)
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_xscale("log")
         sizes = sorted({p["num_params"] for p in here})
@@ -68,7 +74,7 @@ def bench_ratios(report: dict):
         ax.set(title=f"stage {variant}", xlabel="Ψ (parameters)")
         ax.legend(fontsize=7)
     axes[0][0].set_ylabel("step time minizero / peer")
-    fig.suptitle("minizero against PyTorch's and DeepSpeed's ZeRO (median step time; < 1: minizero faster)",
-                 fontsize=10)
+    fig.suptitle("minizero against PyTorch's and DeepSpeed's ZeRO (median step time; dots: each repeat; "
+                 "< 1: minizero faster)", fontsize=10)
     fig.tight_layout()
     return fig

@@ -57,6 +57,7 @@ def summarize(cfg: TrainConfig, results: list[dict], network=None) -> dict:
                   for r in results],
         "theory": theory(cfg, num_params, num_frozen),
         "step_time_s": statistics.median(times),
+        "step_times_s": times,              # rank 0's timed steps: the spread behind that median
         # tokens/s, achieved FLOP/s and MFU against the ranks' summed GEMM peak (lab/throughput.py)
         "throughput": throughput(cfg.model_config(), cfg.batch_size, statistics.median(times),
                                  cfg.world_size,

@@ -1,0 +1,225 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 01 · DDP: the baseline ZeRO starts from
+#
+# Distributed data parallel (`minizero/ddp.py`): every rank keeps the **whole** model, its gradients
+# and its optimizer state, and processes 1/N of the global batch. After backward the gradients are
+# averaged with an all-reduce, in buckets that start while backward is still running, so every
+# replica takes the same step.
+#
+# Per rank, with Ψ parameters, $b_p$ / $b_g$ bytes per parameter and gradient and K bytes of
+# optimizer state per parameter (the paper: bf16 and Adam, $2 + 2 + 12$):
+#
+# $$M_{DDP} = (b_p + b_g + K)\,\Psi = 16\Psi \quad\text{for every } N$$
+#
+# Communication per step: one all-reduce of the gradients, $2\Psi\frac{N-1}{N}$ elements.
+# (Here in fp32: $b_p = b_g = 4$, and Adam's K = 8 with no separate master copy; also 16Ψ.)
+
+# %% [markdown]
+# **Exercise.** [../exercises/ex02_ddp_bucket.py](../exercises/ex02_ddp_bucket.py): gradient buckets
+# that all-reduce during backward.
+
+# %% tags=["parameters"]
+from minizero.lab import demo
+import plots                                  # notebooks/plots.py: the figures
+
+MODEL, STEPS = "default", 10     # the small GPT, ~0.2 M parameters; "tiny": a few thousand
+DTYPE = "fp32"     # or "bf16": the paper's 2 + 2 + 12 bytes per parameter (looser reference check)
+BACKEND, WORLD_SIZES = demo.backend_and_world_sizes()   # gloo on CPU; NCCL with 2 or more GPUs
+
+# %% [markdown]
+# ## One step, rank by rank
+#
+# A model small enough to read every number: `Linear(2, 3)`, tanh, `Linear(3, 2)`, Ψ = 17 parameters
+# (none of N = 2, 3, 4 divides 17, so the flat buffer is padded), SGD with momentum 0.9 and lr 0.1
+# (the first step is $p - 0.1\,g$), 12 rows split over the ranks. `minizero.lab.stepthrough.record`
+# wraps it with `minizero.wrap`, trains one step on N processes and records what every rank holds
+# after each phase, read from the engine's own buffers. Each buffer is a grid: a row per rank, a
+# column per element of the padded flat buffer (the parameter each element belongs to is named on
+# top). Dashed lines: partition boundaries (partition r is rank r's); solid: bucket boundaries;
+# grey: padding; blank: the rank does not hold that element; bold and framed: changed in this phase.
+# (The recorder lets one bucket communicate at a time, so each collective is its own phase; minizero
+# overlaps two.)
+#
+# What to look for: when a bucket's gradients are complete every rank holds its *own* gradients (its
+# own rows); the bucket's all-reduce replaces them with the average, on every rank, while backward
+# goes on with the next bucket. The step then does the same update on every rank, and every rank
+# keeps the whole momentum (the optimizer state, K bytes per parameter): N identical copies of
+# everything, the redundancy ZeRO removes. Pick stage 1, 2 or 3 in the menu to see what each
+# removes.
+
+# %%
+from minizero.lab import stepthrough
+
+steps = stepthrough.record(stepthrough.StepConfig(stage=0))      # one launch
+stepthrough.check(steps)       # every phase against one process stepping all 12 rows
+print(plots.step_table(steps))           # every phase: each buffer that changed, on every rank
+
+# %% [markdown]
+# Press play or drag the slider through the phases. A menu records the step again with another
+# setting (one launch, about a second; each setting is kept once computed).
+
+# %%
+plots.step_widget(steps, stage=[0, 1, 2, 3], world_size=[2, 3, 4])
+
+# %% [markdown]
+# ## The code every rank runs
+#
+# `minizero.launch(fn, N, ...)` starts N processes, joins them into one process group and calls `fn`
+# on each; a process can import a file but not a notebook cell, so the next cell *writes* the worker
+# to `ddp_ranks.py` next to this notebook. Edit it and run both cells again: the ranks import the
+# new file. `minizero.wrap(model, 0, ...)` is DDP; `engine.backward(loss)` all-reduces each bucket
+# of gradients as soon as backward completes it; `engine.step()` takes the same step on every
+# replica.
+
+# %%
+# %%writefile ddp_ranks.py
+"""What every rank of notebooks/01_ddp.ipynb runs (that notebook writes this file)."""
+import functools
+
+import torch
+
+import minizero
+from minizero import comm
+from minizero.lab.data import global_batch, local_batch
+from minizero.lab.model import GPTConfig, make_model
+from minizero.lab.train import loss_fn
+
+
+def train(model, bucket_size, steps=3, batch_size=24):
+    cfg = GPTConfig.named(model)
+    net = make_model(cfg, seed=0)                 # the same initial weights on every rank
+    engine = minizero.wrap(net, 0, functools.partial(torch.optim.AdamW, lr=1e-3),
+                           bucket_size=bucket_size)
+    losses = []
+    for step in range(steps):
+        comm.reset_tally()                        # count this step's bytes only
+        x, y = global_batch(step, batch_size, cfg.block_size)        # one global batch ...
+        x, y = local_batch(x, y, comm.rank(), comm.world_size())     # ... this rank's rows of it
+        loss = loss_fn(engine(x), y)
+        engine.backward(loss)       # each full bucket's all-reduce starts while backward goes on
+        engine.step()               # the same averaged gradients, so the same step, on every rank
+        losses.append(loss.item())
+    return {"rank": comm.rank(), "losses": losses, "memory": engine.memory(),
+            "sent": comm.tally()["total"]}
+
+# %%
+import importlib
+
+import minizero
+
+import ddp_ranks
+
+importlib.reload(ddp_ranks)          # this kernel reads the file again too
+N, BUCKET_SIZE = 2, 25e6             # bytes per gradient bucket (PyTorch DDP's 25 MB)
+for r in minizero.launch(ddp_ranks.train, N, MODEL, BUCKET_SIZE, backend=BACKEND):
+    print(f"rank {r['rank']}: loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}, "
+          f"params {r['memory']['params']:,} B, optimizer {r['memory']['optimizer']:,} B, "
+          f"sent {r['sent']:,.0f} B in the last step")
+
+# %% [markdown]
+# Every rank holds the same bytes whatever N: the whole model, its gradients and Adam's two moments.
+# Only the rows differ, so each rank's own loss differs, and after the all-reduce the step does not.
+#
+# ### A bucket, in this process
+#
+# DDP does not all-reduce gradient by gradient: `minizero.flat` lays the parameters end to end in
+# buckets of about `bucket_size` bytes (last layer first, the order backward completes them), and
+# each parameter's `.grad` becomes a view into its bucket's buffer, so backward writes straight into
+# what the all-reduce sends (PyTorch DDP's `gradient_as_bucket_view`). Below, on one process,
+# without any communication: a small model, its buckets, and one backward's gradients in the flat
+# buffer. Change `BUCKET_BYTES` and run it again.
+
+# %%
+import torch
+from torch import nn
+
+from minizero.flat import FlatLayout, split_into_buckets
+
+BUCKET_BYTES = 40                    # tiny on purpose: 10 fp32 elements per bucket
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 2))           # Ψ = 17
+params = list(model.parameters())[::-1]           # backward completes the last layer first
+layout = FlatLayout.build(split_into_buckets(params, BUCKET_BYTES), world_size=1, rank=0, pad=False)
+grads = torch.zeros(layout.padded_numel)          # the flat gradient buffer
+layout.point_grads_into(grads)                    # every p.grad is now a view of `grads`
+model(torch.randn(4, 2)).pow(2).mean().backward()
+names = {id(p): name for name, p in model.named_parameters()}
+for b in layout.buckets:
+    print(f"bucket {b.index}: {[names[id(p)] for p in b.params]}, {b.numel} elements, "
+          f"buffer[{b.start}:{b.start + b.numel}] = {layout.full(grads, b).numpy().round(3)}")
+for b in layout.buckets:                          # .grad is the buffer, not a copy of it
+    assert all(p.grad.data_ptr() == v.data_ptr() for p, v in b.views(layout.full(grads, b)))
+
+# %% [markdown]
+# ## Run it
+#
+# Now at every world size, measured: one `minizero.launch` per N runs
+# `minizero.lab.train.train_worker` on every rank, the loop of the worker above plus what `python -m
+# minizero.run` measures (memory by category, bytes sent, step times). Every run is compared with
+# `minizero.lab.reference.reference_train`: one process, the whole global batch, plain
+# `torch.optim`. Data parallelism must not change the result, only where the bytes live.
+
+# %%
+runs = demo.measure_stage(0, WORLD_SIZES, DTYPE, steps=STEPS, model=MODEL, backend=BACKEND)
+for n, rec in runs.items():
+    print(f"N = {n}: max |param - reference| = {rec['max_abs_diff']:.2e} "
+          f"(tolerance {rec['tolerance']:g}), "
+          f"loss {rec['losses'][0]:.3f} -> {rec['losses'][-1]:.3f}")
+
+# %% [markdown]
+# ## Measured memory next to the formula
+#
+# `engine.memory()` counts the bytes of every tensor rank 0 holds, by category, at the end of the
+# last backward (optimizer state exists, gradients are complete). The black ticks are
+# `minizero.lab.report.theory`, i.e. `minizero.memory.estimate_breakdown` with this run's bytes per
+# element and K. The check below is the same comparison the plot shows: measured = formula, up to
+# the padding of each bucket to a multiple of N elements.
+
+# %%
+table = demo.memory_table(runs)          # what the plot draws, as rows
+for row in table:
+    if row["formula"] or row["measured"]:
+        print(f"N = {row['world_size']}  {row['category']:>9}: "
+              f"measured {row['measured'] / 1e3:8.1f} kB, formula {row['formula'] / 1e3:8.1f} kB")
+demo.check(runs)                         # reference, memory and comm against the formulas
+print("all ranks match the reference and the formulas")
+
+# %%
+plots.memory_by_category(runs, "DDP");
+
+# %% [markdown]
+# ## Same training as one process
+#
+# The mean loss over ranks at each step, for every N, on top of the single-process reference:
+
+# %%
+plots.loss_curves(runs, "DDP: losses at every N equal the reference");
+
+# %% [markdown]
+# Nothing in the memory plot shrinks with N: that redundancy, N copies of 16Ψ bytes, is what ZeRO
+# removes, one category at a time, in the next three notebooks.
+
+# %% [markdown]
+# ## What to try
+#
+# In the step-through, switch N between 2, 3 and 4: the averaged gradient is the same every time (it
+# is the gradient of the same 12 rows), only each rank's own gradients change. Switch to stage 1 and
+# compare the momentum row. Above, set `DTYPE = "bf16"` in the setup cell and run all: the parameter
+# and gradient bars halve, the optimizer bar grows (fp32 master weights join Adam's moments), and
+# the reference check loosens to bf16's tolerance. Then do exercise 2: build the bucket hook
+# yourself.

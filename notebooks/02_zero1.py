@@ -1,0 +1,208 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 02 · ZeRO stage 1 (P_os): shard the optimizer state
+#
+# The optimizer state (K = 12 of the 16 bytes per parameter for bf16 + Adam) is only ever used
+# elementwise, so rank r can keep it for its own 1/N partition of the parameters
+# (`minizero/zero1.py`):
+#
+# $$M_{P_{os}} = (b_p + b_g)\,\Psi + \frac{K\Psi}{N} \qquad (4\Psi + 12\Psi/N\text{ in the paper})$$
+#
+# All parameters are laid end to end in one flat buffer, padded to a multiple of N and cut into N
+# partitions (`minizero/flat.py`). After backward a **reduce-scatter** gives rank r the averaged
+# gradient of its partition (half an all-reduce: Ψ); it steps that partition; an **all-gather** (Ψ)
+# shares the updated parameters. Total 2Ψ per step: the same as DDP.
+
+# %% [markdown]
+# **Exercise.** [../exercises/ex03_zero1_partition.py](../exercises/ex03_zero1_partition.py):
+# partition a flat buffer and step only your partition.
+
+# %% tags=["parameters"]
+from minizero.lab import demo
+import plots                                  # notebooks/plots.py: the figures
+
+MODEL, STEPS = "default", 10     # the small GPT, ~0.2 M parameters; "tiny": a few thousand
+DTYPE = "fp32"     # or "bf16": the paper's 2 + 2 + 12 bytes per parameter (looser reference check)
+BACKEND, WORLD_SIZES = demo.backend_and_world_sizes()   # gloo on CPU; NCCL with 2 or more GPUs
+
+# %% [markdown]
+# ## One step, rank by rank
+#
+# A model small enough to read every number: `Linear(2, 3)`, tanh, `Linear(3, 2)`, Ψ = 17 parameters
+# (none of N = 2, 3, 4 divides 17, so the flat buffer is padded), SGD with momentum 0.9 and lr 0.1
+# (the first step is $p - 0.1\,g$), 12 rows split over the ranks. `minizero.lab.stepthrough.record`
+# wraps it with `minizero.wrap`, trains one step on N processes and records what every rank holds
+# after each phase, read from the engine's own buffers. Each buffer is a grid: a row per rank, a
+# column per element of the padded flat buffer (the parameter each element belongs to is named on
+# top). Dashed lines: partition boundaries (partition r is rank r's); solid: bucket boundaries;
+# grey: padding; blank: the rank does not hold that element; bold and framed: changed in this phase.
+# (The recorder lets one bucket communicate at a time, so each collective is its own phase; minizero
+# overlaps two.)
+#
+# What to look for: after backward every rank holds its own full gradients. The reduce-scatter
+# averages partition r into rank r only: the rest of its gradient buffer was the collective's
+# workspace (blank: nobody reads it again; on gloo minizero runs the reduce-scatter as an
+# all-reduce, which is faster there, see `[Note: collectives on gloo]` in `minizero/comm.py`). The
+# step updates partition r on rank r only, and only there does momentum exist (KΨ/N): for one phase
+# the ranks hold *different* parameters, until the all-gather hands every rank every updated
+# partition. 17 elements padded to a multiple of N: the last partition carries the padding.
+
+# %%
+from minizero.lab import stepthrough
+
+steps = stepthrough.record(stepthrough.StepConfig(stage=1))      # one launch
+stepthrough.check(steps)       # every phase against one process stepping all 12 rows
+print(plots.step_table(steps))           # every phase: each buffer that changed, on every rank
+
+# %% [markdown]
+# Press play or drag the slider through the phases. A menu records the step again with another
+# setting (one launch, about a second; each setting is kept once computed).
+
+# %%
+plots.step_widget(steps, stage=[0, 1, 2, 3], world_size=[2, 3, 4])
+
+# %% [markdown]
+# ## The code every rank runs
+#
+# `minizero.launch(fn, N, *args)` starts N processes, joins them into one process group and calls
+# `fn(*args)` on each; a process can import a file but not a notebook cell, so the next cell
+# *writes* the worker to `zero1_ranks.py` next to this notebook. Edit it and run both cells again:
+# the ranks import the new file. `minizero.wrap(model, 1, ...)` is stage 1: `engine.backward(loss)`
+# leaves full gradients on every rank; `engine.step()` reduce-scatters them, steps this rank's
+# partition only (its optimizer state is 1/N of Adam's) and all-gathers the updated parameters.
+
+# %%
+# %%writefile zero1_ranks.py
+"""What every rank of notebooks/02_zero1.ipynb runs (that notebook writes this file)."""
+import functools
+
+import torch
+
+import minizero
+from minizero import comm
+from minizero.lab.data import global_batch, local_batch
+from minizero.lab.model import GPTConfig, make_model
+from minizero.lab.train import loss_fn
+
+
+def train(model, steps=3, batch_size=24):
+    cfg = GPTConfig.named(model)
+    net = make_model(cfg, seed=0)                 # the same initial weights on every rank
+    engine = minizero.wrap(net, 1, functools.partial(torch.optim.AdamW, lr=1e-3))
+    for step in range(steps):
+        comm.reset_tally()                        # count this step's bytes only
+        x, y = global_batch(step, batch_size, cfg.block_size)        # one global batch ...
+        x, y = local_batch(x, y, comm.rank(), comm.world_size())     # ... this rank's rows of it
+        loss = loss_fn(engine(x), y)
+        engine.backward(loss)       # full gradients on every rank, as in DDP
+        engine.step()               # reduce-scatter, step my partition, all-gather
+    return {"rank": comm.rank(), "loss": loss.item(), "memory": engine.memory(),
+            "sent": comm.tally()["total"]}
+
+# %%
+import importlib
+
+import minizero
+
+import zero1_ranks
+
+importlib.reload(zero1_ranks)          # this kernel reads the file again too
+N = 2                               # ranks: the optimizer bytes are 1/N of DDP's
+for r in minizero.launch(zero1_ranks.train, N, MODEL, backend=BACKEND):
+    m = r["memory"]
+    print(f"rank {r['rank']}: loss {r['loss']:.4f}, params {m['params']:,} B, "
+          f"grads {m['grads']:,} B, optimizer {m['optimizer']:,} B, "
+          f"sent {r['sent']:,.0f} B in the last step")
+
+# %% [markdown]
+# Change `N` to 4: the optimizer bytes per rank halve (KΨ/N), parameters and gradients stay.
+#
+# ### Partitions of one flat buffer, in this process
+#
+# `minizero.flat.FlatLayout` is the bookkeeping every stage shares: the parameters end to end in one
+# flat buffer, padded to a multiple of N, cut into N equal partitions. A layout needs no process
+# group: below, rank r's layout for each r of N, on the 17-parameter model of the step-through: the
+# flat buffer of its parameters (`layout.flatten`) and rank r's partition of it
+# (`layout.my_partition`, a view into the buffer), with the parameter each element belongs to (`·`:
+# padding). Change `N` and run it again.
+
+# %%
+import torch
+from torch import nn
+
+from minizero.flat import FlatLayout
+
+N = 4
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 2))           # Ψ = 17
+names = [name for name, p in model.named_parameters() for _ in range(p.numel())]
+for rank in range(N):
+    layout = FlatLayout.build([list(model.parameters())], world_size=N, rank=rank)
+    (b,) = layout.buckets
+    flat = layout.flatten(torch.float32, torch.device("cpu"))   # Ψ values, then zeros up to N·⌈Ψ/N⌉
+    part = layout.my_partition(flat, b)                         # this rank's partition: a view
+    start = part.storage_offset()
+    owners = (names + ["·"] * (b.padded_numel - b.numel))[start: start + part.numel()]
+    print(f"rank {rank}: flat[{start:2}:{start + part.numel():2}] = {part.numpy().round(2)}  "
+          f"{' '.join(owners)}")
+
+# %% [markdown]
+# ## Run it
+#
+# Now at every world size, measured: one `minizero.launch` per N runs
+# `minizero.lab.train.train_worker` on every rank, the loop of the worker above plus what `python -m
+# minizero.run` measures (memory by category, bytes sent, step times). Every run is compared with
+# `minizero.lab.reference.reference_train`: one process, the whole global batch, plain
+# `torch.optim`. Data parallelism must not change the result, only where the bytes live.
+
+# %%
+runs = demo.measure_stage(1, WORLD_SIZES, DTYPE, steps=STEPS, model=MODEL, backend=BACKEND)
+for n, rec in runs.items():
+    print(f"N = {n}: max |param - reference| = {rec['max_abs_diff']:.2e} "
+          f"(tolerance {rec['tolerance']:g}), "
+          f"loss {rec['losses'][0]:.3f} -> {rec['losses'][-1]:.3f}")
+
+# %% [markdown]
+# ## Measured memory next to the formula
+#
+# `engine.memory()` counts the bytes of every tensor rank 0 holds, by category, at the end of the
+# last backward (optimizer state exists, gradients are complete). The black ticks are
+# `minizero.lab.report.theory`, i.e. `minizero.memory.estimate_breakdown` with this run's bytes per
+# element and K. The check below is the same comparison the plot shows: measured = formula, up to
+# the padding of each bucket to a multiple of N elements.
+
+# %%
+table = demo.memory_table(runs)          # what the plot draws, as rows
+for row in table:
+    if row["formula"] or row["measured"]:
+        print(f"N = {row['world_size']}  {row['category']:>9}: "
+              f"measured {row['measured'] / 1e3:8.1f} kB, formula {row['formula'] / 1e3:8.1f} kB")
+demo.check(runs)                         # reference, memory and comm against the formulas
+print("all ranks match the reference and the formulas")
+
+# %%
+plots.memory_by_category(runs, "stage 1");
+
+# %% [markdown]
+# ## What to try
+#
+# In the step-through, try N = 2, 3 and 4 and watch where the partition boundaries cut the
+# parameters: a weight can straddle two ranks (as in DeepSpeed), and the padding moves with N. Check
+# one stepped element by hand: new = old - 0.1 × averaged gradient (the momentum buffer is the
+# gradient at the first step). Above, the optimizer bar falls as KΨ/N (K = 8 here: fp32 Adam's two
+# moments, no separate master copy) while parameters and gradients stay. Then do exercise 3:
+# partition the flat buffer and step only yours.
