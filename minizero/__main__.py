@@ -1,4 +1,5 @@
-"""`python -m minizero <command> ...`: every command, listed and dispatched (minizero/cli/commands.py)."""
+"""`python -m minizero <command> ...`: every command, listed and dispatched
+(minizero/cli/commands.py)."""
 
 import sys
 

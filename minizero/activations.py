@@ -1,32 +1,36 @@
-"""ZeRO-R's activations: the bytes saved for backward, measured, and activation checkpointing (P_a+cpu).
+"""ZeRO-R's activations: the bytes saved for backward, measured, and activation
+checkpointing (P_a+cpu).
 
     python -m minizero.run --stage 3 --world-size 2 --activation-checkpointing [cpu]
     engine = minizero.wrap(model, 2, optimizer, activation_checkpointing=True)   # or "cpu"
     engine.memory()["activations"]       # peak bytes saved for backward during the last step
 
-Activations are what a forward keeps for its backward: a Linear keeps its input, a softmax its output.
-For a transformer they grow with sequence s and micro-batch b, not with Ψ (memory.activation_bytes has
-the per-layer formula), and for long sequences they outgrow the model states ZeRO-DP shards.
+Activations are what a forward keeps for its backward: a Linear keeps its input, a softmax its
+output. For a transformer they grow with sequence s and micro-batch b, not with Ψ
+(memory.activation_bytes has the per-layer formula), and for long sequences they outgrow the model
+states ZeRO-DP shards.
 
-Measured (`SavedTensorMeter`): autograd's saved-tensor hooks see every tensor a forward saves, and the
-packed object autograd holds is released when backward has used it. Each storage is counted once (q, k,
-v can be views of one buffer), and parameters are left out: memory() counts them already. The peak is
-the most bytes alive at once during a step, forward and backward (recomputes included).
+Measured (`SavedTensorMeter`): autograd's saved-tensor hooks see every tensor a forward saves, and
+the packed object autograd holds is released when backward has used it. Each storage is counted once
+(q, k, v can be views of one buffer), and parameters are left out: memory() counts them already. The
+peak is the most bytes alive at once during a step, forward and backward (recomputes included).
 
-Checkpointed (`checkpoint`): each unit (a transformer's blocks, units.default_units) runs its forward
-without saving anything but its inputs; backward runs that forward again, then its backward. Kept: s·b·h
-per layer instead of the layer's ~16·s·b·h + a·s²·b, for one more forward per step (~33 % more compute,
-the paper's figure). mode "cpu" keeps those inputs in host memory until backward: the paper's P_a+cpu.
-The paper's P_a itself (partitioned activations) splits the checkpoints that model parallelism
-*replicates* across its ranks; in pure data parallelism every rank's activations are its own, for its own
-rows, and there is no replica to partition. CPU checkpointing is the part of it that applies.
+Checkpointed (`checkpoint`): each unit (a transformer's blocks, units.default_units) runs its
+forward without saving anything but its inputs; backward runs that forward again, then its backward.
+Kept: s·b·h per layer instead of the layer's ~16·s·b·h + a·s²·b, for one more forward per step
+(~33 % more compute, the paper's figure). mode "cpu" keeps those inputs in host memory until
+backward: the paper's P_a+cpu. The paper's P_a itself (partitioned activations) splits the
+checkpoints that model parallelism *replicates* across its ranks; in pure data parallelism every
+rank's activations are its own, for its own rows, and there is no replica to partition. CPU
+checkpointing is the part of it that applies.
 
-Why not torch.utils.checkpoint: its non-reentrant recompute keeps the recomputed tensors through saved-
-tensor hooks of its own, which a measurement cannot see. `_Checkpoint` is the reentrant design in a few
-lines: an autograd Function saving only the inputs, whose backward recomputes under the meter and runs
-backward through the recomputed graph. At stage 3 the recompute runs after the unit's pre-backward hook
-gathered it, and calls the unit's forward, not its hooks: the unit is gathered and freed once per
-backward, as without checkpointing ([Note: recompute] in zero3.py covers units inside a checkpoint).
+Why not torch.utils.checkpoint: its non-reentrant recompute keeps the recomputed tensors through
+saved- tensor hooks of its own, which a measurement cannot see. `_Checkpoint` is the reentrant
+design in a few lines: an autograd Function saving only the inputs, whose backward recomputes under
+the meter and runs backward through the recomputed graph. At stage 3 the recompute runs after the
+unit's pre-backward hook gathered it, and calls the unit's forward, not its hooks: the unit is
+gathered and freed once per backward, as without checkpointing ([Note: recompute] in zero3.py covers
+units inside a checkpoint).
 """
 
 from __future__ import annotations
@@ -41,8 +45,8 @@ MODES = (False, True, "cpu")       # wrap(activation_checkpointing=...) checks t
 
 
 class _Saved:
-    """What autograd holds for one saved tensor while the meter records: the tensor, and a release of its
-    bytes when autograd drops it (its backward ran, or the graph was freed)."""
+    """What autograd holds for one saved tensor while the meter records: the tensor, and a release
+    of its bytes when autograd drops it (its backward ran, or the graph was freed)."""
     __slots__ = ("tensor", "meter", "key")
 
     def __init__(self, tensor: torch.Tensor, meter: SavedTensorMeter, key: int | None):
@@ -54,13 +58,14 @@ class _Saved:
 
 
 class SavedTensorMeter:
-    """Bytes of the tensors saved for backward, alive now and at most during the current (or last) step."""
+    """Bytes of the tensors saved for backward, alive now and at most during the current (or
+    last) step."""
 
     def __init__(self, params: list[nn.Parameter]):
         self.params = params
         self.peak = 0
         self.alive = 0                                  # bytes saved for backward now
-        self._storages: dict[int, list[int]] = {}      # storage -> [saved tensors using it, its bytes]
+        self._storages: dict[int, list[int]] = {}   # storage -> [saved tensors using it, its bytes]
         self._excluded: set[int] = set()
         self._new_step = True
 
@@ -70,11 +75,12 @@ class SavedTensorMeter:
 
     @contextlib.contextmanager
     def recording(self):
-        """Count what is saved for backward inside this block (the engine's forward, a recompute)."""
+        """Count what is saved for backward inside this block (the engine's forward,
+        a recompute)."""
         if self._new_step:
             self.peak, self._new_step = self.alive, False
-        # A storage is identified by its StorageImpl (_cdata), which stage 3's resize_ keeps: a unit's
-        # parameters stay recognisable while it is freed and gathered again.
+        # A storage is identified by its StorageImpl (_cdata), which stage 3's resize_ keeps: a
+        # unit's parameters stay recognisable while it is freed and gathered again.
         self._excluded = {p.untyped_storage()._cdata for p in self.params}
         with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
             yield
@@ -82,10 +88,10 @@ class SavedTensorMeter:
     def _pack(self, t: torch.Tensor) -> _Saved:
         storage = t.untyped_storage()
         key = storage._cdata
-        if key in self._excluded:                       # a parameter or a view of one: counted already
+        if key in self._excluded:                    # a parameter or a view of one: counted already
             return _Saved(t, self, None)
         entry = self._storages.setdefault(key, [0, storage.nbytes()])
-        if entry[0] == 0:                               # each storage once, however many tensors share it
+        if entry[0] == 0:                         # each storage once, however many tensors share it
             self.alive += entry[1]
             self.peak = max(self.peak, self.alive)
         entry[0] += 1
@@ -103,20 +109,22 @@ def _unpack(saved: _Saved) -> torch.Tensor:
     return saved.tensor
 
 
-# --- activation checkpointing ------------------------------------------------------------------------------
+# --- activation checkpointing ---------------------------------------------------------------------
 class _Checkpoint(torch.autograd.Function):
-    """forward(run, meter, dummy, *inputs): run(*inputs) saving nothing but the inputs; backward
-    recomputes it under the meter and backpropagates through the recomputed graph. `dummy` requires
-    grad, so that the output does even when no input does (parameters inside still need gradients)."""
+    """forward(run, meter, dummy, *inputs): run(*inputs) saving nothing but the inputs;
+    backward recomputes it under the meter and backpropagates through the recomputed graph.
+    `dummy` requires grad, so that the output does even when no input does (parameters inside
+    still need gradients)."""
 
     @staticmethod
     def forward(ctx, run, meter, dummy, *inputs):
         ctx.run, ctx.meter = run, meter
-        ctx.rng = _rng_state(inputs)                    # dropout in the recompute draws the same masks
+        ctx.rng = _rng_state(inputs)                 # dropout in the recompute draws the same masks
         ctx.tensor_inputs = [torch.is_tensor(x) for x in inputs]
         ctx.grad_inputs = [torch.is_tensor(x) and x.requires_grad for x in inputs]
-        ctx.others = [None if torch.is_tensor(x) else x for x in inputs]           # None, flags, ...
-        ctx.save_for_backward(*(x for x in inputs if torch.is_tensor(x)))    # packed once forward returns
+        ctx.others = [None if torch.is_tensor(x) else x for x in inputs]          # None, flags, ...
+        # packed once forward returns
+        ctx.save_for_backward(*(x for x in inputs if torch.is_tensor(x)))
         with torch.no_grad():
             return run(*inputs)
 
@@ -127,7 +135,7 @@ class _Checkpoint(torch.autograd.Function):
                   for is_tensor, other, g in zip(ctx.tensor_inputs, ctx.others, ctx.grad_inputs)]
         with torch.random.fork_rng(devices=ctx.rng[1]), torch.enable_grad(), ctx.meter.recording():
             _set_rng_state(ctx.rng)
-            outputs = ctx.run(*inputs)                  # <- the recompute: one more forward of the unit
+            outputs = ctx.run(*inputs)              # <- the recompute: one more forward of the unit
         outputs = (outputs,) if torch.is_tensor(outputs) else outputs
         pairs = [(o, g) for o, g in zip(outputs, grads) if torch.is_tensor(o) and o.requires_grad]
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
@@ -135,9 +143,10 @@ class _Checkpoint(torch.autograd.Function):
 
 
 def checkpoint(units: list[nn.Module], mode: bool | str, meter: SavedTensorMeter) -> None:
-    """Make each unit's forward a checkpoint (mode True), its inputs kept on the host ("cpu"). Units
-    inside another unit are left alone: the outer recompute runs them anyway. Keyword arguments reach
-    the forward but get no gradient (a mask, a flag); tensors that need one are passed positionally."""
+    """Make each unit's forward a checkpoint (mode True), its inputs kept on the host ("cpu").
+    Units inside another unit are left alone: the outer recompute runs them anyway. Keyword
+    arguments reach the forward but get no gradient (a mask, a flag); tensors that need one are
+    passed positionally."""
     inside = {id(m) for u in units for m in u.modules() if m is not u}
     for unit in units:
         if id(unit) not in inside:
@@ -155,9 +164,13 @@ def _checkpointed(forward, meter, host, *inputs, **kwargs):
 @contextlib.contextmanager
 def _to_host():
     """Saved tensors go to host memory when saved and come back to their device when backward needs
-    them; an explicit copy even when the device is the CPU, so the measured device bytes drop as on a GPU."""
+    them; an explicit copy even when the device is the CPU, so the measured device bytes drop as on
+    a GPU."""
     pin = torch.cuda.is_available()
-    pack = lambda t: (t.device, t.to("cpu", copy=True).pin_memory() if pin else t.to("cpu", copy=True))  # noqa: E731
+    pack = lambda t: (
+        t.device,
+        t.to("cpu", copy=True).pin_memory() if pin else t.to("cpu", copy=True),
+    )  # noqa: E731
     unpack = lambda saved: saved[1].to(saved[0], copy=True, non_blocking=True)  # noqa: E731
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield

@@ -1,4 +1,5 @@
-"""`python -m minizero.bench`: minizero against PyTorch's own implementation of every stage (the command is minizero/cli/bench.py)."""
+"""`python -m minizero.bench`: minizero against PyTorch's own implementation of every stage (the
+command is minizero/cli/bench.py)."""
 
 import sys
 

@@ -3,36 +3,42 @@
     engine.save("ckpt")      # collective, between steps: one file per rank, then one manifest
     engine.load("ckpt")      # collective, in fresh processes: any stage, world size, dtype, offload
     python -m minizero.consolidate ckpt model.pt [--optimizer-state]   # the whole state, for any N
-    python -m minizero.run --save run --save-every 100 --keep-last 2 --resume     # kill-safe auto-resume
+    # kill-safe auto-resume
+    python -m minizero.run --save run --save-every 100 --keep-last 2 --resume
     python -m minizero.consolidate run model.pt     # a run directory: its newest checkpoint (find)
 
 Run its tests:  python -m pytest tests/test_checkpoint.py
 
 What a rank owns is what ZeRO partitioned: the fp32 master weights and the optimizer state of its
-partition of every bucket, the K·Ψ/N of the paper (stage 0: all of Ψ, replicated, so every rank's file
-is the same). Nothing is gathered to save, as in DeepSpeed (one file per rank; its zero_to_fp32 stitches
-them together offline, like `consolidate` at the end of this file). bf16 model parameters are not saved: they are
-round(master), and load rebuilds them from the masters exactly as step() does.
+partition of every bucket, the K·Ψ/N of the paper (stage 0: all of Ψ, replicated, so every rank's
+file is the same). Nothing is gathered to save, as in DeepSpeed (one file per rank; its
+zero_to_fp32 stitches them together offline, like `consolidate` at the end of this file). bf16
+model parameters are not saved: they are round(master), and load rebuilds them from the masters
+exactly as step() does.
 
 Format (format_version 1), one directory:
 
     ckpt/manifest.json      what was saved, and which version directory holds it. Written last.
     ckpt/v3/rank{r}.pt      rank r's shard, torch.save of {"step": optimizer steps taken,
                               "masters": [fp32 tensor per bucket: [Ψ_b/N], stage 0 [Ψ_b]],
-                              "optimizer": the torch optimizer's state_dict() (moments, step, lr...),
+                              "optimizer": the torch optimizer's state_dict() (moments,
+                              step, lr...),
                               "rng": {"torch": CPU generator state, "cuda": current GPU's or None},
                               "loss_scaler": fp16's LossScaler.state_dict() (S, hysteresis credit,
-                                             iteration, last overflow, skipped steps), the same on every
-                                             rank; None without fp16; absent in older checkpoints}
-    ckpt/v3/replicated.pt   what every rank holds identically and never steps, written by rank 0:
-                              {name: tensor} of the frozen parameters and buffers, in the model's dtype
+                                             iteration, last overflow, skipped steps), the
+                                             same on every rank; None without fp16; absent in
+                                             older checkpoints}
+    ckpt/v3/replicated.pt   what every rank holds identically and never steps, written by
+                              rank 0: {name: tensor} of the frozen parameters and buffers, in
+                              the model's dtype
 
-manifest.json: "format", "format_version", "version" (the v3 directory), "step", "stage", "world_size" (N,
-or S with shard_group_size: the rank files), "dtype", "offload", "optimizer" (class name), "num_params" (Ψ),
-"buckets" ([{"numel", "padded_numel",
-"shard_numel" (elements per rank file), "params": [{"name", "shape", "offset"}]}]), "state_dict" (every
-key of model.state_dict() in order: {"key", "source", "shape", "trainable"}; the tied embedding/head
-weight is two keys with one source) and "files" ({"rank0.pt": {"bytes", "sha256"}, ...}).
+manifest.json: "format", "format_version", "version" (the v3 directory), "step", "stage",
+"world_size" (N, or S with shard_group_size: the rank files), "dtype", "offload", "optimizer" (class
+name), "num_params" (Ψ), "buckets" ([{"numel", "padded_numel",
+"shard_numel" (elements per rank file), "params": [{"name", "shape", "offset"}]}]), "state_dict"
+(every key of model.state_dict() in order: {"key", "source", "shape", "trainable"}; the tied
+embedding/head weight is two keys with one source) and "files" ({"rank0.pt": {"bytes",
+"sha256"}, ...}).
 
 A run directory (save_numbered, latest; the CLI's --save-every) holds one such checkpoint per save:
 
@@ -43,34 +49,38 @@ Why a crash never leaves a checkpoint that loads as valid, nor destroys the prev
   1. every file is written under a temporary name, fsync'ed, then renamed (atomic on POSIX);
   2. a save writes a *new* version directory, never over the files the current manifest names;
   3. once every rank's files are on disk (an all-gather of their sizes and hashes), rank 0 replaces
-     manifest.json, atomically. Before that instant the old checkpoint is what loads, after it the new
-     one; only then is the old version directory removed;
+     manifest.json, atomically. Before that instant the old checkpoint is what loads, after it the
+     new one; only then is the old version directory removed;
   4. load checks every file's size and sha256 against the manifest: a truncated or damaged file is
      reported, not loaded (verify() checks them all, before the CLI starts any process);
-  5. in a run directory a step-N without a manifest is not complete (latest() skips it; saving step N
-     again finishes it), and old checkpoints are pruned only after the new commit, renamed away first.
-Load checks the manifest against the engine first (optimizer class, parameter names, shapes, which are
-trained) and all ranks agree on the verdict (an all-gather) before anything changes: either every rank
-loads, or every rank raises CheckpointError with a one-line message, the engine untouched.
+  5. in a run directory a step-N without a manifest is not complete (latest() skips it; saving
+     step N again finishes it), and old checkpoints are pruned only after the new commit, renamed
+     away first.
+Load checks the manifest against the engine first (optimizer class, parameter names, shapes,
+which are trained) and all ranks agree on the verdict (an all-gather) before anything changes:
+either every rank loads, or every rank raises CheckpointError with a one-line message, the
+engine untouched.
 
-Same layout (world size and buckets as saved; the stage, dtype and offload may differ): each rank reads
-its own file, and the resumed run is bit-identical. The resumed run applies the same operations to the
-same values: masters, Adam's moments and step counter, the bf16 parameters (= round(master)), the step
-count (so the data stream continues where it stopped), the RNG states and fp16's loss scaler (S and its
-counters: a fresh one would start again at 2**16 and skip other steps); gradients are zero between steps.
-A checkpoint without a scaler state (older, or not fp16) leaves the engine's fresh scaler as it is.
+Same layout (world size and buckets as saved; the stage, dtype and offload may differ): each rank
+reads its own file, and the resumed run is bit-identical. The resumed run applies the same
+operations to the same values: masters, Adam's moments and step counter, the bf16
+parameters (= round(master)), the step count (so the data stream continues where it stopped), the
+RNG states and fp16's loss scaler (S and its counters: a fresh one would start again at 2**16 and
+skip other steps); gradients are zero between steps. A checkpoint without a scaler state (older, or
+not fp16) leaves the engine's fresh scaler as it is.
 
 Another layout (another N, or other buckets: stage 1 has one, stages 0 and 2 bucket by bytes, so by
 dtype and bucket size too, stage 3 has one per unit): resharding, with the optimizer state. The flat
-layout is deterministic (flat.py) and the manifest records each parameter's bucket and offset, so the
-shards concatenate back into whole parameters (universal()); optimizer state that is elementwise (Adam's
-exp_avg and exp_avg_sq, SGD's momentum_buffer) is unsharded the same way, and scalar state (Adam's step)
-is one value for every bucket. Each rank then lays these whole tensors out in its own buckets and keeps its
-partition, exactly as the engine laid out the parameters when it was built. Every rank reads every file:
-simple, and the whole model's state in host memory for a moment (DeepSpeed's ds_to_universal does this
-offline; PyTorch DCP reads only the overlapping ranges). The run continues as the uninterrupted one would
-up to floating point rounding (another N sums gradients in another order), within 1e-6 in the tests.
-An optimizer whose state is neither elementwise nor scalar cannot be cut: a one-line error.
+layout is deterministic (flat.py) and the manifest records each parameter's bucket and offset, so
+the shards concatenate back into whole parameters (universal()); optimizer state that is elementwise
+(Adam's exp_avg and exp_avg_sq, SGD's momentum_buffer) is unsharded the same way, and scalar state
+(Adam's step) is one value for every bucket. Each rank then lays these whole tensors out in its own
+buckets and keeps its partition, exactly as the engine laid out the parameters when it was built.
+Every rank reads every file: simple, and the whole model's state in host memory for a moment
+(DeepSpeed's ds_to_universal does this offline; PyTorch DCP reads only the overlapping ranges). The
+run continues as the uninterrupted one would up to floating point rounding (another N sums gradients
+in another order), within 1e-6 in the tests. An optimizer whose state is neither elementwise nor
+scalar cannot be cut: a one-line error.
 Assumes a filesystem all ranks share: rank 0 writes the manifest for everyone.
 """
 
@@ -95,31 +105,42 @@ UNIVERSAL = "minizero-universal"        # the whole-model form, universal()
 MANIFEST = "manifest.json"
 _VERSION_DIR = re.compile(r"v\d+")
 _STEP_DIR = re.compile(r"step-(\d+)")
-_MANIFEST_KEYS = ("version", "step", "stage", "world_size", "optimizer", "buckets", "state_dict", "files")
+_MANIFEST_KEYS = (
+    "version",
+    "step",
+    "stage",
+    "world_size",
+    "optimizer",
+    "buckets",
+    "state_dict",
+    "files",
+)
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that is missing, damaged, or saved for another configuration (one-line message)."""
+    """A checkpoint that is missing, damaged, or saved for another configuration
+    (one-line message)."""
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Save
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 def save(engine, directory: str) -> None:
-    """engine.save: every rank writes its shard into a new version directory, then rank 0 commits."""
+    """engine.save: every rank writes its shard into a new version directory, then
+    rank 0 commits."""
     directory = os.fspath(directory)
     version = _new_version_dir(directory) if engine.rank == 0 else None
     version = comm.all_gather_object(version)[0]             # everyone writes where rank 0 decided
     vdir = os.path.join(directory, version)
     os.makedirs(vdir, exist_ok=True)
     files = {}
-    # shard_group_size=S < N: the N/S groups hold the same partitions; the first group's S files are the
-    # checkpoint, as if saved by S ranks ([Note: hierarchical sharding], engine.py)
+    # shard_group_size=S < N: the N/S groups hold the same partitions; the first group's S files are
+    # the checkpoint, as if saved by S ranks ([Note: hierarchical sharding], engine.py)
     if engine.replicate_group is None or engine.replicate_group.index == 0:
         mine = f"rank{engine.layout.rank}.pt"
         files[mine] = _write_torch(os.path.join(vdir, mine), _shard_state(engine))
-    replicated = _replicated_state(engine)                    # collective: stage 3 gathers frozen parameters
+    replicated = _replicated_state(engine)           # collective: stage 3 gathers frozen parameters
     if engine.rank == 0:
         files["replicated.pt"] = _write_torch(os.path.join(vdir, "replicated.pt"), replicated)
     everyone = comm.all_gather_object(files)                  # returns once every shard is on disk
@@ -127,8 +148,9 @@ def save(engine, directory: str) -> None:
         manifest = {**describe(engine), "version": version, "step": engine.step_count,
                     "files": {name: info for f in everyone for name, info in f.items()}}
         events.emit("checkpoint commit", engine=engine, directory=directory)   # every shard on disk
-        write_atomic(os.path.join(directory, MANIFEST), json.dumps(manifest, indent=1).encode())  # commit
-        for name in os.listdir(directory):                    # the old version, and any unfinished one
+        # commit
+        write_atomic(os.path.join(directory, MANIFEST), json.dumps(manifest, indent=1).encode())
+        for name in os.listdir(directory):                 # the old version, and any unfinished one
             if _VERSION_DIR.fullmatch(name) and name != version:
                 shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
     comm.barrier()                                            # nobody returns before the commit
@@ -141,17 +163,24 @@ def describe(engine) -> dict:
                 "params": [{"name": names[id(p)], "shape": list(p.shape), "offset": off}
                            for p, off in zip(b.params, b.offsets)]}
                for b in engine.layout.buckets]
-    return {"format": FORMAT, "format_version": FORMAT_VERSION, "stage": engine.stage,
-            "world_size": engine.layout.world_size, "dtype": str(engine.dtype).removeprefix("torch."),
-            "offload": getattr(engine, "offload", False),
-            "optimizer": type(engine.optimizer.optimizer).__name__,
-            "num_params": sum(p.numel() for p in engine.module.parameters()),
-            "buckets": buckets, "state_dict": state_dict_entries(engine.module)}
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "stage": engine.stage,
+        "world_size": engine.layout.world_size,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "offload": getattr(engine, "offload", False),
+        "optimizer": type(engine.optimizer.optimizer).__name__,
+        "num_params": sum(p.numel() for p in engine.module.parameters()),
+        "buckets": buckets,
+        "state_dict": state_dict_entries(engine.module),
+    }
 
 
 def state_dict_entries(model) -> list[dict]:
-    """The manifest's "state_dict": every key of model.state_dict() in order, the parameter or buffer it
-    names ("source": a tied weight is two keys with one source), its shape, and whether it is trained."""
+    """The manifest's "state_dict": every key of model.state_dict() in order, the parameter or
+    buffer it names ("source": a tied weight is two keys with one source), its shape, and whether it
+    is trained."""
     names = _names(model)
     return [{"key": k, "source": names[id(t)], "shape": list(t.shape), "trainable": t.requires_grad}
             for k, t in model.state_dict(keep_vars=True).items()]
@@ -162,8 +191,9 @@ def _names(model) -> dict[int, str]:
 
 
 def _shard_state(engine) -> dict:
-    # to(copy=True): a master may be a view into the whole flat buffer, and torch.save would write all of
-    # the storage under a view (N times this rank's share), so each is copied to a compact CPU tensor.
+    # to(copy=True): a master may be a view into the whole flat buffer, and torch.save would write
+    # all of the storage under a view (N times this rank's share), so each is copied to a compact
+    # CPU tensor.
     return {"step": engine.step_count,
             "masters": [m.to("cpu", copy=True) for m in engine.optimizer.master_values()],
             "optimizer": engine.optimizer.state_dict(),          # one entry per bucket (optim.py)
@@ -180,7 +210,8 @@ def _replicated_state(engine) -> dict[str, torch.Tensor]:
 
 
 def _new_version_dir(directory: str) -> str:
-    """A fresh vN directory, N above every version there (finished or not): nothing current is touched."""
+    """A fresh vN directory, N above every version there (finished or not): nothing current
+    is touched."""
     os.makedirs(directory, exist_ok=True)
     taken = [int(n[1:]) for n in os.listdir(directory) if _VERSION_DIR.fullmatch(n)]
     version = f"v{max(taken, default=0) + 1}"
@@ -197,13 +228,14 @@ def _write_torch(path: str, obj) -> dict:
 
 
 def write_atomic(path: str, data: bytes) -> None:
-    """Write `data` to `path` so that `path` holds either its old content or all of the new, never a part."""
+    """Write `data` to `path` so that `path` holds either its old content or all of the new, never
+    a part."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())               # the bytes are on disk before the name points at them
+            os.fsync(f.fileno())              # the bytes are on disk before the name points at them
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -216,16 +248,17 @@ def write_atomic(path: str, data: bytes) -> None:
         os.close(fd)
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # A run directory: numbered checkpoints, the newest complete one resumes
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 def save_numbered(engine, run_dir: str, keep_last: int | None = None) -> str:
-    """Collective: save into run_dir/step-{step:06d} (a checkpoint directory as above), then rank 0 removes
-    all but the `keep_last` newest complete ones. Returns the new checkpoint's directory.
+    """Collective: save into run_dir/step-{step:06d} (a checkpoint directory as above), then rank 0
+    removes all but the `keep_last` newest complete ones. Returns the new checkpoint's directory.
 
-    A kill at any moment leaves the newest *committed* checkpoint loadable: the new one is invisible to
-    latest() until its manifest exists (save's commit), and older ones are only removed after that."""
+    A kill at any moment leaves the newest *committed* checkpoint loadable: the new one is
+    invisible to latest() until its manifest exists (save's commit), and older ones are only
+    removed after that."""
     path = os.path.join(os.fspath(run_dir), f"step-{engine.step_count:06d}")
     save(engine, path)
     if engine.rank == 0 and keep_last is not None:
@@ -256,19 +289,22 @@ def find(directory: str) -> str:
 
 
 def _complete(run_dir: str) -> list[str]:
-    """run_dir's step-N checkpoints that have a manifest, oldest first; a save that was killed before its
-    commit has none (a later save of the same step finishes it: save starts a new version directory)."""
+    """run_dir's step-N checkpoints that have a manifest, oldest first; a save that was killed
+    before its commit has none (a later save of the same step finishes it: save starts a new
+    version directory)."""
     if not os.path.isdir(run_dir):
         return []
-    steps = sorted((int(m.group(1)), m.group(0)) for m in map(_STEP_DIR.fullmatch, os.listdir(run_dir)) if m)
+    steps = sorted(
+        (int(m.group(1)), m.group(0)) for m in map(_STEP_DIR.fullmatch, os.listdir(run_dir)) if m
+    )
     return [os.path.join(run_dir, name) for _, name in steps
             if os.path.exists(os.path.join(run_dir, name, MANIFEST))]
 
 
 def _prune(run_dir: str, keep_last: int) -> None:
-    # Each old checkpoint is renamed first (atomic), then deleted: a kill in the middle of a deletion
-    # leaves a hidden leftover (removed by the next prune), never a step-N directory whose manifest names
-    # files that are gone.
+    # Each old checkpoint is renamed first (atomic), then deleted: a kill in the middle of a
+    # deletion leaves a hidden leftover (removed by the next prune), never a step-N directory whose
+    # manifest names files that are gone.
     for old in _complete(run_dir)[:-keep_last]:
         os.replace(old, os.path.join(run_dir, f".removing-{os.path.basename(old)}"))
     for name in os.listdir(run_dir):
@@ -276,9 +312,9 @@ def _prune(run_dir: str, keep_last: int) -> None:
             shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Read and check (shared with minizero.consolidate)
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 def read_manifest(directory: str) -> dict:
     directory = os.fspath(directory)
@@ -291,7 +327,7 @@ def read_manifest(directory: str) -> dict:
     try:
         with open(path, "rb") as f:
             manifest = json.loads(f.read())
-    except (ValueError, OSError) as e:         # UnicodeDecodeError and JSONDecodeError are ValueErrors
+    except (ValueError, OSError) as e:      # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise CheckpointError(f"{path} is damaged: {e}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a minizero checkpoint manifest")
@@ -311,8 +347,9 @@ def read_file(directory: str, manifest: dict, name: str) -> dict:
 
 
 def verify(directory: str) -> dict:
-    """The manifest, after checking every file it lists (size and sha256) without loading any: what
-    `python -m minizero.run --load/--resume` runs before it starts a process. Raises CheckpointError."""
+    """The manifest, after checking every file it lists (size and sha256) without loading
+    any: what `python -m minizero.run --load/--resume` runs before it starts a process.
+    Raises CheckpointError."""
     manifest = read_manifest(directory)
     for name in manifest["files"]:
         _checked_bytes(directory, manifest, name)
@@ -332,28 +369,33 @@ def _checked_bytes(directory: str, manifest: dict, name: str) -> bytes:
     except OSError as e:
         raise CheckpointError(f"{path}: {e.strerror}") from None
     if len(data) != expected["bytes"]:
-        raise CheckpointError(f"{path} is truncated or damaged: {len(data)} bytes, the manifest says "
-                              f"{expected['bytes']}")
+        raise CheckpointError(
+            f"{path} is truncated or damaged: {len(data)} bytes, the manifest says "
+            f"{expected['bytes']}"
+        )
     if hashlib.sha256(data).hexdigest() != expected["sha256"]:
         raise CheckpointError(f"{path} is damaged: its sha256 differs from the manifest's")
     return data
 
 
 def check_compatible(saved: dict, engine, where: str) -> None:
-    """The same model and optimizer class (a manifest, or a universal state's header); stage, world size,
-    dtype and offload may differ."""
+    """The same model and optimizer class (a manifest, or a universal state's header); stage, world
+    size, dtype and offload may differ."""
     here = describe(engine)
     if saved["optimizer"] != here["optimizer"]:
-        raise CheckpointError(f"{where} was saved with optimizer {saved['optimizer']}, this engine has "
-                              f"optimizer {here['optimizer']}")
+        raise CheckpointError(
+            f"{where} was saved with optimizer {saved['optimizer']}, this engine has "
+            f"optimizer {here['optimizer']}"
+        )
     difference = model_difference(saved, here["state_dict"])
     if difference:
         raise CheckpointError(f"{where} holds a different model: {difference}")
 
 
 def model_difference(saved: dict, entries: list[dict]) -> str | None:
-    """The first way the saved model differs from one with these state_dict_entries, in words; None if
-    they fit (the CLI asks it before starting processes, about a model built on the meta device)."""
+    """The first way the saved model differs from one with these state_dict_entries, in words;
+    None if they fit (the CLI asks it before starting processes, about a model built on the
+    meta device)."""
     before = {e["key"]: e for e in saved["state_dict"]}
     now = {e["key"]: e for e in entries}
     if now.keys() - before.keys():
@@ -368,13 +410,14 @@ def model_difference(saved: dict, entries: list[dict]) -> str | None:
     return None
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Load
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 def load(engine, path: str) -> None:
     """engine.load: check everything on every rank, agree, then restore; see the module docstring.
-    `path` is a checkpoint directory, or a file written by `python -m minizero.consolidate --optimizer-state`."""
+    `path` is a checkpoint directory, or a file written by
+    `python -m minizero.consolidate --optimizer-state`."""
     path = os.fspath(path)
     try:
         if os.path.isfile(path):
@@ -384,36 +427,58 @@ def load(engine, path: str) -> None:
         check_compatible(saved, engine, path)
         if saved.get("format") == UNIVERSAL:
             restore = functools.partial(_restore_universal, engine, saved)
-        elif saved["world_size"] == engine.layout.world_size and saved["buckets"] == describe(engine)["buckets"]:
-            shard = read_file(path, saved, f"rank{engine.layout.rank}.pt")   # same layout: my file is my shard
+        elif (
+            saved["world_size"] == engine.layout.world_size
+            and saved["buckets"] == describe(engine)["buckets"]
+        ):
+            # same layout: my file is my shard
+            shard = read_file(path, saved, f"rank{engine.layout.rank}.pt")
             replicated = read_file(path, saved, "replicated.pt")
-            frozen = {e["key"]: replicated[e["source"]] for e in saved["state_dict"] if not e["trainable"]}
-            restore = functools.partial(_restore, engine, shard["masters"], shard["optimizer"], frozen,
-                                        shard["step"], shard["rng"], shard.get("loss_scaler"))
+            frozen = {
+                e["key"]: replicated[e["source"]] for e in saved["state_dict"] if not e["trainable"]
+            }
+            restore = functools.partial(
+                _restore,
+                engine,
+                shard["masters"],
+                shard["optimizer"],
+                frozen,
+                shard["step"],
+                shard["rng"],
+                shard.get("loss_scaler"),
+            )
         else:
             restore = functools.partial(_restore_universal, engine, universal(path))   # reshard
         problem = None
     except CheckpointError as e:
         problem = str(e)
-    problems = [p for p in comm.all_gather_object(problem) if p]   # one rank's bad file stops them all
+    # one rank's bad file stops them all
+    problems = [p for p in comm.all_gather_object(problem) if p]
     if problems:
         raise CheckpointError(problems[0])
     restore()
 
 
-def _restore(engine, masters: list[torch.Tensor], optimizer_state: dict, frozen: dict[str, torch.Tensor],
-             step: int, rng: dict | None, loss_scaler: dict | None = None) -> None:
-    """Put this rank's masters (one per bucket of this engine), its optimizer's state_dict, the frozen
-    parameters and buffers ({state_dict key: value}, the same on every rank), step, RNG and the loss
-    scaler's state (if both the checkpoint and the engine have one) in place."""
+def _restore(
+    engine,
+    masters: list[torch.Tensor],
+    optimizer_state: dict,
+    frozen: dict[str, torch.Tensor],
+    step: int,
+    rng: dict | None,
+    loss_scaler: dict | None = None,
+) -> None:
+    """Put this rank's masters (one per bucket of this engine), its optimizer's state_dict, the
+    frozen parameters and buffers ({state_dict key: value}, the same on every rank), step, RNG and
+    the loss scaler's state (if both the checkpoint and the engine have one) in place."""
     opt = engine.optimizer
     opt.load_state_dict(optimizer_state)
     with torch.no_grad():
         for master, part, value in zip(opt.masters, opt.param_parts, masters):
             master.copy_(value)
             if master.data_ptr() != part.data_ptr():
-                part.copy_(master)               # the model's parameters = round(master), as step() does
-        engine._after_step()                     # share them as step() does (stages 1-2 all-gather)
+                part.copy_(master)          # the model's parameters = round(master), as step() does
+        engine._after_step()                # share them as step() does (stages 1-2 all-gather)
         state = engine.module.state_dict(keep_vars=True)
         with engine.gathering(engine.frozen, modifier_rank=0):    # every rank read the same values
             for key, value in frozen.items():
@@ -428,10 +493,10 @@ def _restore(engine, masters: list[torch.Tensor], optimizer_state: dict, frozen:
 
 
 def _restore_universal(engine, u: dict) -> None:
-    """Reshard: lay the whole-model values out in this engine's buckets and keep this rank's partition,
-    exactly as the engine laid out the parameters when it was built (flat.py). Adam's moments, SGD's
-    momentum, any state with one value per element, are cut like the masters; scalars (Adam's step) are
-    the same for every bucket."""
+    """Reshard: lay the whole-model values out in this engine's buckets and keep this rank's
+    partition, exactly as the engine laid out the parameters when it was built (flat.py). Adam's
+    moments, SGD's momentum, any state with one value per element, are cut like the masters; scalars
+    (Adam's step) are the same for every bucket."""
     key_of: dict[int, str] = {}
     for key, t in engine.module.state_dict(keep_vars=True).items():
         key_of.setdefault(id(t), key)                        # a tied weight: its first key
@@ -439,7 +504,7 @@ def _restore_universal(engine, u: dict) -> None:
     def my_parts(values: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         parts = []
         for b in engine.layout.buckets:
-            full = torch.zeros(b.padded_numel, dtype=torch.float32)       # padding: zero, as at build
+            full = torch.zeros(b.padded_numel, dtype=torch.float32)     # padding: zero, as at build
             for p, view in b.views(full):
                 view.copy_(values[key_of[id(p)]])
             parts.append(engine.layout.my_partition(full, b) if engine.sharded else full)
@@ -448,8 +513,10 @@ def _restore_universal(engine, u: dict) -> None:
     masters = my_parts(u["model"])
     state = {}
     if u["optimizer_state"] or u["scalars"]:
-        state = {i: {name: v.clone() if torch.is_tensor(v) else v for name, v in u["scalars"].items()}
-                 for i in range(len(masters))}
+        state = {
+            i: {name: v.clone() if torch.is_tensor(v) else v for name, v in u["scalars"].items()}
+            for i in range(len(masters))
+        }
         for name, values in u["optimizer_state"].items():
             for i, part in enumerate(my_parts(values)):
                 state[i][name] = part
@@ -457,59 +524,91 @@ def _restore_universal(engine, u: dict) -> None:
     trainable = {id(p) for p in engine.trainable}
     frozen = {k: u["model"][k] for k, t in engine.module.state_dict(keep_vars=True).items()
               if id(t) not in trainable}                     # frozen parameters and buffers
-    _restore(engine, masters, {"state": state, "param_groups": [group]}, frozen, u["step"], u["rng"],
-             u.get("loss_scaler"))
+    _restore(
+        engine,
+        masters,
+        {"state": state, "param_groups": [group]},
+        frozen,
+        u["step"],
+        u["rng"],
+        u.get("loss_scaler"),
+    )
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Whole-model states from the shards, without a process group (minizero.consolidate)
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 def consolidate(directory: str) -> dict[str, torch.Tensor]:
-    """The whole model's fp32 state_dict from a sharded checkpoint, without a process group (DeepSpeed's
-    zero_to_fp32.py; `python -m minizero.consolidate ckpt model.pt`). Raises CheckpointError.
+    """The whole model's fp32 state_dict from a sharded checkpoint, without a process
+    group (DeepSpeed's zero_to_fp32.py; `python -m minizero.consolidate ckpt model.pt`).
+    Raises CheckpointError.
 
-    Concatenating a bucket's N partitions (one per rank file) rebuilds the padded bucket [N·Ψ_b/N]; the
-    manifest's offsets and shapes cut it back into parameters, exactly like flat.Bucket.views. Frozen
-    parameters and buffers come from replicated.pt. The result has the keys of model.state_dict(), in
-    order, both names of a tied weight included, floating point tensors in fp32. Loaded into a fresh
-    model and wrapped at another N, it continues the run there with a fresh optimizer; universal() keeps
-    the optimizer state too."""
+    Concatenating a bucket's N partitions (one per rank file) rebuilds the padded bucket [N·Ψ_b/N];
+    the manifest's offsets and shapes cut it back into parameters, exactly like flat.Bucket.views.
+    Frozen parameters and buffers come from replicated.pt. The result has the keys of
+    model.state_dict(), in order, both names of a tied weight included, floating point tensors in
+    fp32. Loaded into a fresh model and wrapped at another N, it continues the run there with a
+    fresh optimizer; universal() keeps the optimizer state too."""
     manifest = read_manifest(directory)
     return _Shards(directory, manifest).model()
 
 
 def universal(directory: str) -> dict:
-    """consolidate() plus the optimizer state, unsharded the same way: what engine.load reshards from, at
-    any stage, N, dtype and offload (DeepSpeed's ds_to_universal; PyTorch DCP reshards the same way).
+    """consolidate() plus the optimizer state, unsharded the same way: what engine.load reshards
+    from, at any stage, N, dtype and offload (DeepSpeed's ds_to_universal; PyTorch DCP reshards the
+    same way).
 
-        {"format": "minizero-universal", "step", "optimizer" (class name), "state_dict" (the manifest's
-         entries), "model": consolidate()'s state_dict, "optimizer_state": {state name: {key: fp32 tensor
-         shaped like the parameter}} for every per-element state (exp_avg, exp_avg_sq, momentum_buffer),
-         "scalars": {state name: value} (step: the same for every bucket), "param_groups": [lr, betas...],
+        {"format": "minizero-universal", "step", "optimizer" (class name), "state_dict"
+        (the manifest's
+         entries), "model": consolidate()'s state_dict, "optimizer_state": {state name: {key:
+         fp32 tensor shaped like the parameter}} for every per-element state (exp_avg,
+         exp_avg_sq, momentum_buffer),
+         "scalars": {state name: value} (step: the same for every bucket), "param_groups":
+         [lr, betas...],
          "rng": rank 0's, "loss_scaler": rank 0's (the same on every rank; None without fp16)}
 
-    A state that is neither per-element nor one scalar for all buckets cannot be cut: CheckpointError."""
+    A state that is neither per-element nor one scalar for all buckets cannot be cut:
+    CheckpointError."""
     manifest = read_manifest(directory)
     shards = _Shards(directory, manifest)
     saved = shards.get(0)["optimizer"]
     per_element, scalars = set(), {}
     for i, b in enumerate(manifest["buckets"]):
         for name, v in saved["state"].get(i, {}).items():
-            if torch.is_tensor(v) and v.dim() == 1 and v.numel() == b["shard_numel"] and name not in scalars:
-                per_element.add(name)                        # one value per element: cut like the masters
+            if (
+                torch.is_tensor(v)
+                and v.dim() == 1
+                and v.numel() == b["shard_numel"]
+                and name not in scalars
+            ):
+                per_element.add(name)                  # one value per element: cut like the masters
             elif (not torch.is_tensor(v) or v.dim() == 0) and name not in per_element and \
                     _same(scalars.setdefault(name, v), v):
-                pass                                         # one value for every bucket: carried over
+                pass                                      # one value for every bucket: carried over
             else:
-                raise CheckpointError(f"{directory}: {manifest['optimizer']}'s state {name!r} is neither one "
-                                      "value per element nor one scalar: it cannot be resharded")
-    return {"format": UNIVERSAL, "format_version": FORMAT_VERSION, "step": manifest["step"],
-            "optimizer": manifest["optimizer"], "state_dict": manifest["state_dict"], "model": shards.model(),
-            "optimizer_state": {name: shards.trainable(lambda f, i, n=name: f["optimizer"]["state"][i][n])
-                                for name in sorted(per_element)},
-            "scalars": scalars, "rng": shards.get(0)["rng"], "loss_scaler": shards.get(0).get("loss_scaler"),
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]]}
+                raise CheckpointError(
+                    f"{directory}: {manifest['optimizer']}'s state {name!r} is neither one "
+                    "value per element nor one scalar: it cannot be resharded"
+                )
+    return {
+        "format": UNIVERSAL,
+        "format_version": FORMAT_VERSION,
+        "step": manifest["step"],
+        "optimizer": manifest["optimizer"],
+        "state_dict": manifest["state_dict"],
+        "model": shards.model(),
+        "optimizer_state": {
+            name: shards.trainable(lambda f, i, n=name: f["optimizer"]["state"][i][n])
+            for name in sorted(per_element)
+        },
+        "scalars": scalars,
+        "rng": shards.get(0)["rng"],
+        "loss_scaler": shards.get(0).get("loss_scaler"),
+        "param_groups": [
+            {k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]
+        ],
+    }
 
 
 def _same(a, b) -> bool:
@@ -517,7 +616,8 @@ def _same(a, b) -> bool:
 
 
 class _Shards:
-    """A checkpoint's rank files, each read (and checked) once, and the whole tensors they hold together."""
+    """A checkpoint's rank files, each read (and checked) once, and the whole tensors they
+    hold together."""
 
     def __init__(self, directory: str, manifest: dict):
         self.directory, self.manifest, self.files = directory, manifest, {}
@@ -528,16 +628,21 @@ class _Shards:
         return self.files[r]
 
     def trainable(self, pick) -> dict[str, torch.Tensor]:
-        """{state_dict key: whole tensor} of the trainable parameters, pick(rank file, bucket index) being
-        one rank's flat part of a bucket (its masters, or a state of its optimizer)."""
+        """{state_dict key: whole tensor} of the trainable parameters, pick(rank file, bucket index)
+        being one rank's flat part of a bucket (its masters, or a state of its optimizer)."""
         values: dict[str, torch.Tensor] = {}
         for i, b in enumerate(self.manifest["buckets"]):
-            parts = b["padded_numel"] // b["shard_numel"]    # N for stages 1-3; 1 for DDP (replicated)
-            full = torch.cat([pick(self.get(r), i).float() for r in range(parts)])     # [padded_numel]
+            # N for stages 1-3; 1 for DDP (replicated)
+            parts = b["padded_numel"] // b["shard_numel"]
+            full = torch.cat([pick(self.get(r), i).float() for r in range(parts)])  # [padded_numel]
             for p in b["params"]:
                 numel = torch.Size(p["shape"]).numel()
                 values[p["name"]] = full[p["offset"]: p["offset"] + numel].view(p["shape"]).clone()
-        return {e["key"]: values[e["source"]] for e in self.manifest["state_dict"] if e["source"] in values}
+        return {
+            e["key"]: values[e["source"]]
+            for e in self.manifest["state_dict"]
+            if e["source"] in values
+        }
 
     def model(self) -> dict[str, torch.Tensor]:
         values = self.trainable(lambda f, i: f["masters"][i])
@@ -552,9 +657,11 @@ class _Shards:
 def _read_universal(path: str) -> dict:
     try:
         u = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:                    # truncated or not a torch file: pickle/zip errors vary
+    except Exception as e:                   # truncated or not a torch file: pickle/zip errors vary
         raise CheckpointError(f"{path} is not a readable torch file: {type(e).__name__}") from None
     if not isinstance(u, dict) or u.get("format") != UNIVERSAL:
-        raise CheckpointError(f"{path} holds no optimizer state (a plain state_dict loads with "
-                              "model.load_state_dict; python -m minizero.consolidate --optimizer writes one)")
+        raise CheckpointError(
+            f"{path} holds no optimizer state (a plain state_dict loads with "
+            "model.load_state_dict; python -m minizero.consolidate --optimizer writes one)"
+        )
     return u

@@ -3,29 +3,32 @@
 Run its tests:      python -m pytest tests/test_comm.py
 See it explained:   notebooks/00_communication.ipynb
 
-Every stage talks to the other ranks through the functions below (all_reduce, reduce_scatter, all_gather,
-broadcast, all_to_all, and the teaching-only ring_all_reduce). Each takes an optional `group`: a subset of the
-ranks (see `Group`) for the designs beyond the paper that shard within a node and replicate across nodes. Keeping them in one place buys two things:
+Every stage talks to the other ranks through the functions below (all_reduce, reduce_scatter,
+all_gather, broadcast, all_to_all, and the teaching-only ring_all_reduce). Each takes an optional
+`group`: a subset of the ranks (see `Group`) for the designs beyond the paper that shard within a
+node and replicate across nodes. Keeping them in one place buys two things:
 
-1. A byte tally. Each call adds to a per-rank counter the bytes that a bandwidth-optimal *ring* sends per
-   rank for it. With N ranks and a tensor of S bytes (always the *full* size, before sharding):
+1. A byte tally. Each call adds to a per-rank counter the bytes that a bandwidth-optimal
+   *ring* sends per rank for it. With N ranks and a tensor of S bytes (always the *full* size,
+   before sharding):
 
        all-reduce                 2(N-1)/N * S     (= a reduce-scatter followed by an all-gather)
        reduce-scatter, all-gather  (N-1)/N * S
        broadcast                   (N-1)/N * S     (pipelined ring broadcast)
 
    That is the unit the ZeRO paper uses when it says DDP and stages 1-2 move 2Ψ per step and stage 3
-   moves 3Ψ (section 7): its Ψ counts the (N-1)/N factor as ~1. The tally does not time anything; it is
-   what the algorithm must move, independent of what the backend really does underneath.
+   moves 3Ψ (section 7): its Ψ counts the (N-1)/N factor as ~1. The tally does not time anything; it
+   is what the algorithm must move, independent of what the backend really does underneath.
 
-2. One switch between gloo (CPU processes on a laptop) and NCCL (one process per GPU), and the place that
-   knows their costs: on gloo, reduce-scatter and all-gather run in another way that is faster there
-   ([Note: collectives on gloo] below).
+2. One switch between gloo (CPU processes on a laptop) and NCCL (one process per GPU), and the place
+   that knows their costs: on gloo, reduce-scatter and all-gather run in another way that is faster
+   there ([Note: collectives on gloo] below).
 
-3. A place to model the network (minizero/network.py; off by default). The tally also splits its bytes by
-   where the ring runs: "intra_node" (the group lies inside one node of ranks_per_node() consecutive ranks)
-   or "inter_node" (it spans nodes). With `set_network(...)` or MINIZERO_NETWORK, each collective is also
-   booked on this rank's link and completes no earlier than a ring on that network would.
+3. A place to model the network (minizero/network.py; off by default). The tally also splits its
+   bytes by where the ring runs: "intra_node" (the group lies inside one node of ranks_per_node()
+   consecutive ranks) or "inter_node" (it spans nodes). With `set_network(...)` or MINIZERO_NETWORK,
+   each collective is also booked on this rank's link and completes no earlier than a ring on that
+   network would.
 
 How a process group gets here: `minizero.launch` calls `init(rank, world_size, ...)` in each child;
 under `torchrun`, `init()` reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment.
@@ -46,16 +49,17 @@ from minizero import events
 from minizero.flat import partition
 from minizero.network import Link, Network, network_from_env, parse_network, sleep_until
 
-# Collectives wait this long for a missing peer before raising. A dead peer is normally noticed much sooner
-# by the launcher (it kills the survivors); this bound covers torchrun and anything the launcher cannot see.
+# Collectives wait this long for a missing peer before raising. A dead peer is normally noticed much
+# sooner by the launcher (it kills the survivors); this bound covers torchrun and anything the
+# launcher cannot see.
 DEFAULT_TIMEOUT_S = float(os.environ.get("MINIZERO_TIMEOUT_S", "120"))
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Process group
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 def init(rank: int | None = None, world_size: int | None = None, *, backend: str | None = None,
          store: dist.Store | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
@@ -71,16 +75,18 @@ def init(rank: int | None = None, world_size: int | None = None, *, backend: str
     if rank is None:  # torchrun (or any launcher that sets the env:// variables)
         dist.init_process_group(backend, timeout=timeout)
     else:
-        dist.init_process_group(backend, rank=rank, world_size=world_size, store=store, timeout=timeout)
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, store=store, timeout=timeout
+        )
     reset_tally()
     if _network is None:
         set_network(network_from_env())                      # MINIZERO_NETWORK, if set
 
 
 def destroy(wait_for_peers: bool = False) -> None:
-    """Leave the process group. wait_for_peers: first a barrier, so no rank closes its connections while
-    another is still finishing a collective with it (gloo can abort the slower process at exit otherwise).
-    Only on success: after a failure the peers may never arrive."""
+    """Leave the process group. wait_for_peers: first a barrier, so no rank closes its connections
+    while another is still finishing a collective with it (gloo can abort the slower process at exit
+    otherwise). Only on success: after a failure the peers may never arrive."""
     if dist.is_initialized():
         if wait_for_peers:
             barrier()
@@ -115,16 +121,17 @@ def barrier() -> None:
         dist.barrier()
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Groups: collectives over a subset of the ranks
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 class Group:
-    """A subset of the ranks that run collectives among themselves: `ranks` (global ranks, in ring order),
-    this rank's `index` in it (-1 when not a member) and the backend's process group.
+    """A subset of the ranks that run collectives among themselves: `ranks` (global ranks, in ring
+    order), this rank's `index` in it (-1 when not a member) and the backend's process group.
 
-    The paper's ZeRO shards over all N ranks (group=None everywhere). Hierarchical designs (HSDP / MiCS,
-    ZeRO++'s hpZ) shard within a group of S ranks and replicate across the N/S groups: two kinds of group.
+    The paper's ZeRO shards over all N ranks (group=None everywhere). Hierarchical designs
+    (HSDP / MiCS, ZeRO++'s hpZ) shard within a group of S ranks and replicate across the N/S groups:
+    two kinds of group.
     """
 
     def __init__(self, ranks: list[int]):
@@ -144,9 +151,9 @@ class Group:
 def mesh(shard_size: int) -> tuple[Group, Group]:
     """Cut the N ranks into a 2-D mesh of N/S rows of S = shard_size consecutive ranks.
 
-    Returns this rank's (shard group: its row, replicate group: its column). With ranks_per_node = S a row is
-    one node, so the shard group's collectives stay inside the node. Every rank creates every group
-    (dist.new_group is collective), then keeps the two it belongs to.
+    Returns this rank's (shard group: its row, replicate group: its column). With ranks_per_node = S
+    a row is one node, so the shard group's collectives stay inside the node. Every rank creates
+    every group (dist.new_group is collective), then keeps the two it belongs to.
     """
     n = world_size()
     row = row_group(shard_size)
@@ -155,8 +162,8 @@ def mesh(shard_size: int) -> tuple[Group, Group]:
 
 
 def row_group(size: int) -> Group:
-    """This rank's row of `size` consecutive ranks, alone (hpZ's node group needs no columns). Every rank
-    creates every row (dist.new_group is collective), then keeps its own."""
+    """This rank's row of `size` consecutive ranks, alone (hpZ's node group needs no columns). Every
+    rank creates every row (dist.new_group is collective), then keeps its own."""
     n = world_size()
     if size < 1 or n % size:
         raise ValueError(f"a shard group of {size} ranks does not divide the world size {n}")
@@ -165,7 +172,8 @@ def row_group(size: int) -> Group:
 
 
 def row_of(r: int, size: int) -> list[int]:
-    """Rank r's row of the mesh: the `size` consecutive ranks it shards with (its node when size = R)."""
+    """Rank r's row of the mesh: the `size` consecutive ranks it shards with (its node
+    when size = R)."""
     start = r // size * size
     return list(range(start, start + size))
 
@@ -188,15 +196,15 @@ def _pg(group: Group | None):
     return None if group is None else group.process_group
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Byte tally (per rank, per kind of collective, and intra- / inter-node) and the network model
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 _tally: Counter = Counter()
-_span: Counter = Counter()              # the same bytes, by where their ring runs: intra_node / inter_node
-_network: Network | None = None         # set_network, or MINIZERO_NETWORK at init; None: off
-link = Link()                           # this rank's link under the model
-_seq = 0                                # collectives this rank has issued (the same count on every rank)
+_span: Counter = Counter()       # the same bytes, by where their ring runs: intra_node / inter_node
+_network: Network | None = None  # set_network, or MINIZERO_NETWORK at init; None: off
+link = Link()                    # this rank's link under the model
+_seq = 0                         # collectives this rank has issued (the same count on every rank)
 
 
 def reset_tally() -> None:
@@ -205,8 +213,8 @@ def reset_tally() -> None:
 
 
 def tally() -> dict[str, float]:
-    """Bytes this rank has sent since the last reset, by kind, plus their 'total', split into 'intra_node'
-    and 'inter_node' (intra + inter = total)."""
+    """Bytes this rank has sent since the last reset, by kind, plus their 'total', split into
+    'intra_node' and 'inter_node' (intra + inter = total)."""
     out = dict(_tally)
     out["total"] = sum(_tally.values())
     out["intra_node"], out["inter_node"] = _span["intra_node"], _span["inter_node"]
@@ -214,15 +222,16 @@ def tally() -> dict[str, float]:
 
 
 def ring_bytes(kind: str, full_bytes: int, n: int) -> float:
-    """Bytes one rank sends in a bandwidth-optimal ring for a collective over a tensor of `full_bytes`."""
+    """Bytes one rank sends in a bandwidth-optimal ring for a collective over a tensor
+    of `full_bytes`."""
     factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
               "all_gather": (n - 1) / n, "broadcast": (n - 1) / n, "all_to_all": (n - 1) / n}[kind]
     return factor * full_bytes
 
 
 def set_network(model: Network | str | None) -> None:
-    """Model the network from now on: a Network, a spec ("1gbps,10us,ranks_per_node=2": network.py) or
-    None (off). Set in the parent, minizero.launch hands it to the ranks it starts."""
+    """Model the network from now on: a Network, a spec ("1gbps,10us,ranks_per_node=2": network.py)
+    or None (off). Set in the parent, minizero.launch hands it to the ranks it starts."""
     global _network
     _network = parse_network(model) if isinstance(model, str) else model
     link.free_at = 0.0
@@ -233,8 +242,8 @@ def network() -> Network | None:
 
 
 def ranks_per_node() -> int:
-    """Ranks per node: the network model's; without one, torchrun's LOCAL_WORLD_SIZE, else every rank
-    (minizero.launch runs them all on one machine)."""
+    """Ranks per node: the network model's; without one, torchrun's LOCAL_WORLD_SIZE, else every
+    rank (minizero.launch runs them all on one machine)."""
     if _network is not None:
         return _network.ranks_per_node
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
@@ -246,14 +255,15 @@ def spans_nodes(group: Group | None) -> bool:
 
 
 def ranks_span_nodes(ranks, per_node: int) -> bool:
-    """Whether these ranks sit on more than one node (ranks r and s share a node iff r // R == s // R).
-    The one rule for the tally's split and for memory.comm_volume_by_node."""
+    """Whether these ranks sit on more than one node (ranks r and s share a node iff
+    r // R == s // R). The one rule for the tally's split and for memory.comm_volume_by_node."""
     return len({r // per_node for r in ranks}) > 1
 
 
 def _book(tally_kind: str, kind: str, sent: float, n: int, group: Group | None):
-    """Add `sent` bytes to the tally; with a network model, book the ring of `kind` on this rank's link.
-    Returns (start, end) of the modelled transfer (time.perf_counter seconds), or None without a model."""
+    """Add `sent` bytes to the tally; with a network model, book the ring of `kind` on this rank's
+    link. Returns (start, end) of the modelled transfer (time.perf_counter seconds), or None without
+    a model."""
     _tally[tally_kind] += sent
     inter = spans_nodes(group)
     _span["inter_node" if inter else "intra_node"] += sent
@@ -264,11 +274,12 @@ def _book(tally_kind: str, kind: str, sent: float, n: int, group: Group | None):
     return end - seconds, end
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Collectives. Each returns an async handle (call .wait()) when async_op=True, else None.
 # With one rank they are no-ops (or a copy), so every stage also runs single-process.
-# `tag` says what a collective is for ("unit 3 (blocks.3)", "bucket 0"): the event stream carries it.
-# --------------------------------------------------------------------------------------------------------
+# `tag` says what a collective is for ("unit 3 (blocks.3)", "bucket 0"): the event stream carries
+# it.
+# --------------------------------------------------------------------------------------------------
 
 class _Done:
     """The handle of a collective with nothing left to wait for."""
@@ -277,9 +288,9 @@ class _Done:
 
 
 class Joined:
-    """One handle for several collectives in flight: wait() waits for each, then runs `finish` once (what
-    is left to do locally when they are done: a copy out, a dequantization). `keep`: tensors the
-    collectives read, held until they are done."""
+    """One handle for several collectives in flight: wait() waits for each, then runs `finish` once
+    (what is left to do locally when they are done: a copy out, a dequantization). `keep`: tensors
+    the collectives read, held until they are done."""
 
     def __init__(self, handles: list, finish=None, keep=None):
         self.handles, self.finish, self.keep = handles, finish, keep
@@ -318,9 +329,10 @@ _blocking = False          # synchronous(): every collective completes before it
 
 @contextlib.contextmanager
 def synchronous():
-    """Inside the block every collective completes before the call returns, async_op or not (its handle
-    is already done). For debugging and for stepping through a step phase by phase (lab/stepthrough.py):
-    NCCL_BLOCKING_WAIT's idea. Values are the same; only the overlap is gone."""
+    """Inside the block every collective completes before the call returns, async_op or not
+    (its handle is already done). For debugging and for stepping through a step phase by
+    phase (lab/stepthrough.py): NCCL_BLOCKING_WAIT's idea. Values are the same; only the
+    overlap is gone."""
     global _blocking
     previous, _blocking = _blocking, True
     try:
@@ -331,9 +343,9 @@ def synchronous():
 
 def _issue(kind: str, full: torch.Tensor, group: Group | None, tag: str, async_op: bool, run,
            local=None, sent: float | None = None):
-    """Every collective passes here: tally the ring bytes of `kind` over `full` (its whole size), book it
-    on the modelled network, tell the event stream, then run it (`run()`: the backend's async handle;
-    with one rank `local()`, if anything, instead)."""
+    """Every collective passes here: tally the ring bytes of `kind` over `full` (its whole size),
+    book it on the modelled network, tell the event stream, then run it (`run()`: the backend's
+    async handle; with one rank `local()`, if anything, instead)."""
     global _seq
     n = group_size(group)
     if sent is None:
@@ -354,16 +366,17 @@ def _issue(kind: str, full: torch.Tensor, group: Group | None, tag: str, async_o
     return issued if async_op else None
 
 
-# [Note: collectives on gloo] The ring formulas above are what a bandwidth-optimal implementation sends,
-# and NCCL's collectives are such rings. gloo's are not equally good: on the machine this project is
-# developed on, gloo's reduce-scatter, half an all-reduce on paper, takes longer than its whole
-# all-reduce, and its all-gather longer than broadcasting each rank's piece (docs/performance.md has the
-# table and the command that measures it: python -m minizero.bench --collectives). So on gloo minizero
-# runs reduce_scatter as an all-reduce of the input followed by a copy of this rank's part, and
-# all_gather as one broadcast per rank: more bytes move, less time passes. The tally still books the
-# collective the algorithm asks for, with its ring bytes: the papers' cost, and what NCCL sends. The
-# price for callers: reduce_scatter's input is workspace, its contents afterwards undefined on every
-# backend (every stage's input is a buffer it is done with). `backend_collectives()` turns this off.
+# [Note: collectives on gloo] The ring formulas above are what a bandwidth-optimal implementation
+# sends, and NCCL's collectives are such rings. gloo's are not equally good: on the machine this
+# project is developed on, gloo's reduce-scatter, half an all-reduce on paper, takes longer than its
+# whole all-reduce, and its all-gather longer than broadcasting each rank's piece
+# (docs/performance.md has the table and the command that measures it: python -m minizero.bench
+# --collectives). So on gloo minizero runs reduce_scatter as an all-reduce of the input followed by
+# a copy of this rank's part, and all_gather as one broadcast per rank: more bytes move, less time
+# passes. The tally still books the collective the algorithm asks for, with its ring bytes: the
+# papers' cost, and what NCCL sends. The price for callers: reduce_scatter's input is workspace, its
+# contents afterwards undefined on every backend (every stage's input is a buffer it is done with).
+# `backend_collectives()` turns this off.
 _gloo_workarounds = True
 
 
@@ -391,36 +404,61 @@ def _copy_into(output: torch.Tensor, input: torch.Tensor):
     return local
 
 
-def all_reduce(tensor: torch.Tensor, op: str = "avg", async_op: bool = False, group: Group | None = None,
-               tag: str = ""):
+def all_reduce(
+    tensor: torch.Tensor,
+    op: str = "avg",
+    async_op: bool = False,
+    group: Group | None = None,
+    tag: str = "",
+):
     """In place: every rank ends with op(tensor over ranks). DDP's gradient averaging."""
     return _issue("all_reduce", tensor, group, tag, async_op,
                   lambda: dist.all_reduce(tensor, op=_OPS[op], async_op=True, group=_pg(group)))
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "avg", async_op: bool = False,
-                   group: Group | None = None, tag: str = ""):
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: str = "avg",
+    async_op: bool = False,
+    group: Group | None = None,
+    tag: str = "",
+):
     """input [N * n] on every rank -> output [n] on rank r = op over ranks of input[r*n:(r+1)*n].
 
-    `output` may be rank r's slice of `input` itself (in place): stage 1 uses that to average its own
-    partition of the gradient without a second buffer. The rest of `input` is workspace: undefined after.
+    `output` may be rank r's slice of `input` itself (in place): stage 1 uses that to average its
+    own partition of the gradient without a second buffer. The rest of `input` is workspace:
+    undefined after.
     """
-    assert input.numel() == output.numel() * group_size(group), "reduce_scatter: input must be N x output"
+    assert input.numel() == output.numel() * group_size(group), (
+        "reduce_scatter: input must be N x output"
+    )
 
     def run():
         if _on_gloo():                                    # [Note: collectives on gloo]
             mine = partition(input.view(-1), group_rank(group), group_size(group))       # [n]
             copy_out = _copy_into(output, mine) if output.data_ptr() != mine.data_ptr() else None
-            return Joined([dist.all_reduce(input, op=_OPS[op], async_op=True, group=_pg(group))], copy_out)
-        return dist.reduce_scatter_single(output, input, op=_OPS[op], async_op=True, group=_pg(group))
+            return Joined(
+                [dist.all_reduce(input, op=_OPS[op], async_op=True, group=_pg(group))], copy_out
+            )
+        return dist.reduce_scatter_single(
+            output, input, op=_OPS[op], async_op=True, group=_pg(group)
+        )
     return _issue("reduce_scatter", input, group, tag, async_op, run, _copy_into(output, input))
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False, group: Group | None = None,
-               tag: str = ""):
-    """input [n] from every rank -> output [N * n] on every rank, rank r's input at output[r*n:(r+1)*n].
+def all_gather(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    async_op: bool = False,
+    group: Group | None = None,
+    tag: str = "",
+):
+    """input [n] from every rank -> output [N * n] on every rank, rank r's input at
+    output[r*n:(r+1)*n].
 
-    `input` may be this rank's slice of `output` (in place), which is how ZeRO rebuilds full parameters.
+    `input` may be this rank's slice of `output` (in place), which is how ZeRO rebuilds
+    full parameters.
     """
     n = group_size(group)
     assert output.numel() == input.numel() * n, "all_gather: output must be N x input"
@@ -436,19 +474,32 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, async_op: bool = False
     return _issue("all_gather", output, group, tag, async_op, run, _copy_into(output, input))
 
 
-def broadcast(tensor: torch.Tensor, src: int = 0, async_op: bool = False, group: Group | None = None,
-              tag: str = ""):
-    """In place: every rank ends with rank `src`'s tensor (src: a global rank). Starts all replicas equal."""
+def broadcast(
+    tensor: torch.Tensor,
+    src: int = 0,
+    async_op: bool = False,
+    group: Group | None = None,
+    tag: str = "",
+):
+    """In place: every rank ends with rank `src`'s tensor (src: a global rank). Starts all
+    replicas equal."""
     return _issue("broadcast", tensor, group, tag, async_op,
                   lambda: dist.broadcast(tensor, src=src, async_op=True, group=_pg(group)))
 
 
-def all_to_all(output: torch.Tensor, input: torch.Tensor, async_op: bool = False, group: Group | None = None,
-               tag: str = ""):
-    """input [N * n] -> output [N * n]: chunk j of rank r's input lands as chunk r of rank j's output.
+def all_to_all(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    async_op: bool = False,
+    group: Group | None = None,
+    tag: str = "",
+):
+    """input [N * n] -> output [N * n]: chunk j of rank r's input lands as chunk r of rank
+    j's output.
 
-    A transpose of who-holds-what. Each rank keeps one chunk and sends N-1: (N-1)/N of the input. ZeRO++'s
-    quantized gradient reduce-scatter (qgZ) uses it to send int8 chunks, summed by the receiver.
+    A transpose of who-holds-what. Each rank keeps one chunk and sends N-1: (N-1)/N of the
+    input. ZeRO++'s quantized gradient reduce-scatter (qgZ) uses it to send int8 chunks, summed
+    by the receiver.
     """
     assert output.numel() == input.numel() and input.numel() % group_size(group) == 0, \
         "all_to_all: input and output must be the same N x n"
@@ -457,9 +508,9 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, async_op: bool = False
                   _copy_into(output, input))
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Routes: how one partition travels (ZeRO's variants as data, not as branches in the stages)
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 class Exact:
     """The paper's codec: the values travel as they are stored."""
@@ -476,17 +527,17 @@ EXACT = Exact()
 
 @dataclasses.dataclass(frozen=True)
 class Route:
-    """Which ranks a partition's collective runs over (`group`, None: all N), in what codec (EXACT, or
-    quantize.Int8Blocks: ZeRO++), and where its source lives (`home`: "device", or "host" with
-    offload="params", ZeRO-Infinity: copied to the compute device first). Route() is the paper's ZeRO;
-    HSDP, hpZ, parameter offload, qwZ and qgZ are other routes (zero2.py, zero3.py build them). Both
-    methods start the collective and return its async handle."""
+    """Which ranks a partition's collective runs over (`group`, None: all N), in what codec (EXACT,
+    or quantize.Int8Blocks: ZeRO++), and where its source lives (`home`: "device", or "host" with
+    offload="params", ZeRO-Infinity: copied to the compute device first). Route() is the paper's
+    ZeRO; HSDP, hpZ, parameter offload, qwZ and qgZ are other routes (zero2.py, zero3.py build
+    them). Both methods start the collective and return its async handle."""
     group: Group | None = None
     codec: Exact = EXACT
     home: str = "device"
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: str = ""):
-        if self.home == "host":                           # host -> device, explicit (also on a CPU run)
+        if self.home == "host":                       # host -> device, explicit (also on a CPU run)
             input = input.to(device(), copy=True, non_blocking=True)
             return Joined([self.codec.all_gather(output, input, self.group, tag)], keep=input)
         return self.codec.all_gather(output, input, self.group, tag)
@@ -496,7 +547,8 @@ class Route:
 
 
 def all_gather_object(obj) -> list:
-    """Every rank's `obj`, by rank. For reporting results under torchrun, not for training: not tallied."""
+    """Every rank's `obj`, by rank. For reporting results under torchrun, not for training:
+    not tallied."""
     if world_size() == 1:
         return [obj]
     out = [None] * world_size()
@@ -504,23 +556,25 @@ def all_gather_object(obj) -> list:
     return out
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Teaching: a ring all-reduce built from point-to-point sends, equal to all_reduce(op="sum").
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     """Sum `tensor` over ranks in place with the ring algorithm, using only send/recv.
 
     The tensor is cut into N chunks. Ranks sit on a ring; each talks only to its two neighbours.
 
-      Phase 1, reduce-scatter (N-1 steps): at step s, rank r sends chunk (r - s) to rank r+1 and adds the
-               chunk (r - s - 1) it receives from rank r-1 into its own copy. After N-1 steps rank r holds
-               the complete sum of chunk (r + 1).
-      Phase 2, all-gather (N-1 steps): the same rotation, but the received chunk *replaces* the local one,
+      Phase 1, reduce-scatter (N-1 steps): at step s, rank r sends chunk (r - s) to rank r+1 and
+      adds the
+               chunk (r - s - 1) it receives from rank r-1 into its own copy. After N-1 steps rank r
+               holds the complete sum of chunk (r + 1).
+      Phase 2, all-gather (N-1 steps): the same rotation, but the received chunk *replaces* the
+      local one,
                so the finished sums travel once around the ring.
 
-    Each rank sends 2(N-1) chunks of S/N bytes: 2(N-1)/N * S, independent of N for large N. That is why
-    the ring is bandwidth-optimal and why the tally above uses it as the unit.
+    Each rank sends 2(N-1) chunks of S/N bytes: 2(N-1)/N * S, independent of N for large N. That is
+    why the ring is bandwidth-optimal and why the tally above uses it as the unit.
     """
     n, r = world_size(), rank()
     if n == 1:
@@ -533,12 +587,19 @@ def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     incoming = torch.empty(chunk, dtype=flat.dtype, device=flat.device)
     right, left = (r + 1) % n, (r - 1) % n
     # tallied (and, with a network model, timed) as the 2(N-1) hops of chunk bytes it sends
-    modeled = _book("ring_all_reduce", "all_reduce", 2 * (n - 1) * chunk * flat.element_size(), n, None)
+    modeled = _book(
+        "ring_all_reduce", "all_reduce", 2 * (n - 1) * chunk * flat.element_size(), n, None
+    )
 
     def exchange(send_idx: int) -> None:
-        events.emit("ring exchange", buffer=padded, send=send_idx)   # [N * chunk], before the exchange
-        # Post the send and the receive together so neither neighbour waits on the other (no deadlock).
-        ops = [dist.P2POp(dist.isend, chunks[send_idx], right), dist.P2POp(dist.irecv, incoming, left)]
+        # [N * chunk], before the exchange
+        events.emit("ring exchange", buffer=padded, send=send_idx)
+        # Post the send and the receive together so neither neighbour waits on the other
+        # (no deadlock).
+        ops = [
+            dist.P2POp(dist.isend, chunks[send_idx], right),
+            dist.P2POp(dist.irecv, incoming, left),
+        ]
         for req in dist.batch_isend_irecv(ops):
             req.wait()
 

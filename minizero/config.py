@@ -82,8 +82,9 @@ KEYS = {
         "all-gather within R ranks; 1 = off)",
     "zero_optimization.offload_optimizer.pipeline_read": "accepted: the disk tier always reads the "
         "next piece while it steps one (disk.py)",
-    "zero_optimization.offload_optimizer.pipeline_write": "accepted: the disk tier always writes the "
-        "last piece while it steps one (disk.py)",
+    "zero_optimization.offload_optimizer.pipeline_write": (
+        "accepted: the disk tier always writes the last piece while it steps one (disk.py)"
+    ),
     "zero_optimization.offload_optimizer.pin_memory": "accepted: host buffers are pinned whenever "
         "CUDA is used",
     "zero_optimization.offload_param.pin_memory": "accepted: host buffers are pinned whenever "

@@ -1,4 +1,5 @@
-"""`python -m minizero.consolidate`: turn a sharded checkpoint into one plain fp32 state_dict (the command is minizero/cli/consolidate.py)."""
+"""`python -m minizero.consolidate`: turn a sharded checkpoint into one plain fp32 state_dict (the
+command is minizero/cli/consolidate.py)."""
 
 import sys
 

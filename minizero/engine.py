@@ -1,43 +1,46 @@
 """What every stage shares: the user-facing engine, mixed precision, gradient clipping, measurement.
 
     engine = minizero.wrap(model, stage, functools.partial(torch.optim.AdamW, lr=1e-3))
-    loss = loss_fn(engine(x), y)       # forward
-    engine.backward(loss)              # backward + gradient communication
-    engine.step()                      # clip, optimizer step on what this rank owns, share the result
+    loss = loss_fn(engine(x), y)     # forward
+    engine.backward(loss)            # backward + gradient communication
+    engine.step()                    # clip, optimizer step on what this rank owns, share the result
 
-dtype: "fp32", "bf16" or "fp16" (the model computes in it; the optimizer keeps fp32 masters, optim.py).
-fp16 also scales the loss (loss_scale.py): loss_scale=None (dynamic), a number (static) or a dict.
-reduce_dtype: None (the gradients are reduced and accumulated in dtype) or "fp32" (bf16/fp16 runs: in
-fp32, FSDP2's MixedPrecisionPolicy.reduce_dtype, DeepSpeed's data_types.grad_accum_dtype). Autograd still
-produces each p.grad in dtype; flat.FlatLayout.point_grads_into adds it into the fp32 buffers that are
-reduced. The paper's 2 + 2 + K bytes per parameter become 2 + 4 + K, and the gradient collectives move
-4 bytes an element instead of 2 (memory.grad_bytes, memory.comm_volume). For fp32 it is the default.
+dtype: "fp32", "bf16" or "fp16" (the model computes in it; the optimizer keeps fp32 masters,
+optim.py). fp16 also scales the loss (loss_scale.py): loss_scale=None (dynamic), a number (static)
+or a dict. reduce_dtype: None (the gradients are reduced and accumulated in dtype) or "fp32"
+(bf16/fp16 runs: in fp32, FSDP2's MixedPrecisionPolicy.reduce_dtype, DeepSpeed's
+data_types.grad_accum_dtype). Autograd still produces each p.grad in dtype;
+flat.FlatLayout.point_grads_into adds it into the fp32 buffers that are reduced. The paper's
+2 + 2 + K bytes per parameter become 2 + 4 + K, and the gradient collectives move 4 bytes an element
+instead of 2 (memory.grad_bytes, memory.comm_volume). For fp32 it is the default.
 
 Each stage (ddp.py, zero1.py, zero2.py, zero3.py) subclasses `Engine` and fills in four steps:
     _after_backward()   communicate gradients (unless inside no_sync())
     _grad_parts()       the averaged gradients of what this rank steps, one tensor per bucket
     _after_step()       share updated parameters (stages 1-2 all-gather them)
     _zero_grad()        clear gradients for the next step
-and sets `self.layout` (flat.FlatLayout), `self.optimizer` (optim.ShardOptimizer) and `self.sharded`.
+and sets `self.layout` (flat.FlatLayout), `self.optimizer` (optim.ShardOptimizer) and
+`self.sharded`.
 
-[Note: hierarchical sharding] The paper's ZeRO partitions over all N ranks. shard_group_size=S (stages
-1-3; FSDP2's HSDP, DeepSpeed's MiCS) partitions within groups of S consecutive ranks (`shard_group`, one
-row of comm.mesh(S)) and replicates across the N/S groups (`replicate_group`, the ranks that hold the same
-partition: one column). Per rank, S replaces N in every sharded term of the memory formulas. The flat
-layout cuts each bucket into S partitions (its shard index: comm.group_rank(shard_group)); gradients are
-reduce-scattered within the shard group (the average over its S ranks) and, at step(), this rank's
-partition is all-reduced across the replicate group (the average over the N/S groups): the average over
-all N. Parameters are all-gathered within the shard group. With S a node's size every collective but
-that small all-reduce (2(N/S-1)/(N/S)·Ψ/S) stays inside the node. S = N (the default, None) is the
-paper's ZeRO: shard_group and replicate_group are None and nothing here changes a byte. The marked lines
-in zero1/zero2/zero3 pass group=self.shard_group; ZeRO++'s hpZ (hpz_group_size, zero3.py) adds a third
-group, a node's R ranks, for stage 3's backward all-gather.
+[Note: hierarchical sharding] The paper's ZeRO partitions over all N ranks. shard_group_size=S
+(stages 1-3; FSDP2's HSDP, DeepSpeed's MiCS) partitions within groups of S consecutive ranks
+(`shard_group`, one row of comm.mesh(S)) and replicates across the N/S groups (`replicate_group`,
+the ranks that hold the same partition: one column). Per rank, S replaces N in every sharded term of
+the memory formulas. The flat layout cuts each bucket into S partitions (its shard index:
+comm.group_rank(shard_group)); gradients are reduce-scattered within the shard group (the average
+over its S ranks) and, at step(), this rank's partition is all-reduced across the replicate group
+(the average over the N/S groups): the average over all N. Parameters are all-gathered within the
+shard group. With S a node's size every collective but that small all-reduce (2(N/S-1)/(N/S)·Ψ/S)
+stays inside the node. S = N (the default, None) is the paper's ZeRO: shard_group and
+replicate_group are None and nothing here changes a byte. The marked lines in zero1/zero2/zero3 pass
+group=self.shard_group; ZeRO++'s hpZ (hpz_group_size, zero3.py) adds a third group, a node's R
+ranks, for stage 3's backward all-gather.
 
-Measurement: memory() gives this rank's model-state bytes and the activations' peak (activations.py);
-`with engine.memory_timeline() as timeline:` records one (time, event, bytes by category) per event of
-the event stream (events.py): the end of each unit's forward, the start of its backward, each gradient
-bucket launched and arrived, the end of backward, the step. Bytes in flight (stage 2-3 staging buffers)
-count as grads, as in memory().
+Measurement: memory() gives this rank's model-state bytes and the activations' peak
+(activations.py); `with engine.memory_timeline() as timeline:` records one (time, event, bytes by
+category) per event of the event stream (events.py): the end of each unit's forward, the start of
+its backward, each gradient bucket launched and arrived, the end of backward, the step. Bytes in
+flight (stage 2-3 staging buffers) count as grads, as in memory().
 """
 
 from __future__ import annotations
@@ -58,12 +61,22 @@ from minizero.options import check_offload, is_positive_int, takes
 
 class Engine:
     stage: int = -1
-    sharded: bool = True           # stages 1-3: the optimizer steps a partition, gradients are partitioned
+    sharded: bool = True    # stages 1-3: the optimizer steps a partition, gradients are partitioned
 
-    def __init__(self, model: nn.Module, optimizer, *, dtype: str = "fp32", offload: bool | str = False,
-                 clip_grad_norm: float | None = None, loss_scale: float | dict | None = None,
-                 reduce_dtype: str | None = None, shard_group_size: int | None = None,
-                 hpz_group_size: int | None = None, offload_path: str | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer,
+        *,
+        dtype: str = "fp32",
+        offload: bool | str = False,
+        clip_grad_norm: float | None = None,
+        loss_scale: float | dict | None = None,
+        reduce_dtype: str | None = None,
+        shard_group_size: int | None = None,
+        hpz_group_size: int | None = None,
+        offload_path: str | None = None,
+    ):
         self.check(dtype, offload, reduce_dtype, shard_group_size, hpz_group_size,
                    offload_path=offload_path)
         # fp16: the loss is multiplied by S before backward, the gradients divided by it in step()
@@ -76,62 +89,89 @@ class Engine:
         self.module = model
         self.optimizer_factory = optimizer
         self.dtype = DTYPES[dtype]
-        self.grad_dtype = DTYPES[reduce_dtype or dtype]    # what gradients are reduced and accumulated in
+        # what gradients are reduced and accumulated in
+        self.grad_dtype = DTYPES[reduce_dtype or dtype]
         self.offload = offload
         self.offload_path = offload_path              # offload="disk": its file's folder (disk.py)
         self.clip_grad_norm = clip_grad_norm
         self.rank, self.world_size, self.device = comm.rank(), comm.world_size(), comm.device()
         # [Note: hierarchical sharding]: who this rank shards with (None: all N) and replicates with
         full = shard_group_size in (None, self.world_size)
-        self.shard_group, self.replicate_group = (None, None) if full else comm.mesh(shard_group_size)
-        self.hpz_group = None if hpz_group_size is None else comm.row_group(hpz_group_size)   # zero3.py: hpZ
+        self.shard_group, self.replicate_group = (
+            (None, None) if full else comm.mesh(shard_group_size)
+        )
+        # zero3.py: hpZ
+        self.hpz_group = None if hpz_group_size is None else comm.row_group(hpz_group_size)
         self._sync = True
         self._peak = {"peak": 0, "peak_params": 0}
-        self._now: dict[str, int] | None = None       # bytes by category, counted on [Note: counted peaks]
+        # bytes by category, counted on [Note: counted peaks]
+        self._now: dict[str, int] | None = None
         self._accumulating = False                    # a no_sync() backward ran since the last step
         self.last_grad_norm: float | None = None
         self.step_count = 0            # steps taken, skipped ones included; a checkpoint saves it
 
-        # Mixed precision: the model computes in self.dtype (floating params and buffers are cast; the
-        # optimizer keeps fp32 masters, see optim.py). A model built by minizero.sharded_init holds only
-        # partitions: those are cast (construct.py), and they hold rank 0's values already.
+        # Mixed precision: the model computes in self.dtype (floating params and buffers are
+        # cast; the optimizer keeps fp32 masters, see optim.py). A model built by
+        # minizero.sharded_init holds only partitions: those are cast (construct.py), and they
+        # hold rank 0's values already.
         construct.cast_partitions(model, self.device, self.dtype)
         model.to(device=self.device, dtype=self.dtype)
         self._broadcast_from_rank0()
-        params = list(model.parameters())                      # distinct: a tied weight appears once
-        self._params = params             # the Parameter objects never change (stages move only p.data)
+        params = list(model.parameters())                     # distinct: a tied weight appears once
+        self._params = params         # the Parameter objects never change (stages move only p.data)
         self.trainable = [p for p in params if p.requires_grad]
         self.frozen = [p for p in params if not p.requires_grad]   # replicated as-is, never stepped
-        self.activations = activations.SavedTensorMeter(params)    # ZeRO-R: what forward saves (activations.py)
+        # ZeRO-R: what forward saves (activations.py)
+        self.activations = activations.SavedTensorMeter(params)
         events.subscribe_weakly(self._count)                       # [Note: counted peaks]
 
     @classmethod
-    def check(cls, dtype: str = "fp32", offload: bool | str = False, reduce_dtype: str | None = None,
-              shard_group_size: int | None = None, hpz_group_size: int | None = None,
-              world_size: int | None = None, offload_path: str | None = None) -> None:
-        """The rules for dtype, offload (and its folder), reduce_dtype and the group sizes: the engine
-        checks them when it is built, and wrap.check / the CLI call this before anything is built (or
-        any process started; world_size: the N to check against, default this process group's). Which
-        stage takes what: options.py."""
+    def check(
+        cls,
+        dtype: str = "fp32",
+        offload: bool | str = False,
+        reduce_dtype: str | None = None,
+        shard_group_size: int | None = None,
+        hpz_group_size: int | None = None,
+        world_size: int | None = None,
+        offload_path: str | None = None,
+    ) -> None:
+        """The rules for dtype, offload (and its folder), reduce_dtype and the group sizes: the
+        engine checks them when it is built, and wrap.check / the CLI call this before anything is
+        built (or any process started; world_size: the N to check against, default this process
+        group's). Which stage takes what: options.py."""
         n = comm.world_size() if world_size is None else world_size
         if shard_group_size is not None and not takes(cls.stage, "shard_group_size"):
             raise ValueError("shard_group_size needs ZeRO stage 1, 2 or 3 (DDP partitions nothing)")
         if hpz_group_size is not None and not takes(cls.stage, "hpz_group_size"):
-            raise ValueError(f"hpz_group_size needs stage 3 (stage {cls.stage} does not gather parameters "
-                             "in backward)")
-        if shard_group_size is not None and not (is_positive_int(shard_group_size) and n % shard_group_size == 0):
-            raise ValueError(f"shard_group_size must be a divisor of the world size {n} (1 <= S <= N), "
-                             f"got {shard_group_size!r}")
-        s = n if shard_group_size is None else shard_group_size    # R divides S: a node's ranks hold whole
-        if hpz_group_size is not None and not (is_positive_int(hpz_group_size) and s % hpz_group_size == 0):
+            raise ValueError(
+                f"hpz_group_size needs stage 3 (stage {cls.stage} does not gather parameters "
+                "in backward)"
+            )
+        if shard_group_size is not None and not (
+            is_positive_int(shard_group_size) and n % shard_group_size == 0
+        ):
+            raise ValueError(
+                f"shard_group_size must be a divisor of the world size {n} (1 <= S <= N), "
+                f"got {shard_group_size!r}"
+            )
+        # R divides S: a node's ranks hold whole
+        s = n if shard_group_size is None else shard_group_size
+        if hpz_group_size is not None and not (
+            is_positive_int(hpz_group_size) and s % hpz_group_size == 0
+        ):
             raise ValueError(f"hpz_group_size must be a divisor of the shard group size {s}, "
                              f"got {hpz_group_size!r}")     # partitions of the shard group's
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        # Reducing in more precision than the compute is the point; in less (fp32 compute, bf16 reduce) it
-        # would be gradient compression, which minizero does not do. The compute dtype itself is a no-op.
+        # Reducing in more precision than the compute is the point; in less (fp32 compute, bf16
+        # reduce) it would be gradient compression, which minizero does not do. The compute dtype
+        # itself is a no-op.
         if reduce_dtype not in (None, "fp32", dtype):
-            raise ValueError(f"reduce_dtype must be None, 'fp32' or the compute dtype {dtype!r}, got {reduce_dtype!r}")
+            raise ValueError(
+                "reduce_dtype must be None, 'fp32' or the "
+                f"compute dtype {dtype!r}, got {reduce_dtype!r}"
+            )
         check_offload(cls.stage, offload)
         if offload_path is not None and offload != "disk":
             raise ValueError("offload_path is the disk tier's folder: it needs offload='disk'")
@@ -139,21 +179,22 @@ class Engine:
             disk.check_folder(offload_path)              # missing or unwritable: before any build
 
     def _broadcast_from_rank0(self) -> None:
-        """All replicas start from rank 0's weights and buffers, whatever each process initialised."""
+        """All replicas start from rank 0's weights and buffers, whatever each
+        process initialised."""
         with torch.no_grad():
             for t in list(self.module.parameters()) + list(self.module.buffers()):
                 if construct.partition_of(t) is None:
                     comm.broadcast(t.data, src=0, tag="rank 0's initial values")
 
-    # --- forward ------------------------------------------------------------------------------------
+    # --- forward ----------------------------------------------------------------------------------
     def __call__(self, *inputs, **kwargs):
         with self.activations.recording():
             return self.module(*inputs, **kwargs)
 
-    # --- backward -----------------------------------------------------------------------------------
+    # --- backward ---------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         if self.scaler is not None:
-            loss = self.scaler.scale_loss(loss)            # every gradient S times larger (chain rule)
+            loss = self.scaler.scale_loss(loss)         # every gradient S times larger (chain rule)
         self._accumulating |= not self._sync              # p.grad holds what no_sync() accumulated
         loss.backward()
         self._after_backward()
@@ -162,23 +203,26 @@ class Engine:
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Gradient accumulation: backward inside this block only accumulates locally (no communication).
-        The first backward outside it reduces the sum of all accumulated micro-batches."""
+        """Gradient accumulation: backward inside this block only accumulates locally
+        (no communication). The first backward outside it reduces the sum of all
+        accumulated micro-batches."""
         previous, self._sync = self._sync, False
         try:
             yield
         finally:
             self._sync = previous
 
-    # --- step ---------------------------------------------------------------------------------------
+    # --- step -------------------------------------------------------------------------------------
     def step(self) -> None:
         grads = self._grad_parts()
         if self.replicate_group is not None:               # [Note: hierarchical sharding]
             for b, g in zip(self.layout.buckets, grads):   # average over the N/S groups: over all N
-                comm.all_reduce(g, op="avg", group=self.replicate_group, tag=f"bucket {b.index} across")
-        if self.scaler is not None:                        # fp16: the gradients are still S times too large
-            grads = self.scaler.unscale(grads)             # fp32 / S; None: some rank overflowed
-        if grads is not None:                              # (None: every rank skips this step, loss_scale.py)
+                comm.all_reduce(
+                    g, op="avg", group=self.replicate_group, tag=f"bucket {b.index} across"
+                )
+        if self.scaler is not None:              # fp16: the gradients are still S times too large
+            grads = self.scaler.unscale(grads)   # fp32 / S; None: some rank overflowed
+        if grads is not None:                    # (None: every rank skips this step, loss_scale.py)
             if self.clip_grad_norm is not None:
                 self.last_grad_norm = self._clip(grads)
             self.optimizer.step(grads)
@@ -192,14 +236,16 @@ class Engine:
         self.step_count += 1
 
     def _clip(self, grads: list[torch.Tensor]) -> float:
-        """Clip by the *global* norm. With sharded gradients each rank only sees its partition, so the
-        squares are summed locally and then over ranks; clipping each shard by its own norm (a classic
-        mistake) would give every rank a different scale. Same formula as torch.nn.utils.clip_grad_norm_."""
+        """Clip by the *global* norm. With sharded gradients each rank only sees its
+        partition, so the squares are summed locally and then over ranks; clipping each shard
+        by its own norm (a classic mistake) would give every rank a different scale. Same
+        formula as torch.nn.utils.clip_grad_norm_."""
         squares = torch.zeros((), dtype=torch.float32, device=self.device)
         for g in grads:
             squares += g.float().pow(2).sum()
         if self.sharded:
-            comm.all_reduce(squares, op="sum", group=self.shard_group,   # squares over all partitions
+            # squares over all partitions
+            comm.all_reduce(squares, op="sum", group=self.shard_group,
                             tag="gradient norm")
         norm = squares.sqrt()
         scale = (self.clip_grad_norm / (norm + 1e-6)).clamp(max=1.0)
@@ -217,21 +263,22 @@ class Engine:
         """Steps skipped because the fp16 gradients overflowed on some rank."""
         return self.scaler.skipped_steps if self.scaler is not None else 0
 
-    # --- results ------------------------------------------------------------------------------------
+    # --- results ----------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's state dict (keys as model.state_dict()), on CPU, trainable parameters in fp32
-        from the master weights. Collective: every rank must call it; every rank gets the result."""
+        """The whole model's state dict (keys as model.state_dict()), on CPU, trainable
+        parameters in fp32 from the master weights. Collective: every rank must call it; every
+        rank gets the result."""
         values = {}
         for b, master in zip(self.layout.buckets, self.optimizer.master_values()):
             full = master
-            if self.sharded:                                   # rebuild the bucket from N partitions
+            if self.sharded:                                  # rebuild the bucket from N partitions
                 full = torch.empty(b.padded_numel, dtype=torch.float32, device=self.device)
                 comm.all_gather(full, master.to(self.device).contiguous(),   # host masters: offload
                                 group=self.shard_group, tag=f"bucket {b.index} masters")
             for p, view in b.views(full):
                 values[id(p)] = view.detach().cpu().clone()
         out = {}
-        with self.gathering(self.frozen):                      # stage 3 partitions frozen parameters too
+        with self.gathering(self.frozen):                 # stage 3 partitions frozen parameters too
             for name, t in self.module.state_dict(keep_vars=True).items():
                 value = values.get(id(t))
                 if value is None:                              # frozen parameter or buffer
@@ -241,13 +288,14 @@ class Engine:
                 out[name] = value
         return out
 
-    # --- full parameters between steps ---------------------------------------------------------------
+    # --- full parameters between steps ------------------------------------------------------------
     @contextlib.contextmanager
     def gathered(self, modules: list[nn.Module] | None = None, modifier_rank: int | None = None):
-        """Inside the block the full parameters of `modules` (default: the whole model) are readable on
-        every rank: DeepSpeed's GatheredParameters, FSDP's summon_full_params. With modifier_rank=r, what
-        rank r writes to them is given to every rank when the block ends, and to the optimizer's master
-        weights. Collective, between steps. Stages 0-2 hold full parameters already; stage 3 gathers."""
+        """Inside the block the full parameters of `modules` (default: the whole model) are readable
+        on every rank: DeepSpeed's GatheredParameters, FSDP's summon_full_params. With
+        modifier_rank=r, what rank r writes to them is given to every rank when the block ends, and
+        to the optimizer's master weights. Collective, between steps. Stages 0-2 hold full
+        parameters already; stage 3 gathers."""
         if modifier_rank is not None and not (isinstance(modifier_rank, int) and
                                               0 <= modifier_rank < self.world_size):
             raise ValueError(f"modifier_rank must be a rank in 0..{self.world_size - 1} or None, "
@@ -260,7 +308,7 @@ class Engine:
     def gathering(self, params: list[nn.Parameter], modifier_rank: int | None = None):
         """gathered() for a list of parameters (checkpoints use it for the frozen ones)."""
         params = list({id(p): p for p in params}.values())
-        self._track_peak()             # between steps anything may have changed (a checkpoint loaded)
+        self._track_peak()           # between steps anything may have changed (a checkpoint loaded)
         self._gather_for_user(params)
         try:
             yield
@@ -278,27 +326,29 @@ class Engine:
 
     def _after_user_write(self, params: list[nn.Parameter]) -> None:
         if any(p.requires_grad for p in params):
-            self.optimizer.reload()    # stages 0-2: the parameters are the truth; the masters follow
+            self.optimizer.reload()   # stages 0-2: the parameters are the truth; the masters follow
 
     def _release_for_user(self, params: list[nn.Parameter]) -> None:
         pass
 
-    # --- checkpoints: sharded, bit-exact resume (format and guarantees: minizero/checkpoint.py) -------
+    # --- checkpoints: sharded, bit-exact resume (format and guarantees:
+    # minizero/checkpoint.py) -------
     def save(self, directory: str) -> None:
-        """Collective, between steps: every rank writes its shard to `directory`, rank 0 commits it."""
+        """Collective, between steps: every rank writes its shard to `directory`, rank 0
+        commits it."""
         checkpoint.save(self, directory)
 
     def load(self, directory: str) -> None:
-        """Collective: restore a checkpoint of the same model and optimizer class, saved at any stage, world
-        size, dtype or offload (resharded); on any mismatch raise checkpoint.CheckpointError (one line) on
-        every rank, with nothing modified."""
+        """Collective: restore a checkpoint of the same model and optimizer class, saved at any
+        stage, world size, dtype or offload (resharded); on any mismatch raise
+        checkpoint.CheckpointError (one line) on every rank, with nothing modified."""
         checkpoint.load(self, directory)
 
     def memory(self) -> dict[str, int]:
-        """This rank's model-state bytes now: params, grads, optimizer (compute device), offloaded (host),
-        and the peaks seen so far (`peak`: all device model states, `peak_params`: parameters alone); and
-        `activations`: the peak bytes saved for backward during the current or last step (ZeRO-R; not in
-        `peak`, which is the model states' figure)."""
+        """This rank's model-state bytes now: params, grads, optimizer (compute device), offloaded
+        (host), and the peaks seen so far (`peak`: all device model states, `peak_params`:
+        parameters alone); and `activations`: the peak bytes saved for backward during the current
+        or last step (ZeRO-R; not in `peak`, which is the model states' figure)."""
         now = self._measure()
         self._update_peak(now)
         return {**now, **self._peak, "activations": self.activations.peak,
@@ -314,35 +364,47 @@ class Engine:
         }
 
     def _extra_tensors(self, category: str) -> list[torch.Tensor]:
-        """Stage-specific buffers (flat gradient buffers, shards, buckets in flight) of a category."""
+        """Stage-specific buffers (flat gradient buffers, shards, buckets in flight) of
+        a category."""
         return []
 
     def _measure(self) -> dict[str, int]:
         return measure(self._memory_groups())
 
-    # --- the memory timeline: one rank's bytes by category at each event of a step --------------------
+    # --- the memory timeline: one rank's bytes by category at each event of a step ----------------
     def watch(self, units: list[nn.Module]) -> None:
-        """Tell the event stream where each unit's forward ends and its backward starts (wrap calls it
-        with the model's units, at every stage): what memory_timeline() and the step-through show."""
+        """Tell the event stream where each unit's forward ends and its backward starts (wrap
+        calls it with the model's units, at every stage): what memory_timeline() and the
+        step-through show."""
         for i, unit in enumerate(units):
-            unit.register_forward_hook(lambda module, args, output, i=i: self._on_unit_forward(i, output))
+            unit.register_forward_hook(
+                lambda module, args, output, i=i: self._on_unit_forward(i, output)
+            )
 
     def _on_unit_forward(self, i: int, output) -> None:
         events.emit("unit forward", engine=self, index=i)
-        # its output's gradient arrives: its backward starts (the first output tensor that needs one)
+        # its output's gradient arrives: its backward starts (the first output tensor that
+        # needs one)
         needs_grad = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
         if needs_grad:
-            needs_grad[0].register_hook(lambda grad: events.emit("unit backward", engine=self, index=i))
+            needs_grad[0].register_hook(
+                lambda grad: events.emit("unit backward", engine=self, index=i)
+            )
 
     @contextlib.contextmanager
     def memory_timeline(self):
         """Inside the block: a list of (time, event, bytes by category now) at each of this engine's
-        events: "forward i", "backward i", "bucket k launched", "bucket k arrived", "end of backward",
-        "step"; the categories as memory() counts them, plus the activations alive."""
+        events: "forward i", "backward i", "bucket k launched", "bucket k arrived", "end of
+        backward", "step"; the categories as memory() counts them, plus the activations alive."""
         timeline: list[tuple[float, str, dict[str, int]]] = []
-        labels = {"unit forward": "forward {index}", "unit backward": "backward {index}",
-                  "bucket launched": "bucket {index} launched", "bucket arrived": "bucket {index} arrived",
-                  "backward done": "end of backward", "step": "step"}
+        labels = {
+            "unit forward": "forward {index}",
+            "unit backward": "backward {index}",
+            "bucket launched": "bucket {index} launched",
+            "bucket arrived": "bucket {index} arrived",
+            "backward done": "end of backward",
+            "step": "step",
+        }
 
         def record(name: str, fields: dict) -> None:
             if fields.get("engine") is self and name in labels:
@@ -358,15 +420,20 @@ class Engine:
         self._update_peak(self._now)
 
     # [Note: counted peaks] Stage 3 wants the peak where it happens, at each unit gathered and each
-    # gradient bucket in flight: several times a step. Re-measuring every storage there (_track_peak)
-    # would cost a noticeable part of a step (docs/performance.md). Between two measurements, the only model
-    # states that come and go in a step are the buffers the stages allocate and free themselves (a unit's
-    # full parameters and hpZ's secondaries, a bucket's staging buffer): their events carry the bytes in
-    # and out (_COUNTED), and the moments of _PEAKS compare the running count with the peak. Autograd's
-    # p.grad needs no count: stages 2-3 free each one the moment it is complete, before any such moment.
-    # Except inside no_sync(), where gradients accumulate in p.grad until the step: then every moment
-    # measures again.
-    _COUNTED = {"unit gather": "params", "unit freed": "params", "secondary": "params", "staging": "grads"}
+    # gradient bucket in flight: several times a step. Re-measuring every storage there
+    # (_track_peak) would cost a noticeable part of a step (docs/performance.md). Between two
+    # measurements, the only model states that come and go in a step are the buffers the stages
+    # allocate and free themselves (a unit's full parameters and hpZ's secondaries, a bucket's
+    # staging buffer): their events carry the bytes in and out (_COUNTED), and the moments of _PEAKS
+    # compare the running count with the peak. Autograd's p.grad needs no count: stages 2-3 free
+    # each one the moment it is complete, before any such moment. Except inside no_sync(), where
+    # gradients accumulate in p.grad until the step: then every moment measures again.
+    _COUNTED = {
+        "unit gather": "params",
+        "unit freed": "params",
+        "secondary": "params",
+        "staging": "grads",
+    }
     _PEAKS = ("unit gathered", "bucket ready")
 
     def _count(self, name: str, fields: dict) -> None:
@@ -385,7 +452,7 @@ class Engine:
         self._peak["peak"] = max(self._peak["peak"], total)
         self._peak["peak_params"] = max(self._peak["peak_params"], now["params"])
 
-    # --- filled in by each stage --------------------------------------------------------------------
+    # --- filled in by each stage ------------------------------------------------------------------
     def _after_backward(self) -> None:
         raise NotImplementedError
 

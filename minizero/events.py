@@ -5,32 +5,36 @@
         engine.backward(loss)
         engine.step()
 
-minizero's code never looks at who is watching. At each transition that a learner, a plot or a test may
-want to see, it calls `emit(name, **fields)`; every subscriber is called with (name, fields), in this
-process (one rank). What is emitted, and by whom:
+minizero's code never looks at who is watching. At each transition that a learner, a plot or a test
+may want to see, it calls `emit(name, **fields)`; every subscriber is called with (name, fields), in
+this process (one rank). What is emitted, and by whom:
 
-    collective        comm.py, as a collective is issued: kind, tag (what it is for: "unit 3 (blocks.3)",
-                      "bucket 0"), group, numel, dtype, sent (ring bytes this rank sends), tensor (the full
-                      buffer), seq (this rank's count of collectives), modeled ((start, end) on the
-                      network model's link, or None)
-    collective done   comm.py, when that collective has completed (its handle waited): seq, kind, tag
-    unit gather       zero3.py, a unit's all-gather issued (prefetch: True when nobody waits for it yet)
+    collective        comm.py, as a collective is issued: kind, tag (what it is for: "unit 3
+                      (blocks.3)", "bucket 0"), group, numel, dtype, sent (ring bytes this rank
+                      sends), tensor (the full buffer), seq (this rank's count of collectives),
+                      modeled ((start, end) on the network model's link, or None)
+    collective done   comm.py, when that collective has completed (its handle waited): seq,
+                      kind, tag
+    unit gather       zero3.py, a unit's all-gather issued (prefetch: True when nobody waits for
+                      it yet)
     unit gathered     zero3.py, its full parameters are there; `nbytes` they took
     unit freed        zero3.py, its full parameters released; `nbytes` they gave back
     secondary         zero3.py, hpZ's node-local copy kept (+nbytes) or dropped (-nbytes)
-    bucket launched   reducer.py, a gradient bucket's collective issued (`in_backward`: during backward)
+    bucket launched   reducer.py, a gradient bucket's collective issued (`in_backward`:
+                      during backward)
     bucket arrived    reducer.py, its reduced gradients are in place
     staging           zero2.py, a bucket's staging buffer allocated (+nbytes) or released (-nbytes)
     unit forward      engine.py, a unit's forward has ended (index)
     unit backward     engine.py, a unit's backward starts (index)
     backward done     engine.py, the end of engine.backward()
-    optimizer step    engine.py, the optimizer has stepped what this rank owns (before parameters move)
+    optimizer step    engine.py, the optimizer has stepped what this rank owns (before
+                      parameters move)
     step              engine.py, the end of engine.step()
 
 Engine events carry `engine`; unit events `unit`; bucket events `bucket` (a flat.Bucket).
-Subscribers must not change what they are shown: the stream is for observing. The engine's own counted
-memory peaks (engine.py) subscribe like any other watcher; so do `engine.memory_timeline()`, the
-step-through (lab/stepthrough.py), the network timelines, the graders and the bench.
+Subscribers must not change what they are shown: the stream is for observing. The engine's own
+counted memory peaks (engine.py) subscribe like any other watcher; so do `engine.memory_timeline()`,
+the step-through (lab/stepthrough.py), the network timelines, the graders and the bench.
 
 With a torch.profiler running, each event is also a `minizero/<name>` label in the trace.
 """
@@ -59,7 +63,8 @@ def emit(name: str, **fields) -> None:
 
 
 def subscribe(subscriber: Subscriber) -> Callable[[], None]:
-    """Call `subscriber(name, fields)` for every event from now on; returns the function that stops it."""
+    """Call `subscriber(name, fields)` for every event from now on; returns the function that
+    stops it."""
     _subscribers.append(subscriber)
     return lambda: _subscribers.remove(subscriber) if subscriber in _subscribers else None
 
@@ -76,9 +81,9 @@ def subscribed(subscriber: Subscriber):
 
 @contextlib.contextmanager
 def recorded(*names: str):
-    """A list of (time.perf_counter(), name, fields) for the events named (all when none), emitted inside
-    the block. Tensors in the fields are left out: a record must not keep alive a buffer that the engine
-    has freed."""
+    """A list of (time.perf_counter(), name, fields) for the events named (all when none), emitted
+    inside the block. Tensors in the fields are left out: a record must not keep alive a buffer that
+    the engine has freed."""
     log: list[tuple[float, str, dict]] = []
 
     def keep(name: str, fields: dict) -> None:
@@ -90,8 +95,8 @@ def recorded(*names: str):
 
 
 def subscribe_weakly(method) -> None:
-    """Subscribe a bound method without keeping its object alive (an engine watching its own events):
-    once the object is garbage, the subscription removes itself."""
+    """Subscribe a bound method without keeping its object alive (an engine watching its own
+    events): once the object is garbage, the subscription removes itself."""
     ref = weakref.WeakMethod(method)
 
     def call(name: str, fields: dict) -> None:

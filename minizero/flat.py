@@ -2,20 +2,20 @@
 
 Run its tests:  python -m pytest tests/test_flat.py
 
-ZeRO never communicates parameter by parameter. It lays parameters end to end in one 1-D buffer and cuts
-that buffer into N equal *partitions* (N = world size, the paper's N_d), one per rank:
+ZeRO never communicates parameter by parameter. It lays parameters end to end in one 1-D buffer and
+cuts that buffer into N equal *partitions* (N = world size, the paper's N_d), one per rank:
 
     flat buffer  |  p0 (6)  | p1 (4) |  p2 (5)  |pad|      numel Ψ_b = 15, padded to 16 for N = 4
     partitions   | rank 0 | rank 1 | rank 2 | rank 3 |    4 elements each; p0 and p2 straddle ranks
 
-A parameter may straddle two partitions (DeepSpeed's stage_1_and_2 does this; FairScale's OSS instead
-assigns whole parameters to ranks, which balances worse). Padding the end to a multiple of N is what lets
-reduce-scatter and all-gather work on equal chunks.
+A parameter may straddle two partitions (DeepSpeed's stage_1_and_2 does this; FairScale's OSS
+instead assigns whole parameters to ranks, which balances worse). Padding the end to a multiple of N
+is what lets reduce-scatter and all-gather work on equal chunks.
 
-A `Bucket` is one such padded group. Several buckets can sit back to back in one buffer (DDP and stage 2
-bucket gradients so communication starts during backward; stage 3's buckets are its units). Each rank's
-*shard* of a layout is the concatenation of its partition of every bucket, stored in one contiguous
-buffer of `shard_numel` elements: that is where ZeRO keeps what it no longer replicates.
+A `Bucket` is one such padded group. Several buckets can sit back to back in one buffer (DDP and
+stage 2 bucket gradients so communication starts during backward; stage 3's buckets are its units).
+Each rank's *shard* of a layout is the concatenation of its partition of every bucket, stored in one
+contiguous buffer of `shard_numel` elements: that is where ZeRO keeps what it no longer replicates.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ DEFAULT_BUCKET_BYTES = 25e6      # PyTorch DDP's bucket_cap_mb = 25; used by DDP
 
 
 def partition(flat: torch.Tensor, index: int, parts: int) -> torch.Tensor:
-    """Piece `index` of a 1-D buffer cut into `parts` equal pieces: [numel / parts], a view. The one rule
-    for "rank r's slice" (of a bucket, of a collective's buffer, of hpZ's node group), used everywhere."""
+    """Piece `index` of a 1-D buffer cut into `parts` equal pieces: [numel / parts], a view. The
+    one rule for "rank r's slice" (of a bucket, of a collective's buffer, of hpZ's node group),
+    used everywhere."""
     size = flat.numel() // parts
     return flat[index * size: (index + 1) * size]
 
@@ -44,11 +45,11 @@ def padded_size(numel: int, parts: int) -> int:
 @dataclass(eq=False)          # buckets are compared and hashed by identity
 class Bucket:
     params: list[nn.Parameter]
-    offsets: list[int]          # where each parameter starts inside the bucket
-    numel: int                  # Ψ_b: elements of real parameters
-    padded_numel: int           # numel rounded up to a multiple of N
-    start: int                  # where the bucket starts in the layout's flat buffer
-    shard_start: int            # where this rank's partition of it starts in the layout's shard buffer
+    offsets: list[int]       # where each parameter starts inside the bucket
+    numel: int               # Ψ_b: elements of real parameters
+    padded_numel: int        # numel rounded up to a multiple of N
+    start: int               # where the bucket starts in the layout's flat buffer
+    shard_start: int         # where this rank's partition of it starts in the layout's shard buffer
     world_size: int
     index: int = 0
 
@@ -57,7 +58,8 @@ class Bucket:
         return self.padded_numel // self.world_size
 
     def views(self, bucket_buffer: torch.Tensor) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
-        """(param, view shaped like param) for each parameter, into a buffer of padded_numel elements."""
+        """(param, view shaped like param) for each parameter, into a buffer of
+        padded_numel elements."""
         for p, off in zip(self.params, self.offsets):
             yield p, bucket_buffer[off: off + p.numel()].view(p.shape)
 
@@ -80,13 +82,15 @@ class FlatLayout:
                 offsets.append(numel)
                 numel += p.numel()
             padded = padded_size(numel, world_size) if pad else numel
-            b = Bucket(params, offsets, numel, padded, start, shard_start, world_size if pad else 1, i)
+            b = Bucket(
+                params, offsets, numel, padded, start, shard_start, world_size if pad else 1, i
+            )
             buckets.append(b)
             start += padded
             shard_start += b.shard_numel
         return cls(buckets, world_size, rank)
 
-    # sizes -----------------------------------------------------------------------------------------
+    # sizes ----------------------------------------------------------------------------------------
     @property
     def numel(self) -> int:                  # Ψ: real parameter elements
         return sum(b.numel for b in self.buckets)
@@ -99,15 +103,15 @@ class FlatLayout:
     def shard_numel(self) -> int:            # size of one rank's shard buffer, ~Ψ / N
         return sum(b.shard_numel for b in self.buckets)
 
-    # slicing ---------------------------------------------------------------------------------------
+    # slicing --------------------------------------------------------------------------------------
     @staticmethod
     def full(flat: torch.Tensor, b: Bucket) -> torch.Tensor:
         """Bucket b's range of a flat buffer: [padded_numel]."""
         return flat[b.start: b.start + b.padded_numel]
 
     def my_partition(self, bucket_buffer: torch.Tensor, b: Bucket) -> torch.Tensor:
-        """This rank's partition of a full bucket buffer: [shard_numel]. A view, so collectives can work
-        in place (reduce-scatter's output, all-gather's input)."""
+        """This rank's partition of a full bucket buffer: [shard_numel]. A view, so collectives can
+        work in place (reduce-scatter's output, all-gather's input)."""
         return partition(bucket_buffer, self.rank, b.world_size)
 
     @staticmethod
@@ -115,9 +119,10 @@ class FlatLayout:
         """Bucket b's part of this rank's shard buffer: [shard_numel]."""
         return shard_buffer[b.shard_start: b.shard_start + b.shard_numel]
 
-    # moving parameters in and out ------------------------------------------------------------------
+    # moving parameters in and out -----------------------------------------------------------------
     def flatten(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A new flat buffer [padded_numel] holding the parameters' current values (padding zero)."""
+        """A new flat buffer [padded_numel] holding the parameters' current values
+        (padding zero)."""
         flat = torch.zeros(self.padded_numel, dtype=dtype, device=device)
         for b in self.buckets:
             for p, view in b.views(self.full(flat, b)):
@@ -136,8 +141,8 @@ class FlatLayout:
         return full
 
     def point_params_into(self, flat: torch.Tensor) -> None:
-        """Make every parameter a view of `flat`: writing the buffer (an all-gather) updates the model.
-        The parameters' old storage is freed once nothing else refers to it."""
+        """Make every parameter a view of `flat`: writing the buffer (an all-gather) updates the
+        model. The parameters' old storage is freed once nothing else refers to it."""
         for b in self.buckets:
             self.point_bucket_into(b, self.full(flat, b))
 
@@ -150,17 +155,20 @@ class FlatLayout:
         """Make backward accumulate the gradients into `flat_grads`.
 
         Same dtype as the parameters: p.grad becomes a view of `flat_grads`, so autograd accumulates
-        straight into the flat buffer (PyTorch DDP's gradient_as_bucket_view) and the buffer can be reduced
-        without a copy. Another dtype (engine's reduce_dtype="fp32" for bf16/fp16 parameters): a p.grad must
-        have its parameter's dtype, so autograd produces it as usual and a hook adds it into its (fp32) view
-        the moment it is complete, then frees it: the sum over backwards happens in fp32. The hook is
-        registered first, so it runs before a reducer's (reducer.GradBuckets) sees the gradient complete."""
+        straight into the flat buffer (PyTorch DDP's gradient_as_bucket_view) and the buffer can be
+        reduced without a copy. Another dtype (engine's reduce_dtype="fp32" for bf16/fp16
+        parameters): a p.grad must have its parameter's dtype, so autograd produces it as usual and
+        a hook adds it into its (fp32) view the moment it is complete, then frees it: the sum over
+        backwards happens in fp32. The hook is registered first, so it runs before a reducer's
+        (reducer.GradBuckets) sees the gradient complete."""
         for b in self.buckets:
             for p, view in b.views(self.full(flat_grads, b)):
                 if view.dtype == p.dtype:
                     p.grad = view
                 else:
-                    p.register_post_accumulate_grad_hook(lambda p, view=view: _add_and_free(p, view))
+                    p.register_post_accumulate_grad_hook(
+                        lambda p, view=view: _add_and_free(p, view)
+                    )
 
 
 def _add_and_free(p: nn.Parameter, view: torch.Tensor) -> None:

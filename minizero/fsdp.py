@@ -53,7 +53,7 @@ class FlatParameters:
     def __init__(self, parts: list[torch.Tensor]):
         self.param_parts = parts
         self.params = [nn.Parameter(part if part.dtype == torch.float32 else part.float())
-                       for part in parts]             # fp32: views of param_shard; else [Ψ_u/N] fp32
+                       for part in parts]            # fp32: views of param_shard; else [Ψ_u/N] fp32
 
     def _masters(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """(master, its partition) where they are separate tensors (bf16 partitions)."""

@@ -1,26 +1,29 @@
-"""Run a function on N processes of one machine, each a rank of one process group: `minizero.launch`.
+"""Run a function on N processes of one machine, each a rank of one process group:
+`minizero.launch`.
 
     import minizero
     from minizero.lab.train import TrainConfig, train_worker
-    results = minizero.launch(train_worker, 4, TrainConfig(stage=2))   # list of 4 per-rank return values
+    # list of 4 per-rank return values
+    results = minizero.launch(train_worker, 4, TrainConfig(stage=2))
 
-This is for one machine (a laptop's CPU cores, or the GPUs of one box). Across machines use torchrun,
-which sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT; `minizero.comm.init()` reads those.
+This is for one machine (a laptop's CPU cores, or the GPUs of one box). Across machines use
+torchrun, which sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT; `minizero.comm.init()`
+reads those.
 
 How the processes start, and why not plain `fork`:
-  `fork` is the fastest start (~0.2 s for 4 ranks) but unsafe once the parent has run torch ops on several
-  threads: the child inherits a copy of the OpenMP thread pool's state without its threads and can hang in
-  its first parallel op. A notebook that computes a reference and then forks workers hits exactly that.
-  `spawn` is safe but every child imports torch again (~5 s for 4 ranks).
-  We use `forkserver` with torch preloaded: the first launch starts one clean server process that imports
-  torch once and never runs an op; every worker is forked from *it*, so starts are fork-fast after the
-  first and never inherit a used thread pool. CUDA is safe for the same reason (the server never touches
-  the GPU). `fn` must be importable, as with spawn: defined in a module or in the script being run (the
-  server imports the main script as `__mp_main__`, so keep its top level behind `if __name__ == "__main__"`),
-  not in a notebook cell or a REPL.
+  `fork` is the fastest start (~0.2 s for 4 ranks) but unsafe once the parent has run torch ops on
+  several threads: the child inherits a copy of the OpenMP thread pool's state without its threads
+  and can hang in its first parallel op. A notebook that computes a reference and then forks workers
+  hits exactly that. `spawn` is safe but every child imports torch again (~5 s for 4 ranks).
+  We use `forkserver` with torch preloaded: the first launch starts one clean server process that
+  imports torch once and never runs an op; every worker is forked from *it*, so starts are fork-fast
+  after the first and never inherit a used thread pool. CUDA is safe for the same reason (the server
+  never touches the GPU). `fn` must be importable, as with spawn: defined in a module or in the
+  script being run (the server imports the main script as `__mp_main__`, so keep its top level
+  behind `if __name__ == "__main__"`), not in a notebook cell or a REPL.
 
-Failure handling: if any rank raises or dies, `launch` kills the others at once (they may be blocked in
-a collective waiting for the dead one) and raises RuntimeError naming the rank and its exception,
+Failure handling: if any rank raises or dies, `launch` kills the others at once (they may be blocked
+in a collective waiting for the dead one) and raises RuntimeError naming the rank and its exception,
 followed by every rank's last collectives (the flight recorder of minizero/desync.py).
 Ranks out of step: each rank's collectives are fingerprinted and compared (minizero/desync.py). When
 the ranks issue different collectives, or none finishes for `stall_timeout` seconds while a rank
@@ -31,14 +34,14 @@ killed by a signal names the signal (SIGKILL is also what the kernel's OOM kille
 
 Memory cap (`memory_cap=` bytes per rank): each child sets its RLIMIT_DATA before running fn, so an
 allocation past the cap fails in that rank (torch: RuntimeError "can't allocate memory") instead of
-taking the machine's memory from everyone: how to show "this does not fit" without filling the machine
-(python -m minizero.scale --rss). RLIMIT_DATA counts a process's private writable memory, torch's own
-included (0.3 GB of an idle rank here): what allocations take. Not RLIMIT_AS: it counts every mapping
-(0.8 GB of an idle rank here, mostly torch's shared libraries; a CUDA process reserves far more address
-space than it uses). Not RLIMIT_RSS: Linux ignores it. Only the soft limit is set, so a failing rank can
-lift it to report.
-Results come back as `torch.save` bytes through a pipe, not as shared-memory tensors, so a worker may
-exit before the parent reads them.
+taking the machine's memory from everyone: how to show "this does not fit" without filling the
+machine (python -m minizero.scale --rss). RLIMIT_DATA counts a process's private writable memory,
+torch's own included (0.3 GB of an idle rank here): what allocations take. Not RLIMIT_AS: it counts
+every mapping (0.8 GB of an idle rank here, mostly torch's shared libraries; a CUDA process reserves
+far more address space than it uses). Not RLIMIT_RSS: Linux ignores it. Only the soft limit is set,
+so a failing rank can lift it to report.
+Results come back as `torch.save` bytes through a pipe, not as shared-memory tensors, so a worker
+may exit before the parent reads them.
 """
 
 from __future__ import annotations
@@ -62,8 +65,8 @@ from minizero import comm, desync
 from minizero.options import check_positive_int
 from minizero.network import network_from_env
 
-_GRACE_S = 5.0          # after a failure, how long survivors get between SIGTERM and SIGKILL
-_SETTLE_S = 1.0         # after a first failure, how long to collect other reports before naming the cause
+_GRACE_S = 5.0    # after a failure, how long survivors get between SIGTERM and SIGKILL
+_SETTLE_S = 1.0   # after a first failure, how long to collect other reports before naming the cause
 
 
 def _dumps(obj: Any) -> bytes:
@@ -77,14 +80,17 @@ def _loads(data: bytes) -> Any:
 
 
 def _context(start_method: str | None, fn: Callable) -> mp.context.BaseContext:
-    method = start_method or ("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
+    method = start_method or (
+        "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    )
     ctx = mp.get_context(method)
     if method == "forkserver":
-        # Imported once in the server instead of once per rank: torch; torch._dynamo, which torch.optim's
-        # first Optimizer() imports (~1.7 s of CPU per rank); and the module of the first launched function
-        # when it is minizero's. (The server starts on the first launch; later launches reuse it, so later
-        # modules load per rank.) Not a module of the user's: a notebook's %%writefile worker is edited
-        # between launches, and a copy preloaded in the server would hide every edit from later ranks.
+        # Imported once in the server instead of once per rank: torch; torch._dynamo, which
+        # torch.optim's first Optimizer() imports (~1.7 s of CPU per rank); and the module of the
+        # first launched function when it is minizero's. (The server starts on the first launch;
+        # later launches reuse it, so later modules load per rank.) Not a module of the user's: a
+        # notebook's %%writefile worker is edited between launches, and a copy preloaded in the
+        # server would hide every edit from later ranks.
         module = getattr(fn, "__module__", None) or ""
         mine = [module] if module.split(".")[0] == "minizero" else []
         ctx.set_forkserver_preload(["__main__", "torch", "torch._dynamo"] + mine)
@@ -92,15 +98,19 @@ def _context(start_method: str | None, fn: Callable) -> mp.context.BaseContext:
 
 
 def _out_of_memory(exc: BaseException) -> bool:
-    """Whether exc is an allocation that failed: Python's MemoryError, torch's CUDA OutOfMemoryError, or
-    torch's CPU allocator refused by the OS ("can't allocate memory", errno 12)."""
-    return isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(exc)
+    """Whether exc is an allocation that failed: Python's MemoryError, torch's CUDA
+    OutOfMemoryError, or torch's CPU allocator refused by the OS ("can't allocate memory",
+    errno 12)."""
+    return isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(
+        exc
+    )
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str | None, payload: bytes, conn,
             memory_cap: int | None = None, network=None, stall_timeout: float | None = None,
             check_every: int = 0) -> None:
-    """Body of each child process: join the group, run fn, send back ("ok", result) or ("error", ...)."""
+    """Body of each child process: join the group, run fn, send back ("ok", result) or
+    ("error", ...)."""
     # Ranks share the machine's cores; more threads than cores per rank only adds contention.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     _, hard = resource.getrlimit(resource.RLIMIT_DATA)
@@ -109,9 +119,15 @@ def _worker(rank: int, world_size: int, port: int, backend: str | None, payload:
         if memory_cap is not None:
             resource.setrlimit(resource.RLIMIT_DATA, (memory_cap, hard))
         fn, args = _loads(payload)
-        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=datetime.timedelta(seconds=60))
+        store = dist.TCPStore(
+            "127.0.0.1",
+            port,
+            world_size + 1,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=60),
+        )
         comm.init(rank, world_size, backend=backend, store=store)
-        comm.set_network(network)       # the parent's, not the environment the forkserver started with
+        comm.set_network(network)    # the parent's, not the environment the forkserver started with
         if stall_timeout is not None or check_every:
             # a verdict is the parent's to report: it reads it from the store and stops every rank
             watch = desync.watch(store, stall_timeout, check_every, on_verdict=lambda line: None)
@@ -121,8 +137,12 @@ def _worker(rank: int, world_size: int, port: int, backend: str | None, payload:
     except BaseException as exc:  # noqa: BLE001 - everything must reach the parent, even SystemExit
         hint = ""
         if isinstance(exc, AttributeError) and "Can't get attribute" in str(exc):
-            hint = " (the worker function must be importable: define it in a module, not a notebook cell)"
-        # The rank is finished: lift its cap, so that reporting cannot fail for the memory it was denied.
+            hint = (
+                " (the worker function must be importable: "
+                "define it in a module, not a notebook cell)"
+            )
+        # The rank is finished: lift its cap, so that reporting cannot fail for the memory it
+        # was denied.
         resource.setrlimit(resource.RLIMIT_DATA, (hard, hard))
         message = f"{type(exc).__name__}: {exc}{hint}"
         if _out_of_memory(exc):
@@ -159,13 +179,15 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None
     backend: "gloo" (CPU) or "nccl" (one GPU per rank); default NCCL when there is a GPU per rank,
       else gloo (NCCL refuses two ranks on one GPU).
     timeout: seconds for the whole run (None: no limit); past it every rank is killed.
-    memory_cap: bytes of private memory each rank may hold, torch's own included (RLIMIT_DATA; None: no cap).
-    stall_timeout: seconds in which no rank issues or finishes a collective while one waits, before
+    memory_cap: bytes of private memory each rank may hold, torch's own included (RLIMIT_DATA; None:
+    no cap). stall_timeout: seconds in which no rank issues or finishes a collective while one
+    waits, before
       the run is stopped naming who never issued it (default 20, $MINIZERO_STALL_TIMEOUT_S; None:
       never). check_every: compare the ranks' collective fingerprints before the first and every
       k-th collective (0: only when the run stalls). Both: minizero/desync.py.
-    Raises RuntimeError("rank R failed: ...") if any rank raises or dies; no child outlives the call.
-    The ranks model the network this process has (comm.set_network, else MINIZERO_NETWORK; network.py).
+    Raises RuntimeError("rank R failed: ...") if any rank raises or dies; no child outlives the
+    call. The ranks model the network this process has (comm.set_network, else
+    MINIZERO_NETWORK; network.py).
     """
     check_positive_int("world_size", world_size)
     if backend is None:
@@ -182,7 +204,8 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None
     if memory_cap is not None:
         check_positive_int("memory_cap", memory_cap, "number of bytes")
     ctx = _context(start_method, fn)
-    # The parent hosts the rendezvous store on a port the OS picks, so there is no race for a free port.
+    # The parent hosts the rendezvous store on a port the OS picks, so there is no race for a
+    # free port.
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
     payload = _dumps((fn, args))
@@ -191,9 +214,23 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None
     try:
         for rank in range(world_size):
             recv_end, send_end = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_worker, args=(rank, world_size, store.port, backend, payload, send_end,
-                                                 memory_cap, network, stall_timeout, check_every),
-                            name=f"minizero-rank{rank}", daemon=True)
+            p = ctx.Process(
+                target=_worker,
+                args=(
+                    rank,
+                    world_size,
+                    store.port,
+                    backend,
+                    payload,
+                    send_end,
+                    memory_cap,
+                    network,
+                    stall_timeout,
+                    check_every,
+                ),
+                name=f"minizero-rank{rank}",
+                daemon=True,
+            )
             p.start()
             send_end.close()            # the child holds the only writer now: EOF means it died
             procs.append(p)
@@ -207,10 +244,15 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None
 
 
 def _died(exitcode: int | None) -> str:
-    """Why a rank that sent nothing is gone, in words: a negative exit code is the signal that killed it."""
+    """Why a rank that sent nothing is gone, in words: a negative exit code is the signal that
+    killed it."""
     text = f"process died (exit code {exitcode}) before returning a result"
     if exitcode is not None and exitcode < 0:
-        name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() else f"signal {-exitcode}"
+        name = (
+            signal.Signals(-exitcode).name
+            if -exitcode in signal.valid_signals()
+            else f"signal {-exitcode}"
+        )
         text += f": killed by {name}"
         if -exitcode == signal.SIGKILL:
             text += " (also what the kernel's OOM killer sends when the machine runs out of memory)"
@@ -218,20 +260,24 @@ def _died(exitcode: int | None) -> str:
 
 
 def _collect(procs: list, conns: list, timeout: float | None, store: dist.Store) -> list:
-    """Wait for every rank's message. On a failure, listen a moment longer before naming the culprit:
-    when a rank dies, its peers soon fail too ("connection reset by peer" in a collective), and their
-    reports can arrive before the dead rank's closed pipe. A rank that died without a word is the cause;
-    otherwise the first rank that raised. Ranks out of step are named by desync's verdict instead,
-    which may come while every rank still waits. The caller then kills whoever is left."""
+    """Wait for every rank's message. On a failure, listen a moment longer before naming the
+    culprit: when a rank dies, its peers soon fail too ("connection reset by peer" in a
+    collective), and their reports can arrive before the dead rank's closed pipe. A rank that died
+    without a word is the cause; otherwise the first rank that raised. Ranks out of step are named
+    by desync's verdict instead, which may come while every rank still waits. The caller then kills
+    whoever is left."""
     deadline = None if timeout is None else time.monotonic() + timeout
     results: list = [None] * len(procs)
     pending = set(range(len(procs)))
-    failures: dict[int, tuple[float, str]] = {}        # rank -> (order: died first, then by time; message)
+    # rank -> (order: died first, then by time; message)
+    failures: dict[int, tuple[float, str]] = {}
     settle_until = None
     while pending and (settle_until is None or time.monotonic() < settle_until):
         if deadline is not None and time.monotonic() > deadline:
-            raise RuntimeError(f"minizero.launch: timed out after {timeout} s; ranks {sorted(pending)} "
-                               f"had not finished{desync.report(store, len(procs))}")
+            raise RuntimeError(
+                f"minizero.launch: timed out after {timeout} s; ranks {sorted(pending)} "
+                f"had not finished{desync.report(store, len(procs))}"
+            )
         verdict = desync.verdict(store)
         if verdict is not None:
             raise RuntimeError(f"ranks out of step: {verdict}{desync.report(store, len(procs))}")
@@ -248,7 +294,10 @@ def _collect(procs: list, conns: list, timeout: float | None, store: dist.Store)
                 failures[r] = (float("-inf"), _died(procs[r].exitcode))
                 continue
             if msg[0] == "error":
-                failures[r] = (time.monotonic(), f"{msg[1]}\n--- traceback of rank {r} ---\n{msg[2]}")
+                failures[r] = (
+                    time.monotonic(),
+                    f"{msg[1]}\n--- traceback of rank {r} ---\n{msg[2]}",
+                )
             else:
                 results[r] = _loads(msg[1])
         if failures and settle_until is None:

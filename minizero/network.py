@@ -2,36 +2,42 @@
 
     python -m minizero.run --stage 0 --world-size 4 --network 1gbps,10us,ranks_per_node=2
     MINIZERO_NETWORK=1gbps,10us,ranks_per_node=2 torchrun --nproc-per-node 4 -m minizero.run
-    comm.set_network("1gbps,10us,ranks_per_node=2")     # Python: in a rank, or before minizero.launch
-    python -m pytest tests/test_network.py              # its tests; notebooks/08_beyond.ipynb shows it
+    comm.set_network("1gbps,10us,ranks_per_node=2")  # Python: in a rank, or before minizero.launch
+    python -m pytest tests/test_network.py           # its tests; notebooks/08_beyond.ipynb shows it
 
-Why. minizero's ranks are processes of one machine talking over loopback: next to the compute, communication
-is almost free. So what the later ZeRO papers are about cannot be seen: whether DDP's bucketed all-reduce
-really hides behind backward, what stage 3's prefetch buys, why stage 3's 3Ψ costs more than 2Ψ. With a
-model set (off by default), every collective still runs for real over gloo (its values stay exact), and
-its handle's wait() returns no earlier than the moment the modelled network would have finished it.
+Why. minizero's ranks are processes of one machine talking over loopback: next to the compute,
+communication is almost free. So what the later ZeRO papers are about cannot be seen: whether DDP's
+bucketed all-reduce really hides behind backward, what stage 3's prefetch buys, why stage 3's 3Ψ
+costs more than 2Ψ. With a model set (off by default), every collective still runs for real over
+gloo (its values stay exact), and its handle's wait() returns no earlier than the moment the
+modelled network would have finished it.
 
 What it models (comm.py applies it; this file is the model):
-  * Topology: nodes of `ranks_per_node` consecutive ranks. A collective whose group lies inside one node
-    runs on the intra-node links (NVLink-like: `intra_bandwidth`, default unlimited, `intra_latency`,
-    default 0); one whose group spans nodes runs on the inter-node links (`bandwidth`, `latency`).
-  * A ring. Over n ranks, a collective takes `RING_STEPS` hops, in each of which every rank sends one chunk
-    to its neighbour; a rank sends comm.ring_bytes in all (2(n-1)/n·S for an all-reduce of S bytes).
-    Hops are in lockstep, so the slowest link of the ring sets the pace: the α-β (Hockney) model
-        time = steps · α + bytes one rank sends / β          α: latency per hop, β: bytes/s of the link
+  * Topology: nodes of `ranks_per_node` consecutive ranks. A collective whose group lies inside one
+    node runs on the intra-node links (NVLink-like: `intra_bandwidth`, default unlimited,
+    `intra_latency`, default 0); one whose group spans nodes runs on the inter-node links
+    (`bandwidth`, `latency`).
+  * A ring. Over n ranks, a collective takes `RING_STEPS` hops, in each of which every rank sends
+    one chunk to its neighbour; a rank sends comm.ring_bytes in all (2(n-1)/n·S for an all-reduce
+    of S bytes). Hops are in lockstep, so the slowest link of the ring sets the pace: the α-β
+    (Hockney) model
+        time = steps · α + bytes one rank sends / β       α: latency per hop, β: bytes/s of the link
     with the inter-node α, β as soon as the ring crosses a node boundary.
-  * Queuing. A rank's link is one resource (`Link`): a collective starts when it is issued or when the
-    previous one on this rank's link ends, whichever is later. An asynchronous collective issued during
-    backward therefore runs while autograd computes (overlap), and a synchronous one blocks its caller.
-    Intra- and inter-node collectives share that one queue: a rank's collectives run in the order issued,
-    as one NCCL communicator's do on its stream (it does not model two streams using two kinds of link).
+  * Queuing. A rank's link is one resource (`Link`): a collective starts when it is issued or when
+    the previous one on this rank's link ends, whichever is later. An asynchronous collective issued
+    during backward therefore runs while autograd computes (overlap), and a synchronous one blocks
+    its caller. Intra- and inter-node collectives share that one queue: a rank's collectives run in
+    the order issued, as one NCCL communicator's do on its stream (it does not model two streams
+    using two kinds of link).
 
 What it ignores (so measured times are a lower bound of what a real cluster would show):
-  * contention: every rank has an inter-node link of `bandwidth` to itself; on a real node the ranks share
-    the node's NICs, and two rings crossing nodes at once (HSDP's replicate groups) would share them too;
-  * protocols: message-size effects, tree algorithms (NCCL switches to trees for small messages at scale),
-    in-network reduction, the cost of the reduction arithmetic;
-  * the real gloo collective underneath, which still takes CPU time away from compute on the same cores;
+  * contention: every rank has an inter-node link of `bandwidth` to itself; on a real node the ranks
+    share the node's NICs, and two rings crossing nodes at once (HSDP's replicate groups) would
+    share them too;
+  * protocols: message-size effects, tree algorithms (NCCL switches to trees for small messages at
+    scale), in-network reduction, the cost of the reduction arithmetic;
+  * the real gloo collective underneath, which still takes CPU time away from compute on the
+    same cores;
   * clocks: each rank books its own link; the real collective is what keeps ranks in step.
 """
 
@@ -43,11 +49,16 @@ import re
 import time
 from dataclasses import dataclass
 
-ENV = "MINIZERO_NETWORK"        # read by comm.init: the launcher's children and torchrun's ranks see it
+ENV = "MINIZERO_NETWORK"    # read by comm.init: the launcher's children and torchrun's ranks see it
 
 # Hops of a ring over n ranks. An all-reduce is a reduce-scatter then an all-gather: twice n-1.
-RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "reduce_scatter": lambda n: n - 1,
-              "all_gather": lambda n: n - 1, "broadcast": lambda n: n - 1, "all_to_all": lambda n: n - 1}
+RING_STEPS = {
+    "all_reduce": lambda n: 2 * (n - 1),
+    "reduce_scatter": lambda n: n - 1,
+    "all_gather": lambda n: n - 1,
+    "broadcast": lambda n: n - 1,
+    "all_to_all": lambda n: n - 1,
+}
 
 
 @dataclass(frozen=True)
@@ -64,12 +75,20 @@ class Network:
         `sent_bytes` (comm.ring_bytes), over the inter-node links if the ring crosses nodes."""
         if n == 1:
             return 0.0
-        alpha, beta = (self.latency, self.bandwidth) if inter_node else (self.intra_latency, self.intra_bandwidth)
+        alpha, beta = (
+            (self.latency, self.bandwidth)
+            if inter_node
+            else (self.intra_latency, self.intra_bandwidth)
+        )
         return RING_STEPS[kind](n) * alpha + sent_bytes / beta
 
     def __str__(self) -> str:
         """The spec parse_network reads back (rounded to 6 digits)."""
-        fields = [_rate_str(self.bandwidth), _seconds_str(self.latency), f"ranks_per_node={self.ranks_per_node}"]
+        fields = [
+            _rate_str(self.bandwidth),
+            _seconds_str(self.latency),
+            f"ranks_per_node={self.ranks_per_node}",
+        ]
         if self.intra_bandwidth != math.inf:
             fields.append(f"intra_bandwidth={_rate_str(self.intra_bandwidth)}")
         if self.intra_latency:
@@ -77,9 +96,9 @@ class Network:
         return ",".join(fields)
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Reading a spec: "1gbps,10us,ranks_per_node=2" (bandwidth, latency, then key=value in any order)
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 _PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _PER_SECOND = {"s": 1.0, "ms": 1e3, "us": 1e6, "µs": 1e6, "ns": 1e9}       # 10us = 10 / 1e6 s
@@ -88,14 +107,17 @@ _KEYS = ("bandwidth", "latency", "ranks_per_node", "intra_bandwidth", "intra_lat
 
 
 def _rate(text: str) -> float:
-    """'1gbps' / '10Gbps' (bits per second) or '125MB/s' (bytes per second) or 'inf' -> bytes per second."""
+    """'1gbps' / '10Gbps' (bits per second) or '125MB/s' (bytes per second) or 'inf' -> bytes
+    per second."""
     if text.lower() in ("inf", "unlimited"):
         return math.inf
     bits = re.fullmatch(_NUMBER + r"\s*([kmgt]?)bps", text, re.IGNORECASE)
     octets = re.fullmatch(_NUMBER + r"\s*([kKmMgGtT]?)B/s", text)
     found = bits or octets
     if not found or float(found.group(1)) <= 0:
-        raise ValueError(f"bandwidth {text!r} is not like 1gbps, 100mbps (bits/s), 125MB/s (bytes/s) or inf")
+        raise ValueError(
+            f"bandwidth {text!r} is not like 1gbps, 100mbps (bits/s), 125MB/s (bytes/s) or inf"
+        )
     return float(found.group(1)) * _PREFIX[found.group(2).lower()] / (8 if bits else 1)
 
 
@@ -123,7 +145,8 @@ def parse_network(text: str) -> Network | None:
     """A Network from a spec such as "1gbps,10us,ranks_per_node=2" (None for "", "off" or "none").
 
     Positional fields: the inter-node bandwidth, then its latency per hop; then any of bandwidth=,
-    latency=, ranks_per_node=, intra_bandwidth=, intra_latency=. Raises ValueError, one line, on bad input.
+    latency=, ranks_per_node=, intra_bandwidth=, intra_latency=. Raises ValueError, one line, on
+    bad input.
     """
     if text.strip().lower() in ("", "off", "none"):
         return None
@@ -151,32 +174,34 @@ def parse_network(text: str) -> Network | None:
 
 
 def network_from_env() -> Network | None:
-    """The model MINIZERO_NETWORK describes, if set (ValueError naming the variable if it is bad)."""
+    """The model MINIZERO_NETWORK describes, if set (ValueError naming the variable if it
+    is bad)."""
     try:
         return parse_network(os.environ.get(ENV, ""))
     except ValueError as e:
         raise ValueError(f"{ENV}: {e}") from None
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Time: a rank's link
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 class Link:
-    """One rank's link: collectives are booked on it one after another (time.perf_counter seconds). The
-    event stream's "collective" events carry each transfer's (start, end) on it (a timeline)."""
+    """One rank's link: collectives are booked on it one after another (time.perf_counter seconds).
+    The event stream's "collective" events carry each transfer's (start, end) on it (a timeline)."""
 
     def __init__(self) -> None:
         self.free_at = 0.0
 
     def book(self, seconds: float) -> float:
-        """Book a transfer of `seconds` issued now: it starts when the link is free; returns its end."""
+        """Book a transfer of `seconds` issued now: it starts when the link is free; returns
+        its end."""
         self.free_at = max(time.perf_counter(), self.free_at) + seconds
         return self.free_at
 
 
 def sleep_until(deadline: float) -> None:
-    """Never return before `deadline` (time.sleep may wake early by a rounding; it never wakes much late
-    on an idle core, but on a busy one it can)."""
+    """Never return before `deadline` (time.sleep may wake early by a rounding; it never wakes much
+    late on an idle core, but on a busy one it can)."""
     while (left := deadline - time.perf_counter()) > 0:
         time.sleep(left)

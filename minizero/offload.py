@@ -1,7 +1,9 @@
-"""CPU offload (ZeRO-Offload): the optimizer lives in host memory, the device keeps only what computes.
+"""CPU offload (ZeRO-Offload): the optimizer lives in host memory, the device keeps only
+what computes.
 
     python -m minizero.run --stage 2 --world-size 4 --offload          # optimizer on the host
-    python -m minizero.run --stage 3 --world-size 4 --offload params   # + parameter shards on the host
+    # + parameter shards on the host
+    python -m minizero.run --stage 3 --world-size 4 --offload params
 
 Used by stages 1-3 (`minizero.wrap(..., offload=True)`). Per step, for this rank's partition (Ψ/N):
 
@@ -9,11 +11,12 @@ Used by stages 1-3 (`minizero.wrap(..., offload=True)`). Per step, for this rank
     host:   optimizer step on the fp32 master weights and their state (the KΨ/N of the paper)
     host   --(updated parameter partition, 2Ψ/N bytes)--> device parameters, rounded to bf16
 
-So the device drops the KΨ/N optimizer bytes (12Ψ/N for Adam), paid for with two PCIe copies of Ψ/N and
-a CPU step; the ZeRO-Offload paper shows why the CPU step is affordable (it is O(Ψ/N) elementwise work).
-On CUDA the host buffers are pinned and the copies non-blocking; on a CPU-only run the code path is the
-same (separate host buffers, explicit copies), so `engine.memory()` shows the same device/host split.
-Parameter offload for stage 3 (`offload="params"`) lives in zero3.py, where parameters are gathered.
+So the device drops the KΨ/N optimizer bytes (12Ψ/N for Adam), paid for with two PCIe copies of Ψ/N
+and a CPU step; the ZeRO-Offload paper shows why the CPU step is affordable (it is O(Ψ/N)
+elementwise work). On CUDA the host buffers are pinned and the copies non-blocking; on a CPU-only
+run the code path is the same (separate host buffers, explicit copies), so `engine.memory()` shows
+the same device/host split. Parameter offload for stage 3 (`offload="params"`) lives in zero3.py,
+where parameters are gathered.
 """
 
 from __future__ import annotations
@@ -29,13 +32,14 @@ class HostShardOptimizer(ShardOptimizer):
     """A ShardOptimizer whose fp32 masters, gradients and state are host tensors."""
 
     def __init__(self, param_parts: list[torch.Tensor], optimizer_factory: OptimizerFactory):
-        self.pin = comm.device().type == "cuda"      # pinned memory makes device<->host copies async
+        self.pin = comm.device().type == "cuda"     # pinned memory makes device<->host copies async
         self.host_grads = [torch.zeros(p.numel(), dtype=torch.float32, pin_memory=self.pin)
                            for p in param_parts]     # [Ψ_b / N] fp32 each
         super().__init__(param_parts, optimizer_factory)
 
     def _make_master(self, part: torch.Tensor) -> nn.Parameter:
-        # Always a separate host copy, also in fp32: the device parameters are not the master any more.
+        # Always a separate host copy, also in fp32: the device parameters are not the master
+        # any more.
         host = torch.empty(part.numel(), dtype=torch.float32, pin_memory=self.pin)
         return nn.Parameter(host.copy_(part.detach().reshape(-1)))
 
@@ -43,7 +47,8 @@ class HostShardOptimizer(ShardOptimizer):
         for host, grad in zip(self.host_grads, grad_parts):
             host.copy_(grad, non_blocking=True)      # device -> host (upcasts bf16 to fp32)
         if self.pin:
-            torch.cuda.current_stream().synchronize()   # the host step must not read half-copied gradients
+            # the host step must not read half-copied gradients
+            torch.cuda.current_stream().synchronize()
         return self.host_grads
 
     def device_tensors(self) -> list[torch.Tensor]:

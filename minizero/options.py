@@ -2,10 +2,11 @@
 
     python -m pytest tests/test_wrap.py
 
-`minizero.wrap`, the engines' own checks, `minizero.memory`, the training loop (lab/train.py), the CLI and
-the DeepSpeed-config reader all ask this table, so a rule ("offload needs stage 1-3", "hpZ needs stage 3")
-is written once. The table follows the paper: each stage partitions one more kind of model state
-(P_os, P_os+g, P_os+g+p), and what an option changes exists only from the stage that has it.
+`minizero.wrap`, the engines' own checks, `minizero.memory`, the training loop (lab/train.py), the
+CLI and the DeepSpeed-config reader all ask this table, so a rule ("offload needs stage 1-3", "hpZ
+needs stage 3") is written once. The table follows the paper: each stage partitions one more kind
+of model state (P_os, P_os+g, P_os+g+p), and what an option changes exists only from the stage that
+has it.
 """
 
 from __future__ import annotations
@@ -17,21 +18,22 @@ STAGES = (0, 1, 2, 3)                          # 0 = DDP; minizero.wrap has one 
 
 @dataclass(frozen=True)
 class Capabilities:
-    partitions: tuple[str, ...]                # the model states it partitions over N (the paper's P_*)
-    offload: tuple                             # what offload= may be
-    options: frozenset[str]                    # the options it takes beyond COMMON_OPTIONS
+    partitions: tuple[str, ...]            # the model states it partitions over N (the paper's P_*)
+    offload: tuple                         # what offload= may be
+    options: frozenset[str]                # the options it takes beyond COMMON_OPTIONS
 
 
 COMMON_OPTIONS = frozenset({"dtype", "reduce_dtype", "loss_scale", "clip_grad_norm"})
 _QUANTIZED = frozenset({"quantized_gradients", "quantization_block"})    # ZeRO++ qgZ (quantize.py)
-_HOST = (False, True, "optimizer", "disk")     # the optimizer's state in host memory (offload.py) or
-                                               # in a file (disk.py, ZeRO-Infinity's disk tier)
+_HOST = (False, True, "optimizer", "disk")    # the optimizer's state in host memory (offload.py) or
+                                              # in a file (disk.py, ZeRO-Infinity's disk tier)
 
 CAPABILITIES = {
     0: Capabilities((), (False,), frozenset({"bucket_size", "overlap", "buckets_in_flight"})),
     1: Capabilities(("optimizer",), _HOST, frozenset({"shard_group_size"})),
     2: Capabilities(("optimizer", "gradients"), _HOST,
-                    frozenset({"bucket_size", "buckets_in_flight", "shard_group_size"}) | _QUANTIZED),
+                    frozenset({"bucket_size", "buckets_in_flight", "shard_group_size"})
+                    | _QUANTIZED),
     3: Capabilities(("optimizer", "gradients", "parameters"), _HOST + ("params",),
                     frozenset({"units", "prefetch", "buckets_in_flight", "shard_group_size",
                                "hpz_group_size", "quantized_weights"}) | _QUANTIZED),
@@ -41,7 +43,9 @@ CAPABILITIES = {
 def check_stage(stage) -> int:
     """The one check of a stage number (wrap, the CLI and the config reader use it)."""
     if isinstance(stage, bool) or stage not in CAPABILITIES:
-        raise ValueError(f"stage must be one of {', '.join(map(str, STAGES))} (0 = DDP), got {stage!r}")
+        raise ValueError(
+            f"stage must be one of {', '.join(map(str, STAGES))} (0 = DDP), got {stage!r}"
+        )
     return stage
 
 
@@ -77,6 +81,7 @@ def is_positive_int(value) -> bool:
 
 
 def check_positive_int(name: str, value, what: str = "integer") -> None:
-    """Raise ValueError (one line) unless `value` is a positive int: "NAME must be a positive WHAT"."""
+    """Raise ValueError (one line) unless `value` is a positive int: "NAME must be a
+    positive WHAT"."""
     if not is_positive_int(value):
         raise ValueError(f"{name} must be a positive {what}, got {value!r}")

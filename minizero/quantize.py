@@ -1,32 +1,36 @@
-"""Block-quantized communication (ZeRO++, Wang et al. 2023): send int8 values and one scale per block.
+"""Block-quantized communication (ZeRO++, Wang et al. 2023): send int8 values and one scale
+per block.
 
     engine = minizero.wrap(model, 3, optimizer, quantized_weights=True, quantized_gradients=True)
     python -m minizero.run --stage 3 --quantized-weights --quantized-gradients
     python -m pytest tests/test_quantize.py
 
-On a slow network the bytes of a step are the time of a step (stage 3 moves 3Ψ). ZeRO++ shrinks two of
-the three Ψ by sending fewer bits of what travels; what is stored (the shard, the fp32 masters, the
-optimizer states) is never quantized:
-  * qwZ, quantized weights: stage 3's *forward* all-gather sends each rank's parameter partition in int8
-    (unit.Unit.gather). Backward's all-gather stays in full precision: the gradients are computed with
-    exact weights, as in ZeRO++ (DeepSpeed's zero_quantized_weights).
-  * qgZ, quantized gradients: the gradient reduce-scatter of stages 2-3 (zero2.Zero2.reduce_scatter_grads)
-    becomes an all-to-all of int8 chunks: each rank quantizes chunk j of its bucket for rank j, and each
-    rank dequantizes the N chunks it receives and averages them in fp32 (DeepSpeed's
-    zero_quantized_gradients). ZeRO++'s real qgZ is hierarchical: a 2-hop all-to-all (inside the node,
-    then across nodes) of int4 values, which also keeps the number of quantize/dequantize rounds at two
-    whatever N is. minizero builds the one-hop int8 form: one quantization per gradient, same idea.
+On a slow network the bytes of a step are the time of a step (stage 3 moves 3Ψ). ZeRO++ shrinks two
+of the three Ψ by sending fewer bits of what travels; what is stored (the shard, the fp32 masters,
+the optimizer states) is never quantized:
+  * qwZ, quantized weights: stage 3's *forward* all-gather sends each rank's parameter partition in
+    int8 (unit.Unit.gather). Backward's all-gather stays in full precision: the gradients are
+    computed with exact weights, as in ZeRO++ (DeepSpeed's zero_quantized_weights).
+  * qgZ, quantized gradients: the gradient reduce-scatter of stages 2-3
+    (zero2.Zero2.reduce_scatter_grads) becomes an all-to-all of int8 chunks: each rank quantizes
+    chunk j of its bucket for rank j, and each rank dequantizes the N chunks it receives and
+    averages them in fp32 (DeepSpeed's zero_quantized_gradients). ZeRO++'s real qgZ is hierarchical:
+    a 2-hop all-to-all (inside the node, then across nodes) of int4 values, which also keeps the
+    number of quantize/dequantize rounds at two whatever N is. minizero builds the one-hop int8
+    form: one quantization per gradient, same idea.
 
 Symmetric block quantization. A flat tensor is cut into blocks of B elements (the last one may be
 shorter; it is padded with zeros, which change no absmax). Per block:
 
     scale = absmax / 127   (fp32)     q = round(x / scale), clamped to [-127, 127]   (int8)
-    dequantize: x' = q * scale        error |x - x'| <= scale / 2 = absmax / 254     (rounding to nearest)
+    dequantize: x' = q * scale        error |x - x'| <= scale / 2 = absmax / 254     (rounding to
+                                                                                     nearest)
 
-127, not 128: the range stays symmetric, so -absmax and +absmax are both exact. A block of zeros gets
-scale 0 and q 0. Bytes on the wire for n elements: n (int8) + 4·⌈n/B⌉ (scales) instead of n·e (e = 4
-for fp32, 2 for bf16): with B = 256, 1.016 bytes an element, 3.9x less than fp32, 1.97x less than bf16.
-Smaller blocks: a tighter error (each block's absmax is more local), more bytes for scales.
+127, not 128: the range stays symmetric, so -absmax and +absmax are both exact. A block of zeros
+gets scale 0 and q 0. Bytes on the wire for n elements: n (int8) + 4·⌈n/B⌉ (scales) instead of n·e
+(e = 4 for fp32, 2 for bf16): with B = 256, 1.016 bytes an element, 3.9x less than fp32, 1.97x
+less than bf16. Smaller blocks: a tighter error (each block's absmax is more local), more bytes
+for scales.
 """
 
 from __future__ import annotations
@@ -41,14 +45,14 @@ LEVELS = 127         # q in [-127, 127]
 
 
 def wire_bytes(numel: int, block: int = BLOCK) -> int:
-    """Bytes that `numel` elements take once quantized: numel int8 values + one fp32 scale per block.
-    For Ψ elements in blocks of B: Ψ + 4Ψ/B (the one formula; memory.comm_volume uses it)."""
+    """Bytes that `numel` elements take once quantized: numel int8 values + one fp32 scale per
+    block. For Ψ elements in blocks of B: Ψ + 4Ψ/B (the one formula; memory.comm_volume uses it)."""
     return numel + SCALE_BYTES * -(-numel // block)
 
 
 def quantize(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., n] (any float dtype) -> q [..., n] int8, scales [..., ⌈n/B⌉] fp32; blocks run along the last
-    dimension, so each row (a chunk for one rank) has blocks of its own."""
+    """x [..., n] (any float dtype) -> q [..., n] int8, scales [..., ⌈n/B⌉] fp32; blocks run along
+    the last dimension, so each row (a chunk for one rank) has blocks of its own."""
     n = x.shape[-1]
     blocks = -(-n // block)
     padded = torch.zeros(*x.shape[:-1], blocks * block, dtype=torch.float32, device=x.device)
@@ -70,22 +74,24 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, block: int = BLOCK) -> tor
 
 
 def error_bound(scales: torch.Tensor, n: int, block: int = BLOCK) -> torch.Tensor:
-    """Per element of a quantized [..., n]: the most |x - dequantize(quantize(x))| can be, scale / 2 of
-    its block, plus the fp32 rounding of x / scale and q * scale (a few ulps of absmax = 127 * scale)."""
+    """Per element of a quantized [..., n]: the most |x - dequantize(quantize(x))| can be,
+    scale / 2 of its block, plus the fp32 rounding of x / scale and q * scale (a few ulps
+    of absmax = 127 * scale)."""
     half = scales * (0.5 + LEVELS * 2.0 ** -20)
     return half.repeat_interleave(block, dim=-1)[..., :n]
 
 
-# --------------------------------------------------------------------------------------------------------
-# The two collectives ZeRO++ quantizes. Both return a handle whose wait() also dequantizes into `output`.
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# The two collectives ZeRO++ quantizes. Both return a handle whose wait() also dequantizes into
+# `output`.
+# --------------------------------------------------------------------------------------------------
 
 class Int8Blocks:
-    """A comm.Route's codec for ZeRO++: int8 blocks of `block` elements on the wire (qwZ's all-gather,
-    qgZ's reduce-scatter), in place of comm.EXACT. Both collectives start and return a handle whose
-    wait() also dequantizes into `output` (in fp32, cast to the output's dtype). The extension point
-    for another quantizer: a subclass with other `quantize` / `dequantize`, given to an engine as its
-    `int8_codec` (zero2.py; exercise 12's grader does this)."""
+    """A comm.Route's codec for ZeRO++: int8 blocks of `block` elements on the wire (qwZ's
+    all-gather, qgZ's reduce-scatter), in place of comm.EXACT. Both collectives start and return a
+    handle whose wait() also dequantizes into `output` (in fp32, cast to the output's dtype). The
+    extension point for another quantizer: a subclass with other `quantize` / `dequantize`, given to
+    an engine as its `int8_codec` (zero2.py; exercise 12's grader does this)."""
     quantize = staticmethod(quantize)
     dequantize = staticmethod(dequantize)
 
@@ -95,9 +101,9 @@ class Int8Blocks:
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: comm.Group | None = None,
                    tag: str = ""):
         """comm.all_gather with int8 on the wire (qwZ): input [n] from every rank -> output [N * n],
-        rank r's (dequantized) input at output[r*n:(r+1)*n]. This rank's own part is dequantized too,
-        so every rank computes with the same weights. Sends (N-1)/N · N·wire_bytes(n) instead of
-        (N-1)/N · N·n·e."""
+        rank r's (dequantized) input at output[r*n:(r+1)*n]. This rank's own part is dequantized
+        too, so every rank computes with the same weights. Sends (N-1)/N · N·wire_bytes(n) instead
+        of (N-1)/N · N·n·e."""
         n, block = comm.group_size(group), self.block
         q, scales = self.quantize(input, block)                               # [n], [⌈n/B⌉]
         q_all = torch.empty(n * q.numel(), dtype=q.dtype, device=q.device)    # [N * n] int8
@@ -114,11 +120,11 @@ class Int8Blocks:
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
                        group: comm.Group | None = None, tag: str = ""):
-        """comm.reduce_scatter(op="avg") with int8 on the wire (qgZ): input [N * n] -> output [n], the
-        average over ranks of chunk r. An all-to-all moves the int8 chunks (chunk j to rank j), then
-        each rank dequantizes the N chunks it received and averages them in fp32: int8 values are
-        never summed (they would overflow, and each chunk has scales of its own). `output` may be a
-        view of `input` (stage 2's in-place partition): input is quantized before anything is
+        """comm.reduce_scatter(op="avg") with int8 on the wire (qgZ): input [N * n] -> output [n],
+        the average over ranks of chunk r. An all-to-all moves the int8 chunks (chunk j to rank j),
+        then each rank dequantizes the N chunks it received and averages them in fp32: int8 values
+        are never summed (they would overflow, and each chunk has scales of its own). `output` may
+        be a view of `input` (stage 2's in-place partition): input is quantized before anything is
         written. Sends (N-1)/N · N·wire_bytes(n)."""
         n, block = comm.group_size(group), self.block
         q, scales = self.quantize(input.view(n, input.numel() // n), block)   # [N, n]: row j for j
@@ -140,13 +146,25 @@ def _waited(handle, async_op: bool):
     return None
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, block: int = BLOCK, async_op: bool = False,
-               group: comm.Group | None = None, tag: str = ""):
+def all_gather(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    block: int = BLOCK,
+    async_op: bool = False,
+    group: comm.Group | None = None,
+    tag: str = "",
+):
     """Int8Blocks(block).all_gather, as a function of the comm kind (qwZ)."""
     return _waited(Int8Blocks(block).all_gather(output, input, group, tag), async_op)
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, block: int = BLOCK, async_op: bool = False,
-                   group: comm.Group | None = None, tag: str = ""):
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    block: int = BLOCK,
+    async_op: bool = False,
+    group: comm.Group | None = None,
+    tag: str = "",
+):
     """Int8Blocks(block).reduce_scatter, as a function of the comm kind (qgZ)."""
     return _waited(Int8Blocks(block).reduce_scatter(output, input, group, tag), async_op)

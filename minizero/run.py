@@ -1,4 +1,5 @@
-"""`python -m minizero.run`: train a model with a ZeRO stage and print what it measured (the command is minizero/cli/run.py)."""
+"""`python -m minizero.run`: train a model with a ZeRO stage and print what it measured (the command
+is minizero/cli/run.py)."""
 
 import sys
 

@@ -1,4 +1,5 @@
-"""`python -m minizero.scale`: the largest model each stage can train within a memory budget (the command is minizero/cli/scale.py)."""
+"""`python -m minizero.scale`: the largest model each stage can train within a memory budget (the
+command is minizero/cli/scale.py)."""
 
 import sys
 

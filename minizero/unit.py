@@ -1,10 +1,8 @@
-"""What happens to one unit of stage 3: its buffers, its states, its four hooks (read zero3.py first).
+"""What happens to one unit of stage 3: its buffers, states and four hooks (read zero3.py first).
 
     python -m pytest tests/test_zero3.py
 
-A unit's parameters are all-gathered before it runs and freed after, so the largest unit, not the
-model, bounds the parameters in flight (which modules are units: units.py). FSDP2's FSDPParamGroup is
-the industrial version of `Unit`, with the same explicit states.
+FSDP2's FSDPParamGroup is the industrial version of `Unit`, with the same explicit states.
 """
 
 from __future__ import annotations
@@ -16,15 +14,14 @@ import torch
 from minizero import comm, events
 from minizero.flat import partition
 
-FREE, IN_FLIGHT, GATHERED = "free", "in flight", "gathered"          # what unit.full holds
-IDLE, FORWARD, PRE_BACKWARD = "idle", "forward", "pre-backward"      # where the step is, for the unit
+FREE, IN_FLIGHT, GATHERED = "free", "in flight", "gathered"        # what unit.full holds
+IDLE, FORWARD, PRE_BACKWARD = "idle", "forward", "pre-backward"    # where the step is, for the unit
 
 
 @dataclass(frozen=True)
 class UnitRoutes:
-    """How a unit's partitions travel (comm.Route: group, codec, home), chosen once by zero3.py.
-    forward: the all-gather before forward (qwZ: int8); exact: every other (backward's, gathered()'s);
-    node: hpZ's backward all-gather within a node, from the secondaries. The paper: Route(), Route()."""
+    """How a unit's partitions travel (comm.Route), chosen by zero3.py: `forward` before forward
+    (qwZ: int8), `exact` every other, `node` hpZ's in backward. The paper's: Route(), Route()."""
     forward: comm.Route
     exact: comm.Route
     node: comm.Route | None = None
@@ -36,10 +33,9 @@ class Unit:
     full [Ψ_u padded]  its trainable parameters end to end, the module's parameters views of it:
                        0 bytes while FREE (shape kept), allocated while IN_FLIGHT / GATHERED.
     shard [Ψ_u / N]    this rank's partition, a view into param_shard: all that persists.
-    frozen_full, frozen_shard: the same for its frozen parameters (empty if none); secondary: hpZ's.
+    frozen_full, frozen_shard: the same for its frozen parameters; secondary: hpZ's [Ψ_u / R].
     training_state     IDLE -pre_forward-> FORWARD -post_forward-> IDLE; engine.backward() ->
                        PRE_BACKWARD -post_backward-> IDLE (a forward in PRE_BACKWARD recomputes).
-    zero3.Zero3 builds it and calls the hooks; it calls back only the engine's public methods.
     """
 
     def __init__(self, engine, module, name: str, index: int, routes: UnitRoutes, bucket,
@@ -63,16 +59,17 @@ class Unit:
     def held_bytes(self) -> int:
         return sum(full.untyped_storage().nbytes() for full, _ in self.buffers())
 
-    # --- buffers ------------------------------------------------------------------------------------
     def gather(self, prefetch: bool = False, forward: bool = False) -> None:
-        """FREE -> IN_FLIGHT -> GATHERED: all-gather `full` from the partitions (prefetch: only start)."""
+        """FREE -> IN_FLIGHT -> GATHERED: all-gather `full` from the partitions (prefetch:
+        only start)."""
         if self.state == GATHERED or (self.state == IN_FLIGHT and prefetch):
             return
         if self.state == FREE:
             route, sources = self._route(forward)
             for (full, _), source in zip(self.buffers(), sources):
                 full.untyped_storage().resize_(full.numel() * full.element_size())   # allocate
-                # <- the essential line of stage 3: every rank's partition -> the full unit, in place
+                # <- the essential line of stage 3: every rank's partition -> the full unit,
+                # in place
                 self._in_flight.append(route.all_gather(full, source, self.tag))
             self.state = IN_FLIGHT
             events.emit("unit gather", engine=self.engine, unit=self, prefetch=prefetch,
@@ -109,8 +106,7 @@ class Unit:
         events.emit("unit freed", engine=self.engine, unit=self, nbytes=-nbytes)
 
     def keep_secondary(self) -> None:
-        """hpZ [Note: hpZ]: keep this rank's 1/R of the full unit (its slice within the node's group),
-        from which the node rebuilds the unit for backward without crossing nodes."""
+        """[Note: hpZ]: keep this rank's 1/R of the full unit, its slice within the node's group."""
         group = self.routes.node.group
         self.drop_secondary()
         self.secondary = [partition(full, comm.group_rank(group), comm.group_size(group)).clone()
@@ -125,10 +121,10 @@ class Unit:
         self.secondary = None
 
     def reduce_scatter_grads(self):
-        """Stage 2's reduce-scatter of this unit's gradients (Zero2.reduce_scatter_grads): a handle."""
+        """Stage 2's reduce-scatter of its gradients (Zero2.reduce_scatter_grads); the handle."""
         return self.engine.reduce_scatter_grads(self.bucket)
 
-    # --- lifecycle: Zero3 calls these from the module's forward hooks and from autograd ------------
+    # --- lifecycle: Zero3 calls these from the module's forward hooks and from autograd -----------
     def pre_forward(self) -> None:
         if self.training_state == PRE_BACKWARD:        # backward recomputes it [Note: recompute]
             self.gather()                              # reentrant: its first use in this backward
@@ -138,28 +134,27 @@ class Unit:
         self.engine.prefetch_after(self, forward=True)
 
     def post_forward(self) -> None:
-        if self.training_state == PRE_BACKWARD:        # a recompute: its backward needs the parameters
+        if self.training_state == PRE_BACKWARD:     # a recompute: its backward needs the parameters
             return
         self.training_state = IDLE
         self.free()                                    # <- stage 3's saving: free after forward
 
     def pre_backward(self) -> None:
-        """Its output's gradient is known: its backward is next (and that of every later unit done)."""
+        """Its output's gradient is known: its backward is next, every later unit's is done."""
         self.engine.free_finished()
         self.training_state = PRE_BACKWARD
         self.gather()
         self.engine.prefetch_after(self, forward=False)
 
     def post_backward(self):
-        """Its trainable gradients are complete: reduce-scatter them, free the parameters; the handle.
-        Frozen parameters may still be needed: the input's gradient can flow through a frozen weight
-        after the last trainable gradient is done (LoRA's adapters before the frozen layer norm in
-        front of them). Such a unit is freed by the next unit's pre_backward, or when backward ends."""
+        """Its trainable gradients are complete: reduce-scatter them, free it; the handle. A unit
+        with frozen parameters may still need them (the input's gradient can flow through a frozen
+        weight after the last trainable gradient, as LoRA's does): it is freed later."""
         handle = self.reduce_scatter_grads()
         self.training_state = IDLE
         self.drop_secondary()                          # hpZ: its backward all-gather is done
         if self.frozen_bucket is None:
             self.free()
         else:
-            self.engine.keep_till_backward_ends(self)
+            self.engine.finished.append(self)          # freed by the next pre_backward, or the end
         return handle

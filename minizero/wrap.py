@@ -21,7 +21,7 @@ from minizero.zero2 import Zero2
 from minizero.zero3 import Zero3
 
 ENGINES = dict(zip(STAGES, (DDP, Zero1, Zero2, Zero3)))
-__all__ = ["check", "check_options", "engine_class", "wrap"]     # which stage takes what: options.py
+__all__ = ["check", "check_options", "engine_class", "wrap"]    # which stage takes what: options.py
 
 
 def engine_class(stage: int) -> type[Engine]:
@@ -29,9 +29,17 @@ def engine_class(stage: int) -> type[Engine]:
     return ENGINES[check_stage(stage)]
 
 
-def check(stage: int, dtype: str = "fp32", offload: bool | str = False, reduce_dtype: str | None = None, *,
-          shard_group_size: int | None = None, hpz_group_size: int | None = None,
-          world_size: int | None = None, offload_path: str | None = None) -> None:
+def check(
+    stage: int,
+    dtype: str = "fp32",
+    offload: bool | str = False,
+    reduce_dtype: str | None = None,
+    *,
+    shard_group_size: int | None = None,
+    hpz_group_size: int | None = None,
+    world_size: int | None = None,
+    offload_path: str | None = None,
+) -> None:
     """Raise ValueError (one line) if wrap would refuse this stage, dtype, offload, offload_path,
     reduce_dtype or group sizes at `world_size` ranks: for callers that want to know before they
     build a model or start processes."""
@@ -44,53 +52,74 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
          **options) -> Engine:
     """Wrap `model` for ZeRO `stage` (0 = DDP).
 
-    optimizer: a factory params -> torch.optim.Optimizer (it is handed the parameters this rank steps).
+    optimizer: a factory params -> torch.optim.Optimizer (it is handed the parameters this
+    rank steps).
     offload:   stages 1-3: True/"optimizer" keeps optimizer state on the host; stage 3 also
                "params"; "disk": in a file in the folder offload_path (ZeRO-Infinity, disk.py).
     activation_checkpointing: True recomputes each unit's forward in backward, "cpu" also keeps the
-               units' inputs on the host until then (activations.py); units as stage 3's (`units=` or
-               units.default_units: a transformer's blocks), at every stage.
-    options:   dtype ("fp32" | "bf16" | "fp16"), reduce_dtype (None | "fp32": bf16/fp16 gradients reduced
-               and accumulated in fp32; engine.py), loss_scale (fp16: None = dynamic, a number = static, a
-               dict = dynamic options; minizero/loss_scale.py), clip_grad_norm, bucket_size (bytes; stages 0, 2),
-               overlap (stage 0; False: all-reduce every bucket after backward), buckets_in_flight (stages
-               0, 2, 3: gradient buckets whose collective may be in flight at once, default 2; more
-               overlap, more memory), units and prefetch (stage 3),
-               shard_group_size (stages 1-3: partition within groups of S ranks, replicate across them; HSDP /
-               MiCS) and hpz_group_size (stage 3: ZeRO++'s hpZ, backward's all-gather within groups of R
-               ranks, a node; see engine.py and zero3.py); ZeRO++ (quantize.py): quantized_weights (stage 3's
-               forward all-gather in int8, qwZ), quantized_gradients (stages 2-3: the reduce-scatter, qgZ),
-               quantization_block (elements per fp32 scale, default quantize.BLOCK).
+               units' inputs on the host until then (activations.py); units as stage 3's (`units=`
+               or units.default_units: a transformer's blocks), at every stage.
+    options:   dtype ("fp32" | "bf16" | "fp16"), reduce_dtype (None | "fp32": bf16/fp16 gradients
+               reduced and accumulated in fp32; engine.py), loss_scale (fp16: None = dynamic, a
+               number = static, a dict = dynamic options; minizero/loss_scale.py), clip_grad_norm,
+               bucket_size (bytes; stages 0, 2), overlap (stage 0; False: all-reduce every bucket
+               after backward), buckets_in_flight (stages 0, 2, 3: gradient buckets whose collective
+               may be in flight at once, default 2; more overlap, more memory), units and prefetch
+               (stage 3),
+               shard_group_size (stages 1-3: partition within groups of S ranks, replicate across
+               them; HSDP / MiCS) and hpz_group_size (stage 3: ZeRO++'s hpZ, backward's all-gather
+               within groups of R ranks, a node; see engine.py and zero3.py); ZeRO++ (quantize.py):
+               quantized_weights (stage 3's forward all-gather in int8, qwZ), quantized_gradients
+               (stages 2-3: the reduce-scatter, qgZ), quantization_block (elements per fp32 scale,
+               default quantize.BLOCK).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     engine = engine_class(stage)
     check_options(stage, options)
     if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError("model has no trainable parameters (every parameter has requires_grad=False)")
+        raise ValueError(
+            "model has no trainable parameters (every parameter has requires_grad=False)"
+        )
     if any(p.is_meta for p in model.parameters()):
-        raise ValueError("the model's parameters are on the meta device (no values to train): build it inside "
-                         "`with minizero.sharded_init():` to create it partitioned over the ranks")
+        raise ValueError(
+            "the model's parameters are on the meta device (no values to train): build it inside "
+            "`with minizero.sharded_init():` to create it partitioned over the ranks"
+        )
     if stage != 3 and any(partition_of(p) is not None for p in model.parameters()):
-        raise ValueError(f"the model was built under minizero.sharded_init, which partitions parameters for "
-                         f"stage 3; stage {stage} keeps full parameters: build it normally")
+        raise ValueError(
+            f"the model was built under minizero.sharded_init, which partitions parameters for "
+            f"stage 3; stage {stage} keeps full parameters: build it normally"
+        )
     if "bucket_size" in options and not (isinstance(options["bucket_size"], (int, float))
                                          and not isinstance(options["bucket_size"], bool)
                                          and options["bucket_size"] > 0):
-        raise ValueError(f"bucket_size must be a positive number of bytes, got {options['bucket_size']!r}")
+        raise ValueError(
+            f"bucket_size must be a positive number of bytes, got {options['bucket_size']!r}"
+        )
     for flag in ("prefetch", "overlap", "quantized_weights", "quantized_gradients"):
         if flag in options and not isinstance(options[flag], bool):
             raise TypeError(f"{flag} must be True or False, got {options[flag]!r}")
-    check_positive_int("quantization_block", options.get("quantization_block", 1), "number of elements")
-    check_positive_int("buckets_in_flight", options.get("buckets_in_flight", 1), "number of buckets")
+    check_positive_int(
+        "quantization_block", options.get("quantization_block", 1), "number of elements"
+    )
+    check_positive_int(
+        "buckets_in_flight", options.get("buckets_in_flight", 1), "number of buckets"
+    )
     if "units" in options:
         mine = {id(m) for m in model.modules()}
         if not (isinstance(options["units"], (list, tuple, nn.ModuleList))
                 and all(isinstance(u, nn.Module) and id(u) in mine for u in options["units"])):
-            raise TypeError("units must be a list of the model's submodules (e.g. list(model.blocks))")
+            raise TypeError(
+                "units must be a list of the model's submodules (e.g. list(model.blocks))"
+            )
     if activation_checkpointing not in activations.MODES:
-        raise ValueError(f"activation_checkpointing must be False, True or 'cpu', got {activation_checkpointing!r}")
-    units = list(options.get("units") or default_units(model))      # before stage 3 frees the parameters
+        raise ValueError(
+            "activation_checkpointing must be False, True "
+            f"or 'cpu', got {activation_checkpointing!r}"
+        )
+    # before stage 3 frees the parameters
+    units = list(options.get("units") or default_units(model))
     # (a transformer's blocks: what is checkpointed, and what memory_timeline's events name)
     built = engine(model, optimizer, offload=offload, offload_path=offload_path, **options)
     if activation_checkpointing:

@@ -3,33 +3,27 @@
     python -m minizero.run --stage 3 --world-size 4 [--offload | --offload params]
     engine = minizero.wrap(model, 3, functools.partial(torch.optim.AdamW, lr=1e-3))
 
-What each rank holds (paper, section 5.3): (2 + 2 + K)Ψ/N bytes (16Ψ -> 0.25Ψ for Adam, N = 64), plus
-the few *units* gathered at any moment. Per step: all-gather Ψ (forward) + all-gather Ψ (backward) +
-reduce-scatter Ψ = 3Ψ, 1.5x DDP: the price of not replicating parameters.
+What each rank holds (paper, section 5.3): (2 + 2 + K)Ψ/N bytes (16Ψ -> 0.25Ψ for Adam, N = 64),
+plus the few *units* gathered at any moment. Per step: all-gather Ψ (forward) + all-gather Ψ
+(backward) + reduce-scatter Ψ = 3Ψ, 1.5x DDP: the price of not replicating parameters.
 
 Read zero2.py first; this file is what happens to a unit (unit.py: the Unit; units.py: which ones).
-  * A unit's parameters (minus those of units inside it) are one bucket (flat.py); rank r keeps its
-    partition of every unit in `param_shard` [Ψ/N]; a unit's full buffer [Ψ_u] exists only while
-    gathered. The model is always a unit. Frozen parameters (Ψ_f: LoRA's base) are partitioned alike
-    in a second buffer of the unit, never reduced or stepped: (Ψ + Ψ_f)·2/N bytes per rank.
+  * A unit's parameters are one bucket (flat.py); rank r keeps its partition of every unit in
+    `param_shard` [Ψ/N]; a unit's full buffer [Ψ_u] exists only while gathered. Frozen parameters
+    (Ψ_f: LoRA's base) are partitioned alike and never reduced: (Ψ + Ψ_f)·2/N bytes per rank.
   * Forward: the unit's pre-forward all-gathers it, its forward runs, its post-forward frees it.
-  * Backward: a hook on its outputs gathers it again just before its backward; when its gradients are
-    complete, post-backward reduce-scatters them as stage 2 does (the unit is the bucket), frees it.
+  * Backward: a hook on its outputs gathers it again just before its backward; when its gradients
+    are complete, post-backward reduce-scatters them as stage 2 does (the unit is the bucket).
   * Prefetch: while unit i computes, unit i+1 (in the order of the first step) is being gathered.
   * Step: the optimizer updates param_shard in place; the next forward gathers what it needs.
-Variants are routes (comm.Route: which group, what codec, where from), chosen in _init_parameters:
-offload="params" keeps param_shard on the host (ZeRO-Infinity; the optimizer steps there, offload.py);
-quantized_weights sends forward's all-gather in int8 (ZeRO++ qwZ); shard_group_size=S gathers within
-S ranks ([Note: hierarchical sharding] in engine.py).
-
-[Note: hpZ] ZeRO++'s hpz_group_size=R (a node's ranks): a unit's forward all-gather also leaves each
-rank its 1/R of the unit within the node (`secondary`); backward's all-gather then stays inside the
-node: 3Ψ -> 2Ψ across nodes, for Ψ/R more parameter memory until backward.
-
-[Note: recompute] Activation checkpointing runs a unit's forward again inside backward, hooks
-included; that forward must neither free the unit nor prefetch. engine.backward() puts every unit in
-PRE_BACKWARD, so a forward starting there is a recompute (reentrant or not); post_backward frees it.
-A model built under minizero.sharded_init arrives partitioned: units gather its values one at a time.
+Variants are routes (comm.Route, _init_parameters): offload="params" (the shard on the host),
+quantized_weights (ZeRO++ qwZ), shard_group_size ([Note: hierarchical sharding] in engine.py).
+[Note: hpZ] ZeRO++'s hpz_group_size=R: a unit's forward all-gather also leaves each rank its 1/R of
+the unit within its node (`secondary`), so backward's all-gather stays inside the node: 3Ψ -> 2Ψ
+across nodes, for Ψ/R more parameter memory until backward.
+[Note: recompute] Activation checkpointing runs a unit's forward again in backward, which must
+neither free it nor prefetch: engine.backward() puts every unit in PRE_BACKWARD, so a forward
+starting there is a recompute (reentrant or not).
 """
 
 from __future__ import annotations
@@ -48,10 +42,10 @@ from minizero.zero2 import Zero2
 
 
 class Zero3(Zero2):
-    """Builds the units, connects the model's forward hooks and autograd to their lifecycle, and runs
-    stage 2's reducer with one bucket per unit."""
+    """Builds the units, connects the model's forward hooks and autograd to their lifecycle, and
+    runs stage 2's reducer with one bucket per unit."""
     stage = 3
-    unit_class = Unit        # what units are made of: exercise 5's grader brings the learner's hooks
+    unit_class = Unit       # what units are made of: exercise 5's grader brings the learner's hooks
 
     def __init__(self, model, optimizer, *, units: list[nn.Module] | None = None,
                  prefetch: bool = True, quantized_weights: bool = False, **kwargs):
@@ -67,10 +61,6 @@ class Zero3(Zero2):
         for unit in self.units:
             unit.module.register_forward_pre_hook(partial(self._on_pre_forward, unit))
             unit.module.register_forward_hook(partial(self._on_post_forward, unit))
-
-    @property
-    def unit_names(self) -> list[str]:
-        return [unit.name for unit in self.units]          # by unit index (as in unit events)
 
     def _param_groups(self):
         return [group for group in self._unit_params if group]     # one bucket per unit that trains
@@ -104,6 +94,7 @@ class Zero3(Zero2):
                                               UnitRoutes(forward, exact, node), bucket, buffers,
                                               frozen_bucket))
         self._unit_of_bucket = {u.bucket.index: u for u in self.units if u.bucket is not None}
+        self.unit_names = [unit.name for unit in self.units]      # by index, as in unit events
 
     def _unit_buffers(self, bucket: Bucket | None, shard_of) -> tuple[torch.Tensor, torch.Tensor]:
         """The unit's full buffer [Ψ_u padded] (its parameters views of it; sharded_init's values
@@ -142,7 +133,6 @@ class Zero3(Zero2):
         if self.prefetch and following < len(order):
             order[following].gather(prefetch=True, forward=forward)
 
-    # --- backward ------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         for unit in self.units:                        # a forward from here on is a recompute
             unit.training_state = PRE_BACKWARD         # [Note: recompute]
@@ -150,9 +140,6 @@ class Zero3(Zero2):
 
     def _bucket_ready(self, b):
         return self._unit_of_bucket[b.index].post_backward()   # the reducer: in bucket order
-
-    def keep_till_backward_ends(self, unit: Unit) -> None:
-        self.finished.append(unit)                     # freed by the next pre_backward, or the end
 
     def free_finished(self) -> None:
         """Free the units whose backward is done but whose frozen parameters were kept."""
@@ -168,9 +155,8 @@ class Zero3(Zero2):
             unit.training_state = IDLE
             unit.drop_secondary()                      # hpZ: units with nothing to train keep it
 
-    # --- step: nothing to gather, the shards were updated in place -------------------------------
     def _after_step(self) -> None:
-        pass
+        pass                                           # the optimizer updated the shards in place
 
     # --- engine.gathered(): the units holding the parameters asked for ----------------------------
     def _units_of(self, params) -> list[Unit]:
@@ -187,8 +173,7 @@ class Zero3(Zero2):
     def _after_user_write(self, params) -> None:
         for unit in self._units_of(params):            # the full parameters were written: my part
             for full, shard in unit.buffers():
-                if full.numel():
-                    shard.copy_(partition(full, self.layout.rank, self.layout.world_size))
+                shard.copy_(partition(full, self.layout.rank, self.layout.world_size))
         super()._after_user_write(params)              # the masters follow the shards
 
     def _release_for_user(self, params) -> None:

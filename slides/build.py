@@ -1,4 +1,5 @@
-"""Build slides/deck.md into one self-contained HTML file: open it in any browser, no network needed.
+"""Build slides/deck.md into one self-contained HTML file: open it in any browser, no
+network needed.
 
     python slides/make_figures.py          # measure and draw -> slides/build/figures/*.png
     python slides/build.py                 # -> slides/build/deck.html (figures inlined as base64)
@@ -7,10 +8,11 @@
 Keys: -> / space / PageDown next, <- / PageUp previous, Home / End, the URL's #N is the slide shown.
 Printing (or "save as PDF") puts one slide on each page.
 
-The deck's Markdown is a small subset, converted here so the deck needs nothing but Python: slides are
-separated by a line `---`; `#`/`##` headings, paragraphs, `-` lists (indent two spaces to nest), fenced
-code blocks, `| a | b |` tables, images `![caption](figures/NAME.png)`, and inline **bold**, *italic*
-and `code`. Everything else is text (HTML-escaped): the deck cannot load anything from outside.
+The deck's Markdown is a small subset, converted here so the deck needs nothing but Python: slides
+are separated by a line `---`; `#`/`##` headings, paragraphs, `-` lists (indent two spaces to
+nest), fenced code blocks, `| a | b |` tables, images `![caption](figures/NAME.png)`, and inline
+**bold**, *italic* and `code`. Everything else is text (HTML-escaped): the deck cannot load
+anything from outside.
 """
 
 from __future__ import annotations
@@ -99,8 +101,10 @@ def image(alt: str, src: str, figures: str) -> str:
     with open(path, "rb") as f:
         data = base64.b64encode(f.read()).decode("ascii")
     caption = f"<figcaption>{inline(alt)}</figcaption>" if alt else ""
-    return (f'<figure><img alt="{html.escape(alt)}" data-src="{html.escape(os.path.basename(src))}" '
-            f'src="data:image/png;base64,{data}">{caption}</figure>')
+    return (
+        f'<figure><img alt="{html.escape(alt)}" data-src="{html.escape(os.path.basename(src))}" '
+        f'src="data:image/png;base64,{data}">{caption}</figure>'
+    )
 
 
 def slide_html(markdown: str, figures: str) -> str:
@@ -136,7 +140,11 @@ def slide_html(markdown: str, figures: str) -> str:
             i += 1
         else:                                              # a paragraph: consecutive plain lines
             block = []
-            while i < len(lines) and lines[i].strip() and not re.match(r"^(#|- |\||```|!\[)", lines[i].lstrip()):
+            while (
+                i < len(lines)
+                and lines[i].strip()
+                and not re.match(r"^(#|- |\||```|!\[)", lines[i].lstrip())
+            ):
                 block.append(lines[i].strip())
                 i += 1
             out.append(f"<p>{inline(' '.join(block))}</p>")

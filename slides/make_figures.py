@@ -4,12 +4,13 @@
     python slides/make_figures.py --small          # fewer ranks, tiny budget: seconds (tests)
     python slides/build.py                         # then the deck, with the figures inlined
 
-What is measured: every stage (and stage 3 + offload) wraps the same GPT and takes two AdamW steps at
-N = 1, 2, 4 (engine.memory() and the byte tally); the largest model each stage trains within a budget
-(minizero.scale); one stage-3 step's gather/free timeline (minizero.lab.demo); minizero's step time
-against PyTorch's and DeepSpeed's at two model sizes (minizero.bench, N = 2; its figure is
-minizero.lab.figures.bench_ratios, as in notebook 06). minizero.lab.figures runs it all, one launch per N. Only the paper-sized figure is the formula alone (minizero.memory), since nobody
-measures 7.5 B parameters on a laptop.
+What is measured: every stage (and stage 3 + offload) wraps the same GPT and takes two AdamW steps
+at N = 1, 2, 4 (engine.memory() and the byte tally); the largest model each stage trains within a
+budget (minizero.scale); one stage-3 step's gather/free timeline (minizero.lab.demo); minizero's
+step time against PyTorch's and DeepSpeed's at two model sizes (minizero.bench, N = 2; its figure is
+minizero.lab.figures.bench_ratios, as in notebook 06). minizero.lab.figures runs it all, one launch
+per N. Only the paper-sized figure is the formula alone (minizero.memory), since nobody measures 7.5
+B parameters on a laptop.
 """
 
 from __future__ import annotations
@@ -33,9 +34,23 @@ from minizero.memory import comm_volume, estimate_breakdown  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, "build", "figures")
-COLORS = {"params": "tab:blue", "grads": "tab:orange", "optimizer": "tab:green", "offloaded": "tab:purple"}
+COLORS = {
+    "params": "tab:blue",
+    "grads": "tab:orange",
+    "optimizer": "tab:green",
+    "offloaded": "tab:purple",
+}
 LABELS = [label for label, _, _ in VARIANTS]
-FIGURES = ("paper_7_5b", "memory_vs_n", "breakdown", "comm", "tradeoff", "scale", "zero3_timeline", "bench_ratio")
+FIGURES = (
+    "paper_7_5b",
+    "memory_vs_n",
+    "breakdown",
+    "comm",
+    "tradeoff",
+    "scale",
+    "zero3_timeline",
+    "bench_ratio",
+)
 
 
 def device_bytes(memory: dict) -> float:
@@ -46,14 +61,17 @@ def measure(small: bool) -> dict:
     """Everything the figures need, as plain data (minizero.lab.figures: one launch per N)."""
     if small:
         data = survey((1, 2), width=16, budget_mb=0.5, timeline_model="tiny")
-        data["bench"] = bench.compare((2,), sizes=("tiny",), steps=2, repeats=1, peers=("torch",), meter=False)
+        data["bench"] = bench.compare(
+            (2,), sizes=("tiny",), steps=2, repeats=1, peers=("torch",), meter=False
+        )
         return data
-    data = survey((1, 2, 4), width=64, budget_mb=4.0, timeline_model="default")   # 64: the default GPT's width, 8 blocks
+    # 64: the default GPT's width, 8 blocks
+    data = survey((1, 2, 4), width=64, budget_mb=4.0, timeline_model="default")
     data["bench"] = bench.compare((2,), sizes=("default", "1M"), steps=6, repeats=2, meter=False)
     return data
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 def fig_paper_7_5b():
     """The paper's figure 1: Ψ = 7.5 B, N = 64, mixed-precision Adam (K = 12), formula only."""
@@ -76,7 +94,9 @@ def fig_memory_vs_n(data):
     """Measured device bytes per rank against N, each variant; the formula as a dashed line."""
     fig, ax = plt.subplots(figsize=(7, 4))
     sizes = data["world_sizes"]
-    for (label, stage, offload), color in zip(VARIANTS, plt.cm.viridis(np.linspace(0, 0.9, len(VARIANTS)))):
+    for (label, stage, offload), color in zip(
+        VARIANTS, plt.cm.viridis(np.linspace(0, 0.9, len(VARIANTS)))
+    ):
         measured = [device_bytes(_probe(data, n, label)["memory"]) / 1e3 for n in sizes]
         psi = _probe(data, sizes[0], label)["num_params"]
         formula = [_formula_device(psi, n, stage, offload) / 1e3 for n in sizes]
@@ -90,17 +110,26 @@ def fig_memory_vs_n(data):
 
 
 def fig_breakdown(data):
-    """Stacked bars at the largest N: what each rank keeps, by category (offloaded = host memory)."""
+    """Stacked bars at the largest N: what each rank keeps, by category
+    (offloaded = host memory)."""
     n = max(data["world_sizes"])
     fig, ax = plt.subplots(figsize=(7.5, 4))
     bottoms = np.zeros(len(LABELS))
     for cat in COLORS:
         vals = np.array([_probe(data, n, label)["memory"][cat] / 1e3 for label in LABELS])
-        ax.bar(range(len(LABELS)), vals, bottom=bottoms, color=COLORS[cat],
-               hatch="//" if cat == "offloaded" else None, label=cat + (" (host)" if cat == "offloaded" else ""))
+        ax.bar(
+            range(len(LABELS)),
+            vals,
+            bottom=bottoms,
+            color=COLORS[cat],
+            hatch="//" if cat == "offloaded" else None,
+            label=cat + (" (host)" if cat == "offloaded" else ""),
+        )
         bottoms += vals
     ax.set_xticks(range(len(LABELS)), [label.replace(" + ", "\n+ ") for label in LABELS])
-    ax.set(ylabel="kB per rank", title=f"What one of N = {n} ranks holds (measured, engine.memory())")
+    ax.set(
+        ylabel="kB per rank", title=f"What one of N = {n} ranks holds (measured, engine.memory())"
+    )
     ax.legend(fontsize=8)
     return fig
 
@@ -123,7 +152,8 @@ def fig_comm(data):
 
 
 def fig_tradeoff(data):
-    """Memory per rank against bytes sent, both in units of Ψ·4 bytes: stage 3 buys memory with comm."""
+    """Memory per rank against bytes sent, both in units of Ψ·4 bytes: stage 3 buys memory
+    with comm."""
     n = max(data["world_sizes"])
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for label in LABELS[:4]:
@@ -145,10 +175,18 @@ def fig_scale(data):
     sizes = rep["world_sizes"]
     fig, ax = plt.subplots(figsize=(7, 4))
     for label in LABELS:
-        psi = [next(r["num_params"] for r in rep["rows"] if r["variant"] == label and r["world_size"] == n)
-               for n in sizes]
+        psi = [
+            next(
+                r["num_params"]
+                for r in rep["rows"]
+                if r["variant"] == label and r["world_size"] == n
+            )
+            for n in sizes
+        ]
         ax.plot(sizes, psi, "o-", label=label)
-    ddp1 = next(r["num_params"] for r in rep["rows"] if r["variant"] == "DDP" and r["world_size"] == 1)
+    ddp1 = next(
+        r["num_params"] for r in rep["rows"] if r["variant"] == "DDP" and r["world_size"] == 1
+    )
     ax.plot(sizes, [ddp1 * n for n in sizes], "k:", label="N × DDP (ideal)")
     ax.set_xticks(sizes)
     ax.set(xlabel="N (ranks)", ylabel="largest Ψ that trains", yscale="log",
@@ -164,8 +202,13 @@ def fig_zero3_timeline(data):
         rec = data["timeline"][key]
         for iv in unit_intervals(rec):
             color = "tab:blue" if iv["phase"] == "forward" else "tab:red"
-            ax.barh(iv["unit"], (iv["end"] - iv["start"]) * 1e3, left=iv["start"] * 1e3, color=color,
-                    alpha=0.5 if iv["how"] == "prefetch" else 0.9)
+            ax.barh(
+                iv["unit"],
+                (iv["end"] - iv["start"]) * 1e3,
+                left=iv["start"] * 1e3,
+                color=color,
+                alpha=0.5 if iv["how"] == "prefetch" else 0.9,
+            )
         ax.set_yticks(range(len(rec["unit_names"])), rec["unit_names"], fontsize=7)
         ax.set_title(f"prefetch {'on' if key == 'True' else 'off'}: peak gathered parameters "
                      f"{rec['peak_params'] / 1e3:.0f} kB", fontsize=9)
@@ -189,7 +232,9 @@ def _formula_device(psi, n, stage, offload):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="measure with minizero and draw the deck's figures")
-    ap.add_argument("--out", default=DEFAULT_OUT, help=f"folder for the PNGs (default {DEFAULT_OUT})")
+    ap.add_argument(
+        "--out", default=DEFAULT_OUT, help=f"folder for the PNGs (default {DEFAULT_OUT})"
+    )
     ap.add_argument("--small", action="store_true", help="quick: N = 1, 2, tiny models (for tests)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)

@@ -1,4 +1,5 @@
-"""Worker functions for tests: importable by the launched processes (pytest puts tests/ on sys.path)."""
+"""Worker functions for tests: importable by the launched processes (pytest puts tests/
+on sys.path)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def collectives() -> dict:
     comm.broadcast(b, src=n - 1)
     out["broadcast"] = b
     torch.manual_seed(r)
-    y = torch.randn(3, 7)                                          # 21 elements, non-contiguous below
+    y = torch.randn(3, 7)                                        # 21 elements, non-contiguous below
     expected = y.clone()
     comm.all_reduce(expected, op="sum")
     comm.reset_tally()
@@ -70,8 +71,9 @@ def rank_and_size() -> tuple[int, int]:
 
 
 def zero3_with_tied_units(steps: int) -> dict:
-    """Stage 3 where the embedding and the head it is tied to are separate units: the shared weight must
-    belong to their common ancestor (the root), be gathered whenever either runs, and get both gradients."""
+    """Stage 3 where the embedding and the head it is tied to are separate units: the shared
+    weight must belong to their common ancestor (the root), be gathered whenever either runs, and
+    get both gradients."""
     import functools
 
     import minizero
@@ -85,13 +87,17 @@ def zero3_with_tied_units(steps: int) -> dict:
         x, y = local_batch(*global_batch(step, 12, 17), comm.rank(), comm.world_size())
         engine.backward(loss_fn(engine(x), y))
         engine.step()
-    return {"state_dict": engine.full_state_dict(), "rank": comm.rank(), "unit_names": engine.unit_names}
+    return {
+        "state_dict": engine.full_state_dict(),
+        "rank": comm.rank(),
+        "unit_names": engine.unit_names,
+    }
 
 
 def accumulate_without_no_sync(stage: int, options: dict, steps: int = 2) -> dict:
-    """Two micro-batches per step, both backwards *outside* no_sync(): every stage must still average
-    the sum of both exactly once (DDP all-reduces twice, stage 1 reduces at the step, stages 2-3 add
-    reduce-scattered buckets into the shard)."""
+    """Two micro-batches per step, both backwards *outside* no_sync(): every stage must still
+    average the sum of both exactly once (DDP all-reduces twice, stage 1 reduces at the step, stages
+    2-3 add reduce-scattered buckets into the shard)."""
     import functools
 
     import minizero
@@ -110,15 +116,20 @@ def accumulate_without_no_sync(stage: int, options: dict, steps: int = 2) -> dic
 
 
 def buckets_launched_during_backward(stage: int) -> tuple[int, int]:
-    """(buckets, how many the reducer launched while backward was still running) for a small bucket size."""
+    """(buckets, how many the reducer launched while backward was still running) for a small
+    bucket size."""
     import functools
 
     import minizero
     from minizero.lab.data import global_batch, local_batch
     from minizero.lab.model import GPTConfig, make_model
     from minizero.lab.train import loss_fn
-    engine = minizero.wrap(make_model(GPTConfig()), stage, functools.partial(torch.optim.SGD, lr=0.1),
-                           bucket_size=100_000)
+    engine = minizero.wrap(
+        make_model(GPTConfig()),
+        stage,
+        functools.partial(torch.optim.SGD, lr=0.1),
+        bucket_size=100_000,
+    )
     from minizero import events
     x, y = local_batch(*global_batch(0, 8, 32), comm.rank(), comm.world_size())
     with events.recorded("bucket launched") as launched:
@@ -127,8 +138,8 @@ def buckets_launched_during_backward(stage: int) -> tuple[int, int]:
 
 
 def build_sharded(kind: str, seed: int = 3) -> dict:
-    """Build a model normally and under minizero.sharded_init; gather every partitioned parameter back and
-    compare bit for bit; report what construction held (bytes)."""
+    """Build a model normally and under minizero.sharded_init; gather every partitioned parameter
+    back and compare bit for bit; report what construction held (bytes)."""
     from minizero.construct import full_value, partition_of, sharded_init
     from minizero.lab.model import GPTConfig, make_model
 
@@ -137,7 +148,9 @@ def build_sharded(kind: str, seed: int = 3) -> dict:
             return make_model(GPTConfig.named("default"), seed=seed)
         from transformers import GPT2Config, GPT2LMHeadModel
         torch.manual_seed(seed)
-        return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=8, n_embd=16, n_layer=3, n_head=2))
+        return GPT2LMHeadModel(
+            GPT2Config(vocab_size=64, n_positions=8, n_embd=16, n_layer=3, n_head=2)
+        )
 
     normal = build()
     with sharded_init() as init:
@@ -151,14 +164,18 @@ def build_sharded(kind: str, seed: int = 3) -> dict:
         "held_after": sum(p.untyped_storage().nbytes() for p in model.parameters()),
         "peak": init.peak_bytes, "shard": init.shard_bytes,
         "model_bytes": sum(p.numel() * p.element_size() for p in normal.parameters()),
-        "largest_child": max(sum(p.numel() * p.element_size() for p in m.parameters())
-                             for m in normal.modules() if m is not normal and not isinstance(m, torch.nn.ModuleList)),
+        "largest_child": max(
+            sum(p.numel() * p.element_size() for p in m.parameters())
+            for m in normal.modules()
+            if m is not normal and not isinstance(m, torch.nn.ModuleList)
+        ),
     }
 
 
 def gathered_round_trip(stage: int, options: dict) -> dict:
-    """engine.gathered(): read the full parameters on every rank, then let rank 1 write new values and check
-    that every rank (and the optimizer's masters, through full_state_dict) has them afterwards."""
+    """engine.gathered(): read the full parameters on every rank, then let rank 1 write new
+    values and check that every rank (and the optimizer's masters, through full_state_dict) has
+    them afterwards."""
     import functools
 
     import minizero
@@ -175,7 +192,7 @@ def gathered_round_trip(stage: int, options: dict) -> dict:
     before = engine.full_state_dict()
     names = dict(model.named_parameters())
     with engine.gathered():
-        inner = engine.full_state_dict()                            # nested: the outer block stays gathered
+        inner = engine.full_state_dict()                    # nested: the outer block stays gathered
         read = {n: p.detach().float().clone() for n, p in names.items()}
     with engine.gathered(modifier_rank=1):
         if comm.rank() == 1:
@@ -183,9 +200,9 @@ def gathered_round_trip(stage: int, options: dict) -> dict:
                 for i, p in enumerate(names.values()):
                     p.fill_(0.5 + i / 64)                           # exact in bf16 too
     after = engine.full_state_dict()
-    engine.backward(loss_fn(engine(xm), ym))                        # and training goes on from there
+    engine.backward(loss_fn(engine(xm), ym))                       # and training goes on from there
     engine.step()
-    exact = options.get("dtype", "fp32") == "fp32"                 # bf16 parameters are round(master)
+    exact = options.get("dtype", "fp32") == "fp32"               # bf16 parameters are round(master)
     return {"read_ok": all(torch.equal(inner[n], before[n]) for n in names) and all(
                 torch.equal(read[n], before[n]) if exact else
                            torch.allclose(read[n], before[n], rtol=1e-2, atol=1e-3) for n in names),
@@ -200,22 +217,27 @@ def gathered_round_trips(settings: list[tuple[int, dict]]) -> list[dict]:
 
 def fp16_runs(cfgs: list, inject: dict) -> dict:
     """Worker for test_loss_scale.py: fp16 training runs (train_several), then for each stage an inf
-    injected into rank 1's gradient shard at the steps inject["steps"] (after the reduction, so only the
-    rank owning that shard sees it)."""
+    injected into rank 1's gradient shard at the steps inject["steps"] (after the reduction, so only
+    the rank owning that shard sees it)."""
     from minizero.lab.train import train_several
-    return {"runs": train_several(cfgs), "injected": [_injected_overflow(s, **inject) for s in inject["stages"]]}
+    return {
+        "runs": train_several(cfgs),
+        "injected": [_injected_overflow(s, **inject) for s in inject["stages"]],
+    }
 
 
 def _injected_overflow(stage: int, stages, steps: tuple, loss_scale: dict, n_steps: int) -> dict:
     import minizero
     from minizero.lab.model import make_model
     from minizero.lab.train import TrainConfig, forward_backward
-    cfg = TrainConfig(stage=stage, model="tiny", dtype="fp16", loss_scale=loss_scale, batch_size=12, lr=1e-2)
+    cfg = TrainConfig(
+        stage=stage, model="tiny", dtype="fp16", loss_scale=loss_scale, batch_size=12, lr=1e-2
+    )
     engine = minizero.wrap(make_model(cfg.model_config(), seed=0), stage, cfg.optimizer_factory(),
                            **cfg.engine_options())
     grad_parts = engine._grad_parts
 
-    def poisoned():                                  # the test hook: one element of rank 1's shard is inf
+    def poisoned():                            # the test hook: one element of rank 1's shard is inf
         parts = grad_parts()
         if comm.rank() == 1 and engine.step_count in steps:
             parts[0][0] = float("inf")
@@ -231,5 +253,10 @@ def _injected_overflow(stage: int, stages, steps: tuple, loss_scale: dict, n_ste
         unchanged.append(all(torch.equal(before[k], after[k]) for k in before))
         scales.append(engine.loss_scale)
     adam_steps = sorted({float(s["step"]) for s in engine.optimizer.optimizer.state.values()})
-    return {"scales": scales, "unchanged": unchanged, "skipped": engine.skipped_steps, "adam_steps": adam_steps,
-            "state": after}
+    return {
+        "scales": scales,
+        "unchanged": unchanged,
+        "skipped": engine.skipped_steps,
+        "adam_steps": adam_steps,
+        "state": after,
+    }

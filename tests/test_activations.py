@@ -1,5 +1,6 @@
-"""ZeRO-R's activations (minizero/activations.py): measured next to memory.activation_bytes, cut by
-checkpointing, and every stage trained with checkpointing ends where the single-process reference does.
+"""ZeRO-R's activations (minizero/activations.py): measured next to memory.activation_bytes, cut
+by checkpointing, and every stage trained with checkpointing ends where the single-process
+reference does.
 
     python -m pytest tests/test_activations.py
 """
@@ -29,7 +30,9 @@ SIZES = [(dict(), 8), (dict(n_embd=32, n_head=2, block_size=16), 4),
 def measured_activations(overrides: dict, rows: int, mode, stage: int = 0) -> int:
     """engine.memory()["activations"] after one forward and backward on one process."""
     model = make_model(GPTConfig(**overrides))
-    engine = minizero.wrap(model, stage, functools.partial(torch.optim.SGD, lr=0.1), activation_checkpointing=mode)
+    engine = minizero.wrap(
+        model, stage, functools.partial(torch.optim.SGD, lr=0.1), activation_checkpointing=mode
+    )
     x, y = global_batch(0, rows, model.cfg.block_size)
     engine.backward(loss_fn(engine(x), y))
     return engine.memory()["activations"]
@@ -42,12 +45,21 @@ def test_measured_activations_match_the_estimate(overrides, rows, mode):
     estimate = activation_bytes(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.block_size, rows,
                                 mlp_ratio=cfg.mlp_ratio, checkpointing=mode)
     got = measured_activations(overrides, rows, mode)
-    assert abs(got - estimate) <= 0.1 * estimate, f"measured {got} bytes, estimated {estimate:.0f} ({mode=})"
+    assert abs(got - estimate) <= 0.1 * estimate, (
+        f"measured {got} bytes, estimated {estimate:.0f} ({mode=})"
+    )
 
 
 def test_an_unknown_checkpointing_mode_is_refused_before_anything_is_built():
-    with pytest.raises(ValueError, match="activation_checkpointing must be False, True or 'cpu', got 'gpu'"):
-        minizero.wrap(nn.Linear(4, 4), 3, functools.partial(torch.optim.SGD, lr=0.1), activation_checkpointing="gpu")
+    with pytest.raises(
+        ValueError, match="activation_checkpointing must be False, True or 'cpu', got 'gpu'"
+    ):
+        minizero.wrap(
+            nn.Linear(4, 4),
+            3,
+            functools.partial(torch.optim.SGD, lr=0.1),
+            activation_checkpointing="gpu",
+        )
 
 
 def test_checkpointing_cuts_the_activations_of_a_4_block_gpt_by_more_than_half():
@@ -103,23 +115,36 @@ def test_checkpointing_recomputes_dropout_exactly_and_passes_non_tensor_inputs()
     for mode in MODES:
         torch.manual_seed(0)
         model = DropoutStack()
-        engine = minizero.wrap(model, 0, functools.partial(torch.optim.SGD, lr=0.1), activation_checkpointing=mode)
+        engine = minizero.wrap(
+            model, 0, functools.partial(torch.optim.SGD, lr=0.1), activation_checkpointing=mode
+        )
         torch.manual_seed(1)
         engine.backward(engine(torch.randn(8, 16)).square().sum())
         grads[mode] = [p.grad.clone() for p in model.parameters()]
     for mode in (True, "cpu"):
-        assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[mode])), f"{mode=}: other gradients"
+        assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[mode])), (
+            f"{mode=}: other gradients"
+        )
 
 
-# --- every stage with checkpointing, against the reference -------------------------------------------------
+# --- every stage with checkpointing, against the reference ----------------------------------------
 # (stage, activation_checkpointing, offload): each stage with both modes, offload at stages 1-3.
-SETTINGS = [(0, True, False), (1, True, False), (1, "cpu", True), (2, "cpu", False), (2, True, "optimizer"),
-            (3, True, False), (3, "cpu", "params")]
+SETTINGS = [
+    (0, True, False),
+    (1, True, False),
+    (1, "cpu", True),
+    (2, "cpu", False),
+    (2, True, "optimizer"),
+    (3, True, False),
+    (3, "cpu", "params"),
+]
 
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_checkpointing_trains_like_the_reference_at_every_stage(n):
-    base = TrainConfig(world_size=n, steps=3, batch_size=12, grad_accum=2, optimizer="sgd", lr=0.5, **AWKWARD)
+    base = TrainConfig(
+        world_size=n, steps=3, batch_size=12, grad_accum=2, optimizer="sgd", lr=0.5, **AWKWARD
+    )
     cfgs = [dataclasses.replace(base, stage=s, activation_checkpointing=mode, offload=offload)
             for s, mode, offload in SETTINGS]
     cfgs = [dataclasses.replace(c, return_state=True) for c in cfgs]

@@ -1,7 +1,7 @@
-"""minizero.bench: every stage next to PyTorch's peer and DeepSpeed (when installed) in one launch (tiny
-model, N = 2, 2 steps), the sizes it can compare at, and its one-line usage errors; minizero.scale's searches
-(the tiny model's largest micro-batch at N = 2) and its --rss demo under a real per-rank memory cap (N = 2, a
-10.4 M GPT).
+"""minizero.bench: every stage next to PyTorch's peer and DeepSpeed (when installed) in one launch
+(tiny model, N = 2, 2 steps), the sizes it can compare at, and its one-line usage errors;
+minizero.scale's searches (the tiny model's largest micro-batch at N = 2) and its --rss demo under a
+real per-rank memory cap (N = 2, a 10.4 M GPT).
 Run: python -m pytest tests/test_bench.py -q"""
 
 from __future__ import annotations
@@ -29,14 +29,23 @@ def report(tmp_path_factory):
 
 
 def test_every_pair_is_reported(report):
-    torch_peers = [("0", "ddp"), ("1", "zero_redundancy"), ("2", "fsdp2_no_reshard"), ("3", "fsdp2")]
+    torch_peers = [
+        ("0", "ddp"),
+        ("1", "zero_redundancy"),
+        ("2", "fsdp2_no_reshard"),
+        ("3", "fsdp2"),
+    ]
     ds = [(v, "deepspeed") for v in bench.VARIANTS] if deepspeed_peer.available() else []
     expected = sorted(torch_peers + ds, key=lambda vp: list(bench.VARIANTS).index(vp[0]))
-    assert [(p["world_size"], p["variant"], p["peer"]) for p in report["pairs"]] == [(2, v, p) for v, p in expected]
+    assert [(p["world_size"], p["variant"], p["peer"]) for p in report["pairs"]] == [
+        (2, v, p) for v, p in expected
+    ]
     for p in report["pairs"]:
         assert p["ratio"] > 0 and all(t > 0 for t in p["step_time_s"].values())
         for side in bench.SIDES:
-            assert len(p["memory"][side]) == 2 and all(set(m) == set(bench.MEMORY_KEYS) for m in p["memory"][side])
+            assert len(p["memory"][side]) == 2 and all(
+                set(m) == set(bench.MEMORY_KEYS) for m in p["memory"][side]
+            )
     assert report["config"]["sizes"] == {"tiny": count_params(GPTConfig.named("tiny"))}
 
 
@@ -44,11 +53,26 @@ def test_the_profile_splits_every_step_into_its_phases(report):
     for p in report["pairs"]:
         for side in bench.SIDES:
             phases = p["phase_s"][side]
-            assert list(phases) == list(bench.PHASES) and all(t > 0 for t in phases.values()), (p["variant"], side)
-            # each phase's slowest rank may differ from the step's: the sum is near the step, not equal
-            assert 0.5 < sum(phases.values()) / p["step_time_s"][side] < 1.5, (p["variant"], p["peer"], side, phases)
-    profile = bench.format_table(report, phases=True).split("where the time goes")[1].split("activation meter")[0]
-    assert len([line for line in profile.splitlines() if line.count(" / ") == len(bench.PHASES)]) == len(report["pairs"])
+            assert list(phases) == list(bench.PHASES) and all(t > 0 for t in phases.values()), (
+                p["variant"],
+                side,
+            )
+            # each phase's slowest rank may differ from the step's: the sum is near the step,
+            # not equal
+            assert 0.5 < sum(phases.values()) / p["step_time_s"][side] < 1.5, (
+                p["variant"],
+                p["peer"],
+                side,
+                phases,
+            )
+    profile = (
+        bench.format_table(report, phases=True)
+        .split("where the time goes")[1]
+        .split("activation meter")[0]
+    )
+    assert len(
+        [line for line in profile.splitlines() if line.count(" / ") == len(bench.PHASES)]
+    ) == len(report["pairs"])
 
 
 def test_minizero_ends_where_every_peer_ends(report):
@@ -58,45 +82,75 @@ def test_minizero_ends_where_every_peer_ends(report):
 
 
 def test_memory_and_comm_are_the_stages(report):
-    by_stage = {p["stage"]: p for p in report["pairs"] if p["peer"] in bench.PEER_COLLECTIVES}   # PyTorch's
-    device = {s: sum(p["memory"]["minizero"][0][k] for k in bench.DEVICE_KEYS) for s, p in by_stage.items()}
-    assert device[0] > device[1] > device[2] > device[3]              # each stage shards one more thing
+    # PyTorch's
+    by_stage = {p["stage"]: p for p in report["pairs"] if p["peer"] in bench.PEER_COLLECTIVES}
+    device = {
+        s: sum(p["memory"]["minizero"][0][k] for k in bench.DEVICE_KEYS)
+        for s, p in by_stage.items()
+    }
+    assert device[0] > device[1] > device[2] > device[3]          # each stage shards one more thing
     torch_ddp = sum(by_stage[0]["memory"]["peer"][0].values())
     assert device[0] == pytest.approx(torch_ddp, rel=0.01)           # both replicate everything
     psi = by_stage[0]["num_params"]
-    for p in report["pairs"]:                                        # minizero's tally: 2Ψ or 3Ψ (+ padding)
-        assert p["comm_bytes_per_step"]["minizero"] == pytest.approx(comm_volume(psi, 2, p["stage"], bytes_per_elem=4),
-                                                                     rel=0.01)
-    # ZeroRedundancyOptimizer all-reduces, then broadcasts the stepped partitions: 3Ψ, not stage 1's 2Ψ
-    assert by_stage[1]["comm_bytes_per_step"]["peer"] == pytest.approx(1.5 * by_stage[0]["comm_bytes_per_step"]["peer"])
+    for p in report["pairs"]:                               # minizero's tally: 2Ψ or 3Ψ (+ padding)
+        assert p["comm_bytes_per_step"]["minizero"] == pytest.approx(
+            comm_volume(psi, 2, p["stage"], bytes_per_elem=4), rel=0.01
+        )
+    # ZeroRedundancyOptimizer all-reduces, then broadcasts the stepped partitions: 3Ψ, not stage
+    # 1's 2Ψ
+    assert by_stage[1]["comm_bytes_per_step"]["peer"] == pytest.approx(
+        1.5 * by_stage[0]["comm_bytes_per_step"]["peer"]
+    )
     offload = [p for p in report["pairs"] if p["offload"]]
-    assert all(p["memory"]["minizero"][0]["offloaded"] > 0 and p["memory"]["minizero"][0]["optimizer"] == 0
-               for p in offload)
+    assert all(
+        p["memory"]["minizero"][0]["offloaded"] > 0 and p["memory"]["minizero"][0]["optimizer"] == 0
+        for p in offload
+    )
 
 
 def test_the_activation_meter_is_timed_on_and_off_and_only_observes(report):
     assert [m["variant"] for m in report["meter"]] == list(bench.VARIANTS)
     for m in report["meter"]:
         assert all(t > 0 for t in m["step_time_s"].values()) and m["cost"] > -1
-        assert min(m["activations"]["on"]) > 0 and m["activations"]["off"] == [0, 0], "off: the meter never ran"
+        assert min(m["activations"]["on"]) > 0 and m["activations"]["off"] == [0, 0], (
+            "off: the meter never ran"
+        )
         assert m["losses"]["on"] == m["losses"]["off"], m["variant"]           # bit for bit
 
 
 def test_sizes_are_what_they_say():
     for name in SIZES:
         psi = count_params(GPTConfig.named(name))
-        assert psi == pytest.approx(float(name[:-1]) * 1e6, rel=0.01) and f"{psi:,}" in bench.size_label(name)
+        assert psi == pytest.approx(
+            float(name[:-1]) * 1e6, rel=0.01
+        ) and f"{psi:,}" in bench.size_label(name)
     assert GPT(GPTConfig.named("1M")).num_params() == count_params(GPTConfig.named("1M"))
 
 
-@pytest.mark.parametrize("argv", [["--world-size", "1"], ["--steps", "1"], ["--model", "huge"],
-                                  ["--stages", "5"], ["--world-size", "3"], ["--bogus"],
-                                  ["--sizes", "3M"], ["--sizes", ""], ["--peers", "jax"],
-                                  ["--scale", "--budget-mb", "0"], ["--scale", "--world-size", "0"],
-                                  ["--scale", "--micro-batch", "--model", "huge"], ["--scale", "--model", "tiny"],
-                                  ["--scale", "--micro-batch", "--budget-mb", "-1"], ["--scale", "--rss-cap-mb", "9"],
-                                  ["--scale", "--rss", "--world-size", "1"], ["--scale", "--rss", "--rss-cap-mb", "0"],
-                                  ["--scale", "--rss", "--world-size", "2", "4"], ["--scale", "--rss", "--budget-mb", "4"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--world-size", "1"],
+        ["--steps", "1"],
+        ["--model", "huge"],
+        ["--stages", "5"],
+        ["--world-size", "3"],
+        ["--bogus"],
+        ["--sizes", "3M"],
+        ["--sizes", ""],
+        ["--peers", "jax"],
+        ["--scale", "--budget-mb", "0"],
+        ["--scale", "--world-size", "0"],
+        ["--scale", "--micro-batch", "--model", "huge"],
+        ["--scale", "--model", "tiny"],
+        ["--scale", "--micro-batch", "--budget-mb", "-1"],
+        ["--scale", "--rss-cap-mb", "9"],
+        ["--scale", "--rss", "--world-size", "1"],
+        ["--scale", "--rss", "--rss-cap-mb", "0"],
+        ["--scale", "--rss", "--world-size", "2", "4"],
+        ["--scale", "--rss", "--budget-mb", "4"],
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(argv, capsys):
     assert bench_command(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -104,20 +158,28 @@ def test_bad_input_is_one_line_and_exit_2(argv, capsys):
 
 
 def test_collectives_are_timed_both_ways_and_agree(capsys):
-    """--collectives: every row on both sides, and the worker's check that comm's way and gloo's agree."""
+    """--collectives: every row on both sides, and the worker's check that comm's way and
+    gloo's agree."""
     from minizero.lab import collectives
     report = collectives.measure((2,), (1000,), repeats=1)
     (row,) = report["rows"]
-    assert list(row["ms"]) == ["all_reduce (backend)", "reduce_scatter (backend)", "reduce_scatter (minizero)",
-                               "all_gather (backend)", "all_gather (minizero)"]
+    assert list(row["ms"]) == [
+        "all_reduce (backend)",
+        "reduce_scatter (backend)",
+        "reduce_scatter (minizero)",
+        "all_gather (backend)",
+        "all_gather (minizero)",
+    ]
     assert all(t > 0 for t in row["ms"].values()) and row["backend"] == "gloo"
     assert bench_command(["--collectives", "--numel", "0"]) == 2
     assert "--numel must be" in capsys.readouterr().err
 
 
 def test_scale_table_names_every_variant():
-    rows = [{"variant": v, "world_size": 1, "num_params": 100 * (i + 1), "width": 8} for i, (v, _, _) in
-            enumerate(scale.VARIANTS)]
+    rows = [
+        {"variant": v, "world_size": 1, "num_params": 100 * (i + 1), "width": 8}
+        for i, (v, _, _) in enumerate(scale.VARIANTS)
+    ]
     text = scale.format_table({"budget_bytes": 1e6, "world_sizes": [1], "n_layer": 8, "rows": rows,
                                "stage3_over_ddp": {1: 4.0}})
     assert all(v in text for v, _, _ in scale.VARIANTS) and "4.00" in text
@@ -127,7 +189,9 @@ def test_one_search_finds_the_boundary_from_any_guess():
     for answer in (0, 1, 5, 37, 64):
         for guess in (None, 1, answer, answer + 1, 3 * answer + 2):
             tried = []
-            k, record, probes = scale.largest(lambda k: (tried.append(k) or k <= answer, {"k": k}), 50, guess)
+            k, record, probes = scale.largest(
+                lambda k: (tried.append(k) or k <= answer, {"k": k}), 50, guess
+            )
             assert (k, probes) == (min(answer, 50), len(tried)) and (record or {"k": 0})["k"] == k
             assert all(1 <= t <= 50 for t in tried)
     exact = []
@@ -138,17 +202,37 @@ def test_one_search_finds_the_boundary_from_any_guess():
 @pytest.fixture(scope="module")
 def micro_batches(tmp_path_factory):
     path = tmp_path_factory.mktemp("scale") / "scale.json"
-    assert scale_command(["--micro-batch", "--model", "tiny", "--budget-mb", "0.5", "--world-size", "2",
-                       "--json", str(path)]) == 0
+    assert (
+        scale_command(
+            [
+                "--micro-batch",
+                "--model",
+                "tiny",
+                "--budget-mb",
+                "0.5",
+                "--world-size",
+                "2",
+                "--json",
+                str(path),
+            ]
+        )
+        == 0
+    )
     return json.loads(path.read_text())
 
 
 def test_checkpointing_fits_a_larger_micro_batch_at_every_stage(micro_batches):
     rows = micro_batches["rows"]
     for label, stage, offload in scale.VARIANTS:
-        plain, ckpt = (next(r for r in rows if r["variant"] == label and r["checkpointing"] == c) for c in (False, True))
+        plain, ckpt = (
+            next(r for r in rows if r["variant"] == label and r["checkpointing"] == c)
+            for c in (False, True)
+        )
         assert 1 <= plain["micro_batch"] < ckpt["micro_batch"] < scale.MAX_ROWS, label
-        assert plain["total"] <= micro_batches["budget_bytes"] and ckpt["total"] <= micro_batches["budget_bytes"]
+        assert (
+            plain["total"] <= micro_batches["budget_bytes"]
+            and ckpt["total"] <= micro_batches["budget_bytes"]
+        )
 
 
 def test_measured_micro_batch_is_the_estimate_less_what_is_in_flight(micro_batches):
@@ -156,12 +240,22 @@ def test_measured_micro_batch_is_the_estimate_less_what_is_in_flight(micro_batch
     cfg = GPTConfig.named("tiny")
     for r in micro_batches["rows"]:
         # activations: within the estimate's tolerance (tests/test_activations.py: 10 %)
-        act = activation_bytes(cfg.n_layer, cfg.n_embd, cfg.n_head, micro_batches["seq"], r["micro_batch"],
-                               mlp_ratio=cfg.mlp_ratio, checkpointing=r["checkpointing"])
+        act = activation_bytes(
+            cfg.n_layer,
+            cfg.n_embd,
+            cfg.n_head,
+            micro_batches["seq"],
+            r["micro_batch"],
+            mlp_ratio=cfg.mlp_ratio,
+            checkpointing=r["checkpointing"],
+        )
         assert abs(r["activations"] - act) <= scale.TOLERANCE * act, r
-        # model states: the paper's formula is a floor (buckets and gathered units in flight come on top),
-        # so the estimate never promises fewer rows than fit; DDP has nothing in flight: the same rows
-        states = estimate(r["num_params"], 2, r["stage"], param_bytes=4, grad_bytes=4, k=8, offload=r["offload"])
+        # model states: the paper's formula is a floor (buckets and gathered units in flight come on
+        # top), so the estimate never promises fewer rows than fit; DDP has nothing in flight: the
+        # same rows
+        states = estimate(
+            r["num_params"], 2, r["stage"], param_bytes=4, grad_bytes=4, k=8, offload=r["offload"]
+        )
         assert r["peak"] >= states - 1e-6 and r["estimated_micro_batch"] >= r["micro_batch"], r
         if r["stage"] == 0:
             assert r["estimated_micro_batch"] == r["micro_batch"], r
@@ -169,14 +263,16 @@ def test_measured_micro_batch_is_the_estimate_less_what_is_in_flight(micro_batch
 
 def test_micro_batch_table_names_every_variant(micro_batches):
     text = scale.format_table(micro_batches)
-    assert all(v in text for v, _, _ in scale.VARIANTS) and "plain |  ckpt" in text and "N = 2" in text
+    assert (
+        all(v in text for v, _, _ in scale.VARIANTS) and "plain |  ckpt" in text and "N = 2" in text
+    )
 
 
 def test_under_a_memory_cap_ddp_runs_out_and_stage_3_trains():
-    """The real-memory story at N = 2 with C = 150 MB: a GPT whose DDP model states (16Ψ) exceed C. DDP's
-    ranks hit their RLIMIT_DATA and the launcher says which rank ran out of memory, in one line and
-    quickly (nothing hangs); stage 3 trains under the same cap, resident above the baseline at least its
-    formula's 16Ψ/N and less than C."""
+    """The real-memory story at N = 2 with C = 150 MB: a GPT whose DDP model states (16Ψ) exceed C.
+    DDP's ranks hit their RLIMIT_DATA and the launcher says which rank ran out of memory, in one
+    line and quickly (nothing hangs); stage 3 trains under the same cap, resident above the baseline
+    at least its formula's 16Ψ/N and less than C."""
     with pytest.raises(ValueError, match="memory_cap"):
         minizero.launch(rss.capped_worker, 2, memory_cap=0)
     report = rss.capped_runs(150, world_size=2, variants=rss.VARIANTS[:2])
@@ -184,8 +280,11 @@ def test_under_a_memory_cap_ddp_runs_out_and_stage_3_trains():
     assert 16 * report["num_params"] > report["cap_bytes"]
     assert not ddp["trained"], "DDP trained under the cap: was the cap set in the ranks?"
     cap_mb = f"{report['limit_bytes'] / 1e6:.0f}"
-    assert re.match(rf"rank [01] failed: out of memory under its cap of {cap_mb} MB \(RuntimeError: .*can't allocate",
-                    ddp["error"]), ddp["error"]
+    assert re.match(
+        r"rank [01] failed: out of memory under its cap "
+        rf"of {cap_mb} MB \(RuntimeError: .*can't allocate",
+        ddp["error"],
+    ), ddp["error"]
     assert ddp["seconds"] < 30
     assert stage3["trained"], stage3.get("error")
     assert stage3["formula"] == 16 * report["num_params"] / 2

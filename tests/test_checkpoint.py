@@ -1,6 +1,7 @@
-"""Sharded checkpoints: resuming in fresh processes is bit-identical for every stage, a crash during a
-save never costs the previous checkpoint, bad checkpoints are refused in one line with nothing changed,
-and minizero.consolidate gives a plain state_dict that also continues training at another world size."""
+"""Sharded checkpoints: resuming in fresh processes is bit-identical for every stage, a crash during
+a save never costs the previous checkpoint, bad checkpoints are refused in one line with nothing
+changed, and minizero.consolidate gives a plain state_dict that also continues training at another
+world size."""
 
 import functools
 import json
@@ -37,12 +38,13 @@ VARIANTS = {
     "stage3": dict(stage=3),
     "stage3_offload_params": dict(stage=3, offload="params"),
     "stage3_bf16": dict(stage=3, dtype="bf16"),
-    # fp16: by step K the scale has grown (window 1) and the next steps overflow at it; a resume with a
-    # fresh scaler would start at 2**16 again and take the steps the uninterrupted run skips
+    # fp16: by step K the scale has grown (window 1) and the next steps overflow at it; a resume
+    # with a fresh scaler would start at 2**16 again and take the steps the uninterrupted run skips
     "stage2_fp16": dict(stage=2, dtype="fp16", loss_scale=FP16_SCALE),
     "stage1_fp16_offload": dict(stage=1, dtype="fp16", offload=True, loss_scale=FP16_SCALE),
 }
-# SGD has no state, so continuing from the consolidated weights at another N must track the reference.
+# SGD has no state, so continuing from the consolidated weights at another N must track
+# the reference.
 SGD = dict(BASE, stage=2, optimizer="sgd", lr=0.5)
 
 
@@ -58,9 +60,14 @@ def runs(tmp_path_factory):
         first += [TrainConfig(**cfg, steps=K + M), TrainConfig(**cfg, steps=K, save_dir=dirs[name])]
     first.append(TrainConfig(**SGD, steps=K, save_dir=dirs["sgd"]))
     before = minizero.launch(train_several, N, first)
-    resumed = minizero.launch(train_several, N, [TrainConfig(**BASE, **opts, steps=K + M, return_state=True,
-                                                           load_dir=dirs[name])
-                                               for name, opts in VARIANTS.items()])
+    resumed = minizero.launch(
+        train_several,
+        N,
+        [
+            TrainConfig(**BASE, **opts, steps=K + M, return_state=True, load_dir=dirs[name])
+            for name, opts in VARIANTS.items()
+        ],
+    )
     out = {}
     for i, name in enumerate(VARIANTS):
         out[name] = {"full": [r[2 * i] for r in before], "saved": [r[2 * i + 1] for r in before],
@@ -73,9 +80,13 @@ def runs(tmp_path_factory):
 def test_resume_in_fresh_processes_is_bit_identical(runs, name):
     run = runs[name]
     for full, resumed in zip(run["full"], run["resumed"]):
-        assert resumed["losses"] == full["losses"][K:], f"rank {full['rank']}: losses after resuming differ"
-        assert (resumed["loss_scales"], resumed["skipped_steps"]) == (full["loss_scales"][K:], full["skipped_steps"]), \
-            f"rank {full['rank']}: the loss scale or the skipped steps after resuming differ"
+        assert resumed["losses"] == full["losses"][K:], (
+            f"rank {full['rank']}: losses after resuming differ"
+        )
+        assert (resumed["loss_scales"], resumed["skipped_steps"]) == (
+            full["loss_scales"][K:],
+            full["skipped_steps"],
+        ), f"rank {full['rank']}: the loss scale or the skipped steps after resuming differ"
         for key, expected in full["state_dict"].items():
             assert torch.equal(resumed["state_dict"][key], expected), (
                 f"{name}, rank {full['rank']}, {key}: resumed parameters are not bit-identical")
@@ -100,14 +111,19 @@ def test_consolidate_cli_then_continue_at_another_world_size(runs, tmp_path):
     assert p.returncode == 0, p.stderr
     assert f"wrote {out}" in p.stdout and f"step {K}" in p.stdout
     # saved by stage 2 at N = 2; continued by stage 3 at N = 3 from the consolidated weights
-    cfg = TrainConfig(**{**SGD, "stage": 3, "world_size": 3}, steps=K + M, init_state=str(out), start_step=K,
-                      return_state=True)
+    cfg = TrainConfig(
+        **{**SGD, "stage": 3, "world_size": 3},
+        steps=K + M,
+        init_state=str(out),
+        start_step=K,
+        return_state=True,
+    )
     results = minizero.launch(train_worker, 3, cfg)
     assert all(len(r["losses"]) == M for r in results)
-    assert_matches_reference(cfg, results, atol=1e-6)     # = K + M uninterrupted single-process steps
+    assert_matches_reference(cfg, results, atol=1e-6)   # = K + M uninterrupted single-process steps
 
 
-# --- in the test process, one rank: crashes during a save, bad checkpoints --------------------------------
+# --- in the test process, one rank: crashes during a save, bad checkpoints ------------------------
 
 ONE = dict(BASE, world_size=1, stage=2)
 
@@ -115,7 +131,9 @@ ONE = dict(BASE, world_size=1, stage=2)
 def _engine(**overrides):
     cfg = TrainConfig(**{**ONE, **overrides})
     model = make_model(cfg.model_config())
-    return minizero.wrap(model, cfg.stage, cfg.optimizer_factory(), offload=cfg.offload, **cfg.engine_options())
+    return minizero.wrap(
+        model, cfg.stage, cfg.optimizer_factory(), offload=cfg.offload, **cfg.engine_options()
+    )
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +162,8 @@ def test_a_crash_before_the_commit_keeps_the_previous_checkpoint(saved, tmp_path
     with pytest.raises(KeyboardInterrupt):
         engine.save(d)
     monkeypatch.undo()
-    assert sorted(os.listdir(d)) == ["manifest.json", "v1", "v2"]     # v2: every shard, never committed
+    # v2: every shard, never committed
+    assert sorted(os.listdir(d)) == ["manifest.json", "v1", "v2"]
     fresh = _engine()
     fresh.load(d)
     assert fresh.step_count == 1                                       # still the old checkpoint
@@ -179,15 +198,19 @@ def _damage(d, how):
 
 
 @pytest.mark.parametrize("how, overrides, message", [
-    ("other optimizer", {"optimizer": "sgd"}, "saved with optimizer AdamW, this engine has optimizer SGD"),
-    ("other shapes", {"model_overrides": {**BASE["model_overrides"], "n_embd": 16}}, "has shape [12, 14] there"),
+    ("other optimizer", {"optimizer": "sgd"},
+     "saved with optimizer AdamW, this engine has optimizer SGD"),
+    ("other shapes", {"model_overrides": {**BASE["model_overrides"], "n_embd": 16}},
+     "has shape [12, 14] there"),
     ("missing file", {}, "rank0.pt is missing"),
     ("truncated file", {}, "rank0.pt is truncated or damaged"),
     ("flipped byte", {}, "rank0.pt is damaged: its sha256 differs"),
     ("damaged manifest", {}, "manifest.json is damaged"),
     ("no manifest", {}, "has no manifest.json"),
 ])
-def test_a_bad_checkpoint_is_refused_in_one_line_and_nothing_changes(saved, tmp_path, how, overrides, message):
+def test_a_bad_checkpoint_is_refused_in_one_line_and_nothing_changes(
+    saved, tmp_path, how, overrides, message
+):
     d = str(tmp_path / "ckpt")
     shutil.copytree(saved, d)
     _damage(d, how)
@@ -211,12 +234,19 @@ class _TwoNumbersPerParameter(torch.optim.SGD):
 
 def test_the_loss_scaler_survives_resharding_and_an_older_checkpoint_without_it(runs, tmp_path):
     saved = runs["stage2_fp16"]["saved"][0]
-    assert saved["skipped_steps"] == 0 and saved["loss_scale"] == 2.0 ** 17     # it grew: not the default
-    engine = _engine(stage=3, dtype="fp16", loss_scale=FP16_SCALE)                 # N 2 -> 1, stage 2 -> 3
+    # it grew: not the default
+    assert saved["skipped_steps"] == 0 and saved["loss_scale"] == 2.0 ** 17
+    engine = _engine(stage=3, dtype="fp16", loss_scale=FP16_SCALE)          # N 2 -> 1, stage 2 -> 3
     engine.load(runs["stage2_fp16"]["dir"])
-    assert engine.scaler.state_dict() == {"dynamic": True, "scale": 2.0 ** 17, "credit": 1, "iteration": K,
-                                          "last_overflow": -1, "skipped_steps": 0}
-    old = tmp_path / "old"                                  # as saved before the scaler was: no "loss_scaler"
+    assert engine.scaler.state_dict() == {
+        "dynamic": True,
+        "scale": 2.0**17,
+        "credit": 1,
+        "iteration": K,
+        "last_overflow": -1,
+        "skipped_steps": 0,
+    }
+    old = tmp_path / "old"                        # as saved before the scaler was: no "loss_scaler"
     shutil.copytree(runs["stage2_fp16"]["dir"], old)
     manifest = json.loads((old / "manifest.json").read_text())
     for name in manifest["files"]:
@@ -234,13 +264,20 @@ def test_the_loss_scaler_survives_resharding_and_an_older_checkpoint_without_it(
 def test_a_state_that_is_not_per_element_is_refused_in_one_line(tmp_path):
     def engine(stage):
         model = make_model(TrainConfig(**ONE).model_config())
-        return minizero.wrap(model, stage, functools.partial(_TwoNumbersPerParameter, lr=0.1), bucket_size=3000) \
-            if stage == 2 else minizero.wrap(model, stage, functools.partial(_TwoNumbersPerParameter, lr=0.1))
+        return (
+            minizero.wrap(
+                model, stage, functools.partial(_TwoNumbersPerParameter, lr=0.1), bucket_size=3000
+            )
+            if stage == 2
+            else minizero.wrap(model, stage, functools.partial(_TwoNumbersPerParameter, lr=0.1))
+        )
     saved = engine(2)
     saved.backward(saved(torch.randint(0, 10, (4, 16))).float().mean())
     saved.step()
     saved.save(tmp_path / "ckpt")
-    with pytest.raises(CheckpointError, match=r"state 'stats' is neither one value per element nor one scalar"):
+    with pytest.raises(
+        CheckpointError, match=r"state 'stats' is neither one value per element nor one scalar"
+    ):
         engine(1).load(tmp_path / "ckpt")                                # one bucket: must reshard
 
 
@@ -265,24 +302,44 @@ def test_consolidated_with_optimizer_state_loads_into_any_engine(runs, tmp_path,
     ("no such directory", "no such checkpoint directory"),
     ("one argument", "the following arguments are required: out"),
 ])
-def test_consolidate_bad_input_is_one_line_exit_2_and_out_untouched(saved, tmp_path, capsys, how, message):
+def test_consolidate_bad_input_is_one_line_exit_2_and_out_untouched(
+    saved, tmp_path, capsys, how, message
+):
     d = str(tmp_path / "ckpt")
     shutil.copytree(saved, d)
     _damage(d, how)
     out = tmp_path / "out.pt"
     out.write_bytes(b"previous content")
-    args = {"no such directory": [str(tmp_path / "nowhere"), str(out)], "one argument": [d]}.get(how, [d, str(out)])
+    args = {"no such directory": [str(tmp_path / "nowhere"), str(out)], "one argument": [d]}.get(
+        how, [d, str(out)]
+    )
     assert main(args) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
     assert out.read_bytes() == b"previous content"
-    assert sorted(os.listdir(tmp_path)) == ["ckpt", "out.pt"]          # no temporary file left either
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "out.pt"]        # no temporary file left either
 
 
-# --- periodic saves: a run killed at any moment and restarted with the same command -------------------------
+# --- periodic saves: a run killed at any moment and restarted with the same command ---------------
 
-PERIODIC = ["--stage", "2", "--world-size", "2", "--model", "tiny", "--batch-size", "12", "--quiet", "--steps", "6",
-            "--save-every", "2", "--keep-last", "2", "--resume"]
+PERIODIC = [
+    "--stage",
+    "2",
+    "--world-size",
+    "2",
+    "--model",
+    "tiny",
+    "--batch-size",
+    "12",
+    "--quiet",
+    "--steps",
+    "6",
+    "--save-every",
+    "2",
+    "--keep-last",
+    "2",
+    "--resume",
+]
 
 
 @pytest.fixture(scope="module")
@@ -293,22 +350,39 @@ def uninterrupted(tmp_path_factory):
     return losses, consolidate(checkpoint.latest(d / "run")), d / "run"
 
 
-@pytest.mark.parametrize("fault, resumed_from", [
-    ({"MINIZERO_FAIL_RANK": "1", "MINIZERO_FAIL_STEP": "3", "MINIZERO_FAIL_MODE": "kill"}, 2),        # mid-step
-    ({"MINIZERO_FAIL_RANK": "0", "MINIZERO_FAIL_STEP": "4", "MINIZERO_FAIL_MODE": "kill-in-save"}, 2),  # mid-save
-])
-def test_a_killed_run_restarted_with_the_same_command_ends_bit_identical(uninterrupted, tmp_path, fault,
-                                                                       resumed_from):
+@pytest.mark.parametrize(
+    "fault, resumed_from",
+    [
+        # mid-step
+        ({"MINIZERO_FAIL_RANK": "1", "MINIZERO_FAIL_STEP": "3", "MINIZERO_FAIL_MODE": "kill"}, 2),
+        (
+            {
+                "MINIZERO_FAIL_RANK": "0",
+                "MINIZERO_FAIL_STEP": "4",
+                "MINIZERO_FAIL_MODE": "kill-in-save",
+            },
+            2,
+        ),  # mid-save
+    ],
+)
+def test_a_killed_run_restarted_with_the_same_command_ends_bit_identical(
+    uninterrupted, tmp_path, fault, resumed_from
+):
     command = PERIODIC + ["--save", str(tmp_path / "run"), "--json", str(tmp_path / "out.json")]
     # A process of its own: the launcher's forkserver would not see environment variables set here.
-    p = subprocess.run([sys.executable, "-m", "minizero.run", *command], env=dict(os.environ, **fault),
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "minizero.run", *command],
+        env=dict(os.environ, **fault),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 1 and "exit code -9" in p.stderr, p.stderr[-2000:]     # SIGKILL'ed
     assert checkpoint.latest(tmp_path / "run").endswith(f"step-{resumed_from:06d}")
     assert run_main(command) == 0                                      # the same command, no fault
     losses, state, _ = uninterrupted
     assert json.loads((tmp_path / "out.json").read_text())["losses"] == losses[resumed_from:]
-    assert sorted(os.listdir(tmp_path / "run")) == ["step-000004", "step-000006"]     # --keep-last 2
+    assert sorted(os.listdir(tmp_path / "run")) == ["step-000004", "step-000006"]    # --keep-last 2
     resumed = consolidate(checkpoint.latest(tmp_path / "run"))
     assert all(torch.equal(resumed[k], v) for k, v in state.items()), "not bit-identical"
 
@@ -333,7 +407,7 @@ def test_a_run_directory_loads_and_consolidates_as_its_newest_checkpoint(uninter
     assert err.count("no complete checkpoint") == 2 and err.count("\n") == 2, err
 
 
-# --- universal loading: another world size, another stage, with Adam's moments carried ----------------------
+# --- universal loading: another world size, another stage, with Adam's moments carried ------------
 
 UNI = dict(BASE, optimizer="adamw", lr=1e-3)
 RESHARD = {                     # name: (saved with, resumed with): stage, N and options of each
@@ -351,21 +425,28 @@ def _cfg(opts, **more):
 
 @pytest.fixture(scope="module")
 def resharded(tmp_path_factory):
-    """Per world size one launch: the uninterrupted runs and the saves of the sources of that size, then
-    the resumes of the targets of that size (each launch's runs go in order, so 2 -> 2 resumes see the
-    save). A fresh optimizer from the consolidated weights shows what carrying the moments is worth."""
+    """Per world size one launch: the uninterrupted runs and the saves of the sources of that size,
+    then the resumes of the targets of that size (each launch's runs go in order, so 2 -> 2 resumes
+    see the save). A fresh optimizer from the consolidated weights shows what carrying the moments
+    is worth."""
     root = tmp_path_factory.mktemp("reshard")
     d = {name: str(root / name.replace(" ", "_").replace(">", "")) for name in RESHARD}
     plain = str(root / "model.pt")
-    per_n: dict[int, list] = {n: [] for n in (4, 2, 3, 1)}          # n: [(tag, cfg)] in launch order
+    per_n: dict[int, list] = {n: [] for n in (4, 2, 3, 1)}         # n: [(tag, cfg)] in launch order
     for name, (src, dst) in RESHARD.items():
         per_n[src["world_size"]] += [((name, "full"), _cfg(src, steps=K + M, return_state=True)),
                                      ((name, "save"), _cfg(src, steps=K, save_dir=d[name]))]
     for name, (src, dst) in RESHARD.items():
         per_n[dst["world_size"]].append(((name, "resumed"), _cfg(dst, steps=K + M, load_dir=d[name],
                                                                 return_state=True)))
-    per_n[2].append((("N 4->2", "fresh"), _cfg(RESHARD["N 4->2"][1], steps=K + M, init_state=plain, start_step=K,
-                                                return_state=True)))
+    per_n[2].append(
+        (
+            ("N 4->2", "fresh"),
+            _cfg(
+                RESHARD["N 4->2"][1], steps=K + M, init_state=plain, start_step=K, return_state=True
+            ),
+        )
+    )
     out = {}
     for n, runs in per_n.items():
         if n == 2:
@@ -377,15 +458,26 @@ def resharded(tmp_path_factory):
 
 
 def _max_difference(a, b) -> float:
-    return max((a[k].double() - v.double()).abs().max().item() for k, v in b.items() if v.is_floating_point())
+    return max(
+        (a[k].double() - v.double()).abs().max().item()
+        for k, v in b.items()
+        if v.is_floating_point()
+    )
 
 
 @pytest.mark.parametrize("name", RESHARD)
-def test_a_checkpoint_resumes_at_another_stage_and_world_size_with_its_optimizer_state(resharded, name):
+def test_a_checkpoint_resumes_at_another_stage_and_world_size_with_its_optimizer_state(
+    resharded, name
+):
     full, resumed = resharded[name, "full"], resharded[name, "resumed"]
-    assert len(resumed["losses"]) == M                # (a rank's loss is over its rows: N changes it)
+    assert len(resumed["losses"]) == M              # (a rank's loss is over its rows: N changes it)
     assert _max_difference(resumed["state_dict"], full["state_dict"]) <= 1e-6
 
 
 def test_restarting_the_optimizer_instead_would_not_be_within_tolerance(resharded):
-    assert _max_difference(resharded["N 4->2", "fresh"]["state_dict"], resharded["N 4->2", "full"]["state_dict"]) > 1e-3
+    assert (
+        _max_difference(
+            resharded["N 4->2", "fresh"]["state_dict"], resharded["N 4->2", "full"]["state_dict"]
+        )
+        > 1e-3
+    )

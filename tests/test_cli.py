@@ -30,25 +30,72 @@ def _check_summary(data, stage, n, steps):
 
 def test_run_prints_table_and_writes_json(tmp_path):
     out = tmp_path / "run.json"
-    p = subprocess.run([sys.executable, "-m", "minizero.run", "--stage", "2", "--world-size", "3", "--steps", "4",
-                        "--batch-size", "12", "--model", "tiny", "--activation-checkpointing", "--json", str(out)],
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "minizero.run",
+            "--stage",
+            "2",
+            "--world-size",
+            "3",
+            "--steps",
+            "4",
+            "--batch-size",
+            "12",
+            "--model",
+            "tiny",
+            "--activation-checkpointing",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
-    assert "step    1/4" in p.stdout and "th." in p.stdout and "loss" in p.stdout and "activ." in p.stdout
+    assert (
+        "step    1/4" in p.stdout
+        and "th." in p.stdout
+        and "loss" in p.stdout
+        and "activ." in p.stdout
+    )
     assert "tokens/s" in p.stdout and "MFU" in p.stdout
     data = json.loads(out.read_text())
     _check_summary(data, 2, 3, 4)
-    estimate = data["theory"]["activations"]              # with checkpointing: about half of without
+    estimate = data["theory"]["activations"]             # with checkpointing: about half of without
     assert all(abs(r["memory"]["activations"] - estimate) <= 0.1 * estimate for r in data["ranks"])
 
 
 def test_run_under_torchrun_uses_its_process_group(tmp_path):
     out = tmp_path / "run.json"
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "minizero.run", "--stage", "3", "--offload", "--steps", "2",
-                        "--model", "tiny", "--quiet", "--json", str(out)],
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr[:3000]               # the ranks' own words come first, torchrun's after
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "minizero.run",
+            "--stage",
+            "3",
+            "--offload",
+            "--steps",
+            "2",
+            "--model",
+            "tiny",
+            "--quiet",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    # the ranks' own words come first, torchrun's after
+    assert p.returncode == 0, p.stderr[:3000]
     assert p.stdout.count("stage 3, N = 2") == 1            # rank 0 reports, once
     _check_summary(json.loads(out.read_text()), 3, 2, 2)
 
@@ -78,8 +125,26 @@ def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
 
 def test_fp16_run_reports_the_loss_scale_and_skipped_steps(tmp_path, capsys):
     out = tmp_path / "fp16.json"
-    assert main(["--dtype", "fp16", "--loss-scale", "1024", "--world-size", "2", "--steps", "2", "--model", "tiny",
-                 "--quiet", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--dtype",
+                "fp16",
+                "--loss-scale",
+                "1024",
+                "--world-size",
+                "2",
+                "--steps",
+                "2",
+                "--model",
+                "tiny",
+                "--quiet",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "fp16 loss scale 1024; 0 steps skipped on overflow" in capsys.readouterr().out
     data = json.loads(out.read_text())
     assert (data["dtype"], data["loss_scale"], data["skipped_steps"]) == ("fp16", 1024.0, 0)
@@ -87,11 +152,29 @@ def test_fp16_run_reports_the_loss_scale_and_skipped_steps(tmp_path, capsys):
 
 def test_fp32_reduction_run_counts_4_byte_gradients(tmp_path, capsys):
     out = tmp_path / "reduce.json"
-    assert main(["--dtype", "bf16", "--reduce-dtype", "fp32", "--world-size", "2", "--steps", "2", "--model", "tiny",
-                 "--quiet", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--dtype",
+                "bf16",
+                "--reduce-dtype",
+                "fp32",
+                "--world-size",
+                "2",
+                "--steps",
+                "2",
+                "--model",
+                "tiny",
+                "--quiet",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "bf16, gradients in fp32" in capsys.readouterr().out
     data = json.loads(out.read_text())
-    psi, n = data["num_params"], 2                             # stage 2: 4Ψ/N bytes of fp32 gradient shard
+    psi, n = data["num_params"], 2                      # stage 2: 4Ψ/N bytes of fp32 gradient shard
     assert data["theory"]["grads"] == 4 * psi / n
     assert all(within_padding(r["memory"]["grads"], 4 * psi / n, n) for r in data["ranks"])
 
@@ -104,7 +187,24 @@ def test_save_then_load_resumes_bit_exactly(tmp_path, capsys):
     assert main(common + ["--steps", "4", "--load", ckpt, "--json", str(resumed)]) == 0
     assert json.loads(resumed.read_text())["losses"] == json.loads(full.read_text())["losses"][2:]
     # another stage and N: resharded; another optimizer or model: refused before any process starts
-    assert main(["--stage", "3", "--world-size", "4", "--model", "tiny", "--quiet", "--steps", "3", "--load", ckpt]) == 0
+    assert (
+        main(
+            [
+                "--stage",
+                "3",
+                "--world-size",
+                "4",
+                "--model",
+                "tiny",
+                "--quiet",
+                "--steps",
+                "3",
+                "--load",
+                ckpt,
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert main(common + ["--load", ckpt, "--optimizer", "sgd"]) == 2
     assert "saved with optimizer AdamW, this run has --optimizer sgd" in capsys.readouterr().err
@@ -115,7 +215,24 @@ def test_save_then_load_resumes_bit_exactly(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def saved_n2(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("cli") / "ckpt")
-    assert main(["--stage", "2", "--world-size", "2", "--model", "tiny", "--quiet", "--steps", "1", "--save", d]) == 0
+    assert (
+        main(
+            [
+                "--stage",
+                "2",
+                "--world-size",
+                "2",
+                "--model",
+                "tiny",
+                "--quiet",
+                "--steps",
+                "1",
+                "--save",
+                d,
+            ]
+        )
+        == 0
+    )
     return d
 
 
@@ -125,8 +242,9 @@ def saved_n2(tmp_path_factory):
     ("missing", "rank1.pt is missing"),
     ("no manifest", "has no manifest.json"),
 ])
-def test_a_damaged_checkpoint_is_refused_before_any_process_starts(saved_n2, tmp_path, capsys, monkeypatch, how,
-                                                                  message):
+def test_a_damaged_checkpoint_is_refused_before_any_process_starts(
+    saved_n2, tmp_path, capsys, monkeypatch, how, message
+):
     d = tmp_path / "ckpt"
     shutil.copytree(saved_n2, d)
     shard = next(d.glob("v*/rank1.pt"))
@@ -139,7 +257,9 @@ def test_a_damaged_checkpoint_is_refused_before_any_process_starts(saved_n2, tmp
         shard.unlink()
     else:
         (d / "manifest.json").unlink()
-    monkeypatch.setattr("minizero.cli.run.launch", lambda *a, **k: pytest.fail("a process was launched"))
+    monkeypatch.setattr(
+        "minizero.cli.run.launch", lambda *a, **k: pytest.fail("a process was launched")
+    )
     capsys.readouterr()
     assert main(["--stage", "2", "--world-size", "2", "--model", "tiny", "--load", str(d)]) == 2
     err = capsys.readouterr().err

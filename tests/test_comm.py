@@ -1,4 +1,5 @@
-"""The communication layer: collectives are right, the ring all-reduce equals all_reduce, tallies are ring bytes."""
+"""The communication layer: collectives are right, the ring all-reduce equals all_reduce, tallies
+are ring bytes."""
 
 import pytest
 import torch
@@ -20,8 +21,12 @@ def test_collectives_compute_the_right_values(results):
         assert torch.equal(out["all_reduce"], expected_sum), f"rank {r}: all_reduce"
         # rank r receives the average over ranks of chunk r of arange(4n) * (rank + 1)
         mean_scale = sum(k + 1 for k in range(n)) / n
-        assert torch.allclose(out["reduce_scatter"], torch.arange(4 * r, 4 * r + 4.0) * mean_scale), f"rank {r}"
-        assert torch.equal(out["all_gather"], torch.arange(1.0, n + 1).repeat_interleave(3)), f"rank {r}"
+        assert torch.allclose(
+            out["reduce_scatter"], torch.arange(4 * r, 4 * r + 4.0) * mean_scale
+        ), f"rank {r}"
+        assert torch.equal(out["all_gather"], torch.arange(1.0, n + 1).repeat_interleave(3)), (
+            f"rank {r}"
+        )
         assert torch.equal(out["broadcast"], torch.full((5,), float(n - 1))), f"rank {r}: broadcast"
 
 
@@ -36,14 +41,16 @@ def test_tally_counts_ring_bytes(results):
     assert out["tally_all_reduce"] == pytest.approx(2 * (n - 1) / n * 10 * 4)
     assert out["tally_reduce_scatter"] == pytest.approx((n - 1) / n * 4 * n * 4)
     assert out["tally_all_gather"] == pytest.approx((n - 1) / n * 3 * n * 4)
-    chunk = -(-21 // n)                                       # the ring pads 21 elements to N chunks
+    chunk = -(-21 // n)                                      # the ring pads 21 elements to N chunks
     assert out["tally_ring"] == pytest.approx(2 * (n - 1) * chunk * 4)
 
 
 def test_all_to_all_transposes_chunks(results):
     n, res = results
     for r, out in enumerate(res):
-        assert torch.equal(out["all_to_all"], torch.arange(n, dtype=torch.float32) * 10 + r), f"rank {r}"
+        assert torch.equal(out["all_to_all"], torch.arange(n, dtype=torch.float32) * 10 + r), (
+            f"rank {r}"
+        )
 
 
 def test_mesh_groups_reduce_within_rows_and_columns(results):
@@ -54,12 +61,16 @@ def test_mesh_groups_reduce_within_rows_and_columns(results):
         row, column = list(range(r - r % 2, r - r % 2 + 2)), list(range(r % 2, n, 2))
         assert list(out["row"]) == row and list(out["column"]) == column, f"rank {r}"
         assert torch.equal(out["row_sum"], torch.full((3,), float(sum(row)))), f"rank {r}: row"
-        assert torch.equal(out["column_sum"], torch.full((3,), float(sum(column)))), f"rank {r}: column"
+        assert torch.equal(out["column_sum"], torch.full((3,), float(sum(column)))), (
+            f"rank {r}: column"
+        )
         # within the row of 2: index i gets chunk i of sum over the row of (arange(4) + rank)
         i = r % 2
         expected = 2 * torch.arange(2 * i, 2 * i + 2.0) + sum(row)
-        assert torch.equal(out["row_reduce_scatter"], expected), f"rank {r}: reduce-scatter in the row"
-        assert out["tally_group"] == pytest.approx((2 - 1) / 2 * 4 * 4)     # ring bytes over 2 ranks
+        assert torch.equal(out["row_reduce_scatter"], expected), (
+            f"rank {r}: reduce-scatter in the row"
+        )
+        assert out["tally_group"] == pytest.approx((2 - 1) / 2 * 4 * 4)    # ring bytes over 2 ranks
 
 
 def test_single_process_without_a_group_is_a_no_op():

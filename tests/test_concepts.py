@@ -1,4 +1,5 @@
-"""The concept map points at code that exists, and docs/concepts.md is what the generator makes now."""
+"""The concept map points at code that exists, and docs/concepts.md is what the generator
+makes now."""
 
 import pytest
 
@@ -20,8 +21,11 @@ def test_every_symbol_exists(symbol):
     try:
         resolve(symbol)
     except (ImportError, AttributeError) as e:
-        pytest.fail(f"minizero/lab/concepts.py names {symbol}, which no longer exists ({e}): point CONCEPTS at "
-                    f"its new name, then {REGENERATE}")
+        pytest.fail(
+            f"minizero/lab/concepts.py names {symbol}, which "
+            f"no longer exists ({e}): point CONCEPTS at "
+            f"its new name, then {REGENERATE}"
+        )
 
 
 def test_every_line_names_its_symbol():
@@ -37,7 +41,9 @@ def test_every_line_names_its_symbol():
 
 
 def test_docs_page_is_up_to_date():
-    assert DOC.read_text() == to_markdown(), f"docs/concepts.md is stale (code moved?): {REGENERATE}"
+    assert DOC.read_text() == to_markdown(), (
+        f"docs/concepts.md is stale (code moved?): {REGENERATE}"
+    )
 
 
 def test_cli_prints_the_table_and_rejects_other_options(capsys):

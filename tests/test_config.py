@@ -1,4 +1,5 @@
-"""DeepSpeed-style configs: the mapping, the warning/error policy, flags over the file, every example runs."""
+"""DeepSpeed-style configs: the mapping, the warning/error policy, flags over the file, every
+example runs."""
 
 import json
 import re
@@ -27,29 +28,49 @@ def test_the_issue_example_maps_to_stage_2_with_offload():
         "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     overrides, warnings = load_deepspeed_config(ZERO2_OFFLOAD, 4)
     # no gradient_clipping: DeepSpeed's default, 1.0
-    assert overrides == {"batch_size": 64, "grad_accum": 2, "stage": 2, "offload": "optimizer", "clip_grad_norm": 1.0}
+    assert overrides == {
+        "batch_size": 64,
+        "grad_accum": 2,
+        "stage": 2,
+        "offload": "optimizer",
+        "clip_grad_norm": 1.0,
+    }
     assert warnings == []
 
 
 def test_batch_size_rule_derives_the_missing_one():
     clip = {"clip_grad_norm": 1.0}
-    assert load_deepspeed_config({"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2}, 4)[0] \
-        == {"batch_size": 24, "grad_accum": 2, **clip}
-    assert load_deepspeed_config({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 3}, 4)[0] \
-        == {"batch_size": 24, "grad_accum": 2, **clip}
+    assert load_deepspeed_config(
+        {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2}, 4
+    )[0] == {"batch_size": 24, "grad_accum": 2, **clip}
+    assert load_deepspeed_config({"train_batch_size": 24, "train_micro_batch_size_per_gpu": 3}, 4)[
+        0
+    ] == {"batch_size": 24, "grad_accum": 2, **clip}
     assert load_deepspeed_config({"train_batch_size": 24, "gradient_accumulation_steps": 3}, 4)[0] \
         == {"batch_size": 24, "grad_accum": 3, **clip}
 
 
 def test_precision_buckets_prefetch_offload():
-    cfg = {"bf16": {"enabled": True}, "gradient_clipping": 0.5,
-           "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000, "stage3_prefetch_bucket_size": 0}}
+    cfg = {
+        "bf16": {"enabled": True},
+        "gradient_clipping": 0.5,
+        "zero_optimization": {
+            "stage": 2,
+            "reduce_bucket_size": 1000,
+            "stage3_prefetch_bucket_size": 0,
+        },
+    }
     assert load_deepspeed_config(cfg, 2) == ({"dtype": "bf16", "clip_grad_norm": 0.5, "stage": 2,
                                               "bucket_size": 2000, "prefetch": False}, [])
     cfg = {"gradient_clipping": 0, "zero_optimization": {"stage": 3, "reduce_bucket_size": 1000,
                                                          "offload_param": {"device": "cpu"}}}
     overrides, warnings = load_deepspeed_config(cfg, 2)
-    assert overrides == {"clip_grad_norm": None, "stage": 3, "offload": "params", "bucket_size": 4000}
+    assert overrides == {
+        "clip_grad_norm": None,
+        "stage": 3,
+        "offload": "params",
+        "bucket_size": 4000,
+    }
     assert warnings == ["'zero_optimization.reduce_bucket_size' has no effect at stage 3: "
                         "each unit's gradients form one bucket"]
 
@@ -59,49 +80,103 @@ def test_optimizer_follows_deepspeed_semantics():
         out = load_deepspeed_config({"optimizer": section}, 2)[0]
         return out["optimizer"], out.get("lr"), out["optimizer_params"]
     # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false; its weight_decay defaults to 0
-    assert opt({"type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.1}}) == ("adamw", 1e-3, {"weight_decay": 0.1})
-    assert opt({"type": "Adam", "params": {"adam_w_mode": False}}) == ("adam", None, {"weight_decay": 0.0})
+    assert opt({"type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.1}}) == (
+        "adamw",
+        1e-3,
+        {"weight_decay": 0.1},
+    )
+    assert opt({"type": "Adam", "params": {"adam_w_mode": False}}) == (
+        "adam",
+        None,
+        {"weight_decay": 0.0},
+    )
     assert opt({"type": "AdamW", "params": {"betas": [0.8, 0.9], "torch_adam": True}}) \
         == ("adamw", None, {"betas": (0.8, 0.9), "weight_decay": 0.0})
-    assert opt({"type": "sgd", "params": {"lr": 0.1, "momentum": 0.9}}) == ("sgd", 0.1, {"momentum": 0.9})
+    assert opt({"type": "sgd", "params": {"lr": 0.1, "momentum": 0.9}}) == (
+        "sgd",
+        0.1,
+        {"momentum": 0.9},
+    )
 
 
 def test_hugging_face_auto_means_not_set():
-    cfg = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": "auto"},
-           "fp16": {"enabled": "auto"}, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
-           "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}}
-    assert load_deepspeed_config(cfg, 2) == ({"stage": 3, "optimizer": "adamw", "clip_grad_norm": 1.0,
-                                              "optimizer_params": {"weight_decay": 0.0}}, [])
+    cfg = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "bf16": {"enabled": "auto"},
+        "fp16": {"enabled": "auto"},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"},
+    }
+    assert load_deepspeed_config(cfg, 2) == (
+        {
+            "stage": 3,
+            "optimizer": "adamw",
+            "clip_grad_norm": 1.0,
+            "optimizer_params": {"weight_decay": 0.0},
+        },
+        [],
+    )
 
 
 def test_fp16_section_sets_dtype_and_loss_scale():
     def fp16(section):
         return load_deepspeed_config({"fp16": section, "gradient_clipping": 0}, 2)
-    assert fp16({"enabled": True}) == ({"clip_grad_norm": None, "dtype": "fp16", "loss_scale": None}, [])
+    assert fp16({"enabled": True}) == (
+        {"clip_grad_norm": None, "dtype": "fp16", "loss_scale": None},
+        [],
+    )
     assert fp16({"enabled": True, "loss_scale": 128})[0]["loss_scale"] == 128.0           # static
-    assert fp16({"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500,
-                 "hysteresis": 1, "min_loss_scale": 4, "consecutive_hysteresis": False})[0]["loss_scale"] \
-        == {"initial_scale_power": 12, "loss_scale_window": 500, "hysteresis": 1, "min_loss_scale": 4}
-    assert fp16({"enabled": False, "loss_scale": 128})[0] == {"clip_grad_norm": None, "dtype": "fp32"}
+    assert fp16(
+        {
+            "enabled": True,
+            "loss_scale": 0,
+            "initial_scale_power": 12,
+            "loss_scale_window": 500,
+            "hysteresis": 1,
+            "min_loss_scale": 4,
+            "consecutive_hysteresis": False,
+        }
+    )[0]["loss_scale"] == {
+        "initial_scale_power": 12,
+        "loss_scale_window": 500,
+        "hysteresis": 1,
+        "min_loss_scale": 4,
+    }
+    assert fp16({"enabled": False, "loss_scale": 128})[0] == {
+        "clip_grad_norm": None,
+        "dtype": "fp32",
+    }
     assert fp16({"enabled": True, "auto_cast": True})[1] == [
-        "'fp16.auto_cast' is not implemented: inputs are not cast; the model's floating parameters and buffers are"]
+        "'fp16.auto_cast' is not implemented: inputs are not "
+        "cast; the model's floating parameters and buffers are"
+    ]
 
 
 def test_grad_accum_dtype_sets_reduce_dtype(tmp_path):
     def load(dtype_section, accum):
-        return load_deepspeed_config({**dtype_section, "data_types": {"grad_accum_dtype": accum}}, 2)
+        return load_deepspeed_config(
+            {**dtype_section, "data_types": {"grad_accum_dtype": accum}}, 2
+        )
     assert load({"bf16": {"enabled": True}}, "fp32") == ({"clip_grad_norm": 1.0, "dtype": "bf16",
                                                           "reduce_dtype": "fp32"}, [])
     assert load({"fp16": {"enabled": True}}, "fp32")[0]["reduce_dtype"] == "fp32"
-    assert "reduce_dtype" not in load({"bf16": {"enabled": True}}, "bf16")[0]     # the compute dtype: a no-op
-    with pytest.raises(ConfigError, match='grad_accum_dtype must be "fp32" or the training precision "fp32"'):
+    # the compute dtype: a no-op
+    assert "reduce_dtype" not in load({"bf16": {"enabled": True}}, "bf16")[0]
+    with pytest.raises(
+        ConfigError, match='grad_accum_dtype must be "fp32" or the training precision "fp32"'
+    ):
         load({}, "bf16")
     # the CLI flag, and a file's fp32 reduction kept when --dtype fp32 makes it a no-op
     assert _cfg("--dtype", "bf16", "--reduce-dtype", "fp32").reduce_dtype == "fp32"
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}))
-    assert (_cfg("--config", str(path)).reduce_dtype, _cfg("--config", str(path), "--dtype", "fp32").dtype) \
-        == ("fp32", "fp32")
+    path.write_text(
+        json.dumps({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}})
+    )
+    assert (
+        _cfg("--config", str(path)).reduce_dtype,
+        _cfg("--config", str(path), "--dtype", "fp32").dtype,
+    ) == ("fp32", "fp32")
 
 
 def test_not_implemented_keys_warn_by_name():
@@ -114,15 +189,30 @@ def test_not_implemented_keys_warn_by_name():
                              "'zero_optimization.allgather_bucket_size'",
                              "'zero_optimization.overlap_comm: false'"), warnings):
         assert warning.startswith(key + " is not implemented: ")
-    assert load_deepspeed_config({"fp16": {"enabled": False}, "wall_clock_breakdown": False}, 2)[1] == []
-    assert load_deepspeed_config({"zero_optimization": {k.split(".")[1]: True for k in ALWAYS_ON}}, 2)[1] == []
+    assert (
+        load_deepspeed_config({"fp16": {"enabled": False}, "wall_clock_breakdown": False}, 2)[1]
+        == []
+    )
+    assert (
+        load_deepspeed_config({"zero_optimization": {k.split(".")[1]: True for k in ALWAYS_ON}}, 2)[
+            1
+        ]
+        == []
+    )
 
 
 def test_activation_checkpointing_section_turns_it_on_and_its_model_parallel_keys_warn():
-    on = {"activation_checkpointing": True, "clip_grad_norm": 1.0}       # 1.0: DeepSpeed's default clipping
+    # 1.0: DeepSpeed's default clipping
+    on = {"activation_checkpointing": True, "clip_grad_norm": 1.0}
     assert load_deepspeed_config({"activation_checkpointing": {}}, 2) == (on, [])
-    section = {"partition_activations": True, "cpu_checkpointing": True, "number_checkpoints": 4,
-               "contiguous_memory_optimization": True, "synchronize_checkpoint_boundary": True, "profile": True}
+    section = {
+        "partition_activations": True,
+        "cpu_checkpointing": True,
+        "number_checkpoints": 4,
+        "contiguous_memory_optimization": True,
+        "synchronize_checkpoint_boundary": True,
+        "profile": True,
+    }
     overrides, warnings = load_deepspeed_config({"activation_checkpointing": section}, 2)
     assert overrides == {"activation_checkpointing": "cpu", "clip_grad_norm": 1.0}
     assert [w.split(" is not implemented: ")[0] for w in warnings] == [
@@ -133,36 +223,55 @@ def test_activation_checkpointing_section_turns_it_on_and_its_model_parallel_key
 
 
 @pytest.mark.parametrize("cfg, message", [
-    ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3},
-     "train_batch_size 64 != train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size "
-     "= 4 x 3 x 4"),
+    (
+        {
+            "train_batch_size": 64,
+            "train_micro_batch_size_per_gpu": 4,
+            "gradient_accumulation_steps": 3,
+        },
+        "train_batch_size 64 != train_micro_batch_size_per_gpu "
+        "x gradient_accumulation_steps x world size "
+        "= 4 x 3 x 4",
+    ),
     ({"train_batch_size": 64, "gradient_accumulation_steps": 3}, "not divisible"),
-    ({"gradient_accumulation_steps": 2}, "needs train_batch_size or train_micro_batch_size_per_gpu"),
-    ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage 4: stage must be one of 0, 1, 2, 3 (0 = DDP), got 4"),
-    ({"zero_optimization": {"stage": "two"}}, 'zero_optimization.stage must be an integer, got "two"'),
+    ({"gradient_accumulation_steps": 2},
+     "needs train_batch_size or train_micro_batch_size_per_gpu"),
+    ({"zero_optimization": {"stage": 4}},
+     "zero_optimization.stage 4: stage must be one of 0, 1, 2, 3 (0 = DDP), got 4"),
+    ({"zero_optimization": {"stage": "two"}},
+     'zero_optimization.stage must be an integer, got "two"'),
     ({"train_batch_size": 0}, "train_batch_size must be >= 1, got 0"),
     ({"train_micro_batch_size_per_gpu": 2.5}, "must be an integer, got 2.5"),
     ({"gradient_clipping": "1.0"}, 'gradient_clipping must be a number >= 0, got "1.0"'),
     ({"bf16": {"enabled": 1}}, "bf16.enabled must be true or false, got 1"),
     ({"bf16": True}, "'bf16' must be an object"),
-    ({"activation_checkpointing": {"cpu_checkpointing": "yes"}}, "cpu_checkpointing must be true or false"),
-    ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "bf16.enabled and fp16.enabled are both true"),
+    ({"activation_checkpointing": {"cpu_checkpointing": "yes"}},
+     "cpu_checkpointing must be true or false"),
+    ({"bf16": {"enabled": True}, "fp16": {"enabled": True}},
+     "bf16.enabled and fp16.enabled are both true"),
     ({"fp16": {"enabled": True, "hysteresis": 0}}, "fp16.hysteresis must be >= 1, got 0"),
-    ({"fp16": {"enabled": True, "loss_scale": -1}}, "fp16.loss_scale must be a number >= 0, got -1"),
-    ({"zero_optimisation": {"stage": 2}}, "unknown key 'zero_optimisation' (did you mean 'zero_optimization'?)"),
+    ({"fp16": {"enabled": True, "loss_scale": -1}},
+     "fp16.loss_scale must be a number >= 0, got -1"),
+    ({"zero_optimisation": {"stage": 2}},
+     "unknown key 'zero_optimisation' (did you mean 'zero_optimization'?)"),
     ({"zero_optimization": {"stagee": 2}}, "did you mean 'zero_optimization.stage'"),
     ({"train_batch": 8}, "unknown key 'train_batch'"),
-    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "zero_optimization.stage 2: offload='params' needs stage 3"),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
+     "zero_optimization.stage 2: offload='params' needs stage 3"),
     ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "offload needs"),
-    ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, "nvme_path is needed with device"),
-    ({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}}, 'must be one of "cpu", "nvme"'),
+    ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}},
+     "nvme_path is needed with device"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}},
+     'must be one of "cpu", "nvme"'),
     ({"zero_optimization": {"overlap_comm": "yes"}}, "overlap_comm must be true or false"),
     ({"optimizer": {"type": "Lamb"}}, "optimizer.type must be one of AdamW, Adam, SGD"),
     ({"optimizer": {"params": {"lr": 1e-3}}}, "optimizer.params needs optimizer.type"),
     ({"optimizer": {"type": "SGD", "params": {"betas": [0.9, 0.99]}}}, "not a parameter of SGD"),
-    ({"optimizer": {"type": "AdamW", "params": {"eps": "tiny"}}}, "optimizer.params.eps must be a number"),
+    ({"optimizer": {"type": "AdamW", "params": {"eps": "tiny"}}},
+     "optimizer.params.eps must be a number"),
     ({"optimizer": {"type": "AdamW", "params": {"lr": 0}}}, "optimizer.params.lr must be > 0"),
-    ({"optimizer": {"type": "AdamW", "params": {"betas": [1.5, 0.9]}}}, "rejected by torch.optim.AdamW: "),
+    ({"optimizer": {"type": "AdamW", "params": {"betas": [1.5, 0.9]}}},
+     "rejected by torch.optim.AdamW: "),
 ])
 def test_bad_configs_raise_one_line(cfg, message):
     with pytest.raises(ConfigError) as info:
@@ -171,8 +280,11 @@ def test_bad_configs_raise_one_line(cfg, message):
 
 
 @pytest.mark.parametrize("text, message", [
-    ('{"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}',
-     "train_batch_size 64 != "),
+    (
+        '{"train_batch_size": 64, "train_micro_batch_size_per_gpu": '
+        '4, "gradient_accumulation_steps": 3}',
+        "train_batch_size 64 != ",
+    ),
     ('{"zero_optimization": {"stage": 4}}', "stage must be one of 0, 1, 2, 3"),
     ('{"zero_optimization": {"stage": "two"}}', "must be an integer"),
     ('{"zero_optimisation": {"stage": 2}}', "unknown key 'zero_optimisation' (did you mean"),
@@ -202,23 +314,84 @@ def test_flags_given_override_the_file_and_only_those(tmp_path, capsys):
         "train_batch_size": 32, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
         "bf16": {"enabled": True}, "scheduler": {"type": "WarmupLR"},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.8, 0.9]}},
-        "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000, "offload_optimizer": {"device": "cpu"}}}))
+        "zero_optimization": {
+            "stage": 2,
+            "reduce_bucket_size": 1000,
+            "offload_optimizer": {"device": "cpu"},
+        }}))
     cfg = _cfg("--config", str(path), "--world-size", "4")
-    assert (cfg.stage, cfg.world_size, cfg.batch_size, cfg.grad_accum, cfg.dtype, cfg.offload, cfg.lr,
-            cfg.clip_grad_norm, cfg.bucket_size, cfg.optimizer_params) \
-        == (2, 4, 32, 2, "bf16", "optimizer", 1e-3, 1.0, 2000, {"betas": (0.8, 0.9), "weight_decay": 0.0})
+    assert (
+        cfg.stage,
+        cfg.world_size,
+        cfg.batch_size,
+        cfg.grad_accum,
+        cfg.dtype,
+        cfg.offload,
+        cfg.lr,
+        cfg.clip_grad_norm,
+        cfg.bucket_size,
+        cfg.optimizer_params,
+    ) == (
+        2,
+        4,
+        32,
+        2,
+        "bf16",
+        "optimizer",
+        1e-3,
+        1.0,
+        2000,
+        {"betas": (0.8, 0.9), "weight_decay": 0.0},
+    )
     assert cfg.scheduler == {"type": "WarmupLR", "params": {}}
     assert capsys.readouterr().err == ""
-    cfg = _cfg("--config", str(path), "--world-size", "2", "--stage", "3", "--offload", "params",
-               "--batch-size", "8", "--grad-accum", "1", "--dtype", "fp32", "--lr", "0.01",
-               "--clip-grad-norm", "2", "--bucket-size-mb", "1", "--no-prefetch", "--optimizer", "sgd")
-    assert (cfg.stage, cfg.world_size, cfg.batch_size, cfg.grad_accum, cfg.dtype, cfg.offload, cfg.lr,
-            cfg.clip_grad_norm, cfg.bucket_size, cfg.prefetch, cfg.optimizer, cfg.optimizer_params) \
-        == (3, 2, 8, 1, "fp32", "params", 0.01, 2.0, 1e6, False, "sgd", {})
-    assert "--optimizer sgd replaces the file's adamw: its optimizer.params betas, weight_decay are not used" \
-        in capsys.readouterr().err
+    cfg = _cfg(
+        "--config",
+        str(path),
+        "--world-size",
+        "2",
+        "--stage",
+        "3",
+        "--offload",
+        "params",
+        "--batch-size",
+        "8",
+        "--grad-accum",
+        "1",
+        "--dtype",
+        "fp32",
+        "--lr",
+        "0.01",
+        "--clip-grad-norm",
+        "2",
+        "--bucket-size-mb",
+        "1",
+        "--no-prefetch",
+        "--optimizer",
+        "sgd",
+    )
+    assert (
+        cfg.stage,
+        cfg.world_size,
+        cfg.batch_size,
+        cfg.grad_accum,
+        cfg.dtype,
+        cfg.offload,
+        cfg.lr,
+        cfg.clip_grad_norm,
+        cfg.bucket_size,
+        cfg.prefetch,
+        cfg.optimizer,
+        cfg.optimizer_params,
+    ) == (3, 2, 8, 1, "fp32", "params", 0.01, 2.0, 1e6, False, "sgd", {})
+    assert (
+        "--optimizer sgd replaces the file's adamw: its "
+        "optimizer.params betas, weight_decay are not used" in capsys.readouterr().err
+    )
     # the file's batch sizes are checked against the world size the flags give
-    with pytest.raises(Exception, match="not divisible by gradient_accumulation_steps x world size = 2 x 3"):
+    with pytest.raises(
+        Exception, match="not divisible by gradient_accumulation_steps x world size = 2 x 3"
+    ):
         _cfg("--config", str(path), "--world-size", "3")
 
 
@@ -235,11 +408,31 @@ def test_docs_name_every_key_and_example():
 def test_the_fp16_example_runs_dynamic_loss_scaling_without_a_warning(tmp_path, capsys):
     overrides, warnings = load_deepspeed_config(FP16, 2)
     assert warnings == [] and overrides["dtype"] == "fp16"
-    assert overrides["loss_scale"] == {"initial_scale_power": 12, "loss_scale_window": 100, "hysteresis": 2,
-                                       "min_loss_scale": 1}
+    assert overrides["loss_scale"] == {
+        "initial_scale_power": 12,
+        "loss_scale_window": 100,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    }
     out = tmp_path / "fp16.json"
-    assert main(["--config", str(FP16), "--world-size", "2", "--steps", "2", "--model", "tiny", "--quiet",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--config",
+                str(FP16),
+                "--world-size",
+                "2",
+                "--steps",
+                "2",
+                "--model",
+                "tiny",
+                "--quiet",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "fp16" not in capsys.readouterr().err                  # no warning about fp16
     data = json.loads(out.read_text())
     assert data["dtype"] == "fp16" and len(data["losses"]) == 2
@@ -251,8 +444,25 @@ def test_every_example_runs_and_a_flag_overrides_it(tmp_path):
         overrides, _ = load_deepspeed_config(path, 2)
         extra = ["--stage", "3", "--dtype", "bf16"] if path == ZERO2_OFFLOAD else []
         out = tmp_path / f"{path.stem}.json"
-        assert main(["--config", str(path), "--world-size", "2", "--steps", "2", "--model", "tiny", "--quiet",
-                     "--json", str(out), *extra]) == 0, path.name
+        assert (
+            main(
+                [
+                    "--config",
+                    str(path),
+                    "--world-size",
+                    "2",
+                    "--steps",
+                    "2",
+                    "--model",
+                    "tiny",
+                    "--quiet",
+                    "--json",
+                    str(out),
+                    *extra,
+                ]
+            )
+            == 0
+        ), path.name
         data = json.loads(out.read_text())
         expected = {"stage": 3, "dtype": "bf16", "offload": "optimizer"} if extra else \
             {"stage": overrides["stage"], "dtype": overrides.get("dtype", "fp32"),

@@ -1,5 +1,5 @@
-"""minizero.sharded_init: a model built partitioned equals the normally built one, bit for bit, and no
-rank ever holds it whole (peak ≈ Ψ/N + the largest module under construction)."""
+"""minizero.sharded_init: a model built partitioned equals the normally built one, bit for bit, and
+no rank ever holds it whole (peak ≈ Ψ/N + the largest module under construction)."""
 
 import pytest
 
@@ -13,7 +13,8 @@ def test_minizero_gpt_built_sharded_is_bitwise_the_normal_one(n):
         assert r["differ"] == [] and r["unpartitioned"] == [] and r["held_after"] == 0
         # chunks are ⌈numel/N⌉ per parameter: Ψ/N up to < N elements of padding each
         assert r["model_bytes"] / n <= r["shard"] < r["model_bytes"] / n + 4 * n * len(r["names"])
-        # while building: its chunks plus the largest submodule (a block's MLP is built before it is attached)
+        # while building: its chunks plus the largest submodule (a block's MLP is built before it
+        # is attached)
         assert r["peak"] <= r["shard"] + r["largest_child"]
         if n > 1:
             assert r["peak"] < r["model_bytes"]
@@ -22,7 +23,8 @@ def test_minizero_gpt_built_sharded_is_bitwise_the_normal_one(n):
 def test_hugging_face_gpt2_built_sharded_is_bitwise_the_normal_one():
     pytest.importorskip("transformers")
     for r in minizero.launch(build_sharded, 2, "hf_gpt2"):
-        # GPT-2's post_init re-initialises every weight after construction: gathered, written, re-partitioned
+        # GPT-2's post_init re-initialises every weight after construction: gathered,
+        # written, re-partitioned
         assert r["differ"] == [] and r["unpartitioned"] == [] and r["held_after"] == 0
         assert r["peak"] < r["model_bytes"]
 
@@ -38,7 +40,9 @@ def test_wrap_explains_what_to_do_with_a_meta_or_sharded_model():
         minizero.wrap(meta, 3, sgd)
     with minizero.sharded_init():                       # one process: N = 1, still partitioned
         model = torch.nn.Sequential(torch.nn.Linear(3, 3))
-    with pytest.raises(ValueError, match="sharded_init, which partitions parameters for stage 3; stage 2"):
+    with pytest.raises(
+        ValueError, match="sharded_init, which partitions parameters for stage 3; stage 2"
+    ):
         minizero.wrap(model, 2, sgd)
 
 
@@ -47,10 +51,21 @@ def test_a_model_built_sharded_trains_at_stage_3_like_one_process(n):
     from _checks import assert_matches_reference
     from minizero.lab.reference import tolerance
     from minizero.lab.train import TrainConfig, train_several
-    base = dict(stage=3, world_size=n, steps=3, batch_size=12, model="tiny", optimizer="sgd", lr=0.5,
-                return_state=True, model_overrides={"frozen": ("pos_emb.weight",)})
-    cfgs = [TrainConfig(**base, sharded_init=True), TrainConfig(**base, sharded_init=True, dtype="bf16",
-                                                                   offload="params")]
+    base = dict(
+        stage=3,
+        world_size=n,
+        steps=3,
+        batch_size=12,
+        model="tiny",
+        optimizer="sgd",
+        lr=0.5,
+        return_state=True,
+        model_overrides={"frozen": ("pos_emb.weight",)},
+    )
+    cfgs = [
+        TrainConfig(**base, sharded_init=True),
+        TrainConfig(**base, sharded_init=True, dtype="bf16", offload="params"),
+    ]
     runs = minizero.launch(train_several, n, cfgs)
     sharded = [per_rank[0] for per_rank in runs]
     assert_matches_reference(cfgs[0], sharded, atol=1e-6)

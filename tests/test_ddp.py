@@ -12,7 +12,7 @@ class TestDDP(StageSuite):
             tally = results[0]["comm_bytes_per_step"]
             assert set(tally) == {"all_reduce", "total", "intra_node", "inter_node"}
             assert tally["all_reduce"] == 2 * (n - 1) / n * results[0]["num_params"] * 4
-            assert tally["intra_node"] == tally["total"]        # no network model: one machine, one node
+            assert tally["intra_node"] == tally["total"]   # no network model: one machine, one node
 
 
 def test_buckets_are_reduced_while_backward_runs():

@@ -1,8 +1,9 @@
-"""minizero against DeepSpeed's ZeRO (stages 1, 2, 3 and 2 + optimizer offload, N = 2): the same small GPT
-(tied embedding/head, a frozen parameter, odd sizes) ends at the same parameters, and each rank holds the
-same bytes of Adam moments up to padding. One launch runs all four configurations, DeepSpeed inside
-minizero.launch's process group (minizero/lab/deepspeed_peer.py says how, and how its JIT build is avoided).
-Skipped when DeepSpeed is not installed: pip install -e ".[peers]" (CI installs it).
+"""minizero against DeepSpeed's ZeRO (stages 1, 2, 3 and 2 + optimizer offload, N = 2): the same
+small GPT (tied embedding/head, a frozen parameter, odd sizes) ends at the same parameters, and each
+rank holds the same bytes of Adam moments up to padding. One launch runs all four configurations,
+DeepSpeed inside minizero.launch's process group (minizero/lab/deepspeed_peer.py says how, and how
+its JIT build is avoided). Skipped when DeepSpeed is not installed: pip install -e ".[peers]" (CI
+installs it).
 Run: python -m pytest tests/test_deepspeed.py -q"""
 
 from __future__ import annotations
@@ -21,25 +22,39 @@ from minizero.lab.reference import max_abs_diff
 from minizero.lab.train import TrainConfig, train_worker
 from minizero.wrap import wrap
 
-pytestmark = pytest.mark.skipif(not deepspeed_peer.available(),
-                                reason="DeepSpeed is not installed (DS_BUILD_OPS=0 pip install -e '.[peers]')")
+pytestmark = pytest.mark.skipif(
+    not deepspeed_peer.available(),
+    reason="DeepSpeed is not installed (DS_BUILD_OPS=0 pip install -e '.[peers]')",
+)
 
 N = 2
 # n_embd 15 makes most parameters odd-sized, so both sides must pad (differently, see below)
-BASE = {"world_size": N, "steps": 5, "lr": 1e-2, "backend": "gloo", "return_state": True, "model": "tiny",
-        "model_overrides": {"n_embd": 15, "frozen": ("pos_emb.weight",)}}
-CONFIGS = {"stage 1": TrainConfig(stage=1, **BASE), "stage 2": TrainConfig(stage=2, **BASE),
-           "stage 3": TrainConfig(stage=3, **BASE), "stage 2 + offload": TrainConfig(stage=2, offload=True, **BASE)}
+BASE = {
+    "world_size": N,
+    "steps": 5,
+    "lr": 1e-2,
+    "backend": "gloo",
+    "return_state": True,
+    "model": "tiny",
+    "model_overrides": {"n_embd": 15, "frozen": ("pos_emb.weight",)},
+}
+CONFIGS = {
+    "stage 1": TrainConfig(stage=1, **BASE),
+    "stage 2": TrainConfig(stage=2, **BASE),
+    "stage 3": TrainConfig(stage=3, **BASE),
+    "stage 2 + offload": TrainConfig(stage=2, offload=True, **BASE),
+}
 
 
 def both_sides(cfgs: list[TrainConfig]) -> list[dict]:
-    """Worker: per configuration, minizero's run and DeepSpeed's, their difference and their moments; and
-    whether torch.nn.functional.linear is still torch's own afterwards."""
+    """Worker: per configuration, minizero's run and DeepSpeed's, their difference and their
+    moments; and whether torch.nn.functional.linear is still torch's own afterwards."""
     linear = torch.nn.functional.linear
     out = []
     for cfg in cfgs:
-        # minizero first: a DeepSpeed run that changed torch for the rest of the process (as its stage 3 does
-        # with memory_efficient_linear, see deepspeed_peer.ds_config) could not hide behind the next run
+        # minizero first: a DeepSpeed run that changed torch for the rest of the process (as its
+        # stage 3 does with memory_efficient_linear, see deepspeed_peer.ds_config) could not hide
+        # behind the next run
         engines = []
         mz = train_worker(cfg, make_engine=functools.partial(_kept, engines))
         ds = deepspeed_peer.deepspeed_worker(cfg)
@@ -68,7 +83,8 @@ def runs():
 @pytest.mark.parametrize("name", CONFIGS)
 def test_same_parameters_as_deepspeed(runs, name):
     for rank in runs[name]:
-        # fp32, AdamW, no clipping on either side: bitwise equal today (0.0); 1e-6 leaves room for rounding
+        # fp32, AdamW, no clipping on either side: bitwise equal today (0.0); 1e-6 leaves room
+        # for rounding
         assert rank["max_param_diff"] <= 1e-6, (name, rank["max_param_diff"])
         ours, theirs = rank["losses"]
         assert ours == pytest.approx(theirs, abs=1e-6), name
@@ -80,11 +96,12 @@ def test_same_adam_moments_per_rank_up_to_padding(runs, name):
     model = make_model(cfg.model_config())
     sizes = [p.numel() for p in model.parameters() if p.requires_grad]      # the tied weight once
     psi = sum(sizes)                                                         # Ψ: trainable elements
-    # Both sides keep exp_avg and exp_avg_sq (4 + 4 bytes) for one partition of the padded trainables.
-    # minizero pads each bucket (stage 3: each unit) to a multiple of N (flat.padded_size).
-    # DeepSpeed stages 1-2 flatten everything into one group padded to a multiple of 2N (its
-    # nccl_start_alignment_factor 2: fp16 partitions start 4-byte aligned); stage 3 partitions every
-    # parameter on its own, each padded to a multiple of N (ds_tensor = ceil(numel / N) elements).
+    # Both sides keep exp_avg and exp_avg_sq (4 + 4 bytes) for one partition of the padded
+    # trainables. minizero pads each bucket (stage 3: each unit) to a multiple of N
+    # (flat.padded_size). DeepSpeed stages 1-2 flatten everything into one group padded to a
+    # multiple of 2N (its nccl_start_alignment_factor 2: fp16 partitions start 4-byte aligned);
+    # stage 3 partitions every parameter on its own, each padded to a multiple of N
+    # (ds_tensor = ceil(numel / N) elements).
     ds_padded = sum(padded_size(n, N) for n in sizes) if cfg.stage == 3 else padded_size(psi, 2 * N)
     for rank in runs[name]:
         numel, padded = rank["layout"]
@@ -98,14 +115,20 @@ def test_same_adam_moments_per_rank_up_to_padding(runs, name):
 
 
 def test_deepspeed_leaves_torch_as_it_found_it(runs):
-    # The bench runs every side in the same processes, one after another: a peer that swapped a torch function
-    # process-wide would change the numerics (and the timing) of every run after it, minizero's included.
+    # The bench runs every side in the same processes, one after another: a peer that swapped a
+    # torch function process-wide would change the numerics (and the timing) of every run after it,
+    # minizero's included.
     assert all(rank["linear_untouched"] for ranks in runs.values() for rank in ranks)
 
 
 def test_the_peer_config_reads_back_as_the_run():
     for cfg in CONFIGS.values():
         overrides, _ = load_deepspeed_config(deepspeed_peer.ds_config(cfg), N)
-        assert (overrides["stage"], bool(overrides.get("offload")), overrides["clip_grad_norm"]) == \
-            (cfg.stage, bool(cfg.offload), cfg.clip_grad_norm), overrides      # None: off on both sides
+        assert (
+            overrides["stage"],
+            bool(overrides.get("offload")),
+            overrides["clip_grad_norm"],
+        ) == (cfg.stage, bool(cfg.offload), cfg.clip_grad_norm), (
+            overrides
+        )  # None: off on both sides
         assert overrides["batch_size"] == cfg.batch_size and overrides["grad_accum"] == 1

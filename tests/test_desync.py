@@ -94,11 +94,16 @@ def test_a_skipped_block_at_stage_2_is_no_hang():
 
 
 def test_a_model_of_another_size_is_named_before_the_first_collective_runs():
-    with pytest.raises(RuntimeError, match=r"^ranks out of step: rank 1 issued broadcast of [\d,]+ "
-                                           r"float32 elements( for [^#]+)? as collective #1, where "
-                                           r"rank 0 issued broadcast of [\d,]+ float32 elements"
-                                           r"( for [^;]+)?; likely cause: the ranks built different "
-                                           r"models"):
+    with pytest.raises(
+        RuntimeError,
+        match=(
+            r"^ranks out of step: rank 1 issued broadcast of [\d,]+ "
+            r"float32 elements( for [^#]+)? as collective #1, where "
+            r"rank 0 issued broadcast of [\d,]+ float32 elements"
+            r"( for [^;]+)?; likely cause: the ranks built different "
+            r"models"
+        ),
+    ):
         minizero.launch(train_another_model_on, 2, 1, TrainConfig(stage=3, steps=1, model="tiny"))
 
 

@@ -21,20 +21,25 @@ def test_gathered_reads_full_parameters_and_rank_1_writes_reach_every_rank(round
     ranks = [per_rank[i] for per_rank in round_trips]
     for r, res in enumerate(ranks):
         assert res["read_ok"], f"rank {r}: gathered() did not show the full trained parameters"
-        assert res["written_ok"], f"rank {r}: what rank 1 wrote inside gathered(modifier_rank=1) is not there"
+        assert res["written_ok"], (
+            f"rank {r}: what rank 1 wrote inside gathered(modifier_rank=1) is not there"
+        )
     # and the step after it kept the replicas identical
     assert all(torch.equal(ranks[0]["state"][k], ranks[1]["state"][k]) for k in ranks[0]["state"])
 
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_memory_timeline_of_one_step(stage):
-    """engine.memory_timeline(): activations grow block by block through forward and are released block by
-    block through backward; buckets launch and arrive; stage 3 holds no unit between forwards."""
+    """engine.memory_timeline(): activations grow block by block through forward and are
+    released block by block through backward; buckets launch and arrive; stage 3 holds no unit
+    between forwards."""
     import functools
     from minizero.lab.data import global_batch
     from minizero.lab.model import GPTConfig, make_model
     from minizero.lab.train import loss_fn
-    engine = minizero.wrap(make_model(GPTConfig()), stage, functools.partial(torch.optim.SGD, lr=0.1))
+    engine = minizero.wrap(
+        make_model(GPTConfig()), stage, functools.partial(torch.optim.SGD, lr=0.1)
+    )
     x, y = global_batch(0, 8, 32)
     with engine.memory_timeline() as timeline:
         engine.backward(loss_fn(engine(x), y))
@@ -44,21 +49,31 @@ def test_memory_timeline_of_one_step(stage):
     blocks = range(4)
     assert [e for e in events if e.startswith(("forward", "backward "))] == \
         [f"forward {i}" for i in blocks] + [f"backward {i}" for i in reversed(blocks)]
-    assert "bucket 0 launched" in events and "bucket 0 arrived" in events and events[-2:] == ["end of backward", "step"]
+    assert (
+        "bucket 0 launched" in events
+        and "bucket 0 arrived" in events
+        and events[-2:] == ["end of backward", "step"]
+    )
     forward = [bytes_at[f"forward {i}"]["activations"] for i in blocks]
     backward = [bytes_at[f"backward {i}"]["activations"] for i in reversed(blocks)]
     assert forward == sorted(set(forward)) and backward == sorted(backward, reverse=True)
-    assert max(forward) <= engine.memory()["activations"] and bytes_at["end of backward"]["activations"] == 0
+    assert (
+        max(forward) <= engine.memory()["activations"]
+        and bytes_at["end of backward"]["activations"] == 0
+    )
     after_forward = {bytes_at[f"forward {i}"]["params"] for i in blocks}
-    assert len(after_forward) == 1, "stage 3 frees each block after its forward; stages 0-2 keep all"
+    assert len(after_forward) == 1, (
+        "stage 3 frees each block after its forward; stages 0-2 keep all"
+    )
     if stage == 3:                                    # and gathers it again for its backward
         assert all(bytes_at[f"backward {i}"]["params"] > min(after_forward) for i in blocks)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_an_engine_no_longer_used_is_freed(stage):
-    """Nothing keeps an engine alive but its user: the bench builds dozens in one process, and each kept
-    its model states while gradient hooks held it strongly (reducer._weakly explains the cycle)."""
+    """Nothing keeps an engine alive but its user: the bench builds dozens in one process, and
+    each kept its model states while gradient hooks held it strongly (reducer._weakly explains
+    the cycle)."""
     import functools
     import gc
     import weakref
@@ -66,7 +81,9 @@ def test_an_engine_no_longer_used_is_freed(stage):
     from minizero.lab.data import global_batch
     from minizero.lab.model import GPTConfig, make_model
     from minizero.lab.train import loss_fn
-    engine = minizero.wrap(make_model(GPTConfig()), stage, functools.partial(torch.optim.AdamW, lr=1e-3))
+    engine = minizero.wrap(
+        make_model(GPTConfig()), stage, functools.partial(torch.optim.AdamW, lr=1e-3)
+    )
     x, y = global_batch(0, 8, 32)
     engine.backward(loss_fn(engine(x), y))
     engine.step()

@@ -1,6 +1,6 @@
-"""Failures: a rank that raises or is killed mid-training ends the whole run within seconds, names the
-rank, and leaves no process behind (through minizero.launch and through the CLI); bad arguments to
-minizero.wrap are refused with a one-line message."""
+"""Failures: a rank that raises or is killed mid-training ends the whole run within seconds, names
+the rank, and leaves no process behind (through minizero.launch and through the CLI); bad arguments
+to minizero.wrap are refused with a one-line message."""
 
 import functools
 import os
@@ -27,7 +27,7 @@ def _processes() -> dict[int, tuple[int, str]]:
         if name.isdigit():
             try:
                 with open(f"/proc/{name}/stat") as f:
-                    state, ppid = f.read().rsplit(")", 1)[1].split()[:2]    # the name may hold spaces
+                    state, ppid = f.read().rsplit(")", 1)[1].split()[:2]  # the name may hold spaces
             except OSError:
                 continue                                                    # exited meanwhile
             table[int(name)] = (int(ppid), state)
@@ -43,9 +43,9 @@ def _cmdline(pid: int) -> str:
 
 
 def _leftover_descendants() -> list[int]:
-    """Live processes below this one, except multiprocessing's long-lived helpers (the forkserver and
-    the resource_tracker, direct children of this process). Workers are forked by the forkserver, so
-    they show up as its children."""
+    """Live processes below this one, except multiprocessing's long-lived helpers (the forkserver
+    and the resource_tracker, direct children of this process). Workers are forked by the
+    forkserver, so they show up as its children."""
     table = _processes()
     children = {}
     for pid, (ppid, _) in table.items():
@@ -54,7 +54,9 @@ def _leftover_descendants() -> list[int]:
     while frontier:
         pid = frontier.pop()
         frontier += children.get(pid, [])
-        helper = table[pid][0] == os.getpid() and any(h in _cmdline(pid) for h in ("forkserver", "resource_tracker"))
+        helper = table[pid][0] == os.getpid() and any(
+            h in _cmdline(pid) for h in ("forkserver", "resource_tracker")
+        )
         if not helper and table[pid][1] != "Z":             # a zombie has exited
             left.append(pid)
     return left
@@ -74,7 +76,9 @@ def _failing(mode: str, stage: int, n: int) -> TrainConfig:
 
 def test_a_rank_that_raises_ends_the_run_and_is_named():
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"^rank 1 failed: RuntimeError: injected failure on rank 1 at step 2"):
+    with pytest.raises(
+        RuntimeError, match=r"^rank 1 failed: RuntimeError: injected failure on rank 1 at step 2"
+    ):
         minizero.launch(train_worker, 3, _failing("raise", stage=2, n=3))
     assert time.monotonic() - start < FAST
     _assert_nothing_left(_leftover_descendants)
@@ -87,9 +91,10 @@ def test_a_killed_rank_ends_the_run():
     assert time.monotonic() - start < FAST
     _assert_nothing_left(_leftover_descendants)
     message = str(info.value).splitlines()[0]
-    # the survivors' "connection reset" errors may reach the parent first: launch must still blame rank 1
+    # the survivors' "connection reset" errors may reach the parent first: launch must still
+    # blame rank 1
     assert message.startswith("rank 1 failed: process died (exit code -9)"), message[:200]
-    assert "killed by SIGKILL" in message, message[:200]      # also what the kernel's OOM killer sends
+    assert "killed by SIGKILL" in message, message[:200]   # also what the kernel's OOM killer sends
     # the flight recorder (minizero/desync.py): every rank's last collectives, the dead one's too
     report = str(info.value).split("--- the last 20 collectives of each rank")[1]
     assert [line.split(":")[0] for line in report.splitlines() if line.startswith("rank")] == \
@@ -99,15 +104,41 @@ def test_a_killed_rank_ends_the_run():
 
 def test_cli_exits_nonzero_naming_the_rank_and_leaves_nothing(tmp_path):
     tag = uuid.uuid4().hex                      # inherited by every process the CLI starts
-    env = dict(os.environ, MINIZERO_FAIL_RANK="1", MINIZERO_FAIL_STEP="1", MINIZERO_FAIL_MODE="raise",
-               MINIZERO_TEST_TAG=tag)
+    env = dict(
+        os.environ,
+        MINIZERO_FAIL_RANK="1",
+        MINIZERO_FAIL_STEP="1",
+        MINIZERO_FAIL_MODE="raise",
+        MINIZERO_TEST_TAG=tag,
+    )
     start = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "minizero.run", "--stage", "1", "--world-size", "2", "--steps", "4",
-                        "--model", "tiny", "--batch-size", "8", "--quiet"],
-                       capture_output=True, text=True, timeout=120, env=env)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "minizero.run",
+            "--stage",
+            "1",
+            "--world-size",
+            "2",
+            "--steps",
+            "4",
+            "--model",
+            "tiny",
+            "--batch-size",
+            "8",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert time.monotonic() - start < FAST
     assert p.returncode == 1, p.stderr[-2000:]
-    assert p.stderr.startswith("minizero.run: rank 1 failed: RuntimeError: injected failure on rank 1 at step 1")
+    assert p.stderr.startswith(
+        "minizero.run: rank 1 failed: RuntimeError: injected failure on rank 1 at step 1"
+    )
 
     def tagged() -> list[int]:
         found = []
@@ -123,7 +154,7 @@ def test_cli_exits_nonzero_naming_the_rank_and_leaves_nothing(tmp_path):
     _assert_nothing_left(tagged)
 
 
-# --- bad arguments to wrap: one line, before anything runs ---------------------------------------------
+# --- bad arguments to wrap: one line, before anything runs ----------------------------------------
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
 
@@ -140,10 +171,12 @@ SGD = functools.partial(torch.optim.SGD, lr=0.1)
     ((2, SGD), {"clip_grad_norm": 0}, ValueError, "clip_grad_norm must be > 0, got 0"),
     ((2, "adamw"), {}, TypeError, "optimizer must be a factory params -> torch.optim.Optimizer"),
     ((True, SGD), {}, ValueError, "stage must be one of 0, 1, 2, 3 (0 = DDP), got True"),
-    ((2, SGD), {"bucket_size": 0}, ValueError, "bucket_size must be a positive number of bytes, got 0"),
+    ((2, SGD), {"bucket_size": 0}, ValueError,
+     "bucket_size must be a positive number of bytes, got 0"),
     ((3, SGD), {"prefetch": "yes"}, TypeError, "prefetch must be True or False, got 'yes'"),
     ((3, SGD), {"units": [1]}, TypeError, "units must be a list of the model's submodules"),
-    ((3, SGD), {"units": [torch.nn.Linear(2, 2)]}, TypeError, "units must be a list of the model's submodules"),
+    ((3, SGD), {"units": [torch.nn.Linear(2, 2)]}, TypeError,
+     "units must be a list of the model's submodules"),
     ((2, lambda params: "not an optimizer"), {}, TypeError,
      "the optimizer factory must return a torch.optim.Optimizer, got str"),
 ])

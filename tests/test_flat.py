@@ -15,12 +15,14 @@ def test_padded_size():
 
 
 def test_partitions_cover_the_buffer_once_and_parameters_straddle():
-    ps = _params(6, 4, 5)                                   # Ψ = 15, N = 4 -> padded 16, partitions of 4
+    ps = _params(6, 4, 5)                              # Ψ = 15, N = 4 -> padded 16, partitions of 4
     layouts = [FlatLayout.build([ps], 4, r) for r in range(4)]
     b = layouts[0].buckets[0]
     assert (b.numel, b.padded_numel, b.shard_numel) == (15, 16, 4)
     flat = layouts[0].flatten(torch.float32, torch.device("cpu"))
-    parts = [lay.my_partition(lay.full(flat, b), b) for lay, b in ((l, l.buckets[0]) for l in layouts)]
+    parts = [
+        lay.my_partition(lay.full(flat, b), b) for lay, b in ((l, l.buckets[0]) for l in layouts)
+    ]
     assert torch.equal(torch.cat(parts), flat)
     assert flat[15] == 0                                    # padding is zero
     assert torch.equal(parts[1], torch.tensor([4.0, 5.0, 0.0, 1.0]))   # end of p0, start of p1

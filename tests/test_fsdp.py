@@ -49,16 +49,22 @@ def fairscale_loop(cfg: TrainConfig, reshard_after_forward: bool = True) -> dict
         optimizer.zero_grad()
     memory = model.engine.memory()
     flat = model.engine.optimizer
-    with torch.no_grad():                 # a forward: the partitions take the stepped masters' values
+    with torch.no_grad():               # a forward: the partitions take the stepped masters' values
         model(torch.zeros(1, 4, dtype=torch.long))
     synced = all(torch.equal(part, p.detach().to(part.dtype))
                  for p, part in zip(flat.params, flat.param_parts))
-    return {"synced": synced,"rank": comm.rank(), "state_dict": model.state_dict(), "memory": memory, "losses": losses,
-            "flat_numels": [p.numel() for p in model.parameters()],
-            "units": len(model.engine.units),
-            "trained_units": sum(u.bucket is not None for u in model.engine.units),
-            "num_params": sum(p.numel() for p in model.module.parameters() if p.requires_grad),
-            "num_frozen": sum(p.numel() for p in model.module.parameters() if not p.requires_grad)}
+    return {
+        "synced": synced,
+        "rank": comm.rank(),
+        "state_dict": model.state_dict(),
+        "memory": memory,
+        "losses": losses,
+        "flat_numels": [p.numel() for p in model.parameters()],
+        "units": len(model.engine.units),
+        "trained_units": sum(u.bucket is not None for u in model.engine.units),
+        "num_params": sum(p.numel() for p in model.module.parameters() if p.requires_grad),
+        "num_frozen": sum(p.numel() for p in model.module.parameters() if not p.requires_grad),
+    }
 
 
 def hf_loop(case) -> dict:
@@ -86,8 +92,8 @@ def deep(cfg: TrainConfig) -> TrainConfig:
 
 
 def state_round_trip(cfg: TrainConfig) -> dict:
-    """state_dict() of one wrapped model loaded into another (built from other weights): the same full
-    state on every rank; summon_full_params() shows the full parameters."""
+    """state_dict() of one wrapped model loaded into another (built from other weights): the same
+    full state on every rank; summon_full_params() shows the full parameters."""
     source = minizero.FullyShardedDataParallel(make_model(cfg.model_config(), seed=1))
     target = minizero.FullyShardedDataParallel(make_model(cfg.model_config(), seed=2))
     target.load_state_dict(source.state_dict())
@@ -189,7 +195,7 @@ def test_mixed_precision_tracks_the_fp32_reference_with_fp32_masters(runs, n):
     assert all(r["synced"] for r in results), "the bf16 partitions are not the rounded masters"
     assert_matches_reference(cfg, results, atol=3e-2)      # the stage suites' bf16 tolerances
     assert_losses_track_reference(cfg, results, rtol=2e-2)
-    for r in results:      # bf16 partitions (2), fp32 masters (4) and fp32 gradient shard (4): Ψ/N each
+    for r in results:  # bf16 partitions (2), fp32 masters (4) and fp32 gradient shard (4): Ψ/N each
         m, psi = r["memory"], r["num_params"]
         assert within_padding(m["params"], 2 * psi / n, n, times=r["units"])
         assert within_padding(m["optimizer"], 4 * psi / n, n, times=r["units"])

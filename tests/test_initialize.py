@@ -126,8 +126,9 @@ def test_accumulation_as_deepspeed_counts_it_matches_one_process():
 
 
 def test_an_optimizer_object_a_scheduler_factory_and_training_data():
-    """DeepSpeed's other ways in: optimizer= an Optimizer (its class and settings are used, over this
-    rank's partition), lr_scheduler= a factory over minizero's optimizer, training_data= a Dataset."""
+    """DeepSpeed's other ways in: optimizer= an Optimizer (its class and settings are used,
+    over this rank's partition), lr_scheduler= a factory over minizero's optimizer,
+    training_data= a Dataset."""
     model = torch.nn.Linear(3, 2)
     mine = torch.optim.SGD(model.parameters(), lr=0.25, momentum=0.5)
     data = torch.utils.data.TensorDataset(torch.arange(10.0))

@@ -25,7 +25,11 @@ def test_a_raising_rank_is_named_and_no_process_is_left(tmp_path):
     with pytest.raises(RuntimeError, match=r"rank 1 failed: ValueError: boom from the test"):
         minizero.launch(raise_on, 3, 1, str(tmp_path))
     assert time.monotonic() - start < 30
-    pids = [int((tmp_path / f"{r}.pid").read_text()) for r in range(3) if (tmp_path / f"{r}.pid").exists()]
+    pids = [
+        int((tmp_path / f"{r}.pid").read_text())
+        for r in range(3)
+        if (tmp_path / f"{r}.pid").exists()
+    ]
     assert pids, "the workers never started"
     assert not [p for p in pids if _alive(p)], "worker processes outlived launch()"
 

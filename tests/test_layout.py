@@ -4,9 +4,9 @@
 
 minizero/ holds the implementation (comm, flat, reducer, optim, engine, the stages, wrap, launcher,
 memory, checkpoint). minizero/lab/ (model, data, training loop, reference, peers, experiments) and
-minizero/cli/ (the commands) sit beside it and may import it; the short entry modules (run.py, bench.py,
-...) only give the commands their names. Imports are read from the source (every `import` anywhere in a
-file, also inside functions), so a lazy import cannot hide a dependency.
+minizero/cli/ (the commands) sit beside it and may import it; the short entry modules (run.py,
+bench.py, ...) only give the commands their names. Imports are read from the source (every `import`
+anywhere in a file, also inside functions), so a lazy import cannot hide a dependency.
 """
 
 from __future__ import annotations
@@ -56,8 +56,23 @@ def tooling_imports(path: pathlib.Path) -> list[str]:
 
 def test_the_implementation_is_what_we_expect():
     names = {n.removeprefix("minizero.") for n in core_modules()}
-    assert names >= {"minizero", "comm", "flat", "reducer", "optim", "engine", "ddp", "zero1", "zero2", "zero3",
-                     "offload", "wrap", "launcher", "memory", "checkpoint"}, names
+    assert names >= {
+        "minizero",
+        "comm",
+        "flat",
+        "reducer",
+        "optim",
+        "engine",
+        "ddp",
+        "zero1",
+        "zero2",
+        "zero3",
+        "offload",
+        "wrap",
+        "launcher",
+        "memory",
+        "checkpoint",
+    }, names
 
 
 @pytest.mark.parametrize("name", sorted(core_modules()))
@@ -71,7 +86,11 @@ def test_the_rule_catches_a_lazy_tooling_import(tmp_path):
     fake = tmp_path / "engine.py"
     fake.write_text("import torch\n\ndef f():\n    from minizero.lab.train import TrainConfig\n"
                     "    from minizero import cli\n    return TrainConfig\n")
-    assert tooling_imports(fake) == ["minizero.cli", "minizero.lab.train", "minizero.lab.train.TrainConfig"]
+    assert tooling_imports(fake) == [
+        "minizero.cli",
+        "minizero.lab.train",
+        "minizero.lab.train.TrainConfig",
+    ]
 
 
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
@@ -81,21 +100,23 @@ def test_entry_points_are_thin(entry):
     assert len(code) <= 15, f"{path} has {len(code)} lines: an entry point only names a command"
 
 
-# --------------------------------------------------------------------------------------------------------
-# Nothing outside the implementation changes it at run time: tooling, graders and notebooks observe it
-# through its events (minizero/events.py) and documented extension points (options of wrap, subclasses).
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# Nothing outside the implementation changes it at run time: tooling, graders and notebooks observe
+# it through its events (minizero/events.py) and documented extension points (options of wrap,
+# subclasses).
+# --------------------------------------------------------------------------------------------------
 
 ROOT = PACKAGE.parent
 OBSERVERS = ("minizero/lab", "exercises", "notebooks")
-# Names that hold the implementation's objects wherever they appear (`engine.x = ...`, `e.reducer.y = ...`)
+# Names that hold the implementation's objects wherever they appear
+# (`engine.x = ...`, `e.reducer.y = ...`)
 IMPLEMENTATION_OBJECTS = {"engine", "unit", "units", "reducer", "optimizer", "layout", "scaler",
                           "activations", "link"}
 
 
 def implementation_modules(tree: ast.AST) -> set[str]:
-    """Local names bound to an implementation module: `from minizero import comm`, `import minizero.comm
-    as c`, `import minizero` (every minizero.<core> chain)."""
+    """Local names bound to an implementation module: `from minizero import comm`,
+    `import minizero.comm as c`, `import minizero` (every minizero.<core> chain)."""
     core = {n.removeprefix("minizero.") for n in core_modules()} | {"minizero"}
     names = set()
     for node in ast.walk(tree):
@@ -134,15 +155,21 @@ def run_time_patches(source: str, objects_too: bool = True) -> list[str]:
             targets = [node.target]
         elif isinstance(node, ast.Delete):
             targets = node.targets
-        attributes = [t for target in targets for t in ast.walk(target) if isinstance(t, ast.Attribute)
-                      and isinstance(t.ctx, (ast.Store, ast.Del))]
+        attributes = [
+            t
+            for target in targets
+            for t in ast.walk(target)
+            if isinstance(t, ast.Attribute) and isinstance(t.ctx, (ast.Store, ast.Del))
+        ]
         objects = [t.value for t in attributes]
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
                 node.func.id in ("setattr", "delattr") and node.args:
             objects.append(node.args[0])
         for obj in objects:
             chain = _chain(obj)
-            if chain and (chain[0] in modules or objects_too and IMPLEMENTATION_OBJECTS & set(chain)):
+            if chain and (
+                chain[0] in modules or objects_too and IMPLEMENTATION_OBJECTS & set(chain)
+            ):
                 found.append(f"{node.lineno}: {ast.unparse(obj)}")
     return found
 
@@ -173,12 +200,15 @@ def learner_code(path: str) -> bool:
 @pytest.mark.parametrize("path", sorted(observer_sources()))
 def test_nothing_patches_the_implementation_at_run_time(path):
     patches = run_time_patches(observer_sources()[path], objects_too=not learner_code(path))
-    assert not patches, (f"{path} assigns attributes of minizero's implementation at run time "
-                         f"({'; '.join(patches)}): subscribe to minizero.events or use an extension point")
+    assert not patches, (
+        f"{path} assigns attributes of minizero's implementation at run time "
+        f"({'; '.join(patches)}): subscribe to minizero.events or use an extension point"
+    )
 
 
 def test_the_rule_catches_each_kind_of_patch():
-    # The check itself can fail: each line below patches the implementation; none of the last four does.
+    # The check itself can fail: each line below patches the implementation; none of the last
+    # four does.
     patches = run_time_patches(
         "from minizero import comm\nimport minizero\nfrom minizero.lab import stepthrough\n"
         "comm.all_gather = None\nminizero.comm.GLOO = False\nengine.timeline = []\n"

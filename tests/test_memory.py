@@ -69,7 +69,8 @@ def test_fp16_is_the_papers_accounting_like_bf16():
 def test_comm_volume_two_psi_and_three_psi():
     assert comm_volume(100, 4, 0) == comm_volume(100, 4, 2) == 2 * 0.75 * 200
     assert comm_volume(100, 4, 3) == 1.5 * comm_volume(100, 4, 1)
-    # reduce_dtype="fp32": the gradient collectives (DDP's all-reduce, the reduce-scatter) at 4 bytes
+    # reduce_dtype="fp32": the gradient collectives (DDP's all-reduce, the reduce-scatter)
+    # at 4 bytes
     assert grad_bytes("bf16") == 2 and grad_bytes("bf16", "fp32") == grad_bytes("fp32") == 4
     assert comm_volume(100, 4, 0, grad_bytes=4) == 2 * comm_volume(100, 4, 0)
     assert comm_volume(100, 4, 2, grad_bytes=4) == 0.75 * (100 * 4 + 100 * 2)
@@ -99,13 +100,15 @@ def test_cli_builtin_model(capsys):
 
 
 def test_gpt_activations_with_checkpointing_are_the_papers_8_gb():
-    # ZeRO paper, section 6.1: GPT-2 1.5B (48 layers, h = 1600), sequence 1K, batch 32, ~8 GB checkpointed
-    # (one block input per layer, 2-byte elements; plus here one block's recompute)
+    # ZeRO paper, section 6.1: GPT-2 1.5B (48 layers, h = 1600), sequence 1K, batch 32, ~8 GB
+    # checkpointed (one block input per layer, 2-byte elements; plus here one block's recompute)
     gb = activation_bytes(48, 1600, 25, 1024, 32, bytes_per_elem=2, checkpointing=True) / 1e9
     assert 8 <= gb <= 8.5
-    # all of it kept: 161 GB, the attention scores (a·s/h = 16 per element of s·b·h) as much as the rest;
-    # the paper's 60 GB is its rough 12·h·b·s per layer, which leaves them out
-    assert activation_bytes(48, 1600, 25, 1024, 32, bytes_per_elem=2) / 1e9 == pytest.approx(161.33, abs=0.01)
+    # all of it kept: 161 GB, the attention scores (a·s/h = 16 per element of s·b·h) as much as the
+    # rest; the paper's 60 GB is its rough 12·h·b·s per layer, which leaves them out
+    assert activation_bytes(48, 1600, 25, 1024, 32, bytes_per_elem=2) / 1e9 == pytest.approx(
+        161.33, abs=0.01
+    )
 
 
 @pytest.mark.parametrize("overrides", [{}, {"tie_weights": False, "unused_param": True}])
@@ -116,18 +119,60 @@ def test_count_params_is_what_the_gpt_holds(name, overrides):
 
 
 def test_cli_gpt_shape_adds_activations(capsys):
-    assert main(["--layers", "48", "--hidden", "1600", "--heads", "25", "--seq", "1024", "--batch", "32",
-                 "--world-size", "64"]) == 0
+    assert (
+        main(
+            [
+                "--layers",
+                "48",
+                "--hidden",
+                "1600",
+                "--heads",
+                "25",
+                "--seq",
+                "1024",
+                "--batch",
+                "32",
+                "--world-size",
+                "64",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    assert "Ψ = 1,557,611,200 parameters" in out and "checkpointed 8.29" in out and "+ ckpt on host" in out
+    assert (
+        "Ψ = 1,557,611,200 parameters" in out
+        and "checkpointed 8.29" in out
+        and "+ ckpt on host" in out
+    )
 
 
-@pytest.mark.parametrize("args", [["--params", "-5", "--world-size", "2"], ["--params", "1e6", "--world-size", "0"],
-                                  ["--world-size", "2"], ["--params", "x", "--world-size", "2"],
-                                  ["--layers", "4", "--hidden", "64", "--world-size", "2"],
-                                  ["--layers", "4", "--hidden", "64", "--heads", "3", "--seq", "8", "--batch", "2",
-                                   "--world-size", "2"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--params", "-5", "--world-size", "2"],
+        ["--params", "1e6", "--world-size", "0"],
+        ["--world-size", "2"],
+        ["--params", "x", "--world-size", "2"],
+        ["--layers", "4", "--hidden", "64", "--world-size", "2"],
+        [
+            "--layers",
+            "4",
+            "--hidden",
+            "64",
+            "--heads",
+            "3",
+            "--seq",
+            "8",
+            "--batch",
+            "2",
+            "--world-size",
+            "2",
+        ],
+    ],
+)
 def test_cli_bad_input_exits_2(args):
-    p = subprocess.run([sys.executable, "-m", "minizero.memory", *args], capture_output=True, text=True)
+    p = subprocess.run(
+        [sys.executable, "-m", "minizero.memory", *args], capture_output=True, text=True
+    )
     assert p.returncode == 2 and p.stderr.startswith("python -m minizero.memory: error:")
     assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr

@@ -1,10 +1,10 @@
-"""The network model (minizero/network.py, applied in minizero/comm.py): specs, ring times, the tally's
-intra/inter-node split, and what overlap and prefetch buy in measured step time under it.
+"""The network model (minizero/network.py, applied in minizero/comm.py): specs, ring times, the
+tally's intra/inter-node split, and what overlap and prefetch buy in measured step time under it.
 
     python -m pytest tests/test_network.py -q          # two launches
 
-Timings are only bounded from below by the model (a wait never returns before the modelled ring is done),
-and compared with each other as loose inequalities: never a threshold in milliseconds.
+Timings are only bounded from below by the model (a wait never returns before the modelled ring is
+done), and compared with each other as loose inequalities: never a threshold in milliseconds.
 """
 
 from __future__ import annotations
@@ -23,17 +23,19 @@ from minizero.cli.run import main as run_main
 from minizero.lab.network_runs import BASE, by_label, measure, overlap_runs
 from minizero.network import Network, parse_network
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Specs
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def test_parse_reads_units_and_keys():
     net = parse_network("1gbps,10us,ranks_per_node=2")
     assert net == Network(bandwidth=125e6, latency=10e-6, ranks_per_node=2)
     assert parse_network("125MB/s, 1.5ms") == Network(bandwidth=125e6, latency=1.5e-3)
-    assert parse_network("ranks_per_node=4") == Network(ranks_per_node=4)       # topology only: no delay
-    full = parse_network("latency=5ns,bandwidth=100Mbps,intra_bandwidth=2.4Tbps,intra_latency=1us,ranks_per_node=8")
+    assert parse_network("ranks_per_node=4") == Network(ranks_per_node=4)  # topology only: no delay
+    full = parse_network(
+        "latency=5ns,bandwidth=100Mbps,intra_bandwidth=2.4Tbps,intra_latency=1us,ranks_per_node=8"
+    )
     assert full == Network(bandwidth=12.5e6, latency=5e-9, ranks_per_node=8, intra_bandwidth=300e9,
                            intra_latency=1e-6)
     assert astuple(parse_network(str(full))) == pytest.approx(astuple(full))      # str() is a spec
@@ -67,13 +69,13 @@ def test_ring_time_is_the_alpha_beta_formula():
     sent = comm.ring_bytes("all_reduce", 1_000_000, 4)                      # 2·3/4 MB
     assert net.time("all_reduce", sent, 4, inter_node=True) == pytest.approx(6e-3 + 1.5e6 / 100e6)
     assert net.time("all_gather", 750_000, 4, inter_node=True) == pytest.approx(3e-3 + 7.5e-3)
-    assert net.time("all_reduce", sent, 4, inter_node=False) == 0            # unlimited inside a node
+    assert net.time("all_reduce", sent, 4, inter_node=False) == 0          # unlimited inside a node
     assert net.time("all_reduce", 0, 1, inter_node=True) == 0
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # One launch of 4 ranks, 2 per node: time of a collective, queueing, the tally's split
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 NET = Network(bandwidth=10e6, latency=1e-3, ranks_per_node=2)              # 10 MB/s, 1 ms a hop
 MB = 250_000                                                               # fp32 elements
@@ -84,15 +86,15 @@ def network_probe() -> dict:
     out = {}
     comm.barrier()
     start = time.perf_counter()
-    comm.all_reduce(torch.zeros(MB))                      # synchronous, over every rank: across nodes
+    comm.all_reduce(torch.zeros(MB))                    # synchronous, over every rank: across nodes
     out["sync"] = time.perf_counter() - start
     comm.barrier()
     start = time.perf_counter()
     handles = [comm.all_reduce(torch.zeros(MB), async_op=True) for _ in range(2)]
     for handle in handles:
         handle.wait()
-    out["queued"] = time.perf_counter() - start           # two rings, one after the other on the link
-    shard, replicate = comm.mesh(2)                       # rows: one node; columns: across nodes
+    out["queued"] = time.perf_counter() - start         # two rings, one after the other on the link
+    shard, replicate = comm.mesh(2)                     # rows: one node; columns: across nodes
     comm.reset_tally()
     comm.all_reduce(torch.zeros(10), group=shard)         # 40 bytes over 2 ranks: 40 sent, intra
     comm.all_reduce(torch.zeros(10), group=replicate)     # ranks {r, r+2}: 40 sent, inter
@@ -111,8 +113,12 @@ def test_a_collective_takes_no_less_than_its_ring(probes):
     ring = NET.time("all_reduce", comm.ring_bytes("all_reduce", 4 * MB, 4), 4, inter_node=True)
     assert ring == pytest.approx(0.156)                   # 6 hops of 1 ms + 1.5 MB at 10 MB/s
     for r, p in enumerate(probes):
-        assert ring <= p["sync"] < 2 * ring + 0.2, f"rank {r}: {p['sync']:.4f} s for a {ring:.4f} s ring"
-        assert 2 * ring <= p["queued"] < 3 * ring + 0.2, f"rank {r}: {p['queued']:.4f} s for two queued rings"
+        assert ring <= p["sync"] < 2 * ring + 0.2, (
+            f"rank {r}: {p['sync']:.4f} s for a {ring:.4f} s ring"
+        )
+        assert 2 * ring <= p["queued"] < 3 * ring + 0.2, (
+            f"rank {r}: {p['queued']:.4f} s for two queued rings"
+        )
 
 
 def test_tally_splits_intra_and_inter_node_bytes(probes):
@@ -128,18 +134,24 @@ def test_without_a_model_one_machine_is_one_node():
     assert set(comm.tally()) >= {"total", "intra_node", "inter_node"}
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # One launch of 2 ranks, 1 per node: step time under the model
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
-# The tiny GPT with 4 blocks, each of which also sleeps 20 ms in forward and in backward: compute a busy CPU cannot
-# stretch, so the gains below are not lost in the noise of other processes. Small buckets: several per step.
-SLEEPY = dataclasses.replace(BASE, model="tiny", model_overrides={"n_layer": 4}, bucket_size=4000, steps=4)
+# The tiny GPT with 4 blocks, each of which also sleeps 20 ms in forward and in backward: compute a
+# busy CPU cannot stretch, so the gains below are not lost in the noise of other processes. Small
+# buckets: several per step.
+SLEEPY = dataclasses.replace(
+    BASE, model="tiny", model_overrides={"n_layer": 4}, bucket_size=4000, steps=4
+)
 
 
 @pytest.fixture(scope="module")
 def steps():
-    runs = overlap_runs(0.5) + [("DDP, ratio 0.25", {"stage": 0}, 0.25), ("DDP, ratio 2", {"stage": 0}, 2.0)]
+    runs = overlap_runs(0.5) + [
+        ("DDP, ratio 0.25", {"stage": 0}, 0.25),
+        ("DDP, ratio 2", {"stage": 0}, 2.0),
+    ]
     return by_label(measure(runs, SLEEPY, block_sleep=0.02))
 
 
@@ -147,12 +159,18 @@ def test_every_step_lasts_at_least_its_modelled_communication(steps):
     for label, run in steps.items():
         busy = sum(end - start for start, end, _ in run["timeline"]["transfers"])
         assert busy > 0 and run["timeline"]["end"] >= busy, label
-        assert math.isclose(run["comm"]["inter_node"], run["comm"]["total"]), label     # 2 nodes of 1 rank
+        # 2 nodes of 1 rank
+        assert math.isclose(run["comm"]["inter_node"], run["comm"]["total"]), label
 
 
 def test_the_model_and_the_variants_change_no_value(steps):
-    # the same reductions in the same bucket order, only later (no overlap) or gathered later (no prefetch)
-    assert steps["DDP"]["losses"] == steps["DDP, no overlap"]["losses"] == steps["DDP, ratio 2"]["losses"]
+    # the same reductions in the same bucket order, only later (no overlap) or gathered later
+    # (no prefetch)
+    assert (
+        steps["DDP"]["losses"]
+        == steps["DDP, no overlap"]["losses"]
+        == steps["DDP, ratio 2"]["losses"]
+    )
     assert steps["stage 3"]["losses"] == steps["stage 3, no prefetch"]["losses"]
 
 
@@ -164,7 +182,11 @@ def test_overlap_and_prefetch_shorten_the_step(steps):
 
 def test_step_time_grows_as_bandwidth_falls(steps):
     t = {label: run["step_time_s"] for label, run in steps.items()}       # each run's fastest step
-    assert steps["DDP, ratio 2"]["bandwidth"] < steps["DDP"]["bandwidth"] < steps["DDP, ratio 0.25"]["bandwidth"]
+    assert (
+        steps["DDP, ratio 2"]["bandwidth"]
+        < steps["DDP"]["bandwidth"]
+        < steps["DDP, ratio 0.25"]["bandwidth"]
+    )
     assert t["DDP, ratio 0.25"] < t["DDP, ratio 2"] and t["DDP"] < t["DDP, ratio 2"], t
 
 

@@ -1,6 +1,6 @@
-"""The optimizer steps cache-sized views of the masters (minizero/optim.py, [Note: cache-sized views]):
-nothing changes but the speed. In the test process, one rank; VIEW_NUMEL made small so the tiny GPT's
-masters are cut into many views."""
+"""The optimizer steps cache-sized views of the masters (minizero/optim.py,
+[Note: cache-sized views]): nothing changes but the speed. In the test process, one rank; VIEW_NUMEL
+made small so the tiny GPT's masters are cut into many views."""
 
 import functools
 
@@ -14,7 +14,12 @@ from minizero.lab.model import GPTConfig, make_model
 
 def _train(view_numel, monkeypatch, steps=3, load=None, **options):
     monkeypatch.setattr(optim, "VIEW_NUMEL", view_numel)
-    engine = minizero.wrap(make_model(GPTConfig.named("tiny")), 1, functools.partial(torch.optim.AdamW, lr=1e-2), **options)
+    engine = minizero.wrap(
+        make_model(GPTConfig.named("tiny")),
+        1,
+        functools.partial(torch.optim.AdamW, lr=1e-2),
+        **options,
+    )
     if load:
         engine.load(load)
     for step in range(engine.step_count, engine.step_count + steps):      # the data continues
@@ -24,15 +29,23 @@ def _train(view_numel, monkeypatch, steps=3, load=None, **options):
     return engine
 
 
-@pytest.mark.parametrize("options", [{}, {"dtype": "bf16"}, {"offload": True}], ids=["fp32", "bf16", "offload"])
-def test_views_step_bitwise_like_the_whole_master_and_checkpoint_per_bucket(options, monkeypatch, tmp_path):
+@pytest.mark.parametrize(
+    "options", [{}, {"dtype": "bf16"}, {"offload": True}], ids=["fp32", "bf16", "offload"]
+)
+def test_views_step_bitwise_like_the_whole_master_and_checkpoint_per_bucket(
+    options, monkeypatch, tmp_path
+):
     whole = _train(1 << 40, monkeypatch, **options)
     viewed = _train(500, monkeypatch, **options)
-    assert [len(v) for v in viewed.optimizer.views] == [round(whole.layout.shard_numel / 500)] != [1]
-    assert all(v.untyped_storage().data_ptr() == viewed.optimizer.masters[0].untyped_storage().data_ptr()
-               for v in viewed.optimizer.views[0])                     # views: the masters' own storage
+    assert (
+        [len(v) for v in viewed.optimizer.views] == [round(whole.layout.shard_numel / 500)] != [1]
+    )
+    assert all(
+        v.untyped_storage().data_ptr() == viewed.optimizer.masters[0].untyped_storage().data_ptr()
+        for v in viewed.optimizer.views[0]
+    )  # views: the masters' own storage
     a, b = whole.full_state_dict(), viewed.full_state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)                     # Adam is elementwise: same bits
+    assert all(torch.equal(a[k], b[k]) for k in a)                  # Adam is elementwise: same bits
     # the same bytes of state (Adam's step counter, 4 bytes, is per view)
     extra_views = len(viewed.optimizer.views[0]) - 1
     assert viewed.memory()["optimizer"] + viewed.memory()["offloaded"] == \

@@ -1,5 +1,5 @@
-"""slides/: the figures are measured and drawn, the deck builds offline into one HTML file with every
-figure inlined and nothing loaded from a URL. Run: python -m pytest tests/test_slides.py -q"""
+"""slides/: the figures are measured and drawn, the deck builds offline into one HTML file with
+every figure inlined and nothing loaded from a URL. Run: python -m pytest tests/test_slides.py -q"""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ SLIDES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(f"slides_{name}", os.path.join(SLIDES, f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(
+        f"slides_{name}", os.path.join(SLIDES, f"{name}.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -50,11 +52,13 @@ def test_every_figure_is_drawn(figures):
 
 def test_measurements_show_zero(figures):
     data = json.loads((figures / "measurements.json").read_text())
-    ddp, stage3 = ({n: p for n, ps in data["probes"].items() for p in ps if p["variant"] == v} for v in
-                   ("DDP", "stage 3"))
-    assert stage3["2"]["memory"]["params"] < ddp["2"]["memory"]["params"]          # parameters sharded
+    ddp, stage3 = (
+        {n: p for n, ps in data["probes"].items() for p in ps if p["variant"] == v}
+        for v in ("DDP", "stage 3")
+    )
+    assert stage3["2"]["memory"]["params"] < ddp["2"]["memory"]["params"]       # parameters sharded
     ratio = data["scale"]["stage3_over_ddp"]
-    assert ratio["2"] > 1.2 * ratio["1"]                       # stage 3 fits more with every rank added
+    assert ratio["2"] > 1.2 * ratio["1"]                   # stage 3 fits more with every rank added
 
 
 def test_bench_pairs_every_stage_with_a_peer(figures):
@@ -69,9 +73,12 @@ def test_deck_is_self_contained(deck):
     names = referenced_figures()
     assert set(names) <= {f"{f}.png" for f in make_figures.FIGURES} and len(names) >= 6
     for name in names:
-        assert re.search(rf'data-src="{re.escape(name)}" src="data:image/png;base64,[A-Za-z0-9+/=]{{100,}}"', html)
+        assert re.search(
+            rf'data-src="{re.escape(name)}" src="data:image/png;base64,[A-Za-z0-9+/=]{{100,}}"',
+            html,
+        )
     assert "http://" not in html and "https://" not in html
-    assert not re.search(r"""\s(src|href)=["'](?!data:|#)""", html)                 # nothing external at all
+    assert not re.search(r"""\s(src|href)=["'](?!data:|#)""", html)        # nothing external at all
     assert "<script>" in html and "keydown" in html
 
 
@@ -81,6 +88,8 @@ def test_missing_figure_is_an_error(tmp_path):
 
 
 def test_markdown_subset():
-    html = build.slide_html("## T\n- a *b* **c** `<d>`\n  - nested\n\n| x | y |\n|---|---|\n| 1 | 2 |", ".")
+    html = build.slide_html(
+        "## T\n- a *b* **c** `<d>`\n  - nested\n\n| x | y |\n|---|---|\n| 1 | 2 |", "."
+    )
     assert "<h2>T</h2>" in html and "<em>b</em>" in html and "<strong>c</strong>" in html
     assert "<code>&lt;d&gt;</code>" in html and html.count("<ul>") == 2 and "<td>2</td>" in html

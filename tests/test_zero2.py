@@ -1,4 +1,5 @@
-"""ZeRO stage 2 (P_os+g): reference, memory 2Ψ + (2+K)Ψ/N, traffic 2Ψ, gradients reduced during backward."""
+"""ZeRO stage 2 (P_os+g): reference, memory 2Ψ + (2+K)Ψ/N, traffic 2Ψ, gradients reduced
+during backward."""
 
 from _checks import StageSuite
 

@@ -1,4 +1,5 @@
-"""ZeRO stage 3 (P_os+g+p): reference, memory (2+2+K)Ψ/N, traffic 3Ψ, and only units in flight gathered."""
+"""ZeRO stage 3 (P_os+g+p): reference, memory (2+2+K)Ψ/N, traffic 3Ψ, and only units in
+flight gathered."""
 
 import functools
 
@@ -19,8 +20,16 @@ class TestZero3(StageSuite):
 
 
 def test_without_prefetch_and_peak_parameters_stay_below_the_model():
-    base = dict(stage=3, world_size=4, steps=3, batch_size=8, model="default", optimizer="sgd", lr=0.5,
-                return_state=True)
+    base = dict(
+        stage=3,
+        world_size=4,
+        steps=3,
+        batch_size=8,
+        model="default",
+        optimizer="sgd",
+        lr=0.5,
+        return_state=True,
+    )
     cfgs = [TrainConfig(**base, prefetch=False), TrainConfig(**base, prefetch=True)]
     no_prefetch, prefetch = minizero.launch(train_several, 4, cfgs)[0]
     assert_matches_reference(cfgs[0], [no_prefetch], atol=1e-6)
@@ -37,7 +46,7 @@ def test_without_prefetch_and_peak_parameters_stay_below_the_model():
 
 def test_each_unit_is_gathered_for_forward_and_backward_then_freed():
     cfg = TrainConfig(stage=3, world_size=2, batch_size=4, optimizer="sgd", lr=0.1)
-    record = minizero.launch(zero3_timeline_worker, 2, [cfg])[0][0]   # one step after a warm-up step
+    record = minizero.launch(zero3_timeline_worker, 2, [cfg])[0][0]  # one step after a warm-up step
     names, step = record["unit_names"], [(e, b) for _, e, b in record["events"]]
     for b in range(len(names)):
         gathers = [e for e, u in step if u == b and e in ("gather", "prefetch")]
@@ -47,17 +56,21 @@ def test_each_unit_is_gathered_for_forward_and_backward_then_freed():
 
 def test_tied_weight_split_across_units_trains_like_the_reference():
     results = minizero.launch(zero3_with_tied_units, 3, 3)
-    cfg = TrainConfig(stage=3, world_size=3, steps=3, batch_size=12, model="tiny", optimizer="sgd", lr=0.5)
+    cfg = TrainConfig(
+        stage=3, world_size=3, steps=3, batch_size=12, model="tiny", optimizer="sgd", lr=0.5
+    )
     # the root owns the tied weight; the head unit owns nothing of its own and is not a unit at all
     assert "head" not in results[0]["unit_names"] and "<root>" in results[0]["unit_names"]
     assert_matches_reference(cfg, results, atol=1e-6)
 
 
 def test_the_peak_is_counted_at_each_gather_not_measured_again(monkeypatch):
-    """engine.py [Note: counted peaks]: a step measures every storage twice (end of backward, step), not
-    at every unit gathered and bucket launched; what it counts there equals a measurement."""
+    """engine.py [Note: counted peaks]: a step measures every storage twice (end of backward, step),
+    not at every unit gathered and bucket launched; what it counts there equals a measurement."""
     model = make_model(GPTConfig())
-    engine = minizero.wrap(model, 3, functools.partial(torch.optim.SGD, lr=0.1), units=list(model.blocks))
+    engine = minizero.wrap(
+        model, 3, functools.partial(torch.optim.SGD, lr=0.1), units=list(model.blocks)
+    )
     measure = engine._measure
     measured, counted = [], []
     monkeypatch.setattr(engine, "_measure", lambda: measured.append(1) or measure())
@@ -71,5 +84,5 @@ def test_the_peak_is_counted_at_each_gather_not_measured_again(monkeypatch):
             engine.backward(loss_fn(engine(x), y))
             engine.step()
     assert len(measured) <= 1 + 2 * 3, f"{len(measured)} measurements in 3 steps"
-    assert len(counted) >= 3 * 3 * len(model.blocks)            # each block: 2 gathers + 1 bucket a step
+    assert len(counted) >= 3 * 3 * len(model.blocks)       # each block: 2 gathers + 1 bucket a step
     assert all(now[k] == real[k] for now, real in counted for k in ("params", "grads", "optimizer"))

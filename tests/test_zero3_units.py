@@ -1,5 +1,5 @@
-"""Stage 3's units: activation checkpointing recomputes a unit's forward inside backward, and the default
-units of a model without transformer blocks stay a fraction of it.
+"""Stage 3's units: activation checkpointing recomputes a unit's forward inside backward, and the
+default units of a model without transformer blocks stay a fraction of it.
 
     python -m pytest tests/test_zero3_units.py
 """
@@ -23,20 +23,22 @@ from minizero.lab.train import TrainConfig, forward_backward
 from _checks import assert_matches_reference
 
 # How a block's forward is recomputed in backward (torch.utils.checkpoint). Hugging Face's
-# gradient_checkpointing_enable() is "non-reentrant": it checkpoints each decoder layer's __call__, the
-# unit's hooks included. Early stop (PyTorch's default) ends the recomputation as soon as the tensors
-# backward needs exist, before the block's forward returns; without it the forward runs to its end.
+# gradient_checkpointing_enable() is "non-reentrant": it checkpoints each decoder layer's __call__,
+# the unit's hooks included. Early stop (PyTorch's default) ends the recomputation as soon as the
+# tensors backward needs exist, before the block's forward returns; without it the forward runs to
+# its end.
 CHECKPOINTING = ("non-reentrant", "non-reentrant, no early stop", "reentrant")
 
 
 class Checkpointed(nn.Module):
-    """minizero's GPT computed with every block under torch.utils.checkpoint, in one of CHECKPOINTING's modes."""
+    """minizero's GPT computed with every block under torch.utils.checkpoint, in one of
+    CHECKPOINTING's modes."""
 
     def __init__(self, gpt: GPT, mode: str):
         super().__init__()
         self.gpt, self.mode = gpt, mode
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:          # GPT.forward, blocks checkpointed
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:         # GPT.forward, blocks checkpointed
         gpt, T = self.gpt, idx.shape[1]
         x = gpt.tok_emb(idx) + gpt.pos_emb(torch.arange(T, device=idx.device))
         for block in gpt.blocks:
@@ -46,16 +48,21 @@ class Checkpointed(nn.Module):
 
 
 def train_checkpointed(runs: list[tuple[TrainConfig, str]]) -> list[dict]:
-    """Worker: stage 3 on Checkpointed(GPT) for each (config, mode); the last step's gather/free timeline."""
+    """Worker: stage 3 on Checkpointed(GPT) for each (config, mode); the last step's
+    gather/free timeline."""
     out = []
     for cfg, mode in runs:
         model = Checkpointed(make_model(cfg.model_config(), seed=cfg.seed), mode)
-        engine = minizero.wrap(model, 3, cfg.optimizer_factory(), offload=cfg.offload, **cfg.engine_options())
+        engine = minizero.wrap(
+            model, 3, cfg.optimizer_factory(), offload=cfg.offload, **cfg.engine_options()
+        )
         for step in range(cfg.steps):
             with unit_timeline(engine) as timeline:
                 forward_backward(cfg, step, engine, engine.backward, engine.no_sync)
                 engine.step()
-        state = {name.removeprefix("gpt."): value for name, value in engine.full_state_dict().items()}
+        state = {
+            name.removeprefix("gpt."): value for name, value in engine.full_state_dict().items()
+        }
         out.append({"rank": comm.rank(), "state_dict": state, "unit_names": engine.unit_names,
                     "events": [(event, b) for _, event, b in timeline]})
     return out
@@ -80,10 +87,11 @@ def test_activation_checkpointing_trains_like_the_reference(n):
             assert events.count("free") == 2 * cfg.grad_accum, f"{mode}, unit {name}: {events}"
 
 
-# --- default units ----------------------------------------------------------------------------------------
+# --- default units --------------------------------------------------------------------------------
 def _units(model: nn.Module, **options) -> list[tuple[nn.Module, bool, float]]:
-    """(module, whether it owns only parameters it holds directly, share of the trainable parameters) for
-    each unit of a one-rank engine. (Never put a stage-3 parameter in a message: its storage is freed.)"""
+    """(module, whether it owns only parameters it holds directly, share of the trainable
+    parameters) for each unit of a one-rank engine. (Never put a stage-3 parameter in a message: its
+    storage is freed.)"""
     engine = minizero.wrap(model, 3, functools.partial(torch.optim.SGD, lr=0.1), **options)
     modules = {name or "<root>": m for name, m in model.named_modules()}
     out = []
@@ -99,8 +107,12 @@ def _mlp(width: int) -> nn.Module:
 
 MODELS = {   # no nn.ModuleList among them: default units by size
     "sequential": lambda: nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)]),
-    "nested": lambda: nn.Sequential(nn.Embedding(100, 32), nn.Sequential(*[_mlp(32) for _ in range(6)]),
-                                    nn.LayerNorm(32), nn.Linear(32, 100)),
+    "nested": lambda: nn.Sequential(
+        nn.Embedding(100, 32),
+        nn.Sequential(*[_mlp(32) for _ in range(6)]),
+        nn.LayerNorm(32),
+        nn.Linear(32, 100),
+    ),
     "one_big_weight": lambda: nn.Sequential(nn.Embedding(2000, 32), *[_mlp(32) for _ in range(3)]),
 }
 
@@ -108,7 +120,8 @@ MODELS = {   # no nn.ModuleList among them: default units by size
 @pytest.mark.parametrize("name", list(MODELS))
 def test_default_units_hold_at_most_an_eighth_of_any_model(name):
     for module, only_its_own, share in _units(MODELS[name]()):
-        # the one exception: parameters a module holds directly (here the big embedding) are never split
+        # the one exception: parameters a module holds directly (here the big embedding) are
+        # never split
         assert share <= 1 / 8 or only_its_own, f"{module}: {share:.0%} of the model"
 
 
@@ -128,12 +141,14 @@ def test_given_units_that_leave_one_unit_most_of_the_model_warn():
 
 
 def sequential_peaks(width: int) -> list[dict]:
-    """Worker: peak parameter bytes of an 8-layer nn.Sequential of Linear(width, width) under stage 3's
-    default units, with and without prefetch (two steps each)."""
+    """Worker: peak parameter bytes of an 8-layer nn.Sequential of Linear(width, width) under stage
+    3's default units, with and without prefetch (two steps each)."""
     out = []
     for prefetch in (False, True):
         model = nn.Sequential(*[nn.Linear(width, width) for _ in range(8)])
-        engine = minizero.wrap(model, 3, functools.partial(torch.optim.SGD, lr=0.1), prefetch=prefetch)
+        engine = minizero.wrap(
+            model, 3, functools.partial(torch.optim.SGD, lr=0.1), prefetch=prefetch
+        )
         for _ in range(2):
             engine.backward(engine(torch.randn(4, width)).square().mean())
             engine.step()

@@ -1,4 +1,5 @@
-"""What every `python -m minizero.*` command shares: bad input is one line on stderr and exit code 2."""
+"""What every `python -m minizero.*` command shares: bad input is one line on stderr and exit
+code 2."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def fail(prog: str, message: str) -> int:
 
 
 def emit(text: str, data: dict, json_path: str | None) -> None:
-    """Print a command's human-readable result, and write its machine-readable one if asked (--json)."""
+    """Print a command's human-readable result, and write its machine-readable one if
+    asked (--json)."""
     import json
     print(text)
     if json_path:
@@ -34,8 +36,9 @@ def emit(text: str, data: dict, json_path: str | None) -> None:
 
 
 def mode_of(argv: list[str], modes: dict) -> tuple:
-    """A command's other measurements, chosen by a flag (`bench --peak`): (the chosen one's main or
-    None, the arguments left for it). argparse finds the flag; the rest are the mode's own options."""
+    """A command's other measurements, chosen by a flag (`bench --peak`): (the chosen one's
+    main or None, the arguments left for it). argparse finds the flag; the rest are the mode's
+    own options."""
     parser = OneLineParser(add_help=False)
     group = parser.add_mutually_exclusive_group()
     for flag in modes:

@@ -29,44 +29,90 @@ def main(argv: list[str] | None = None) -> int:
     prog = "python -m minizero.bench"
     # --scale, --peak and --collectives run another measurement, with options of its own
     try:
-        mode, argv = mode_of(sys.argv[1:] if argv is None else argv,
-                             {"--scale": scale.main, "--peak": peak.main, "--collectives": collectives.main})
+        mode, argv = mode_of(
+            sys.argv[1:] if argv is None else argv,
+            {"--scale": scale.main, "--peak": peak.main, "--collectives": collectives.main},
+        )
     except UsageError as e:
         return fail(prog, str(e))
     if mode is not None:
         return mode(argv)
     ap = OneLineParser(prog=prog, description=__doc__.split("\n")[0])
-    ap.add_argument("--world-size", type=int, nargs="+", default=[2, 4], help="one or more N (default 2 4)")
-    ap.add_argument("--steps", type=int, default=10, help="steps per run (default 10, the first is warm-up)")
+    ap.add_argument(
+        "--world-size", type=int, nargs="+", default=[2, 4], help="one or more N (default 2 4)"
+    )
+    ap.add_argument(
+        "--steps", type=int, default=10, help="steps per run (default 10, the first is warm-up)"
+    )
     ap.add_argument("--repeats", type=int, default=3, help="runs of each side per pair (default 3)")
-    ap.add_argument("--model", default="default", help=f"{' or '.join(MODEL_NAMES)}: the one size without --sizes")
-    ap.add_argument("--sizes", default=None, metavar="S,S,...",
-                    help=f"model sizes, comma-separated, from {','.join(SIZES)} (and {','.join(MODEL_NAMES)}); "
-                         "skips the activation meter's timing")
-    ap.add_argument("--stages", nargs="+", default=list(VARIANTS), help=f"among {' '.join(VARIANTS)} (default all)")
-    ap.add_argument("--peers", default=",".join(PEER_FAMILIES),
-                    help="torch and/or deepspeed, comma-separated (default both; deepspeed when installed)")
-    ap.add_argument("--phases", action="store_true",
-                    help="also print each pair's profile: forward, backward and step times (always in --json)")
+    ap.add_argument(
+        "--model",
+        default="default",
+        help=f"{' or '.join(MODEL_NAMES)}: the one size without --sizes",
+    )
+    ap.add_argument(
+        "--sizes",
+        default=None,
+        metavar="S,S,...",
+        help=(
+            f"model sizes, comma-separated, from {','.join(SIZES)} (and {','.join(MODEL_NAMES)}); "
+            "skips the activation meter's timing"
+        ),
+    )
+    ap.add_argument(
+        "--stages",
+        nargs="+",
+        default=list(VARIANTS),
+        help=f"among {' '.join(VARIANTS)} (default all)",
+    )
+    ap.add_argument(
+        "--peers",
+        default=",".join(PEER_FAMILIES),
+        help="torch and/or deepspeed, comma-separated (default both; deepspeed when installed)",
+    )
+    ap.add_argument(
+        "--phases",
+        action="store_true",
+        help="also print each pair's profile: forward, backward and step times (always in --json)",
+    )
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
     ap.add_argument("--quiet", action="store_true",
                     help="no progress bar (also off when stderr is no terminal)")
-    ap.add_argument("--scale", action="store_true", help="run the scale demo instead (see minizero.scale; "
-                    "takes --budget-mb, --world-size, --micro-batch, --model, --json)")
+    ap.add_argument(
+        "--scale",
+        action="store_true",
+        help=(
+            "run the scale demo instead (see minizero.scale; "
+            "takes --budget-mb, --world-size, --micro-batch, --model, --json)"
+        ),
+    )
     ap.add_argument("--peak", action="store_true",
                     help="measure the machine's GEMM peak instead (takes --world-size, --dtypes, "
                          "--device, --threads, --json; minizero/lab/throughput.py)")
-    ap.add_argument("--collectives", action="store_true", help="time each collective as the backend and as "
-                    "minizero.comm run it instead (takes --world-size, --numel, --repeats, --json)")
+    ap.add_argument(
+        "--collectives",
+        action="store_true",
+        help=(
+            "time each collective as the backend and as "
+            "minizero.comm run it instead (takes --world-size, --numel, --repeats, --json)"
+        ),
+    )
     try:
         args = ap.parse_args(argv)
         sizes, peers = _validate(args)
     except UsageError as e:
         return fail(prog, str(e))
     try:
-        report = compare(tuple(args.world_size), sizes=sizes, steps=args.steps, repeats=args.repeats,
-                         variants=tuple(args.stages), peers=peers, meter=args.sizes is None,
-                         progress=progress_wanted(args.quiet, args.json))
+        report = compare(
+            tuple(args.world_size),
+            sizes=sizes,
+            steps=args.steps,
+            repeats=args.repeats,
+            variants=tuple(args.stages),
+            peers=peers,
+            meter=args.sizes is None,
+            progress=progress_wanted(args.quiet, args.json),
+        )
     except RuntimeError as e:                       # a rank failed: the launcher says which and why
         print(f"{prog}: {e}", file=sys.stderr)
         return 1
@@ -87,12 +133,17 @@ def _validate(args) -> tuple[tuple[str, ...], tuple[str, ...]]:
     if not sizes or not set(sizes) <= set(known):
         raise UsageError(f"--sizes must be among {','.join(known)}, got {args.sizes!r}")
     if not set(args.stages) <= set(VARIANTS):
-        raise UsageError(f"--stages must be among {' '.join(VARIANTS)}, got {' '.join(args.stages)}")
+        raise UsageError(
+            f"--stages must be among {' '.join(VARIANTS)}, got {' '.join(args.stages)}"
+        )
     peers = tuple(args.peers.split(","))
     if not peers or not set(peers) <= set(PEER_FAMILIES):
         raise UsageError(f"--peers must be among {','.join(PEER_FAMILIES)}, got {args.peers!r}")
     if peers == ("deepspeed",) and not deepspeed_peer.available():
-        raise UsageError("--peers deepspeed: DeepSpeed is not installed (DS_BUILD_OPS=0 pip install -e '.[peers]')")
+        raise UsageError(
+            "--peers deepspeed: DeepSpeed is not installed "
+            "(DS_BUILD_OPS=0 pip install -e '.[peers]')"
+        )
     if any(16 % n for n in args.world_size):
         raise UsageError("--world-size: the batch of 16 rows must split evenly (N in 2, 4, 8, 16)")
     return sizes, peers

@@ -14,7 +14,9 @@ from minizero.lab.collectives import format_table, measure
 def main(argv: list[str]) -> int:
     prog = "python -m minizero.bench --collectives"
     ap = OneLineParser(prog=prog, description=__doc__.split("\n")[0])
-    ap.add_argument("--world-size", type=int, nargs="+", default=[2, 4], help="one or more N (default 2 4)")
+    ap.add_argument(
+        "--world-size", type=int, nargs="+", default=[2, 4], help="one or more N (default 2 4)"
+    )
     ap.add_argument("--numel", type=float, nargs="+", default=[1e6, 8e6, 50e6],
                     help="fp32 elements per collective (default 1e6 8e6 50e6)")
     ap.add_argument("--repeats", type=int, default=4, help="calls per collective (default 4)")

@@ -1,15 +1,18 @@
-"""The command behind `python -m minizero.memory`: per-rank model states for each stage, and activations.
+"""The command behind `python -m minizero.memory`: per-rank model states for each stage,
+and activations.
 
-    python -m minizero.memory --params 7.5e9 --world-size 64     # the paper's figure 1, any model size
+    python -m minizero.memory --params 7.5e9 --world-size 64  # the paper's figure 1, any model size
     python -m minizero.memory --model default --world-size 4      # minizero's small GPT
-    python -m minizero.memory --layers 48 --hidden 1600 --heads 25 --seq 1024 --batch 32 --world-size 64
-                                                                  # a GPT: + activations, with checkpointing
+    python -m minizero.memory --layers 48 --hidden 1600 --heads 25 --seq 1024 --batch 32 \
+        --world-size 64
+                                                                  # a GPT: + activations,
+                                                                  with checkpointing
     python -m minizero.memory --model llama-7b --world-size 8 --seq 2048 --batch 1    # any model
 
-A GPT described by --layers/--hidden/--seq/--batch gets Ψ from its shape (lab.model.count_params, with
---vocab) and its activations per rank (memory.activation_bytes, micro-batch --batch) next to the model
-states: kept for backward, and with activation checkpointing (each block's input, plus one block's
-recompute), on the device or with the inputs on the host.
+A GPT described by --layers/--hidden/--seq/--batch gets Ψ from its shape (lab.model.count_params,
+with --vocab) and its activations per rank (memory.activation_bytes, micro-batch --batch) next to
+the model states: kept for backward, and with activation checkpointing (each block's input, plus one
+block's recompute), on the device or with the inputs on the host.
 
 --model names minizero's GPTs (lab/model.py) or one of ARCHITECTURES, a `transformers` config
 written here (no download). Either is built on the meta device (no memory) to count Ψ (a tied
@@ -57,12 +60,21 @@ def _table(num_params: int, world_size: int, param_bytes: int, grad_bytes: int, 
     """The stages' per-rank bytes, then stage 3's tiers (tier_k: K for each offload)."""
     names = {0: "DDP (baseline)", 1: "stage 1  P_os", 2: "stage 2  P_os+g", 3: "stage 3  P_os+g+p"}
     of_them = f" ({frozen:,} of them frozen)" if frozen else ""
-    rows = [f"Ψ = {num_params + frozen:,} parameters{of_them}, N = {world_size}, bytes/param: params "
-            f"{param_bytes}, grads {grad_bytes}, optimizer K = {k}", ""]
-    header = f"{'':20}{'params GB':>11}{'grads GB':>11}{'optim GB':>11}{'total GB':>11}{'vs DDP':>9}"
+    rows = [
+        f"Ψ = {num_params + frozen:,} parameters{of_them}, N = {world_size}, bytes/param: params "
+        f"{param_bytes}, grads {grad_bytes}, optimizer K = {k}",
+        "",
+    ]
+    header = (
+        f"{'':20}{'params GB':>11}{'grads GB':>11}{'optim GB':>11}{'total GB':>11}{'vs DDP':>9}"
+    )
     if activations:
-        rows[-1:] = ["", "activations per rank, GB: " + ", ".join(f"{name} {b / 1e9:.2f}"
-                                                                  for name, b in activations.items()), ""]
+        rows[-1:] = [
+            "",
+            "activations per rank, GB: "
+            + ", ".join(f"{name} {b / 1e9:.2f}" for name, b in activations.items()),
+            "",
+        ]
         header += "".join(f"{'+ ' + name:>16}" for name in activations)
     rows.append(header)
     sizes = dict(param_bytes=param_bytes, grad_bytes=grad_bytes, k=k, frozen=frozen)
@@ -83,22 +95,35 @@ def _table(num_params: int, world_size: int, param_bytes: int, grad_bytes: int, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = OneLineParser(prog="python -m minizero.memory",
-                       description="Per-rank model-state memory for each ZeRO stage, and a GPT's activations.")
+    ap = OneLineParser(
+        prog="python -m minizero.memory",
+        description="Per-rank model-state memory for each ZeRO stage, and a GPT's activations.",
+    )
     what = ap.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=float, help="number of parameters Ψ, e.g. 7.5e9")
     what.add_argument("--model", choices=MODEL_NAMES + tuple(SIZES) + tuple(ARCHITECTURES),
                       help="a minizero GPT or a published architecture, counted on the meta device "
                            "(--seq, --batch: + activations)")
-    what.add_argument("--layers", type=int, help="a GPT of this many blocks (with --hidden, --seq, --batch)")
+    what.add_argument(
+        "--layers", type=int, help="a GPT of this many blocks (with --hidden, --seq, --batch)"
+    )
     ap.add_argument("--hidden", type=int, help="width h")
     ap.add_argument("--heads", type=int, help="attention heads a (default h/64, at least 1)")
     ap.add_argument("--seq", type=int, help="sequence length s")
     ap.add_argument("--batch", type=int, help="micro-batch b: rows per rank per forward")
-    ap.add_argument("--vocab", type=int, default=GPT2_VOCAB, help=f"vocabulary, for Ψ (default {GPT2_VOCAB})")
+    ap.add_argument(
+        "--vocab", type=int, default=GPT2_VOCAB, help=f"vocabulary, for Ψ (default {GPT2_VOCAB})"
+    )
     ap.add_argument("--world-size", type=int, required=True, help="data-parallel ranks N")
-    ap.add_argument("--frozen", type=float, default=0, help="of them, parameters that are frozen (Ψ_f: no "
-                    "gradient, no optimizer state; partitioned only at stage 3)")
+    ap.add_argument(
+        "--frozen",
+        type=float,
+        default=0,
+        help=(
+            "of them, parameters that are frozen (Ψ_f: no "
+            "gradient, no optimizer state; partitioned only at stage 3)"
+        ),
+    )
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
                     help="bf16, fp16: 2+2 bytes, K=12 (paper); fp32: 4+4 bytes, K=8")
     try:
@@ -108,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.params is not None and not args.params >= 1:
             raise UsageError("--params must be >= 1")
         shape = (args.hidden, args.seq, args.batch)
-        if args.layers is not None and not (args.layers >= 1 and all(v is not None and v >= 1 for v in shape)):
+        if args.layers is not None and not (
+            args.layers >= 1 and all(v is not None and v >= 1 for v in shape)
+        ):
             raise UsageError("--layers needs --hidden, --seq and --batch, all >= 1")
         if args.model is not None and (args.seq is None) != (args.batch is None):
             raise UsageError("--model takes --seq and --batch together (activations), or neither")
@@ -125,9 +152,19 @@ def main(argv: list[str] | None = None) -> int:
         cfg = GPTConfig(n_layer=args.layers, n_embd=args.hidden, n_head=heads, block_size=args.seq,
                         vocab_size=args.vocab)
         psi = count_params(cfg)
-        activations = {name: activation_bytes(args.layers, args.hidden, heads, args.seq, args.batch,
-                                              bytes_per_elem=elem, mlp_ratio=cfg.mlp_ratio, checkpointing=mode)
-                       for name, mode in CHECKPOINTING}
+        activations = {
+            name: activation_bytes(
+                args.layers,
+                args.hidden,
+                heads,
+                args.seq,
+                args.batch,
+                bytes_per_elem=elem,
+                mlp_ratio=cfg.mlp_ratio,
+                checkpointing=mode,
+            )
+            for name, mode in CHECKPOINTING
+        }
     elif args.params is not None:
         psi = int(args.params)
     else:

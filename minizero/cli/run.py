@@ -2,19 +2,26 @@
 
     python -m minizero.run --stage 2 --world-size 4
     python -m minizero.run --stage 3 --world-size 4 --dtype bf16 --offload params --json out.json
-    python -m minizero.run --dtype fp16 [--loss-scale 1024]     # fp16: dynamic (or static) loss scaling
-    python -m minizero.run --dtype bf16 --reduce-dtype fp32     # gradients reduced and accumulated in fp32
-    python -m minizero.run --stage 3 --quantized-weights --quantized-gradients   # ZeRO++ int8 communication
-    python -m minizero.run --stage 0 --network 1gbps,10us,ranks_per_node=2 [--no-overlap]   # a modelled network
-    python -m minizero.run --config examples/ds_config_zero2_offload.json --world-size 4   # DeepSpeed JSON
-    python -m minizero.run --stage 3 --world-size 4 --shard-group-size 2    # HSDP / MiCS: shard in pairs
-    python -m minizero.run --stage 3 --world-size 4 --hpz-group-size 2      # ZeRO++ hpZ: nodes of 2 ranks
+    # fp16: dynamic (or static) loss scaling
+    python -m minizero.run --dtype fp16 [--loss-scale 1024]
+    # gradients reduced and accumulated in fp32
+    python -m minizero.run --dtype bf16 --reduce-dtype fp32
+    # ZeRO++ int8 communication
+    python -m minizero.run --stage 3 --quantized-weights --quantized-gradients
+    # a modelled network
+    python -m minizero.run --stage 0 --network 1gbps,10us,ranks_per_node=2 [--no-overlap]
+    # DeepSpeed JSON
+    python -m minizero.run --config examples/ds_config_zero2_offload.json --world-size 4
+    # HSDP / MiCS: shard in pairs
+    python -m minizero.run --stage 3 --world-size 4 --shard-group-size 2
+    # ZeRO++ hpZ: nodes of 2 ranks
+    python -m minizero.run --stage 3 --world-size 4 --hpz-group-size 2
     torchrun --nproc-per-node 4 -m minizero.run --stage 3        # uses torchrun's process group
 
-Ends with a per-rank table: measured parameter / gradient / optimizer / offloaded bytes next to the ZeRO
-paper's formula (minizero.memory.estimate), communicated bytes per step next to the 2Ψ / 3Ψ theory,
-the loss from first to last step, and the step time. Bad input: one line on stderr, exit code 2.
-Precedence: defaults < --config file (minizero.config) < flags given on the command line.
+Ends with a per-rank table: measured parameter / gradient / optimizer / offloaded bytes next to the
+ZeRO paper's formula (minizero.memory.estimate), communicated bytes per step next to the 2Ψ / 3Ψ
+theory, the loss from first to last step, and the step time. Bad input: one line on stderr, exit
+code 2. Precedence: defaults < --config file (minizero.config) < flags given on the command line.
 """
 
 from __future__ import annotations
@@ -37,66 +44,167 @@ from minizero.wrap import check, check_options
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="python -m minizero.run", description=__doc__.split("\n")[0])
-    p.add_argument("--config", default=None, metavar="JSON",
-                   help="a DeepSpeed-style config (docs/deepspeed_config.md); unknown keys are errors, "
-                        "keys minizero does not implement are warnings; flags override it")
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="JSON",
+        help=(
+            "a DeepSpeed-style config (docs/deepspeed_config.md); unknown keys are errors, "
+            "keys minizero does not implement are warnings; flags override it"
+        ),
+    )
     p.add_argument("--stage", type=int, default=None, help="0 = DDP, 1, 2, 3 (default 2)")
-    p.add_argument("--world-size", type=int, default=None, help="processes (default 2; torchrun: its own)")
+    p.add_argument(
+        "--world-size", type=int, default=None, help="processes (default 2; torchrun: its own)"
+    )
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 50)")
-    p.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (16-bit compute, fp32 master weights; "
-                                                   "fp16 also scales the loss)")
-    p.add_argument("--reduce-dtype", default=None, choices=["fp32"],
-                   help="bf16/fp16: reduce and accumulate gradients in fp32 (4 bytes a gradient instead of "
-                        "2; DeepSpeed's data_types.grad_accum_dtype)")
-    p.add_argument("--loss-scale", type=float, default=None, metavar="S",
-                   help="fp16: a static loss scale S; 0 = dynamic (default; DeepSpeed's fp16.loss_scale)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help=(
+            "fp32, bf16 or fp16 (16-bit compute, fp32 master weights; fp16 also scales the loss)"
+        ),
+    )
+    p.add_argument(
+        "--reduce-dtype",
+        default=None,
+        choices=["fp32"],
+        help=(
+            "bf16/fp16: reduce and accumulate gradients in fp32 (4 bytes a gradient instead of "
+            "2; DeepSpeed's data_types.grad_accum_dtype)"
+        ),
+    )
+    p.add_argument(
+        "--loss-scale",
+        type=float,
+        default=None,
+        metavar="S",
+        help="fp16: a static loss scale S; 0 = dynamic (default; DeepSpeed's fp16.loss_scale)",
+    )
     p.add_argument("--offload", nargs="?", const="optimizer", default=None, metavar="WHAT",
-                   help="stages 1-3: optimizer state on the host; '--offload params' (stage 3) also "
-                        "keeps parameter shards there; '--offload disk' keeps the optimizer "
-                        "state in a file of --offload-path (ZeRO-Infinity's disk tier, disk.py)")
+                   help=(
+                       "stages 1-3: optimizer state on the "
+                       "host; '--offload params' (stage 3) also "
+                       "keeps parameter shards there; '--offload disk' keeps the optimizer "
+                       "state in a file of --offload-path (ZeRO-Infinity's disk tier, disk.py)"
+                   ))
     p.add_argument("--offload-path", default=None, metavar="DIR",
                    help="--offload disk: the folder of each rank's file (DeepSpeed's nvme_path)")
-    p.add_argument("--backend", default=None, help="gloo or nccl (default: nccl if CUDA is available)")
-    p.add_argument("--batch-size", type=int, default=None, help="global batch rows per step (default 16)")
-    p.add_argument("--grad-accum", type=int, default=None, help="micro-batches per step (default 1)")
-    p.add_argument("--clip-grad-norm", type=float, default=None, help="clip by global gradient norm")
-    p.add_argument("--optimizer", default=None, help=f"one of {', '.join(OPTIMIZERS)} (default adamw)")
+    p.add_argument(
+        "--backend", default=None, help="gloo or nccl (default: nccl if CUDA is available)"
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=None, help="global batch rows per step (default 16)"
+    )
+    p.add_argument(
+        "--grad-accum", type=int, default=None, help="micro-batches per step (default 1)"
+    )
+    p.add_argument(
+        "--clip-grad-norm", type=float, default=None, help="clip by global gradient norm"
+    )
+    p.add_argument(
+        "--optimizer", default=None, help=f"one of {', '.join(OPTIMIZERS)} (default adamw)"
+    )
     p.add_argument("--lr", type=float, default=None, help="learning rate (default 3e-3)")
-    p.add_argument("--bucket-size-mb", type=float, default=None, help="gradient bucket size (default 25)")
-    p.add_argument("--no-prefetch", action="store_true", help="stage 3: gather units only when needed")
-    p.add_argument("--quantized-weights", action="store_true",
-                   help="stage 3: forward's all-gather sends int8 blocks (ZeRO++ qwZ; minizero/quantize.py)")
+    p.add_argument(
+        "--bucket-size-mb", type=float, default=None, help="gradient bucket size (default 25)"
+    )
+    p.add_argument(
+        "--no-prefetch", action="store_true", help="stage 3: gather units only when needed"
+    )
+    p.add_argument(
+        "--quantized-weights",
+        action="store_true",
+        help="stage 3: forward's all-gather sends int8 blocks (ZeRO++ qwZ; minizero/quantize.py)",
+    )
     p.add_argument("--quantized-gradients", action="store_true",
                    help="stages 2-3: the gradient reduce-scatter sends int8 blocks (ZeRO++ qgZ)")
-    p.add_argument("--no-overlap", action="store_true", help="stage 0: all-reduce every bucket after backward")
-    p.add_argument("--network", default=None, metavar="SPEC",
-                   help="model a cluster network, e.g. 1gbps,10us,ranks_per_node=2 (minizero/network.py; "
-                        "default: $MINIZERO_NETWORK, else none)")
-    p.add_argument("--shard-group-size", type=int, default=None, metavar="S",
-                   help="stages 1-3: partition within groups of S consecutive ranks, replicate across the "
-                        "N/S groups (HSDP / DeepSpeed MiCS); S must divide the world size")
-    p.add_argument("--hpz-group-size", type=int, default=None, metavar="R",
-                   help="stage 3: keep a secondary partition within groups of R ranks (a node) so backward's "
-                        "all-gather stays inside them (ZeRO++ hpZ, DeepSpeed's zero_hpz_partition_size)")
-    p.add_argument("--activation-checkpointing", nargs="?", const=True, default=None, choices=["cpu"],
-                   metavar="cpu", help="recompute each block's forward in backward, keeping only its input; "
-                                       "'cpu': keep those inputs in host memory (ZeRO-R's P_a+cpu)")
+    p.add_argument(
+        "--no-overlap", action="store_true", help="stage 0: all-reduce every bucket after backward"
+    )
+    p.add_argument(
+        "--network",
+        default=None,
+        metavar="SPEC",
+        help=(
+            "model a cluster network, e.g. 1gbps,10us,ranks_per_node=2 (minizero/network.py; "
+            "default: $MINIZERO_NETWORK, else none)"
+        ),
+    )
+    p.add_argument(
+        "--shard-group-size",
+        type=int,
+        default=None,
+        metavar="S",
+        help=(
+            "stages 1-3: partition within groups of S consecutive ranks, replicate across the "
+            "N/S groups (HSDP / DeepSpeed MiCS); S must divide the world size"
+        ),
+    )
+    p.add_argument(
+        "--hpz-group-size",
+        type=int,
+        default=None,
+        metavar="R",
+        help=(
+            "stage 3: keep a secondary partition within groups of R ranks (a node) so backward's "
+            "all-gather stays inside them (ZeRO++ hpZ, DeepSpeed's zero_hpz_partition_size)"
+        ),
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        nargs="?",
+        const=True,
+        default=None,
+        choices=["cpu"],
+        metavar="cpu",
+        help=(
+            "recompute each block's forward in backward, keeping only its input; "
+            "'cpu': keep those inputs in host memory (ZeRO-R's P_a+cpu)"
+        ),
+    )
     p.add_argument("--model", default=None, help="default or tiny")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--save", default=None, metavar="DIR", help="write a sharded checkpoint after the last step")
-    p.add_argument("--save-every", type=int, default=None, metavar="K",
-                   help="save DIR/step-NNNNNN every K steps and after the last (DIR is then a run directory)")
-    p.add_argument("--keep-last", type=int, default=None, metavar="M", help="with --save-every: keep the M newest")
-    p.add_argument("--resume", action="store_true",
-                   help="with --save-every: continue from DIR's newest complete checkpoint, if it has one")
+    p.add_argument(
+        "--save", default=None, metavar="DIR", help="write a sharded checkpoint after the last step"
+    )
+    p.add_argument(
+        "--save-every",
+        type=int,
+        default=None,
+        metavar="K",
+        help="save DIR/step-NNNNNN every K steps and after the last (DIR is then a run directory)",
+    )
+    p.add_argument(
+        "--keep-last",
+        type=int,
+        default=None,
+        metavar="M",
+        help="with --save-every: keep the M newest",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="with --save-every: continue from DIR's newest complete checkpoint, if it has one",
+    )
     p.add_argument("--load", default=None, metavar="DIR",
-                   help="resume from a checkpoint of this model and optimizer, saved at any stage, world "
-                        "size, dtype or offload (resharded; --steps counts from 0); a --save-every "
-                        "directory: its newest complete step-NNNNNN")
-    p.add_argument("--stall-timeout", type=float, default=None,
-                   metavar="S", help="stop a run in which no collective finishes for S seconds "
-                   "while a rank waits, naming the rank out of step (minizero/desync.py; default: the "
-                   f"config's stall_timeout, else {desync.DEFAULT_STALL_TIMEOUT_S:g}; 0: off)")
+                   help=(
+                       "resume from a checkpoint of this model "
+                       "and optimizer, saved at any stage, world "
+                       "size, dtype or offload (resharded; --steps counts from 0); a --save-every "
+                       "directory: its newest complete step-NNNNNN"
+                   ))
+    p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help=(
+            "stop a run in which no collective finishes for S seconds "
+            "while a rank waits, naming the rank out of step (minizero/desync.py; default: the "
+            f"config's stall_timeout, else {desync.DEFAULT_STALL_TIMEOUT_S:g}; 0: off)"
+        ),
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines or bar")
     return p
@@ -119,21 +227,40 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         for name, value in overrides.items():
             setattr(cfg, name, value)
         if args.optimizer not in (None, cfg.optimizer) and cfg.optimizer_params:
-            print(f"minizero.run: warning: --optimizer {args.optimizer} replaces the file's {cfg.optimizer}: "
-                  f"its optimizer.params {', '.join(cfg.optimizer_params)} are not used", file=sys.stderr)
+            print(
+                f"minizero.run: warning: --optimizer {args.optimizer} "
+                f"replaces the file's {cfg.optimizer}: "
+                f"its optimizer.params {', '.join(cfg.optimizer_params)} are not used",
+                file=sys.stderr,
+            )
             cfg.optimizer_params = {}
-    pairs = {"stage": args.stage, "world_size": args.world_size, "steps": args.steps, "dtype": args.dtype,
-             "backend": args.backend, "batch_size": args.batch_size, "grad_accum": args.grad_accum,
-             "clip_grad_norm": args.clip_grad_norm, "optimizer": args.optimizer, "lr": args.lr,
-             "model": args.model, "seed": args.seed, "reduce_dtype": args.reduce_dtype,
-             "shard_group_size": args.shard_group_size, "hpz_group_size": args.hpz_group_size}
+    pairs = {
+        "stage": args.stage,
+        "world_size": args.world_size,
+        "steps": args.steps,
+        "dtype": args.dtype,
+        "backend": args.backend,
+        "batch_size": args.batch_size,
+        "grad_accum": args.grad_accum,
+        "clip_grad_norm": args.clip_grad_norm,
+        "optimizer": args.optimizer,
+        "lr": args.lr,
+        "model": args.model,
+        "seed": args.seed,
+        "reduce_dtype": args.reduce_dtype,
+        "shard_group_size": args.shard_group_size,
+        "hpz_group_size": args.hpz_group_size,
+    }
     for name, value in pairs.items():
         if value is not None:
             setattr(cfg, name, value)
     if args.loss_scale is not None:
         cfg.loss_scale = args.loss_scale or None          # 0: dynamic, as in DeepSpeed
     elif cfg.dtype != "fp16" and cfg.loss_scale is not None:
-        print(f"minizero.run: warning: --dtype {cfg.dtype}: the file's fp16 loss scaling is not used", file=sys.stderr)
+        print(
+            f"minizero.run: warning: --dtype {cfg.dtype}: the file's fp16 loss scaling is not used",
+            file=sys.stderr,
+        )
         cfg.loss_scale = None
     if args.offload is not None:
         cfg.offload = args.offload
@@ -166,7 +293,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def network_from_args(args: argparse.Namespace):
-    """--network, else $MINIZERO_NETWORK, else None: the network model (minizero/network.py) of the run."""
+    """--network, else $MINIZERO_NETWORK, else None: the network model (minizero/network.py) of
+    the run."""
     try:
         return parse_network(args.network) if args.network is not None else network_from_env()
     except ValueError as e:
@@ -179,7 +307,9 @@ def _check_periodic(args: argparse.Namespace) -> None:
     if args.keep_last is not None and (args.save_every is None or args.keep_last < 1):
         raise UsageError("--keep-last M needs --save-every and M >= 1")
     if args.resume and (args.save_every is None or args.load is not None):
-        raise UsageError("--resume needs --save DIR --save-every K (it continues from DIR), not --load")
+        raise UsageError(
+            "--resume needs --save DIR --save-every K (it continues from DIR), not --load"
+        )
 
 
 def _find_checkpoint(directory: str) -> str:
@@ -190,8 +320,9 @@ def _find_checkpoint(directory: str) -> str:
 
 
 def _check_checkpoint(directory: str, cfg: TrainConfig) -> None:
-    """Before any process starts: every file of the checkpoint intact (checkpoint.verify), and saved for
-    this model and optimizer (load reshards any stage, world size, dtype or offload; it checks again)."""
+    """Before any process starts: every file of the checkpoint intact (checkpoint.verify), and
+    saved for this model and optimizer (load reshards any stage, world size, dtype or offload; it
+    checks again)."""
     import torch
     try:
         manifest = checkpoint.verify(directory)
@@ -203,18 +334,22 @@ def _check_checkpoint(directory: str, cfg: TrainConfig) -> None:
     if difference:
         raise UsageError(f"--load {directory} holds a different model: {difference}")
     if manifest["optimizer"] != OPTIMIZERS[cfg.optimizer].__name__:
-        raise UsageError(f"--load {directory}: saved with optimizer {manifest['optimizer']}, this run has "
-                         f"--optimizer {cfg.optimizer}")
+        raise UsageError(
+            f"--load {directory}: saved with optimizer {manifest['optimizer']}, this run has "
+            f"--optimizer {cfg.optimizer}"
+        )
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Everything wrong with a run's settings, found before any process starts (UsageError, one line)."""
+    """Everything wrong with a run's settings, found before any process starts (UsageError,
+    one line)."""
     def bad(msg):
         raise UsageError(msg)
     if cfg.offload is True:
         cfg.offload = "optimizer"
     try:
-        check(cfg.stage, cfg.dtype, cfg.offload, cfg.reduce_dtype,   # the engines' own rules (minizero.wrap)
+        # the engines' own rules (minizero.wrap)
+        check(cfg.stage, cfg.dtype, cfg.offload, cfg.reduce_dtype,
               shard_group_size=cfg.shard_group_size, hpz_group_size=cfg.hpz_group_size,
               world_size=cfg.world_size, offload_path=cfg.offload_path)
         wrap_arguments = {"activation_checkpointing", "offload_path"}     # wrap's own, not options
@@ -248,7 +383,7 @@ def validate(cfg: TrainConfig) -> None:
                 f"world size {cfg.world_size}")
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
     try:
@@ -260,13 +395,14 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"minizero.run: error: {e}", file=sys.stderr)
         return 2
+    # 0: off
     stall_timeout = next(s for s in (args.stall_timeout, cfg.stall_timeout,
-                                     desync.DEFAULT_STALL_TIMEOUT_S) if s is not None) or None   # 0: off
+                                     desync.DEFAULT_STALL_TIMEOUT_S) if s is not None) or None
     # on a terminal a progress bar (loss, time left) replaces the progress lines
     cfg.progress = progress_wanted(args.quiet, args.json)
     cfg.log_every = 0 if args.quiet or cfg.progress else max(1, cfg.steps // 10)
-    cfg.measure_peak = True               # the throughput line's MFU (lab/throughput.py)
-    comm.set_network(network)             # here under torchrun; minizero.launch hands it to its ranks
+    cfg.measure_peak = True             # the throughput line's MFU (lab/throughput.py)
+    comm.set_network(network)           # here under torchrun; minizero.launch hands it to its ranks
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
         if under_torchrun:
@@ -285,10 +421,11 @@ def main(argv: list[str] | None = None) -> int:
         summary = summarize(cfg, results, network)
         emit(format_table(summary), summary, args.json)
     if under_torchrun:
-        # Everything is reported and written, and the process group is destroyed. A torchrun rank that
-        # then leaves through the interpreter's normal teardown was seen, rarely (about 1 run in 40, also
-        # in CI), to abort with "terminate called without an active exception": a C++ thread of the
-        # distributed runtime destroyed while still joinable. So it leaves at once, with its exit code.
+        # Everything is reported and written, and the process group is destroyed. A torchrun rank
+        # that then leaves through the interpreter's normal teardown was seen, rarely (about 1 run
+        # in 40, also in CI), to abort with "terminate called without an active exception": a C++
+        # thread of the distributed runtime destroyed while still joinable. So it leaves at once,
+        # with its exit code.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
@@ -299,7 +436,9 @@ def _run_under_torchrun(cfg: TrainConfig, args,
                         stall_timeout: float | None) -> tuple[list[dict], bool]:
     world = int(os.environ["WORLD_SIZE"])
     if args.world_size is not None and args.world_size != world:
-        raise UsageError(f"--world-size {args.world_size} disagrees with torchrun's WORLD_SIZE={world}")
+        raise UsageError(
+            f"--world-size {args.world_size} disagrees with torchrun's WORLD_SIZE={world}"
+        )
     # cfg.world_size already came from WORLD_SIZE (config_from_args) and was validated there
     comm.init(backend=cfg.backend)
     watch = desync.watch(stall_timeout=stall_timeout)

@@ -28,15 +28,40 @@ def main(argv: list[str] | None = None) -> int:
     ap = OneLineParser(prog=prog, description=__doc__.split("\n")[0])
     ap.add_argument("--budget-mb", type=float, default=None,
                     help="per-rank device budget in MB (default 4; 8 with --micro-batch)")
-    ap.add_argument("--world-size", type=int, nargs="+", default=None, help="N values (default 1 2 4; --rss: 4)")
-    ap.add_argument("--micro-batch", action="store_true",
-                    help="fixed model (--model): the largest micro-batch per stage, without and with checkpointing")
-    ap.add_argument("--model", default=None, help=f"with --micro-batch: {' or '.join(MODEL_NAMES)} (default default)")
-    ap.add_argument("--rss", action="store_true",
-                    help="a GPT whose DDP model states exceed a per-rank memory cap: DDP runs out, stage 3 trains "
-                         "(measured RSS; lab/rss.py)")
-    ap.add_argument("--rss-cap-mb", type=float, default=None,
-                    help="with --rss: each rank's cap in MB beyond the baseline, what a rank holds whatever the model (default 200)")
+    ap.add_argument(
+        "--world-size", type=int, nargs="+", default=None, help="N values (default 1 2 4; --rss: 4)"
+    )
+    ap.add_argument(
+        "--micro-batch",
+        action="store_true",
+        help=(
+            "fixed model (--model): the largest micro-batch "
+            "per stage, without and with checkpointing"
+        ),
+    )
+    ap.add_argument(
+        "--model",
+        default=None,
+        help=f"with --micro-batch: {' or '.join(MODEL_NAMES)} (default default)",
+    )
+    ap.add_argument(
+        "--rss",
+        action="store_true",
+        help=(
+            "a GPT whose DDP model states exceed a per-rank "
+            "memory cap: DDP runs out, stage 3 trains "
+            "(measured RSS; lab/rss.py)"
+        ),
+    )
+    ap.add_argument(
+        "--rss-cap-mb",
+        type=float,
+        default=None,
+        help=(
+            "with --rss: each rank's cap in MB beyond the baseline, "
+            "what a rank holds whatever the model (default 200)"
+        ),
+    )
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
     ap.add_argument("--quiet", action="store_true",
                     help="no progress bar (also off when stderr is no terminal)")
@@ -52,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.budget_mb > 0:
             raise UsageError(f"--budget-mb must be > 0, got {args.budget_mb}")
         if args.budget_mb > 1000:
-            raise UsageError("--budget-mb above 1000 would train models too big for a quick CPU demo")
+            raise UsageError(
+                "--budget-mb above 1000 would train models too big for a quick CPU demo"
+            )
         if any(n < 1 for n in args.world_size):
             raise UsageError("--world-size: every N must be >= 1")
         if args.model is not None and not args.micro_batch:
@@ -82,9 +109,13 @@ def _check_rss(args) -> None:
     if args.micro_batch or args.budget_mb is not None or args.model is not None:
         raise UsageError("--rss takes only --rss-cap-mb, --world-size and --json")
     if args.world_size is not None and (len(args.world_size) != 1 or args.world_size[0] < 2):
-        raise UsageError(f"--rss takes one --world-size N >= 2, got {' '.join(map(str, args.world_size))}")
+        raise UsageError(
+            f"--rss takes one --world-size N >= 2, got {' '.join(map(str, args.world_size))}"
+        )
     if args.rss_cap_mb is not None and not 0 < args.rss_cap_mb <= 2000:
-        raise UsageError(f"--rss-cap-mb must be in (0, 2000] (a quick CPU demo), got {args.rss_cap_mb:g}")
+        raise UsageError(
+            f"--rss-cap-mb must be in (0, 2000] (a quick CPU demo), got {args.rss_cap_mb:g}"
+        )
 
 
 def _rss(prog: str, args) -> int:

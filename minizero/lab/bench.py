@@ -1,43 +1,53 @@
-"""minizero against PyTorch's and DeepSpeed's implementation of every stage, at ~0.2M to ~50M parameters.
+"""minizero against PyTorch's and DeepSpeed's implementation of every stage, at ~0.2M to
+~50M parameters.
 
     python -m minizero.bench                                        # N = 2 and 4, the default model
-    python -m minizero.bench --world-size 2 --sizes 1M,8M,50M --steps 6 --repeats 2 --json bench.json
+    python -m minizero.bench --world-size 2 --sizes 1M,8M,50M --steps 6 --repeats 2 --json b.json
     python -m minizero.bench --peers torch                          # PyTorch's peers only
-    python -m minizero.bench --world-size 4 --sizes 8M --stages 2 --phases    # where each side's time goes
-    python -m minizero.bench --scale --budget-mb 4                  # the scale demo (minizero.scale)
-    python -m minizero.bench --scale --micro-batch                  # ... its largest micro-batch per stage
+    # where each side's time goes
+    python -m minizero.bench --world-size 4 --sizes 8M --stages 2 --phases
+    # the scale demo (minizero.scale)
+    python -m minizero.bench --scale --budget-mb 4
+    # ... its largest micro-batch per stage
+    python -m minizero.bench --scale --micro-batch
     python -m minizero.bench --peak --world-size 2                  # the GEMM peak MFU divides by
-    python -m minizero.bench --collectives                          # gloo's collectives vs comm's (lab/collectives.py)
+    # gloo's collectives vs comm's (lab/collectives.py)
+    python -m minizero.bench --collectives
 
-Pairs (minizero.lab.peers builds PyTorch's side, minizero.lab.deepspeed_peer DeepSpeed's; both are trained
-by the same loop as minizero.lab.train):
+Pairs (minizero.lab.peers builds PyTorch's side, minizero.lab.deepspeed_peer DeepSpeed's; both are
+trained by the same loop as minizero.lab.train):
     stage 0        <->  torch DistributedDataParallel                          DeepSpeed stage 0
     stage 1        <->  ZeroRedundancyOptimizer (over DDP)                     DeepSpeed stage 1
     stage 2        <->  FSDP2 fully_shard per block + root, no reshard         DeepSpeed stage 2
-    stage 3        <->  FSDP2 fully_shard per block + root                     DeepSpeed stage 3, blocks as leaves
-    stage 2 + offload   (PyTorch has no optimizer offload without stage 3)     DeepSpeed offload_optimizer cpu
-Stage 3 gathers the same units on every side: minizero's default units are the GPT's blocks, FSDP2 is
-fully_shard-ed per block, DeepSpeed fetches each block at once (set_z3_leaf_modules). DeepSpeed pairs run
-when it is installed (pip install -e ".[peers]"). Same GPT (--sizes: minizero.lab.model.SIZES), initial
-weights, data, fp32, AdamW, world size, gloo on the CPU.
+    stage 3        <->  FSDP2 fully_shard per block + root                     DeepSpeed stage 3,
+                                                                               blocks as leaves
+    stage 2 + offload   (PyTorch has no optimizer offload without stage 3)     DeepSpeed
+                                                                               offload_optimizer cpu
+Stage 3 gathers the same units on every side: minizero's default units are the GPT's blocks, FSDP2
+is fully_shard-ed per block, DeepSpeed fetches each block at once (set_z3_leaf_modules). DeepSpeed
+pairs run when it is installed (pip install -e ".[peers]"). Same GPT (--sizes:
+minizero.lab.model.SIZES), initial weights, data, fp32, AdamW, world size, gloo on the CPU.
 
-How it is fair: one launch per world size runs every pair in the same processes; within a repeat each
-configuration runs minizero and its peers back to back, in alternating order (A B C, then C B A, ...), so
-a slow patch of a shared machine hits every side alike. A step's time is the slowest rank's (collectives
-make every rank wait for it); the first step of every run is warm-up and dropped; the ratio compares
-medians. Every rank computes with one intra-op thread, so every side sees the same CPU.
+How it is fair: one launch per world size runs every pair in the same processes; within a repeat
+each configuration runs minizero and its peers back to back, in alternating order (A B C, then C B
+A, ...), so a slow patch of a shared machine hits every side alike. A step's time is the slowest
+rank's (collectives make every rank wait for it); the first step of every run is warm-up and
+dropped; the ratio compares medians. Every rank computes with one intra-op thread, so every side
+sees the same CPU.
 
 Reported per pair: ratio = median step time minizero / peer (repeat_ratios: the same within each
-repeat, how much it moves); per-rank model-state bytes (minizero's engine.memory(); the peers' counted
-from their parameters, gradients and optimizer state by minizero.memory.measure); bytes sent per step
-(minizero's tally; for the peers the ring formula of the collectives they issue: they keep no tally); the largest |parameter difference| after the run; and the
-profile (--phases): the median time of forward, backward (with the collectives it waits for) and the
-optimizer step (with what it communicates) on each side, which says where a ratio comes from.
+repeat, how much it moves); per-rank model-state bytes (minizero's engine.memory(); the peers'
+counted from their parameters, gradients and optimizer state by minizero.memory.measure); bytes sent
+per step (minizero's tally; for the peers the ring formula of the collectives they issue: they keep
+no tally); the largest |parameter difference| after the run; and the profile (--phases): the median
+time of forward, backward (with the collectives it waits for) and the optimizer step (with what it
+communicates) on each side, which says where a ratio comes from.
 
-And what minizero's own measurement costs (the default run only, not with --sizes): engine(x) runs the
-forward under the activation meter (activations.py: a saved-tensor hook per tensor forward saves,
-engine.memory()["activations"]); `engine.module(x)` runs the same forward without it. Both run the same
-loop (meter_worker), in alternating order like the pairs, and must end at the same losses.
+And what minizero's own measurement costs (the default run only, not with --sizes): engine(x)
+runs the forward under the activation meter (activations.py: a saved-tensor hook per tensor
+forward saves, engine.memory()["activations"]); `engine.module(x)` runs the same forward without
+it. Both run the same loop (meter_worker), in alternating order like the pairs, and must end at
+the same losses.
 """
 
 from __future__ import annotations
@@ -66,18 +76,25 @@ from minizero.memory import comm_volume
 from minizero.wrap import wrap
 
 SIDES = ("minizero", "peer")
-METER = ("meter on", "meter off")       # minizero with and without the activation meter (meter_worker)
+METER = ("meter on", "meter off")    # minizero with and without the activation meter (meter_worker)
 MEMORY_KEYS = ("params", "grads", "optimizer", "offloaded")
 DEVICE_KEYS = MEMORY_KEYS[:3]           # what stays on the compute device (offloaded: host memory)
-VARIANTS = {"0": (0, False), "1": (1, False), "2": (2, False), "3": (3, False), "2+offload": (2, True)}
+VARIANTS = {
+    "0": (0, False),
+    "1": (1, False),
+    "2": (2, False),
+    "3": (3, False),
+    "2+offload": (2, True),
+}
 PEER_FAMILIES = ("torch", "deepspeed")
 PHASES = ("forward", "backward", "step")     # minizero.lab.train.forward_backward and timed_step
 
-# The collectives each PyTorch peer issues per step, each over the full Ψ (the ring bytes of comm.py).
-# ZeroRedundancyOptimizer sits on DDP: a full all-reduce, then each rank broadcasts the partition it
-# stepped (N broadcasts of Ψ/N: Ψ). That is 3Ψ where ZeRO stage 1 needs 2Ψ (reduce-scatter + all-gather).
-# FSDP2 does not gather its root unit a second time for backward; the few root parameters are ignored.
-# DeepSpeed implements the paper: 2Ψ at stages 0-2, 3Ψ at stage 3 (minizero.memory.comm_volume).
+# The collectives each PyTorch peer issues per step, each over the full Ψ (the ring bytes of
+# comm.py). ZeroRedundancyOptimizer sits on DDP: a full all-reduce, then each rank broadcasts the
+# partition it stepped (N broadcasts of Ψ/N: Ψ). That is 3Ψ where ZeRO stage 1 needs 2Ψ
+# (reduce-scatter + all-gather). FSDP2 does not gather its root unit a second time for backward;
+# the few root parameters are ignored. DeepSpeed implements the paper: 2Ψ at stages 0-2, 3Ψ at
+# stage 3 (minizero.memory.comm_volume).
 PEER_COLLECTIVES = {
     "ddp": ("all_reduce",),
     "zero_redundancy": ("all_reduce", "broadcast"),
@@ -86,7 +103,9 @@ PEER_COLLECTIVES = {
 }
 
 
-def peer_comm_bytes(peer: str, num_params: int, world_size: int, stage: int = 0, bytes_per_elem: int = 4) -> float:
+def peer_comm_bytes(
+    peer: str, num_params: int, world_size: int, stage: int = 0, bytes_per_elem: int = 4
+) -> float:
     """Bytes one rank sends per step in a ring for `peer` at `stage` (fp32: 4 bytes per element)."""
     if peer == deepspeed_peer.PEER:
         return comm_volume(num_params, world_size, stage, bytes_per_elem=bytes_per_elem)
@@ -95,7 +114,8 @@ def peer_comm_bytes(peer: str, num_params: int, world_size: int, stage: int = 0,
 
 
 def peers_of(variant: str, families=PEER_FAMILIES) -> list[str]:
-    """The peers a variant is compared with: PyTorch's for its stage (none for offload), DeepSpeed if installed."""
+    """The peers a variant is compared with: PyTorch's for its stage (none for offload), DeepSpeed
+    if installed."""
     stage, offload = VARIANTS[variant]
     out = [PEER_OF_STAGE[stage]] if "torch" in families and not offload else []
     if "deepspeed" in families and deepspeed_peer.available():
@@ -104,18 +124,19 @@ def peers_of(variant: str, families=PEER_FAMILIES) -> list[str]:
 
 
 def size_label(model: str) -> str:
-    """'8M: 8 blocks of width 288, Ψ = 8,005,824': the shape behind a size's name, and its real Ψ."""
+    """'8M: 8 blocks of width 288, Ψ = 8,005,824': the shape behind a size's name, and its
+    real Ψ."""
     cfg = GPTConfig.named(model)
     return f"{model}: {cfg.n_layer} blocks of width {cfg.n_embd}, Ψ = {count_params(cfg):,}"
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Worker: every pair, every repeat, in one process group
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 def meter_worker(cfg: TrainConfig, meter: bool) -> dict:
-    """minizero's training loop (train_worker's, without its bookkeeping) with the activation meter on or
-    off: step times, losses, the activations' peak."""
+    """minizero's training loop (train_worker's, without its bookkeeping) with the activation meter
+    on or off: step times, losses, the activations' peak."""
     engine = wrap(make_model(cfg.model_config(), seed=cfg.seed), cfg.stage, cfg.optimizer_factory(),
                   offload=cfg.offload, **cfg.engine_options())
     forward = engine if meter else engine.module          # engine(x) records what forward saves
@@ -127,7 +148,11 @@ def meter_worker(cfg: TrainConfig, meter: bool) -> dict:
         if comm.device().type == "cuda":
             torch.cuda.synchronize()
         step_times.append(time.perf_counter() - start)
-    return {"step_times": step_times, "losses": losses, "activations": engine.memory()["activations"]}
+    return {
+        "step_times": step_times,
+        "losses": losses,
+        "activations": engine.memory()["activations"],
+    }
 
 
 def _run(impl: str, cfg: TrainConfig) -> dict:
@@ -142,9 +167,9 @@ def _run(impl: str, cfg: TrainConfig) -> dict:
 
 def bench_worker(jobs: list[tuple[TrainConfig, list[str]]], repeats: int, meter: bool,
                  progress: bool = False) -> list[dict]:
-    """Per (configuration, its peers): step times of every repeat of every side (and of minizero with the
-    activation meter on and off), memory and comm of the first repeat, and the max |minizero - peer| over
-    all parameters after it (full state dicts, on this rank)."""
+    """Per (configuration, its peers): step times of every repeat of every side (and of minizero
+    with the activation meter on and off), memory and comm of the first repeat, and the max
+    |minizero - peer| over all parameters after it (full state dicts, on this rank)."""
     torch.set_num_threads(1)
     out = []
     for cfg, peers in jobs:
@@ -172,12 +197,16 @@ def bench_worker(jobs: list[tuple[TrainConfig, list[str]]], repeats: int, meter:
                 record["meter_activations"] = {m: results[m]["activations"] for m in METER}
             mz = results["minizero"]
             state = mz.pop("state_dict")
-            record["max_param_diff"] = {p: max_abs_diff(state, results[p].pop("state_dict")) for p in peers}
+            record["max_param_diff"] = {
+                p: max_abs_diff(state, results[p].pop("state_dict")) for p in peers
+            }
             record["num_params"] = mz["num_params"]
             record["memory"] = {impl: results[impl]["memory"] for impl in ["minizero", *peers]}
             record["peak"] = mz["peak"]
             record["comm"] = mz["comm_bytes_per_step"]["total"]
-            record["final_loss"] = {impl: results[impl]["losses"][-1] for impl in ["minizero", *peers]}
+            record["final_loss"] = {
+                impl: results[impl]["losses"][-1] for impl in ["minizero", *peers]
+            }
     bar.close()
     peak = peak_worker("fp32")           # MFU's peak: every rank's GEMM at once, one thread each
     for record in out:
@@ -185,23 +214,30 @@ def bench_worker(jobs: list[tuple[TrainConfig, list[str]]], repeats: int, meter:
     return out
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Parent: one launch per world size, then the table
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 def compare(world_sizes=(2, 4), *, sizes=("default",), steps: int = 10, repeats: int = 3,
             variants=tuple(VARIANTS), peers=PEER_FAMILIES, meter: bool = True, batch_size: int = 16,
             progress: bool = False) -> dict:
-    """{"config": ..., "pairs": [one record per (N, size, variant, peer)], "meter": [one per (N, size,
-    variant)] when meter}; see the module docstring for the fields."""
+    """{"config": ..., "pairs": [one record per (N, size, variant, peer)], "meter": [one per (N,
+    size, variant)] when meter}; see the module docstring for the fields."""
     pairs, meters = [], []
     for n in world_sizes:
         jobs = []
         for size in sizes:
             for v in variants:
                 stage, offload = VARIANTS[v]
-                cfg = TrainConfig(stage=stage, offload=offload, world_size=n, steps=steps, model=size,
-                                  batch_size=batch_size, backend="gloo")
+                cfg = TrainConfig(
+                    stage=stage,
+                    offload=offload,
+                    world_size=n,
+                    steps=steps,
+                    model=size,
+                    batch_size=batch_size,
+                    backend="gloo",
+                )
                 jobs.append((cfg, peers_of(v, peers), v))
         per_rank = launch(bench_worker, n, [(cfg, ps) for cfg, ps, _ in jobs], repeats, meter,
                           progress, backend="gloo")
@@ -210,12 +246,22 @@ def compare(world_sizes=(2, 4), *, sizes=("default",), steps: int = 10, repeats:
             pairs += [_pair_record(cfg, v, p, ranks) for p in ps]
             if meter:
                 meters.append(_meter_record(cfg, v, ranks))
-    report = {"config": {"world_sizes": list(world_sizes), "sizes": {s: count_params(GPTConfig.named(s))
-                                                                        for s in sizes},
-                         "steps": steps, "repeats": repeats, "batch_size": batch_size, "backend": "gloo",
-                         "dtype": "fp32", "optimizer": "adamw", "threads_per_rank": 1,
-                         "peers": list(peers), "deepspeed": deepspeed_peer.available()},
-              "pairs": pairs}
+    report = {
+        "config": {
+            "world_sizes": list(world_sizes),
+            "sizes": {s: count_params(GPTConfig.named(s)) for s in sizes},
+            "steps": steps,
+            "repeats": repeats,
+            "batch_size": batch_size,
+            "backend": "gloo",
+            "dtype": "fp32",
+            "optimizer": "adamw",
+            "threads_per_rank": 1,
+            "peers": list(peers),
+            "deepspeed": deepspeed_peer.available(),
+        },
+        "pairs": pairs,
+    }
     if meter:
         report["meter"] = meters
     return report
@@ -232,41 +278,62 @@ def _pair_record(cfg: TrainConfig, variant: str, peer: str, ranks: list[dict]) -
         "step_time_s": medians,
         "ratio": medians["minizero"] / medians["peer"],
         # the same ratio within each repeat: how far the ratio moves from one repeat to the next
-        "repeat_ratios": [statistics.median(mine) / statistics.median(theirs) for mine, theirs in zip(
-            _slowest_rank_repeats(ranks, "minizero"), _slowest_rank_repeats(ranks, peer))],
+        "repeat_ratios": [
+            statistics.median(mine) / statistics.median(theirs)
+            for mine, theirs in zip(
+                _slowest_rank_repeats(ranks, "minizero"), _slowest_rank_repeats(ranks, peer)
+            )
+        ],
         # tokens/s, FLOP/s and MFU of each side against the ranks' summed fp32 GEMM peak
         "throughput": {side: throughput(cfg.model_config(), cfg.batch_size, medians[side],
                                         cfg.world_size, sum(r["gemm_flops_per_s"] for r in ranks))
                        for side in SIDES},
-        "phase_s": {side: {phase: statistics.median(_slowest_rank_steps(ranks, impl, phase)) for phase in PHASES}
-                    for side, impl in zip(SIDES, ("minizero", peer))},
+        "phase_s": {
+            side: {
+                phase: statistics.median(_slowest_rank_steps(ranks, impl, phase))
+                for phase in PHASES
+            }
+            for side, impl in zip(SIDES, ("minizero", peer))
+        },
         "memory": {side: [{k: r["memory"][impl].get(k, 0) for k in MEMORY_KEYS} for r in ranks]
                    for side, impl in zip(SIDES, ("minizero", peer))},
         "minizero_peak": [r["peak"] for r in ranks],
         "comm_bytes_per_step": {"minizero": first["comm"],
                                 "peer": peer_comm_bytes(peer, psi, cfg.world_size, cfg.stage)},
         "max_param_diff": max(r["max_param_diff"][peer] for r in ranks),
-        "final_loss": {"minizero": first["final_loss"]["minizero"], "peer": first["final_loss"][peer]},
+        "final_loss": {
+            "minizero": first["final_loss"]["minizero"],
+            "peer": first["final_loss"][peer],
+        },
     }
 
 
 def _meter_record(cfg: TrainConfig, variant: str, ranks: list[dict]) -> dict:
-    """The activation meter: minizero's step time with it on and off, what it saw, the losses of both."""
+    """The activation meter: minizero's step time with it on and off, what it saw, the losses
+    of both."""
     first = ranks[0]
     medians = {m: statistics.median(_slowest_rank_steps(ranks, m)) for m in METER}
     return {"world_size": cfg.world_size, "size": cfg.model, "variant": variant, "stage": cfg.stage,
             "step_time_s": {m.split()[1]: medians[m] for m in METER},
             "cost": medians["meter on"] / medians["meter off"] - 1,
-            "activations": {m.split()[1]: [r["meter_activations"][m] for r in ranks] for m in METER},
+            "activations": {
+                m.split()[1]: [r["meter_activations"][m] for r in ranks] for m in METER
+            },
             "losses": {m.split()[1]: first["meter_losses"][m] for m in METER}}
 
 
-def _slowest_rank_repeats(ranks: list[dict], impl: str, phase: str | None = None) -> list[list[float]]:
-    """Per repeat, each step's time (or one phase's: PHASES) on its slowest rank, warm-up steps (the first
-    of every run) dropped."""
+def _slowest_rank_repeats(
+    ranks: list[dict], impl: str, phase: str | None = None
+) -> list[list[float]]:
+    """Per repeat, each step's time (or one phase's: PHASES) on its slowest rank, warm-up steps (the
+    first of every run) dropped."""
     out = []
-    runs = (r["times"][impl] if phase is None else [[t[phase] for t in run] for run in r["phases"][impl]]
-            for r in ranks)
+    runs = (
+        r["times"][impl]
+        if phase is None
+        else [[t[phase] for t in run] for run in r["phases"][impl]]
+        for r in ranks
+    )
     for per_rank_runs in zip(*runs):
         steps = [max(ts) for ts in zip(*per_rank_runs)]
         out.append(steps[1:] or steps)
@@ -282,45 +349,73 @@ def format_table(report: dict, phases: bool = False) -> str:
     def mb(x: float) -> str:
         return f"{x / 1e6:9.3f}"
     c = report["config"]
-    ds = "" if c["deepspeed"] or "deepspeed" not in c["peers"] else " (DeepSpeed not installed: pip install -e '.[peers]')"
-    lines = [(f"minizero vs its peers{ds}, {c['steps']} steps x {c['repeats']} repeats, {c['backend']}, "
-              f"{c['dtype']} AdamW, batch {c['batch_size']}; rank 0's device model states and bytes sent per step in MB")]
+    ds = (
+        ""
+        if c["deepspeed"] or "deepspeed" not in c["peers"]
+        else " (DeepSpeed not installed: pip install -e '.[peers]')"
+    )
+    lines = [
+        (
+            f"minizero vs its peers{ds}, {c['steps']} steps "
+            f"x {c['repeats']} repeats, {c['backend']}, "
+            f"{c['dtype']} AdamW, batch {c['batch_size']}; rank "
+            "0's device model states and bytes sent per step in MB"
+        )
+    ]
     lines += ["  " + size_label(s) for s in c["sizes"]]
-    lines.append(f"{'N':>2} {'size':>7} {'stage':>9} {'peer':<17}{'mz ms':>9}{'peer ms':>9}{'ratio':>7}"
-                 f"{'mz tok/s':>10}{'mz MFU':>8}{'peer MFU':>9}"
-                 f"{'mz dev':>10}{'peer dev':>10}{'mz comm':>10}{'peer comm':>10}{'max |Δp|':>10}")
+    lines.append(
+        f"{'N':>2} {'size':>7} {'stage':>9} {'peer':<17}{'mz ms':>9}{'peer ms':>9}{'ratio':>7}"
+        f"{'mz tok/s':>10}{'mz MFU':>8}{'peer MFU':>9}"
+        f"{'mz dev':>10}{'peer dev':>10}{'mz comm':>10}{'peer comm':>10}{'max |Δp|':>10}"
+    )
     for p in report["pairs"]:
         dev = {side: sum(p["memory"][side][0][k] for k in DEVICE_KEYS) for side in SIDES}
-        lines.append(f"{p['world_size']:>2} {p['size']:>7} {p['variant']:>9} {p['peer']:<17}"
-                     f"{p['step_time_s']['minizero'] * 1e3:9.1f}{p['step_time_s']['peer'] * 1e3:9.1f}"
-                     f"{p['ratio']:7.2f}{p['throughput']['minizero']['tokens_per_s']:10,.0f}"
-                     f"{p['throughput']['minizero']['mfu']:8.1%}"
-                     f"{p['throughput']['peer']['mfu']:9.1%}"
-                     f" {mb(dev['minizero'])} {mb(dev['peer'])}"
-                     f" {mb(p['comm_bytes_per_step']['minizero'])} {mb(p['comm_bytes_per_step']['peer'])}"
-                     f"{p['max_param_diff']:10.1e}")
-    lines.append("ratio = median step time minizero / peer (< 1: minizero faster). Peer comm: ring formula of "
-                 "its collectives. dev: params + grads + optimizer on the compute device (offloaded: host).")
+        lines.append(
+            f"{p['world_size']:>2} {p['size']:>7} {p['variant']:>9} {p['peer']:<17}"
+            f"{p['step_time_s']['minizero'] * 1e3:9.1f}{p['step_time_s']['peer'] * 1e3:9.1f}"
+            f"{p['ratio']:7.2f}{p['throughput']['minizero']['tokens_per_s']:10,.0f}"
+            f"{p['throughput']['minizero']['mfu']:8.1%}"
+            f"{p['throughput']['peer']['mfu']:9.1%}"
+            f" {mb(dev['minizero'])} {mb(dev['peer'])}"
+            f" {mb(p['comm_bytes_per_step']['minizero'])} {mb(p['comm_bytes_per_step']['peer'])}"
+            f"{p['max_param_diff']:10.1e}"
+        )
+    lines.append(
+        "ratio = median step time minizero / peer (< 1: "
+        "minizero faster). Peer comm: ring formula of "
+        "its collectives. dev: params + grads + optimizer on the compute device (offloaded: host)."
+    )
     lines.append("tok/s: tokens per second, all ranks; MFU: model FLOPs per second (6Ψ + attention "
                  "per token) over the ranks' summed fp32 GEMM peak (minizero/lab/throughput.py)")
     if phases:
         lines.append("")
-        lines.append("where the time goes: median ms of each phase on the slowest rank, minizero / peer "
-                     "(backward includes the collectives it waits for; step: the optimizer step and what it communicates)")
-        lines.append(f"{'N':>2} {'size':>7} {'stage':>9} {'peer':<17}" + "".join(f"{ph:>18}" for ph in PHASES))
+        lines.append(
+            "where the time goes: median ms of each phase on the slowest rank, minizero / peer "
+            "(backward includes the collectives it waits for; "
+            "step: the optimizer step and what it communicates)"
+        )
+        lines.append(
+            f"{'N':>2} {'size':>7} {'stage':>9} {'peer':<17}"
+            + "".join(f"{ph:>18}" for ph in PHASES)
+        )
         for p in report["pairs"]:
             mz, peer = p["phase_s"]["minizero"], p["phase_s"]["peer"]
             lines.append(f"{p['world_size']:>2} {p['size']:>7} {p['variant']:>9} {p['peer']:<17}"
                          + "".join(f"{mz[ph] * 1e3:9.1f} /{peer[ph] * 1e3:7.1f}" for ph in PHASES))
     if "meter" in report:
         lines.append("")
-        lines.append("the activation meter (engine(x) vs engine.module(x), same loop): minizero's median step time")
+        lines.append(
+            "the activation meter (engine(x) vs engine.module(x), "
+            "same loop): minizero's median step time"
+        )
         lines.append(f"{'N':>2} {'stage':>9}{'on ms':>8}{'off ms':>8}{'cost':>8}{'activ. kB':>11}")
         for m in report["meter"]:
-            lines.append(f"{m['world_size']:>2} {m['variant']:>9}{m['step_time_s']['on'] * 1e3:8.2f}"
-                         f"{m['step_time_s']['off'] * 1e3:8.2f}{m['cost'] * 100:7.1f}%"
-                         f"{m['activations']['on'][0] / 1e3:11.1f}")
+            lines.append(
+                f"{m['world_size']:>2} {m['variant']:>9}{m['step_time_s']['on'] * 1e3:8.2f}"
+                f"{m['step_time_s']['off'] * 1e3:8.2f}{m['cost'] * 100:7.1f}%"
+                f"{m['activations']['on'][0] / 1e3:11.1f}"
+            )
     return "\n".join(lines)
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------

@@ -1,10 +1,12 @@
 """From DeepSpeed, FairScale and PyTorch terms to the minizero code that implements the same idea.
 
-    python -m minizero.lab.concepts            # the map as a Markdown table, line numbers taken from the code now
-    python -m minizero.lab.concepts --write    # regenerate docs/concepts.md (a test checks it is up to date)
+    # the map as a Markdown table, line numbers taken from the code now
+    python -m minizero.lab.concepts
+    # regenerate docs/concepts.md (a test checks it is up to date)
+    python -m minizero.lab.concepts --write
 
-The table is data (`CONCEPTS`); file and line come from `inspect` at run time, so the map cannot point
-at a line that has moved: when the code changes, regenerate the page.
+The table is data (`CONCEPTS`); file and line come from `inspect` at run time, so the map cannot
+point at a line that has moved: when the code changes, regenerate the page.
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ from pathlib import Path
 CONCEPTS = [
     ("DeepSpeed", "zero_optimization.stage 0 / plain data parallelism", "minizero.ddp.DDP",
      "stage 0: everything replicated, gradients all-reduced"),
-    ("DeepSpeed", "zero_optimization.stage 1", "minizero.zero1.Zero1", "P_os: optimizer states partitioned"),
-    ("DeepSpeed", "zero_optimization.stage 2", "minizero.zero2.Zero2", "P_os+g: + gradients partitioned"),
-    ("DeepSpeed", "zero_optimization.stage 3", "minizero.zero3.Zero3", "P_os+g+p: + parameters partitioned"),
+    ("DeepSpeed", "zero_optimization.stage 1", "minizero.zero1.Zero1",
+     "P_os: optimizer states partitioned"),
+    ("DeepSpeed", "zero_optimization.stage 2", "minizero.zero2.Zero2",
+     "P_os+g: + gradients partitioned"),
+    ("DeepSpeed", "zero_optimization.stage 3", "minizero.zero3.Zero3",
+     "P_os+g+p: + parameters partitioned"),
     ("DeepSpeed", "flat partitions (stage_1_and_2 single_partition_of_fp32_groups)",
      "minizero.flat.FlatLayout", "flatten, pad to a multiple of N, one partition per rank"),
     ("DeepSpeed", "fp32 master weights / bf16.enabled", "minizero.optim.ShardOptimizer",
@@ -29,49 +34,62 @@ CONCEPTS = [
      "bucket size in bytes (DeepSpeed counts elements)"),
     ("DeepSpeed", "overlap_comm", "minizero.reducer.GradBuckets",
      "buckets launched from autograd hooks while backward runs"),
-    ("DeepSpeed", "reduce_scatter (stage 2 gradient reduction)", "minizero.zero2.Zero2.reduce_scatter_grads",
-     "one async reduce-scatter per bucket"),
+    ("DeepSpeed", "reduce_scatter (stage 2 gradient reduction)",
+     "minizero.zero2.Zero2.reduce_scatter_grads", "one async reduce-scatter per bucket"),
     ("DeepSpeed", "contiguous_gradients", "minizero.zero2.Zero2._stage_gradient",
      "each gradient copied into its bucket's buffer and freed at once"),
-    ("DeepSpeed", "allgather_bucket_size (stage 1-2 parameter all-gather)", "minizero.zero1.Zero1._after_step",
-     "updated partitions all-gathered per bucket"),
-    ("DeepSpeed", "partitioned_param_coordinator (stage 3 fetch/release)", "minizero.unit.Unit.gather",
-     "all-gather a unit before use; Unit.free releases it"),
+    ("DeepSpeed", "allgather_bucket_size (stage 1-2 parameter all-gather)",
+     "minizero.zero1.Zero1._after_step", "updated partitions all-gathered per bucket"),
+    ("DeepSpeed", "partitioned_param_coordinator (stage 3 fetch/release)",
+     "minizero.unit.Unit.gather", "all-gather a unit before use; Unit.free releases it"),
     ("DeepSpeed", "stage3_prefetch_bucket_size", "minizero.zero3.Zero3.prefetch_after",
      "the next unit in recorded order is gathered ahead"),
-    ("DeepSpeed", "offload_optimizer.device = cpu (ZeRO-Offload)", "minizero.offload.HostShardOptimizer",
-     "masters and state on the host, step on the host"),
-    ("DeepSpeed", "offload_param.device = cpu (ZeRO-Infinity)", "minizero.zero3.Zero3._init_parameters",
-     "parameter shards kept in host memory between uses"),
-    ("DeepSpeed", "zero_quantized_weights (ZeRO++ qwZ)", "minizero.quantize.all_gather",
-     "stage 3's forward all-gather in int8 blocks (Unit.gather); backward's all-gather stays exact"),
+    ("DeepSpeed", "offload_optimizer.device = cpu (ZeRO-Offload)",
+     "minizero.offload.HostShardOptimizer", "masters and state on the host, step on the host"),
+    ("DeepSpeed", "offload_param.device = cpu (ZeRO-Infinity)",
+     "minizero.zero3.Zero3._init_parameters", "parameter shards kept in host memory between uses"),
+    (
+        "DeepSpeed",
+        "zero_quantized_weights (ZeRO++ qwZ)",
+        "minizero.quantize.all_gather",
+        "stage 3's forward all-gather in int8 blocks "
+        "(Unit.gather); backward's all-gather stays exact",
+    ),
     ("DeepSpeed", "zero_quantized_gradients (ZeRO++ qgZ)", "minizero.quantize.reduce_scatter",
      "int8 chunks in one all-to-all, averaged in fp32 (ZeRO++: a 2-hop all-to-all of int4)"),
     ("DeepSpeed", "ZeRO++ block-based quantization", "minizero.quantize.quantize",
      "symmetric int8, one fp32 scale per block of B: error <= absmax/254, Ψ + 4Ψ/B bytes"),
-    ("DeepSpeed", "gradient_clipping", "minizero.engine.Engine._clip", "global norm over all partitions"),
+    ("DeepSpeed", "gradient_clipping", "minizero.engine.Engine._clip",
+     "global norm over all partitions"),
     ("DeepSpeed", "fp16.loss_scale / DynamicLossScaler (hysteresis, loss_scale_window)",
-     "minizero.loss_scale.LossScaler", "scale the loss, unscale in fp32, skip on overflow, halve / double S"),
-    ("DeepSpeed", "has_overflow (all-reduce MAX of the overflow flag)", "minizero.loss_scale.found_overflow",
+     "minizero.loss_scale.LossScaler",
+     "scale the loss, unscale in fp32, skip on overflow, halve / double S"),
+    ("DeepSpeed", "has_overflow (all-reduce MAX of the overflow flag)",
+     "minizero.loss_scale.found_overflow",
      "every rank takes the same skip decision, whatever shard the inf is in"),
     ("DeepSpeed", "data_types.grad_accum_dtype", "minizero.flat.FlatLayout.point_grads_into",
-     "reduce_dtype='fp32': bf16/fp16 gradients added into fp32 buffers, reduced and accumulated there"),
+     "reduce_dtype='fp32': bf16/fp16 gradients added "
+     "into fp32 buffers, reduced and accumulated there"),
     ("DeepSpeed", "gradient_accumulation_steps", "minizero.engine.Engine.no_sync",
      "no communication until the last micro-batch"),
     ("DeepSpeed", "train_micro_batch_size_per_gpu", "minizero.lab.data.local_batch",
      "the global batch is [accumulation][N][micro-batch rows]"),
-    ("DeepSpeed", "estimate_zero2_model_states_mem_needs / estimate_zero3_...", "minizero.memory.estimate",
+    ("DeepSpeed", "estimate_zero2_model_states_mem_needs / estimate_zero3_...",
+     "minizero.memory.estimate",
      "the paper's per-rank model-state bytes; `python -m minizero.memory`"),
     ("DeepSpeed", "activation_checkpointing (deepspeed.checkpointing.checkpoint)",
      "minizero.activations.checkpoint",
-     "each unit's forward recomputed in backward; cpu_checkpointing keeps its inputs on the host (P_a+cpu)"),
+     "each unit's forward recomputed in backward; "
+     "cpu_checkpointing keeps its inputs on the host (P_a+cpu)"),
     ("PyTorch", "torch.utils.checkpoint / checkpoint_wrapper", "minizero.activations.checkpoint",
      "the reentrant design, so that the recompute's saved tensors are measured too"),
-    ("PyTorch", "saved_tensors_hooks (MemTracker's activation bytes)", "minizero.activations.SavedTensorMeter",
+    ("PyTorch", "saved_tensors_hooks (MemTracker's activation bytes)",
+     "minizero.activations.SavedTensorMeter",
      "engine.memory()['activations']: peak bytes saved for backward, each storage once"),
     ("DeepSpeed", "save_checkpoint (ZeRO sharded checkpoint)", "minizero.checkpoint.save",
      "one file per rank, manifest written last"),
-    ("DeepSpeed", "zero_to_fp32.py", "minizero.checkpoint.consolidate", "sharded checkpoint -> plain fp32 state_dict"),
+    ("DeepSpeed", "zero_to_fp32.py", "minizero.checkpoint.consolidate",
+     "sharded checkpoint -> plain fp32 state_dict"),
     ("DeepSpeed", "ds_to_universal.py (universal checkpoint)", "minizero.checkpoint.universal",
      "whole optimizer state; engine.load reshards it at any stage and N"),
     ("DeepSpeed", "ds_config.json", "minizero.config.load_deepspeed_config",
@@ -97,7 +115,8 @@ CONCEPTS = [
      "25 MB buckets, in reverse parameter order"),
     ("PyTorch", "DDP gradient_as_bucket_view", "minizero.flat.FlatLayout.point_grads_into",
      "p.grad is a view of the flat gradient buffer"),
-    ("PyTorch", "DDP Reducer (autograd hooks, in-order buckets)", "minizero.reducer.GradBuckets", ""),
+    ("PyTorch", "DDP Reducer (autograd hooks, in-order buckets)", "minizero.reducer.GradBuckets",
+     ""),
     ("PyTorch", "DDP no_sync()", "minizero.engine.Engine.no_sync", ""),
     ("PyTorch", "ZeroRedundancyOptimizer", "minizero.zero1.Zero1",
      "stage 1; ZeroRedundancyOptimizer broadcasts partitions instead of all-gathering"),
@@ -106,37 +125,74 @@ CONCEPTS = [
      "default units: a transformer's blocks plus the root, else submodules of at most Ψ/8"),
     ("DeepSpeed", "deepspeed.zero.Init", "minizero.construct.sharded_init",
      "parameters partitioned as each module is built; later writes gathered and re-partitioned"),
-    ("DeepSpeed", "deepspeed.zero.GatheredParameters(modifier_rank=...)", "minizero.engine.Engine.gathered",
+    ("DeepSpeed", "deepspeed.zero.GatheredParameters(modifier_rank=...)",
+     "minizero.engine.Engine.gathered",
      "full parameters between steps; rank r's writes reach every rank and the masters"),
     ("PyTorch", "FSDP summon_full_params(writeback=True)", "minizero.engine.Engine.gathered", ""),
     ("PyTorch", "FSDP2 FSDPParamGroup (unshard / reshard, training state)", "minizero.unit.Unit",
      "one unit's buffers, state and lifecycle; its training state recognises recomputation"),
-    ("PyTorch", "FSDP2 MixedPrecisionPolicy(param_dtype=bfloat16)", "minizero.optim.ShardOptimizer._make_master",
+    ("PyTorch", "FSDP2 MixedPrecisionPolicy(param_dtype=bfloat16)",
+     "minizero.optim.ShardOptimizer._make_master",
      "bf16 parameters for compute, fp32 master copy for the step"),
-    ("PyTorch", "FSDP2 MixedPrecisionPolicy(reduce_dtype=float32)", "minizero.flat.FlatLayout.point_grads_into",
+    ("PyTorch", "FSDP2 MixedPrecisionPolicy(reduce_dtype=float32)",
+     "minizero.flat.FlatLayout.point_grads_into",
      "wrap(reduce_dtype='fp32'): 4 bytes a gradient, gradient collectives at 4 bytes an element"),
     ("PyTorch", "torch.amp.GradScaler", "minizero.loss_scale.LossScaler",
      "GradScaler's growth/backoff without DeepSpeed's hysteresis; minizero follows DeepSpeed"),
     ("PyTorch", "FSDP2 reshard_after_forward", "minizero.unit.Unit.post_forward", ""),
     ("PyTorch", "FSDP2 CPUOffloadPolicy", "minizero.offload.HostShardOptimizer",
      "FSDP2 offloads parameters and gradients; minizero the optimizer (and parameters in stage 3)"),
-    ("PyTorch", "torch.distributed reduce_scatter_tensor / all_gather_into_tensor", "minizero.comm.reduce_scatter",
-     ("and minizero.comm.all_gather: the only callers, with a byte tally; on gloo run as an all-reduce and as N "
-      "broadcasts, faster there ([Note: collectives on gloo], python -m minizero.bench --collectives)")),
-    ("DeepSpeed", "comms_logger (per-collective time, algbw / busbw = algbw · 2(n-1)/n)", "minizero.network.Network",
-     "a model, not a measurement: each collective waits for its ring's hops·α + bytes/β on a modelled cluster; "
-     "tally() splits intra/inter-node bytes"),
+    (
+        "PyTorch",
+        "torch.distributed reduce_scatter_tensor / all_gather_into_tensor",
+        "minizero.comm.reduce_scatter",
+        (
+            "and minizero.comm.all_gather: the only callers, with "
+            "a byte tally; on gloo run as an all-reduce and as N "
+            "broadcasts, faster there ([Note: collectives on "
+            "gloo], python -m minizero.bench --collectives)"
+        ),
+    ),
+    (
+        "DeepSpeed",
+        "comms_logger (per-collective time, algbw / busbw = algbw · 2(n-1)/n)",
+        "minizero.network.Network",
+        "a model, not a measurement: each collective waits for "
+        "its ring's hops·α + bytes/β on a modelled cluster; "
+        "tally() splits intra/inter-node bytes",
+    ),
     ("DeepSpeed", "overlap_comm: false", "minizero.reducer.GradBuckets",
      "wrap(model, 0, overlap=False): every bucket after backward, to measure what overlap hides"),
-    ("PyTorch", "FSDP2 HSDP: fully_shard(mesh=2-D DeviceMesh ('replicate', 'shard'))", "minizero.comm.mesh",
-     ("wrap(shard_group_size=S), stages 1-3: shard in rows of S ranks, replicate across the N/S columns "
-      "([Note: hierarchical sharding], engine.py); tested against FSDP2's HSDP")),
-    ("DeepSpeed", "MiCS (mics_shard_size, hierarchical gradient all-reduce)", "minizero.engine.Engine.step",
-     ("gradients reduce-scattered in the shard group, the partition all-reduced across groups at step(); "
-      "memory with S in place of N (minizero.memory.estimate(shard_group_size=S))")),
-    ("DeepSpeed", "ZeRO++ hpZ (zero_hpz_partition_size, secondary partition)", "minizero.unit.Unit.keep_secondary",
-     ("wrap(3, hpz_group_size=R): backward's all-gather within a node; inter-node bytes 3Ψ -> 2Ψ for Ψ/R "
-      "more parameter memory (minizero.memory.comm_volume_by_node, secondary_partition_bytes)")),
+    (
+        "PyTorch",
+        "FSDP2 HSDP: fully_shard(mesh=2-D DeviceMesh ('replicate', 'shard'))",
+        "minizero.comm.mesh",
+        (
+            "wrap(shard_group_size=S), stages 1-3: shard in "
+            "rows of S ranks, replicate across the N/S columns "
+            "([Note: hierarchical sharding], engine.py); tested against FSDP2's HSDP"
+        ),
+    ),
+    (
+        "DeepSpeed",
+        "MiCS (mics_shard_size, hierarchical gradient all-reduce)",
+        "minizero.engine.Engine.step",
+        (
+            "gradients reduce-scattered in the shard group, the "
+            "partition all-reduced across groups at step(); "
+            "memory with S in place of N (minizero.memory.estimate(shard_group_size=S))"
+        ),
+    ),
+    (
+        "DeepSpeed",
+        "ZeRO++ hpZ (zero_hpz_partition_size, secondary partition)",
+        "minizero.unit.Unit.keep_secondary",
+        (
+            "wrap(3, hpz_group_size=R): backward's all-gather "
+            "within a node; inter-node bytes 3Ψ -> 2Ψ for Ψ/R "
+            "more parameter memory (minizero.memory.comm_volume_by_node, secondary_partition_bytes)"
+        ),
+    ),
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -162,7 +218,8 @@ def location(symbol: str) -> tuple[str, int]:
     if inspect.isclass(obj) or inspect.isfunction(obj) or inspect.ismethod(obj):
         source, line = inspect.getsourcelines(obj)
         path = inspect.getsourcefile(obj)
-        line += next(i for i, text in enumerate(source) if not text.lstrip().startswith("@"))  # past decorators
+        # past decorators
+        line += next(i for i, text in enumerate(source) if not text.lstrip().startswith("@"))
     else:                                     # a module-level constant: find its assignment
         module = importlib.import_module(symbol.rsplit(".", 1)[0])
         path = inspect.getsourcefile(module)
@@ -176,7 +233,16 @@ def concept_rows() -> list[dict]:
     rows = []
     for source, term, symbol, note in CONCEPTS:
         path, line = location(symbol)
-        rows.append({"source": source, "term": term, "symbol": symbol, "path": path, "line": line, "note": note})
+        rows.append(
+            {
+                "source": source,
+                "term": term,
+                "symbol": symbol,
+                "path": path,
+                "line": line,
+                "note": note,
+            }
+        )
     return rows
 
 
@@ -201,19 +267,25 @@ loss = loss_fn(model(x), y); loss.backward(); optimizer.step(); optimizer.zero_g
 ```
 
 All three run the same stage-3 engine and units (zero3.py). What differs is where the step happens:
-inside `engine.step()` (wrap, initialize), or in the user's optimizer, which can only step what it is
-given. So FairScale's wrapper hands out the partitions themselves as parameters, and finds the end
-of backward on its own (there is no `engine.backward` to call) to leave each shard's averaged
+inside `engine.step()` (wrap, initialize), or in the user's optimizer, which can only step what it
+is given. So FairScale's wrapper hands out the partitions themselves as parameters, and finds the
+end of backward on its own (there is no `engine.backward` to call) to leave each shard's averaged
 gradient in its `.grad`. tests/test_fsdp.py and tests/test_initialize.py check that each ends where
 one process (and DeepSpeed) ends.
 """
 
 
 def to_markdown(link_prefix: str = "../") -> str:
-    out = ["# Concept map: DeepSpeed, FairScale and PyTorch terms in minizero", "",
-           "Generated by `python -m minizero.lab.concepts --write` from `minizero/lab/concepts.py`; line numbers are",
-           "read from the code, and `tests/test_concepts.py` fails when this page is out of date.", "",
-           "| from | term | minizero | where | note |", "|---|---|---|---|---|"]
+    out = [
+        "# Concept map: DeepSpeed, FairScale and PyTorch terms in minizero",
+        "",
+        "Generated by `python -m minizero.lab.concepts --write` "
+        "from `minizero/lab/concepts.py`; line numbers are",
+        "read from the code, and `tests/test_concepts.py` fails when this page is out of date.",
+        "",
+        "| from | term | minizero | where | note |",
+        "|---|---|---|---|---|",
+    ]
     for r in concept_rows():
         short = r["symbol"].removeprefix("minizero.")
         out.append(f"| {r['source']} | {r['term']} | `{short}` | [{r['path']}:{r['line']}]"

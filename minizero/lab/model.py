@@ -1,15 +1,17 @@
 """A small GPT: the model every stage, test, notebook and benchmark trains.
 
     from minizero.lab.model import GPT, GPTConfig
-    model = GPT(GPTConfig())          # ~0.2 M parameters, learns minizero.lab.data's sorting task on a CPU
+    model = GPT(GPTConfig())   # ~0.2 M parameters, learns minizero.lab.data's sorting task on a CPU
 
-Deliberately ordinary (nanoGPT-shaped) so that what is interesting is the parallelism, not the model:
-token + position embeddings, pre-LayerNorm blocks of causal self-attention and an MLP, a final LayerNorm,
-and an output head whose weight is *tied* to the token embedding (one Parameter used twice: the case
-stage 3 must not get wrong). Attention uses an explicit causal-mask buffer so every stage also has to
-carry a buffer. The blocks sit in `GPT.blocks`, the natural units for stage 3.
+Deliberately ordinary (nanoGPT-shaped) so that what is interesting is the parallelism, not the
+model: token + position embeddings, pre-LayerNorm blocks of causal self-attention and an MLP, a
+final LayerNorm, and an output head whose weight is *tied* to the token embedding (one
+Parameter used twice: the case stage 3 must not get wrong). Attention uses an explicit
+causal-mask buffer so every stage also has to carry a buffer. The blocks sit in `GPT.blocks`,
+the natural units for stage 3.
 
-Options that only tests need (to make the model awkward on purpose): `frozen` names parameters that get
+Options that only tests need (to make the model awkward on purpose): `frozen` names parameters
+that get
 requires_grad=False, and `unused_param` adds a parameter that forward never touches.
 """
 
@@ -36,11 +38,13 @@ class GPTConfig:
 
     @classmethod
     def named(cls, name: str, **overrides) -> "GPTConfig":
-        """One of MODEL_NAMES: 'default' (~0.2 M params) or 'tiny' (a few thousand, awkward odd sizes); or
-        one of the benchmark's SIZES ('1M' ... '50M')."""
+        """One of MODEL_NAMES: 'default' (~0.2 M params) or 'tiny' (a few thousand, awkward odd
+        sizes); or one of the benchmark's SIZES ('1M' ... '50M')."""
         shapes = {**PRESETS, **SIZES}
         if name not in shapes:
-            raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODEL_NAMES + tuple(SIZES))}")
+            raise ValueError(
+                f"unknown model {name!r}; choose from {', '.join(MODEL_NAMES + tuple(SIZES))}"
+            )
         return cls(**{**shapes[name], **overrides})
 
 
@@ -51,9 +55,10 @@ PRESETS = {
 }
 MODEL_NAMES = tuple(PRESETS)
 
-# The sizes `python -m minizero.bench --sizes 1M,8M,50M` compares at: the default GPT made wider (and
-# deeper), so that optimizer locality, overlap and copies matter as they do in real models. Ψ (count_params,
-# which the bench prints) is within 1 % of each name. One place for them: GPTConfig.named accepts these too.
+# The sizes `python -m minizero.bench --sizes 1M,8M,50M` compares at: the default GPT made wider
+# (and deeper), so that optimizer locality, overlap and copies matter as they do in real models. Ψ
+# (count_params, which the bench prints) is within 1 % of each name. One place for them:
+# GPTConfig.named accepts these too.
 SIZES = {
     "1M": {"n_layer": 4, "n_head": 4, "n_embd": 144},     # Ψ = 1,009,440
     "2M": {"n_layer": 4, "n_head": 4, "n_embd": 204},     # Ψ = 2,017,560
@@ -70,7 +75,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         mask = torch.tril(torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool))
-        self.register_buffer("causal_mask", mask)                 # [T_max, T_max], a buffer, not a param
+        self.register_buffer("causal_mask", mask)            # [T_max, T_max], a buffer, not a param
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:          # x: [B, T, C]
         B, T, C = x.shape
@@ -108,7 +113,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
-            self.head.weight = self.tok_emb.weight                 # the tie: one Parameter, two uses
+            self.head.weight = self.tok_emb.weight                # the tie: one Parameter, two uses
         if cfg.unused_param:
             self.unused = nn.Parameter(torch.randn(7))             # never touched by forward
         self.apply(self._init_weights)
@@ -139,13 +144,20 @@ class GPT(nn.Module):
 
 
 def count_params(cfg: GPTConfig) -> int:
-    """Ψ of GPT(cfg), without building it (python -m minizero.memory --layers ... for a 1.5 B model): per
-    block (4 + 2r)·h² weights (qkv 3h², proj h², the MLP 2r·h²) and (9 + r)·h biases and LayerNorm
-    parameters; the embeddings (vocab + block_size)·h, the final LayerNorm 2h, an untied head vocab·h."""
+    """Ψ of GPT(cfg), without building it (python -m minizero.memory --layers ... for a 1.5 B
+    model): per block (4 + 2r)·h² weights (qkv 3h², proj h², the MLP 2r·h²) and (9 + r)·h biases and
+    LayerNorm parameters; the embeddings (vocab + block_size)·h, the final LayerNorm 2h, an untied
+    head vocab·h."""
     h, r = cfg.n_embd, cfg.mlp_ratio
     block = (4 + 2 * r) * h * h + (9 + r) * h
     head = 0 if cfg.tie_weights else cfg.vocab_size * h
-    return cfg.n_layer * block + (cfg.vocab_size + cfg.block_size) * h + 2 * h + head + 7 * cfg.unused_param
+    return (
+        cfg.n_layer * block
+        + (cfg.vocab_size + cfg.block_size) * h
+        + 2 * h
+        + head
+        + 7 * cfg.unused_param
+    )
 
 
 def make_model(cfg: GPTConfig, seed: int = 0) -> GPT:

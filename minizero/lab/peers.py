@@ -1,4 +1,5 @@
-"""PyTorch's own implementation of each stage, trained exactly as minizero.lab.train trains minizero's.
+"""PyTorch's own implementation of each stage, trained exactly as minizero.lab.train
+trains minizero's.
 
     results = minizero.launch(peer_worker, 2, TrainConfig(stage=3), "fsdp2")
 
@@ -7,9 +8,11 @@ The tests check that minizero ends where PyTorch ends, and the benchmark times b
     stage 1  <->  DDP + torch.distributed.optim.ZeroRedundancyOptimizer        ("zero_redundancy")
     stage 2  <->  FSDP2 fully_shard(reshard_after_forward=False)               ("fsdp2_no_reshard")
     stage 3  <->  FSDP2 fully_shard per block and at the root                  ("fsdp2")
-(FSDP2 shards gradients as stage 2 does; without resharding after forward it keeps full parameters from
-forward to backward, the closest PyTorch has to stage 2.) Same model, initial weights, data, optimizer.
-shard_group_size=S  <->  FSDP2 HSDP: fully_shard on a 2-D DeviceMesh (N/S, S) ("replicate", "shard"),
+(FSDP2 shards gradients as stage 2 does; without resharding after forward it keeps full
+parameters from forward to backward, the closest PyTorch has to stage 2.) Same model, initial
+weights, data, optimizer.
+shard_group_size=S  <->  FSDP2 HSDP: fully_shard on a 2-D DeviceMesh (N/S, S) ("replicate",
+                         "shard"),
     ("fsdp2_hsdp"): shards in rows of S consecutive ranks, replicates across them, as comm.mesh(S).
 """
 
@@ -60,7 +63,9 @@ def build_peer(cfg: TrainConfig, peer: str):
         mesh = None
         if peer == "fsdp2_hsdp":                  # rows of S ranks shard, columns replicate
             s = cfg.shard_group_size or comm.world_size()
-            mesh = init_device_mesh(device.type, (comm.world_size() // s, s), mesh_dim_names=("replicate", "shard"))
+            mesh = init_device_mesh(
+                device.type, (comm.world_size() // s, s), mesh_dim_names=("replicate", "shard")
+            )
         for block in model.blocks:
             fully_shard(block, reshard_after_forward=reshard, mesh=mesh)
         fully_shard(model, reshard_after_forward=reshard, mesh=mesh)
@@ -74,11 +79,14 @@ def build_peer(cfg: TrainConfig, peer: str):
                 model.set_requires_gradient_sync(True)
         optimizer = opt_cls([p for p in model.parameters() if p.requires_grad], **opt_kwargs)
         return model, optimizer, no_sync
-    raise ValueError(f"unknown peer {peer!r}; choose from {sorted(PEER_OF_STAGE.values())} or fsdp2_hsdp")
+    raise ValueError(
+        f"unknown peer {peer!r}; choose from {sorted(PEER_OF_STAGE.values())} or fsdp2_hsdp"
+    )
 
 
 def peer_worker(cfg: TrainConfig, peer: str) -> dict:
-    """The loop of minizero.lab.train.train_worker, with PyTorch's implementation instead of an engine."""
+    """The loop of minizero.lab.train.train_worker, with PyTorch's implementation instead of
+    an engine."""
     rank, device = comm.rank(), comm.device()
     module, optimizer, no_sync = build_peer(cfg, peer)
     params = [p for p in module.parameters() if p.requires_grad]
@@ -110,7 +118,8 @@ def _step(optimizer, params, clip_grad_norm) -> None:
 
 
 def full_state_dict(module) -> dict[str, torch.Tensor]:
-    """Plain CPU tensors with the unwrapped model's keys (DDP's 'module.' prefix dropped, DTensors gathered)."""
+    """Plain CPU tensors with the unwrapped model's keys (DDP's 'module.' prefix dropped,
+    DTensors gathered)."""
     inner = module.module if isinstance(module, DistributedDataParallel) else module
     return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
             for k, v in inner.state_dict().items()}
@@ -123,6 +132,10 @@ def _memory(module, optimizer) -> dict[str, int]:
         state = optimizer.optim.state.values()
     else:
         state = optimizer.state.values()
-    return measure({"params": [_local(p) for p in params],
-                    "grads": [_local(p.grad) for p in params if p.grad is not None],
-                    "optimizer": [_local(v) for s in state for v in s.values() if torch.is_tensor(v)]})
+    return measure(
+        {
+            "params": [_local(p) for p in params],
+            "grads": [_local(p.grad) for p in params if p.grad is not None],
+            "optimizer": [_local(v) for s in state for v in s.values() if torch.is_tensor(v)],
+        }
+    )

@@ -1,10 +1,11 @@
-"""ZeRO++'s quantized communication measured (minizero/quantize.py): bytes, one step's error, convergence.
+"""ZeRO++'s quantized communication measured (minizero/quantize.py): bytes, one step's
+error, convergence.
 
     minizero.launch(quantized_experiment, 3, [TrainConfig(stage=3, quantized_weights=True), ...])
 
-Used by tests/test_quantize.py and notebook 08. `one_step` trains a 3-layer MLP whose every bucket cuts into
-whole blocks (Ψ = 432, units of 144, N = 3, B = 16), so the bytes a step sends equal memory.comm_volume
-exactly, once per variant: plain, qwZ, qgZ and both, at stages 2 and 3.
+Used by tests/test_quantize.py and notebook 08. `one_step` trains a 3-layer MLP whose every bucket
+cuts into whole blocks (Ψ = 432, units of 144, N = 3, B = 16), so the bytes a step sends equal
+memory.comm_volume exactly, once per variant: plain, qwZ, qgZ and both, at stages 2 and 3.
 """
 
 from __future__ import annotations
@@ -28,8 +29,13 @@ PSI, LR = 3 * WIDTH * WIDTH, 0.1
 
 def mlp() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(WIDTH, WIDTH, bias=False), nn.Tanh(), nn.Linear(WIDTH, WIDTH, bias=False),
-                         nn.Tanh(), nn.Linear(WIDTH, WIDTH, bias=False))
+    return nn.Sequential(
+        nn.Linear(WIDTH, WIDTH, bias=False),
+        nn.Tanh(),
+        nn.Linear(WIDTH, WIDTH, bias=False),
+        nn.Tanh(),
+        nn.Linear(WIDTH, WIDTH, bias=False),
+    )
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,12 +48,13 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def one_step(name: str, block: int = 16, lr: float = LR) -> dict:
-    """One SGD step of `name` (VARIANTS) on the MLP: the bytes it sent by collective, the parameters after
-    it, the loss; and, at stage 3, the weights each layer computed with in forward and in backward."""
+    """One SGD step of `name` (VARIANTS) on the MLP: the bytes it sent by collective, the
+    parameters after it, the loss; and, at stage 3, the weights each layer computed with in forward
+    and in backward."""
     stage, options = VARIANTS[name]
     model = mlp()
     layers = [model[0], model[2], model[4]]
-    units = {"units": layers} if stage == 3 else {"bucket_size": 1e9}           # stage 2: one bucket
+    units = {"units": layers} if stage == 3 else {"bucket_size": 1e9}          # stage 2: one bucket
     engine = wrap(model, stage, functools.partial(torch.optim.SGD, lr=lr), quantization_block=block,
                   **units, **options)
     seen = {"forward": [], "backward": []}
@@ -58,7 +65,7 @@ def one_step(name: str, block: int = 16, lr: float = LR) -> dict:
     def before_backward(m: nn.Module, args, out) -> None:
         out.register_hook(lambda grad: record("backward", m))
 
-    for layer in layers:           # registered after the engine's hooks: they see the gathered weights
+    for layer in layers:        # registered after the engine's hooks: they see the gathered weights
         layer.register_forward_pre_hook(lambda m, args: record("forward", m))
         layer.register_forward_hook(before_backward)
     x, y = batch(0)
@@ -72,8 +79,8 @@ def one_step(name: str, block: int = 16, lr: float = LR) -> dict:
 
 
 def local_gradient_max() -> float:
-    """max |g| over the elements of every rank's own (not yet averaged) gradient of step 0: what bounds the
-    scales qgZ quantizes with."""
+    """max |g| over the elements of every rank's own (not yet averaged) gradient of step 0: what
+    bounds the scales qgZ quantizes with."""
     model = mlp()
     x, y = batch(0)
     nn.functional.mse_loss(model(x), y).backward()
@@ -83,8 +90,8 @@ def local_gradient_max() -> float:
 
 
 def quantized_experiment(cfgs: list, block: int = 16) -> dict:
-    """Worker: one_step for every variant, the exact initial weights and local gradient bound, then the
-    training runs `cfgs` (TrainConfigs: loss curves, bytes per step)."""
+    """Worker: one_step for every variant, the exact initial weights and local gradient bound, then
+    the training runs `cfgs` (TrainConfigs: loss curves, bytes per step)."""
     return {"one_step": {name: one_step(name, block) for name in VARIANTS},
             "initial": {k: v.clone() for k, v in mlp().state_dict().items()},
             "grad_max": local_gradient_max(), "runs": train_several(cfgs)}

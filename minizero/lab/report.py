@@ -1,5 +1,5 @@
-"""Theory next to measurement for a training run: the paper's formulas for its settings, the per-rank
-results collected into one summary, and the table `python -m minizero.run` prints.
+"""Theory next to measurement for a training run: the paper's formulas for its settings, the
+per-rank results collected into one summary, and the table `python -m minizero.run` prints.
 
     from minizero.lab.report import summarize, format_table
     print(format_table(summarize(cfg, minizero.launch(train_worker, cfg.world_size, cfg))))
@@ -12,18 +12,26 @@ import statistics
 from minizero.lab.data import sequence_length
 from minizero.lab.throughput import format_throughput, throughput
 from minizero.lab.train import TrainConfig, state_bytes
-from minizero.memory import activation_bytes, comm_volume, element_bytes, estimate_breakdown, grad_bytes, optimizer_k
+from minizero.memory import (
+    activation_bytes,
+    comm_volume,
+    element_bytes,
+    estimate_breakdown,
+    grad_bytes,
+    optimizer_k,
+)
 
 
 def run_k(cfg: TrainConfig) -> int:
-    """K of the paper for this run (memory.optimizer_k: the optimizer's state plus any fp32 master)."""
+    """K of the paper for this run (memory.optimizer_k: the optimizer's state plus any
+    fp32 master)."""
     return optimizer_k(state_bytes(cfg.optimizer, cfg.optimizer_params), cfg.dtype, cfg.offload)
 
 
 def theory(cfg: TrainConfig, num_params: int, num_frozen: int = 0) -> dict:
-    """The paper's per-rank bytes and bytes sent per step for this run (minizero.memory), for a model of
-    num_params parameters of which num_frozen are frozen; and the GPT's activations for one micro-batch
-    of this rank's rows (memory.activation_bytes)."""
+    """The paper's per-rank bytes and bytes sent per step for this run (minizero.memory), for a
+    model of num_params parameters of which num_frozen are frozen; and the GPT's activations for one
+    micro-batch of this rank's rows (memory.activation_bytes)."""
     elem, trainable = element_bytes(cfg.dtype), num_params - num_frozen
     grad = grad_bytes(cfg.dtype, cfg.reduce_dtype)              # 4 with reduce_dtype="fp32"
     b = estimate_breakdown(trainable, cfg.world_size, cfg.stage, param_bytes=elem, grad_bytes=grad,
@@ -31,39 +39,76 @@ def theory(cfg: TrainConfig, num_params: int, num_frozen: int = 0) -> dict:
                            shard_group_size=cfg.shard_group_size)
     m = cfg.model_config()
     rows = cfg.batch_size // (cfg.world_size * cfg.grad_accum)
-    activations = activation_bytes(m.n_layer, m.n_embd, m.n_head, sequence_length(m.block_size), rows,
-                                   bytes_per_elem=elem, mlp_ratio=m.mlp_ratio,
-                                   checkpointing=cfg.activation_checkpointing)
-    return {**b, "device_total": b["params"] + b["grads"] + b["optimizer"], "activations": activations,
-            "comm_bytes_per_step": comm_volume(trainable, cfg.world_size, cfg.stage, bytes_per_elem=elem,
-                                               grad_bytes=grad, frozen=num_frozen,
-                                               quantized_weights=cfg.quantized_weights,
-                                               quantized_gradients=cfg.quantized_gradients,
-                                               shard_group_size=cfg.shard_group_size,
-                                               hpz_group_size=cfg.hpz_group_size)}
+    activations = activation_bytes(
+        m.n_layer,
+        m.n_embd,
+        m.n_head,
+        sequence_length(m.block_size),
+        rows,
+        bytes_per_elem=elem,
+        mlp_ratio=m.mlp_ratio,
+        checkpointing=cfg.activation_checkpointing,
+    )
+    return {
+        **b,
+        "device_total": b["params"] + b["grads"] + b["optimizer"],
+        "activations": activations,
+        "comm_bytes_per_step": comm_volume(
+            trainable,
+            cfg.world_size,
+            cfg.stage,
+            bytes_per_elem=elem,
+            grad_bytes=grad,
+            frozen=num_frozen,
+            quantized_weights=cfg.quantized_weights,
+            quantized_gradients=cfg.quantized_gradients,
+            shard_group_size=cfg.shard_group_size,
+            hpz_group_size=cfg.hpz_group_size,
+        ),
+    }
 
 
 def summarize(cfg: TrainConfig, results: list[dict], network=None) -> dict:
-    """The run's results and theory in one dict (network: the minizero.network.Network it modelled, if any)."""
+    """The run's results and theory in one dict (network: the minizero.network.Network it modelled,
+    if any)."""
     num_params, num_frozen = results[0]["num_params"], results[0]["num_frozen"]
-    losses = [statistics.fmean(r["losses"][i] for r in results) for i in range(len(results[0]["losses"]))]
+    losses = [
+        statistics.fmean(r["losses"][i] for r in results) for i in range(len(results[0]["losses"]))
+    ]
     times = results[0]["step_times"][1:] or results[0]["step_times"]     # step 1 includes warm-up
     return {
-        "stage": cfg.stage, "world_size": cfg.world_size, "num_params": num_params, "num_frozen": num_frozen,
-        "dtype": cfg.dtype, "reduce_dtype": cfg.reduce_dtype,
-        "offload": cfg.offload, "losses": losses,
-        "shard_group_size": cfg.shard_group_size, "hpz_group_size": cfg.hpz_group_size,
-        "ranks": [{"rank": r["rank"], "memory": r["memory"], "comm_bytes_per_step": r["comm_bytes_per_step"]}
-                  for r in results],
+        "stage": cfg.stage,
+        "world_size": cfg.world_size,
+        "num_params": num_params,
+        "num_frozen": num_frozen,
+        "dtype": cfg.dtype,
+        "reduce_dtype": cfg.reduce_dtype,
+        "offload": cfg.offload,
+        "losses": losses,
+        "shard_group_size": cfg.shard_group_size,
+        "hpz_group_size": cfg.hpz_group_size,
+        "ranks": [
+            {
+                "rank": r["rank"],
+                "memory": r["memory"],
+                "comm_bytes_per_step": r["comm_bytes_per_step"],
+            }
+            for r in results
+        ],
         "theory": theory(cfg, num_params, num_frozen),
         "step_time_s": statistics.median(times),
-        "step_times_s": times,              # rank 0's timed steps: the spread behind that median
+        "step_times_s": times,  # rank 0's timed steps: the spread behind that median
         # tokens/s, achieved FLOP/s and MFU against the ranks' summed GEMM peak (lab/throughput.py)
-        "throughput": throughput(cfg.model_config(), cfg.batch_size, statistics.median(times),
-                                 cfg.world_size,
-                                 sum(r.get("gemm_flops_per_s", 0.0) for r in results) or None,
-                                 cfg.activation_checkpointing),
-        # fp16: the loss scale after the last step and the steps skipped on overflow (every rank agrees)
+        "throughput": throughput(
+            cfg.model_config(),
+            cfg.batch_size,
+            statistics.median(times),
+            cfg.world_size,
+            sum(r.get("gemm_flops_per_s", 0.0) for r in results) or None,
+            cfg.activation_checkpointing,
+        ),
+        # fp16: the loss scale after the last step and the steps skipped on overflow (every
+        # rank agrees)
         "loss_scale": results[0]["loss_scale"],
         "skipped_steps": results[0]["skipped_steps"],
         "network": None if network is None else str(network),
@@ -79,26 +124,40 @@ def format_table(summary: dict) -> str:
         off += f", shard groups of S = {summary['shard_group_size']}"
     if summary.get("hpz_group_size"):
         off += f", hpZ groups of R = {summary['hpz_group_size']}"
-    lines = [f"stage {summary['stage']}, N = {summary['world_size']}, Ψ = {summary['num_params']:,} "
-             f"parameters, {summary['dtype']}{reduce}{off}   (kB per rank; theory = ZeRO paper)",
-             f"{'rank':>4} {'params':>9} {'grads':>9} {'optim':>9} {'offload':>9} {'device':>9} "
-             f"{'peak':>9} {'comm/step':>10} {'activ.':>9}"]
+    lines = [
+        f"stage {summary['stage']}, N = {summary['world_size']}, Ψ = {summary['num_params']:,} "
+        f"parameters, {summary['dtype']}{reduce}{off}   (kB per rank; theory = ZeRO paper)",
+        f"{'rank':>4} {'params':>9} {'grads':>9} {'optim':>9} {'offload':>9} {'device':>9} "
+        f"{'peak':>9} {'comm/step':>10} {'activ.':>9}",
+    ]
     for r in summary["ranks"]:
         m = r["memory"]
         device = m["params"] + m["grads"] + m["optimizer"]
-        lines.append(f"{r['rank']:>4} {kb(m['params'])} {kb(m['grads'])} {kb(m['optimizer'])} "
-                     f"{kb(m['offloaded'])} {kb(device)} {kb(m['peak'])} {kb(r['comm_bytes_per_step']['total'])} "
-                     f"{kb(m['activations'])}")
-    lines.append(f"{'th.':>4} {kb(th['params'])} {kb(th['grads'])} {kb(th['optimizer'])} {kb(th['offloaded'])} "
-                 f"{kb(th['device_total'])} {'':>9} {kb(th['comm_bytes_per_step'])} {kb(th['activations'])}")
+        lines.append(
+            f"{r['rank']:>4} {kb(m['params'])} {kb(m['grads'])} {kb(m['optimizer'])} "
+            f"{kb(m['offloaded'])} {kb(device)} {kb(m['peak'])} "
+            f"{kb(r['comm_bytes_per_step']['total'])} "
+            f"{kb(m['activations'])}"
+        )
+    lines.append(
+        f"{'th.':>4} {kb(th['params'])} {kb(th['grads'])} "
+        f"{kb(th['optimizer'])} {kb(th['offloaded'])} "
+        f"{kb(th['device_total'])} {'':>9} {kb(th['comm_bytes_per_step'])} {kb(th['activations'])}"
+    )
     losses = summary["losses"]
     lines.append(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "
                  f"median step time {summary['step_time_s'] * 1e3:.1f} ms")
     lines.append(format_throughput(summary["throughput"]))
     if summary.get("network"):
         sent = summary["ranks"][0]["comm_bytes_per_step"]
-        lines.append(f"network model {summary['network']}: rank 0 sent {kb(sent['intra_node']).strip()} kB per "
-                     f"step inside its node, {kb(sent['inter_node']).strip()} kB across nodes")
+        lines.append(
+            f"network model {summary['network']}: rank 0 "
+            f"sent {kb(sent['intra_node']).strip()} kB per "
+            f"step inside its node, {kb(sent['inter_node']).strip()} kB across nodes"
+        )
     if summary["dtype"] == "fp16":
-        lines.append(f"fp16 loss scale {summary['loss_scale']:g}; {summary['skipped_steps']} steps skipped on overflow")
+        lines.append(
+            f"fp16 loss scale {summary['loss_scale']:g}; "
+            f"{summary['skipped_steps']} steps skipped on overflow"
+        )
     return "\n".join(lines)

@@ -1,29 +1,31 @@
-"""One training step, rank by rank: what every rank holds after each phase, recorded from a real engine.
+"""One training step, rank by rank: what every rank holds after each phase, recorded from a
+real engine.
 
     from minizero.lab import stepthrough
-    steps = stepthrough.record(stepthrough.StepConfig(stage=2, world_size=3))    # one minizero.launch
+    steps = stepthrough.record(stepthrough.StepConfig(stage=2, world_size=3))  # one minizero.launch
     steps["phases"][k]["label"], steps["phases"][k]["ranks"][r]["gradient shard"]
     stepthrough.check(steps)          # every phase against one process stepping the whole batch
     ring = stepthrough.ring(3)        # minizero.comm.ring_all_reduce, exchange by exchange
 
-Notebooks 01-05, 07 and 08 (hierarchical sharding: StepConfig(shard_group_size=2, world_size=4)) draw
-`record` (notebooks/plots.py: step_table, step_grid, step_widget), notebook 00 draws `ring`;
+Notebooks 01-05, 07 and 08 (hierarchical sharding: StepConfig(shard_group_size=2, world_size=4))
+draw `record` (notebooks/plots.py: step_table, step_grid, step_widget), notebook 00 draws `ring`;
 tests/test_notebooks.py runs `check` and `check_ring` on what the notebooks export.
 
-The model is tiny on purpose: Linear(2, 3), tanh, Linear(3, 2), Ψ = 17, which none of N = 2, 3, 4 divides,
-so every value fits on screen and padding shows. Every buffer is drawn in the coordinates of the engine's
-flat layout (flat.FlatLayout): element j of a rank's row is element j of the padded flat buffer, and a
-rank that does not hold element j (another rank's partition, a freed unit) has None there.
+The model is tiny on purpose: Linear(2, 3), tanh, Linear(3, 2), Ψ = 17, which none of N = 2, 3, 4
+divides, so every value fits on screen and padding shows. Every buffer is drawn in the coordinates
+of the engine's flat layout (flat.FlatLayout): element j of a rank's row is element j of the padded
+flat buffer, and a rank that does not hold element j (another rank's partition, a freed unit) has
+None there.
 
-How the phases are observed: through minizero's event stream (minizero/events.py), for one step, with
-nothing in the engine replaced:
-  * "collective" and "collective done" (minizero.comm): a snapshot before a gradient collective during
-    backward (each rank's own gradients) and one after it. Inside comm.synchronous() every collective
-    completes as it is issued, so no snapshot reads a buffer a collective is still writing. Each names
-    its group: with shard groups (shard_group_size), step()'s all-reduce across them is a phase of its
-    own, "all_reduce_across";
-  * wrap(..., buckets_in_flight=1): one bucket in flight (minizero lets two overlap), so the phases come
-    bucket by bucket;
+How the phases are observed: through minizero's event stream (minizero/events.py), for one step,
+with nothing in the engine replaced:
+  * "collective" and "collective done" (minizero.comm): a snapshot before a gradient collective
+    during backward (each rank's own gradients) and one after it. Inside comm.synchronous() every
+    collective completes as it is issued, so no snapshot reads a buffer a collective is still
+    writing. Each names its group: with shard groups (shard_group_size), step()'s all-reduce across
+    them is a phase of its own, "all_reduce_across";
+  * wrap(..., buckets_in_flight=1): one bucket in flight (minizero lets two overlap), so the phases
+    come bucket by bucket;
   * stage 3: "unit freed" (its gathers are the all-gathers above), prefetch off;
   * "optimizer step", and the end of forward and of backward.
 None of it changes a value: `check` compares every phase with one process stepping the whole batch.
@@ -45,7 +47,7 @@ from minizero.launcher import launch
 from minizero.wrap import check as check_settings
 from minizero.wrap import wrap
 
-GRADIENTS = ("gradients", "gradients in flight")     # the local, full gradients a collective reduces
+GRADIENTS = ("gradients", "gradients in flight")    # the local, full gradients a collective reduces
 KINDS = ("all_reduce", "reduce_scatter", "all_gather")   # the collectives whose phases are shown
 
 
@@ -53,11 +55,13 @@ KINDS = ("all_reduce", "reduce_scatter", "all_gather")   # the collectives whose
 class StepConfig:
     stage: int = 2
     world_size: int = 3
-    offload: bool = False              # stages 1-3: the optimizer (masters, momentum) in host memory
-    checkpointing: bool = False        # activation checkpointing of the units (notebook 07)
-    shard_group_size: int | None = None   # stages 1-3: HSDP / MiCS, partitioned within rows of S ranks (nb 08)
-    hpz_group_size: int | None = None     # stage 3: ZeRO++'s hpZ, backward's all-gather within rows of R ranks
-    lr: float = 0.1                    # SGD with momentum: step 1 is p - lr * g, easy to follow by eye
+    offload: bool = False             # stages 1-3: the optimizer (masters, momentum) in host memory
+    checkpointing: bool = False       # activation checkpointing of the units (notebook 07)
+    # stages 1-3: HSDP / MiCS, partitioned within rows of S ranks (nb 08)
+    shard_group_size: int | None = None
+    # stage 3: ZeRO++'s hpZ, backward's all-gather within rows of R ranks
+    hpz_group_size: int | None = None
+    lr: float = 0.1                 # SGD with momentum: step 1 is p - lr * g, easy to follow by eye
     momentum: float = 0.9
     bucket_elems: int = 8              # stages 0 and 2: two buckets (8 and 9 elements)
     rows: int = 12                     # global batch: 12 rows, 12 / N per rank
@@ -78,15 +82,16 @@ def _optimizer(cfg: StepConfig):
     return functools.partial(torch.optim.SGD, lr=cfg.lr, momentum=cfg.momentum)
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The recorder, inside each rank
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 class _Recorder:
     def __init__(self, engine):
         self.engine, self.phases, self.in_backward = engine, [], False
-        self.issued: dict[int, tuple] = {}             # collective seq -> (kind, group, bucket) till done
-        self.workspace: list[tuple[int, int]] = []     # flat ranges a reduce-scatter left undefined: None
+        self.issued: dict[int, tuple] = {}       # collective seq -> (kind, group, bucket) till done
+        # flat ranges a reduce-scatter left undefined: None
+        self.workspace: list[tuple[int, int]] = []
         names = {id(p): name for name, p in engine.module.named_parameters()}
         self.segments = [(names[id(p)], b.start + off, p.numel())
                          for b in engine.layout.buckets for p, off in zip(b.params, b.offsets)]
@@ -100,8 +105,9 @@ class _Recorder:
             staged = getattr(e, "staging", {}).get(b.index)
             if staged is not None and staged.data_ptr() == ptr:
                 return b
-            if e.replicate_group is not None:          # step()'s all-reduce across the shard groups: this
-                part = (e.layout.shard(e.grad_shard, b) if e.stage >= 2 else   # rank's partition of the gradients
+            if e.replicate_group is not None:    # step()'s all-reduce across the shard groups: this
+                # rank's partition of the gradients
+                part = (e.layout.shard(e.grad_shard, b) if e.stage >= 2 else
                         e.layout.my_partition(e.layout.full(e.flat_grads, b), b))
                 if part.data_ptr() == ptr:
                     return b
@@ -111,7 +117,8 @@ class _Recorder:
         raise AssertionError("a collective on a buffer the recorder does not know")
 
     def owned(self, b) -> int:
-        """Where this rank's part of bucket b starts, in flat coordinates (its rank within its shard group)."""
+        """Where this rank's part of bucket b starts, in flat coordinates (its rank within its
+        shard group)."""
         e = self.engine
         return b.start + (e.layout.rank * b.shard_numel if e.sharded else 0)
 
@@ -120,8 +127,15 @@ class _Recorder:
         return f"unit {units[b.index].name}" if units else f"bucket {b.index}"
 
     def snap(self, label: str, kind: str, bucket=None) -> None:
-        self.phases.append({"label": label, "kind": kind, "bucket": None if bucket is None else bucket.index,
-                            "buffers": self.state(), "activations": self.engine.activations.alive})
+        self.phases.append(
+            {
+                "label": label,
+                "kind": kind,
+                "bucket": None if bucket is None else bucket.index,
+                "buffers": self.state(),
+                "activations": self.engine.activations.alive,
+            }
+        )
 
     def state(self) -> dict[str, list]:
         """Every buffer this rank holds now, in flat coordinates (None: not held here)."""
@@ -141,15 +155,23 @@ class _Recorder:
             full, shard = empty(), empty()
             for unit in e.units:
                 if unit.bucket is not None:
-                    if unit.full.untyped_storage().size():     # allocated: gathered, or being gathered
+                    if unit.full.untyped_storage().size():  # allocated: gathered, or being gathered
                         put(full, unit.bucket.start, unit.full)
                     put(shard, self.owned(unit.bucket), unit.shard)
             out["parameters"], out["parameter shard"] = full, shard
-            if e.hpz_group is not None:                # [Note: hpZ] in zero3.py: forward to backward
-                secondary, i, r = empty(), comm.group_rank(e.hpz_group), comm.group_size(e.hpz_group)
+            if e.hpz_group is not None:               # [Note: hpZ] in zero3.py: forward to backward
+                secondary, i, r = (
+                    empty(),
+                    comm.group_rank(e.hpz_group),
+                    comm.group_size(e.hpz_group),
+                )
                 for unit in e.units:
                     if unit.bucket is not None and unit.secondary is not None:
-                        put(secondary, unit.bucket.start + i * (unit.full.numel() // r), unit.secondary[0])
+                        put(
+                            secondary,
+                            unit.bucket.start + i * (unit.full.numel() // r),
+                            unit.secondary[0],
+                        )
                 out["secondary partition (hpZ)"] = secondary
         if e.stage < 2:
             out["gradients"] = put(empty(), 0, e.flat_grads)
@@ -160,7 +182,7 @@ class _Recorder:
             for b in layout.buckets:
                 put(shard, self.owned(b), layout.shard(e.grad_shard, b))
             out["gradients in flight"], out["gradient shard"] = in_flight, shard
-        opt = e.optimizer                              # its parts: one per bucket, this rank's (stages 1-3)
+        opt = e.optimizer                      # its parts: one per bucket, this rank's (stages 1-3)
         where = " (host)" if e.offload else ""
         if any(m.data_ptr() != p.data_ptr() for m, p in zip(opt.masters, opt.param_parts)):
             out["master weights" + where] = empty()    # a separate fp32 copy (offload, bf16)
@@ -175,15 +197,17 @@ class _Recorder:
             momentum = opt.optimizer.state.get(master, {}).get("momentum_buffer")
             if momentum is not None:
                 put(out["momentum" + where], self.owned(b), momentum)
-        for key in GRADIENTS:                          # what a reduce-scatter used as workspace (comm.py)
+        for key in GRADIENTS:                    # what a reduce-scatter used as workspace (comm.py)
             for start, stop in self.workspace if key in out else ():
                 out[key][start:stop] = math.nan
-        return {name: [None if math.isnan(v) else v for v in vec.tolist()] for name, vec in out.items()}
+        return {
+            name: [None if math.isnan(v) else v for v in vec.tolist()] for name, vec in out.items()
+        }
 
     @contextlib.contextmanager
     def watching(self):
-        """For one step: every collective run to completion as it is issued (comm.synchronous()), and a
-        snapshot at the events that end a phase (events.py)."""
+        """For one step: every collective run to completion as it is issued (comm.synchronous()),
+        and a snapshot at the events that end a phase (events.py)."""
         with comm.synchronous(), events.subscribed(self._on_event):
             yield
 
@@ -193,12 +217,19 @@ class _Recorder:
             b = self._bucket_of(fields["tensor"])
             self.issued[fields["seq"]] = (fields["kind"], fields["group"], b)
             if fields["kind"] != "all_gather" and self.in_backward:
-                self.snap(f"{self._name(b)}: its gradients are complete, each rank's from its own rows",
-                          "ready", b)
+                self.snap(
+                    f"{self._name(b)}: its gradients are complete, each rank's from its own rows",
+                    "ready",
+                    b,
+                )
         elif name == "collective done" and fields["seq"] in self.issued:
             self._after_collective(*self.issued.pop(fields["seq"]))
         elif name == "unit freed" and fields["engine"] is e:
-            self.snap(f"free unit {fields['unit'].name}: only the shard is left", "free", fields["unit"].bucket)
+            self.snap(
+                f"free unit {fields['unit'].name}: only the shard is left",
+                "free",
+                fields["unit"].bucket,
+            )
         elif name == "optimizer step" and fields["engine"] is e:
             what = "its partition" if e.sharded else "every parameter (all ranks the same)"
             self.snap(f"optimizer step: each rank updates {what}", "step")
@@ -208,30 +239,54 @@ class _Recorder:
         if kind == "reduce_scatter":                   # only this rank's partition is defined now
             mine = self.owned(b)
             self.workspace += [(b.start, mine), (mine + b.shard_numel, b.start + b.padded_numel)]
-        # [Note: hierarchical sharding]: group is the shard group (a row of S ranks), the replicate group
-        # (a column: the ranks holding the same partition) or hpZ's row of R ranks; None: all N
+        # [Note: hierarchical sharding]: group is the shard group (a row of S ranks), the
+        # replicate group (a column: the ranks holding the same partition) or hpZ's row of R
+        # ranks; None: all N
         within = "" if group is None else f" within each group of {group.size}"
         if kind == "all_reduce" and group is not None and group is e.replicate_group:
-            self.snap(f"all-reduce {name} across the {group.size} shard groups: partition p of every "
-                      f"group holds the average over all N ranks", "all_reduce_across", b)
+            self.snap(
+                f"all-reduce {name} across the {group.size} shard groups: partition p of every "
+                f"group holds the average over all N ranks",
+                "all_reduce_across",
+                b,
+            )
         elif kind == "all_reduce":
-            self.snap(f"all-reduce {name}: every rank holds the average of all ranks' gradients", kind, b)
+            self.snap(
+                f"all-reduce {name}: every rank holds the average of all ranks' gradients", kind, b
+            )
         elif kind == "reduce_scatter" and group is not None:
-            self.snap(f"reduce-scatter {name}{within}: each rank's partition holds its group's average "
-                      f"(the rest was workspace)", kind, b)
+            self.snap(
+                f"reduce-scatter {name}{within}: each rank's partition holds its group's average "
+                f"(the rest was workspace)",
+                kind,
+                b,
+            )
         elif kind == "reduce_scatter":
-            self.snap(f"reduce-scatter {name}: rank r's partition r holds the average (the rest was "
-                      f"workspace)", kind, b)
+            self.snap(
+                f"reduce-scatter {name}: rank r's partition r holds the average (the rest was "
+                f"workspace)",
+                kind,
+                b,
+            )
         elif e.stage == 3:
             when = "for its backward" if self.in_backward else "for its forward"
-            hpz = " (hpZ: from the secondary partitions)" if group is not None and group is e.hpz_group else ""
-            self.snap(f"all-gather {name} {when}{within}{hpz}: its full parameters on every rank", kind, b)
+            hpz = (
+                " (hpZ: from the secondary partitions)"
+                if group is not None and group is e.hpz_group
+                else ""
+            )
+            self.snap(
+                f"all-gather {name} {when}{within}{hpz}: its full parameters on every rank", kind, b
+            )
         else:
-            self.snap(f"all-gather {name}{within}: every rank's updated partition, on every rank", kind, b)
+            self.snap(
+                f"all-gather {name}{within}: every rank's updated partition, on every rank", kind, b
+            )
 
 
 def worker(cfg: StepConfig) -> dict:
-    """Worker: wrap the tiny model at cfg.stage, train one step on this rank's rows, recording every phase."""
+    """Worker: wrap the tiny model at cfg.stage, train one step on this rank's rows, recording
+    every phase."""
     r, n = comm.rank(), comm.world_size()
     options = {0: {"bucket_size": 4 * cfg.bucket_elems, "buckets_in_flight": 1}, 1: {},
                2: {"bucket_size": 4 * cfg.bucket_elems, "buckets_in_flight": 1},
@@ -256,18 +311,30 @@ def worker(cfg: StepConfig) -> dict:
     held = final["parameters" if cfg.stage < 3 else "parameter shard"]
     for name, start, numel in rec.segments:
         for got, want in zip(held[start: start + numel], state[name].reshape(-1).tolist()):
-            assert got is None or got == want, f"rank {r}, {name}: recorded {got}, the engine holds {want}"
+            assert got is None or got == want, (
+                f"rank {r}, {name}: recorded {got}, the engine holds {want}"
+            )
     return {"phases": rec.phases, "segments": rec.segments, "loss": loss.item(),
-            "buckets": [{"index": b.index, "start": b.start, "numel": b.numel, "padded": b.padded_numel,
-                         "shard": b.shard_numel} for b in engine.layout.buckets],
+            "buckets": [
+                {
+                    "index": b.index,
+                    "start": b.start,
+                    "numel": b.numel,
+                    "padded": b.padded_numel,
+                    "shard": b.shard_numel,
+                }
+                for b in engine.layout.buckets
+            ],
             "partitioned": engine.sharded, "padded": engine.layout.padded_numel}
 
 
 def record(cfg: StepConfig = StepConfig(), backend: str = "gloo") -> dict:
-    """One launch: {"config", "buckets", "segments", "padded", "partitioned", "phases": [{"label", "kind",
-    "bucket", "ranks": [rank r's buffers], "activations": [bytes per rank]}]}; the end of backward is left
-    out where it changed nothing on any rank (DDP: the last all-reduce ended it)."""
-    check_settings(cfg.stage, offload=cfg.offload, shard_group_size=cfg.shard_group_size,  # one line, no launch
+    """One launch: {"config", "buckets", "segments", "padded", "partitioned", "phases":
+    [{"label", "kind", "bucket", "ranks": [rank r's buffers], "activations": [bytes per rank]}]};
+    the end of backward is left out where it changed nothing on any rank (DDP: the last
+    all-reduce ended it)."""
+    # one line, no launch
+    check_settings(cfg.stage, offload=cfg.offload, shard_group_size=cfg.shard_group_size,
                    hpz_group_size=cfg.hpz_group_size, world_size=cfg.world_size)
     per_rank = launch(worker, cfg.world_size, cfg, backend=backend)
     first = per_rank[0]
@@ -275,22 +342,38 @@ def record(cfg: StepConfig = StepConfig(), backend: str = "gloo") -> dict:
     for k, phase in enumerate(first["phases"]):
         ranks = [res["phases"][k]["buffers"] for res in per_rank]
         activations = [res["phases"][k]["activations"] for res in per_rank]
-        if phase["kind"] == "backward" and (ranks, activations) == (phases[-1]["ranks"], phases[-1]["activations"]):
+        if phase["kind"] == "backward" and (ranks, activations) == (
+            phases[-1]["ranks"],
+            phases[-1]["activations"],
+        ):
             continue
-        phases.append({"label": phase["label"], "kind": phase["kind"], "bucket": phase["bucket"], "ranks": ranks,
-                       "activations": activations})
-    return {"config": dataclasses.asdict(cfg), "buckets": first["buckets"], "segments": first["segments"],
-            "padded": first["padded"], "partitioned": first["partitioned"], "phases": phases,
-            "losses": [res["loss"] for res in per_rank]}
+        phases.append(
+            {
+                "label": phase["label"],
+                "kind": phase["kind"],
+                "bucket": phase["bucket"],
+                "ranks": ranks,
+                "activations": activations,
+            }
+        )
+    return {
+        "config": dataclasses.asdict(cfg),
+        "buckets": first["buckets"],
+        "segments": first["segments"],
+        "padded": first["padded"],
+        "partitioned": first["partitioned"],
+        "phases": phases,
+        "losses": [res["loss"] for res in per_rank],
+    }
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The checks: every phase against one process stepping the whole batch
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 def reference(cfg: StepConfig, segments, padded: int) -> dict[str, list]:
-    """One process, the whole batch, plain torch.optim: the gradient and the stepped parameters, laid out
-    in the engine's flat coordinates (None at padding)."""
+    """One process, the whole batch, plain torch.optim: the gradient and the stepped parameters,
+    laid out in the engine's flat coordinates (None at padding)."""
     model = tiny_model(cfg.seed)
     x, y = global_batch(cfg)
     nn.functional.mse_loss(model(x), y).backward()
@@ -315,13 +398,18 @@ def check(steps: dict) -> None:
 
     With shard_group_size=S < N ([Note: hierarchical sharding] in minizero/engine.py): rank r owns
     partition r % S of its row of S consecutive ranks; the reduce-scatter averages over the row, one
-    all-reduce per bucket across the rows ("all_reduce_across") then gives every owner the whole-batch mean."""
+    all-reduce per bucket across the rows ("all_reduce_across") then gives every owner the
+    whole-batch mean."""
     cfg = StepConfig(**steps["config"])
     ref = reference(cfg, steps["segments"], steps["padded"])
     real = [j for j, v in enumerate(ref["start"]) if v is not None]
     buckets = {b["index"]: b for b in steps["buckets"]}
-    n, phases, params = cfg.world_size, steps["phases"], "parameters" if cfg.stage < 3 else "parameter shard"
-    s = cfg.shard_group_size or n                       # shard group: ranks s·(r // s) ... s·(r // s) + s - 1
+    n, phases, params = (
+        cfg.world_size,
+        steps["phases"],
+        "parameters" if cfg.stage < 3 else "parameter shard",
+    )
+    s = cfg.shard_group_size or n             # shard group: ranks s·(r // s) ... s·(r // s) + s - 1
 
     def row(r):
         return range(r - r % s, r - r % s + s)
@@ -332,12 +420,18 @@ def check(steps: dict) -> None:
 
     reduce = "all_reduce" if cfg.stage == 0 else "reduce_scatter"
     reduced = [p["bucket"] for p in phases if p["kind"] in ("all_reduce", "reduce_scatter")]
-    assert sorted(reduced) == sorted(buckets), f"one {reduce} per bucket expected, got buckets {reduced}"
+    assert sorted(reduced) == sorted(buckets), (
+        f"one {reduce} per bucket expected, got buckets {reduced}"
+    )
     across = [p["bucket"] for p in phases if p["kind"] == "all_reduce_across"]
-    assert sorted(across) == (sorted(buckets) if s < n else []), \
-        f"shard groups of {s} of {n} ranks: one all-reduce across the groups per bucket expected, got {across}"
+    assert sorted(across) == (sorted(buckets) if s < n else []), (
+        f"shard groups of {s} of {n} ranks: one all-reduce "
+        f"across the groups per bucket expected, got {across}"
+    )
     for r, rank in enumerate(phases[0]["ranks"]):
-        assert all(rank[params][j] is None or _close(rank[params][j], ref["start"][j]) for j in real), f"start, rank {r}"
+        assert all(
+            rank[params][j] is None or _close(rank[params][j], ref["start"][j]) for j in real
+        ), f"start, rank {r}"
     for k, phase in enumerate(phases):
         where = f"phase {k} ({phase['label']})"
         if phase["kind"] in ("all_reduce", "reduce_scatter"):
@@ -346,17 +440,27 @@ def check(steps: dict) -> None:
             key = next(name for name in GRADIENTS if name in after[0])
             for j in range(b["start"], b["start"] + b["numel"]):
                 local = [rank[key][j] for rank in before]
-                assert None not in local, f"{where}: rank {local.index(None)} lacks its gradient {j} before"
-                assert _close(sum(local) / n, ref["grad"][j]), f"{where}: element {j}: the ranks' mean " \
+                assert None not in local, (
+                    f"{where}: rank {local.index(None)} lacks its gradient {j} before"
+                )
+                assert _close(sum(local) / n, ref["grad"][j]), (
+                    f"{where}: element {j}: the ranks' mean "
                     f"{sum(local) / n} is not the whole batch's gradient {ref['grad'][j]}"
+                )
                 for r, rank in enumerate(after):
-                    if phase["kind"] == "reduce_scatter" and not owns(r, j):     # the collective's workspace
-                        assert rank[key][j] is None, f"{where}: rank {r}, element {j}: not its partition, but shown"
+                    # the collective's workspace
+                    if phase["kind"] == "reduce_scatter" and not owns(r, j):
+                        assert rank[key][j] is None, (
+                            f"{where}: rank {r}, element {j}: not its partition, but shown"
+                        )
                         continue
                     want = sum(local[q] for q in row(r)) / s
-                    assert _close(rank[key][j], want), f"{where}: rank {r}, element {j}: {rank[key][j]}, " \
+                    assert _close(rank[key][j], want), (
+                        f"{where}: rank {r}, element {j}: {rank[key][j]}, "
                         f"expected its group average {want}"
-        if phase["kind"] == "all_reduce_across":       # each owner's partition: its row's mean -> all N's
+                    )
+        # each owner's partition: its row's mean -> all N's
+        if phase["kind"] == "all_reduce_across":
             b = buckets[phase["bucket"]]
             key = "gradients" if cfg.stage == 1 else "gradient shard"
             before, after = phases[k - 1]["ranks"], phase["ranks"]
@@ -364,18 +468,26 @@ def check(steps: dict) -> None:
                 owners = [r for r in range(n) if owns(r, j)]              # one per shard group
                 assert len(owners) == n // s, f"{where}: element {j} owned by {owners}"
                 for r in owners:
-                    assert _close(after[r][key][j], ref["grad"][j]), f"{where}: rank {r}, element {j}: " \
+                    assert _close(after[r][key][j], ref["grad"][j]), (
+                        f"{where}: rank {r}, element {j}: "
                         f"{after[r][key][j]}, expected the whole batch's gradient {ref['grad'][j]}"
+                    )
                 for r in range(n):
                     if r not in owners:
-                        assert after[r][key][j] == before[r][key][j], f"{where}: rank {r} changed element {j}"
-        if phase["kind"] == "all_gather" and cfg.stage == 3:   # a unit's full parameters, before the step
+                        assert after[r][key][j] == before[r][key][j], (
+                            f"{where}: rank {r} changed element {j}"
+                        )
+        # a unit's full parameters, before the step
+        if phase["kind"] == "all_gather" and cfg.stage == 3:
             b = buckets[phase["bucket"]]
             for r, rank in enumerate(phase["ranks"]):
                 for j in range(b["start"], b["start"] + b["numel"]):
-                    assert _close(rank["parameters"][j], ref["start"][j]), f"{where}: rank {r}, element {j}: " \
+                    assert _close(rank["parameters"][j], ref["start"][j]), (
+                        f"{where}: rank {r}, element {j}: "
                         f"{rank['parameters'][j]}, expected {ref['start'][j]}"
-        for r, rank in enumerate(phase["ranks"]):          # hpZ: kept from forward's gather, before the step
+                    )
+        # hpZ: kept from forward's gather, before the step
+        for r, rank in enumerate(phase["ranks"]):
             for j, v in enumerate(rank.get("secondary partition (hpZ)", [])):
                 assert v is None or j not in real or _close(v, ref["start"][j]), \
                     f"{where}: rank {r}, secondary element {j}: {v}, expected {ref['start'][j]}"
@@ -386,18 +498,26 @@ def check(steps: dict) -> None:
                     mine = owns(r, j)
                     want = ref["stepped"][j] if mine else ref["start"][j]
                     if held[j] is not None or mine:
-                        assert _close(held[j], want), f"{where}: rank {r}, parameter element {j}: {held[j]}, " \
+                        assert _close(held[j], want), (
+                            f"{where}: rank {r}, parameter element {j}: {held[j]}, "
                             f"expected {'the stepped ' if mine else 'the unchanged '}{want}"
+                        )
     last = phases[-1]["ranks"]
     for r, rank in enumerate(last):
         held = rank[params]
         for j in real:
-            assert held[j] is None or _close(held[j], ref["stepped"][j]), f"end: rank {r}, element {j}"
+            assert held[j] is None or _close(held[j], ref["stepped"][j]), (
+                f"end: rank {r}, element {j}"
+            )
         if cfg.stage < 3:
             assert None not in [held[j] for j in real], f"end: rank {r} lacks parameters"
-    if cfg.stage == 3:                      # each unit: gathered for forward and for backward, then freed
+    if cfg.stage == 3:                # each unit: gathered for forward and for backward, then freed
         for b in steps["buckets"]:
-            kinds = [p["kind"] for p in phases if p["bucket"] == b["index"] and p["kind"] in ("all_gather", "free")]
+            kinds = [
+                p["kind"]
+                for p in phases
+                if p["bucket"] == b["index"] and p["kind"] in ("all_gather", "free")
+            ]
             assert kinds == ["all_gather", "free"] * 2, f"unit of bucket {b['index']}: {kinds}"
 
 
@@ -405,20 +525,21 @@ def _bucket_at(steps: dict, j: int) -> dict:
     return next(b for b in steps["buckets"] if b["start"] <= j < b["start"] + b["padded"])
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Notebook 00: minizero.comm.ring_all_reduce, exchange by exchange
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 def ring_worker(numel: int) -> dict:
-    """Worker: rank r sums 10 r + [1, 2, ..., numel] with comm.ring_all_reduce, while its point-to-point
-    exchanges are observed: before each one, the rank's padded buffer and the chunk it sends."""
+    """Worker: rank r sums 10 r + [1, 2, ..., numel] with comm.ring_all_reduce, while its
+    point-to-point exchanges are observed: before each one, the rank's padded buffer and the chunk
+    it sends."""
     r = comm.rank()
     tensor = 10.0 * r + torch.arange(1, numel + 1, dtype=torch.float32)
     inputs, states, sends = tensor.tolist(), [], []
 
     def observed(name: str, fields: dict) -> None:
         if name == "ring exchange":
-            states.append(fields["buffer"].tolist())           # the ring's padded buffer, as it is now
+            states.append(fields["buffer"].tolist())        # the ring's padded buffer, as it is now
             sends.append(fields["send"])
     with events.subscribed(observed):
         comm.ring_all_reduce(tensor)
@@ -427,8 +548,9 @@ def ring_worker(numel: int) -> dict:
 
 
 def ring(world_size: int, numel: int = 5, backend: str = "gloo") -> dict:
-    """One launch: {"world_size", "numel", "chunk", "inputs": by rank, "states": [state before exchange s
-    (the last: the result), by rank], "sends": [chunk each rank sends at exchange s, by rank]}."""
+    """One launch: {"world_size", "numel", "chunk", "inputs": by rank, "states": [state before
+    exchange s (the last: the result), by rank], "sends": [chunk each rank sends at exchange s,
+    by rank]}."""
     per_rank = launch(ring_worker, world_size, numel, backend=backend)
     steps = len(per_rank[0]["sends"])
     return {"world_size": world_size, "numel": numel, "chunk": -(-numel // world_size),
@@ -438,8 +560,8 @@ def ring(world_size: int, numel: int = 5, backend: str = "gloo") -> dict:
 
 
 def check_ring(ring: dict) -> None:
-    """2(N-1) exchanges; at each, rank r receives chunk i from rank r-1 and adds it (the first N-1) or takes
-    it (the rest), nothing else changes; the end: the sum on every rank."""
+    """2(N-1) exchanges; at each, rank r receives chunk i from rank r-1 and adds it (the first N-1)
+    or takes it (the rest), nothing else changes; the end: the sum on every rank."""
     n, c, states, sends = ring["world_size"], ring["chunk"], ring["states"], ring["sends"]
     assert len(sends) == 2 * (n - 1), f"{len(sends)} exchanges for N = {n}"
     for s, sent in enumerate(sends):
@@ -447,10 +569,16 @@ def check_ring(ring: dict) -> None:
             left, i = (r - 1) % n, sent[(r - 1) % n]
             for j, (now, before) in enumerate(zip(states[s + 1][r], states[s][r])):
                 if j // c != i:
-                    assert now == before, f"exchange {s}: rank {r} changed element {j}, not in chunk {i}"
+                    assert now == before, (
+                        f"exchange {s}: rank {r} changed element {j}, not in chunk {i}"
+                    )
                 else:
                     want = states[s][left][j] + (before if s < n - 1 else 0)
-                    assert math.isclose(now, want, abs_tol=1e-5), f"exchange {s}: rank {r}, element {j}: {now}"
+                    assert math.isclose(now, want, abs_tol=1e-5), (
+                        f"exchange {s}: rank {r}, element {j}: {now}"
+                    )
     total = [sum(col) for col in zip(*ring["inputs"])]
     for r, final in enumerate(states[-1]):
-        assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(final, total)), f"rank {r}: {final}"
+        assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(final, total)), (
+            f"rank {r}: {final}"
+        )

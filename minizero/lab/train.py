@@ -1,12 +1,13 @@
-"""One training run, as every rank executes it: the loop behind `python -m minizero.run`, the tests and
-the notebooks.
+"""One training run, as every rank executes it: the loop behind `python -m minizero.run`, the tests
+and the notebooks.
 
     import minizero
     from minizero.lab.train import TrainConfig, train_worker
-    results = minizero.launch(train_worker, 4, TrainConfig(stage=2, steps=100))   # one dict per rank
+    results = minizero.launch(train_worker, 4, TrainConfig(stage=2, steps=100))  # one dict per rank
 
-Each step: `grad_accum` micro-batches (all but the last inside engine.no_sync()), then engine.step().
-The global batch of `batch_size` rows is split [grad_accum][world_size][rows] (minizero.lab.data).
+Each step: `grad_accum` micro-batches (all but the last inside engine.no_sync()), then
+engine.step(). The global batch of `batch_size` rows is split
+[grad_accum][world_size][rows] (minizero.lab.data).
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ from minizero.options import takes
 from minizero.wrap import wrap
 
 def state_bytes(optimizer: str, params: dict | None = None) -> int:
-    """Optimizer state per parameter, in bytes, for one of OPTIMIZERS (fp32 state; the paper's K minus the
-    master copy, see minizero.memory.optimizer_k): Adam's two moments 8, SGD's momentum 4, plain SGD 0."""
+    """Optimizer state per parameter, in bytes, for one of OPTIMIZERS (fp32 state; the paper's K
+    minus the master copy, see minizero.memory.optimizer_k): Adam's two moments 8, SGD's momentum 4,
+    plain SGD 0."""
     if optimizer in ("adam", "adamw"):
         return 8
     return 4 if (params or {}).get("momentum") else 0
@@ -48,52 +50,62 @@ class TrainConfig:
     stage: int = 2
     world_size: int = 2
     steps: int = 50
-    dtype: str = "fp32"                       # "fp32", "bf16" or "fp16" (16-bit compute, fp32 master weights)
-    loss_scale: float | dict | None = None    # fp16: None dynamic, a number static, a dict (loss_scale.py)
-    reduce_dtype: str | None = None           # "fp32": bf16/fp16 gradients reduced and accumulated in fp32
+    dtype: str = "fp32"             # "fp32", "bf16" or "fp16" (16-bit compute, fp32 master weights)
+    # fp16: None dynamic, a number static, a dict (loss_scale.py)
+    loss_scale: float | dict | None = None
+    # "fp32": bf16/fp16 gradients reduced and accumulated in fp32
+    reduce_dtype: str | None = None
     offload: bool | str = False               # False, True/"optimizer", "params" (stage 3), "disk"
     offload_path: str | None = None           # offload="disk": its file's folder (disk.py)
     stall_timeout: float | None = None        # launch's: seconds without progress (desync.py)
     backend: str | None = None                # None: nccl if CUDA is available, else gloo
-    batch_size: int = 16                      # global rows per optimizer step (all ranks, all micro-batches)
+    # global rows per optimizer step (all ranks, all micro-batches)
+    batch_size: int = 16
     grad_accum: int = 1                       # micro-batches per step
     clip_grad_norm: float | None = None
     optimizer: str = "adamw"
     lr: float = 3e-3
-    optimizer_params: dict = field(default_factory=dict)    # extra keyword arguments (betas, momentum...)
+    # extra keyword arguments (betas, momentum...)
+    optimizer_params: dict = field(default_factory=dict)
     scheduler: dict | None = None             # {"type", "params"}: DeepSpeed's (minizero/config.py)
-    bucket_size: float = DEFAULT_BUCKET_BYTES               # bytes per gradient bucket (stages 0, 2)
-    prefetch: bool = True                                   # stage 3
-    quantized_weights: bool = False                         # stage 3: ZeRO++ qwZ (minizero/quantize.py)
-    quantized_gradients: bool = False                       # stages 2-3: ZeRO++ qgZ
-    overlap: bool = True                                    # stage 0: False all-reduces after backward
-    shard_group_size: int | None = None       # stages 1-3: partition within groups of S ranks (HSDP / MiCS)
-    hpz_group_size: int | None = None         # stage 3: backward's all-gather within R ranks (ZeRO++ hpZ)
+    bucket_size: float = DEFAULT_BUCKET_BYTES           # bytes per gradient bucket (stages 0, 2)
+    prefetch: bool = True                               # stage 3
+    quantized_weights: bool = False                     # stage 3: ZeRO++ qwZ (minizero/quantize.py)
+    quantized_gradients: bool = False                   # stages 2-3: ZeRO++ qgZ
+    overlap: bool = True                                # stage 0: False all-reduces after backward
+    # stages 1-3: partition within groups of S ranks (HSDP / MiCS)
+    shard_group_size: int | None = None
+    # stage 3: backward's all-gather within R ranks (ZeRO++ hpZ)
+    hpz_group_size: int | None = None
     model: str = "default"                                  # GPTConfig.named(...)
     model_overrides: dict = field(default_factory=dict)
     seed: int = 0
-    log_every: int = 0                        # rank 0 prints progress every N steps (0: quiet)
-    return_state: bool = False                # include the final full_state_dict in the result
-    sharded_init: bool = False                # stage 3: build the model partitioned (minizero.sharded_init)
-    activation_checkpointing: bool | str = False   # True: recompute each block in backward; "cpu": inputs on the host
-    # Checkpoints (minizero/checkpoint.py). `steps` counts from step 0 of the data stream, so resuming a
-    # run saved after k steps with steps=k+m trains the m steps an uninterrupted run would have.
-    save_dir: str | None = None               # engine.save() here after the last step
-    save_every: int = 0                       # > 0: save_dir is a run directory, checkpoint.save_numbered
-    keep_last: int | None = None              # ... every save_every steps and after the last; keep this many
-    load_dir: str | None = None               # engine.load() before the first: any stage and N, same model
-    init_state: str | None = None             # a consolidated state dict (minizero.consolidate): any N,
-    start_step: int = 0                       # ... first step's index in the data stream (fresh optimizer)
-    fault: Fault | None = None                # a failure to inject (lab/faults.py); else MINIZERO_FAIL_*
-    measure_peak: bool = False                # after training: each rank's GEMM FLOP/s (MFU)
-    progress: bool = False                    # rank 0 shows a progress bar on stderr (progress_bar)
+    log_every: int = 0                # rank 0 prints progress every N steps (0: quiet)
+    return_state: bool = False        # include the final full_state_dict in the result
+    sharded_init: bool = False        # stage 3: build the model partitioned (minizero.sharded_init)
+    # True: recompute each block in backward; "cpu": inputs on the host
+    activation_checkpointing: bool | str = False
+    # Checkpoints (minizero/checkpoint.py). `steps` counts from step 0 of the data stream, so
+    # resuming a run saved after k steps with steps=k+m trains the m steps an uninterrupted run
+    # would have.
+    save_dir: str | None = None      # engine.save() here after the last step
+    save_every: int = 0              # > 0: save_dir is a run directory, checkpoint.save_numbered
+    keep_last: int | None = None     # ... every save_every steps and after the last; keep this many
+    load_dir: str | None = None      # engine.load() before the first: any stage and N, same model
+    init_state: str | None = None    # a consolidated state dict (minizero.consolidate): any N,
+    start_step: int = 0              # ... first step's index in the data stream (fresh optimizer)
+    fault: Fault | None = None       # a failure to inject (lab/faults.py); else MINIZERO_FAIL_*
+    measure_peak: bool = False       # after training: each rank's GEMM FLOP/s (MFU)
+    progress: bool = False           # rank 0 shows a progress bar on stderr (progress_bar)
 
     def model_config(self) -> GPTConfig:
         return GPTConfig.named(self.model, **self.model_overrides)
 
     def optimizer_factory(self):
         if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {self.optimizer!r}")
+            raise ValueError(
+                f"optimizer must be one of {sorted(OPTIMIZERS)}, got {self.optimizer!r}"
+            )
         return functools.partial(OPTIMIZERS[self.optimizer], lr=self.lr, **self.optimizer_params)
 
     def engine_options(self) -> dict:
@@ -104,11 +116,12 @@ class TrainConfig:
             opts["reduce_dtype"] = self.reduce_dtype
         if takes(self.stage, "bucket_size"):
             opts["bucket_size"] = self.bucket_size
-        if not self.overlap:                                          # only when off: wrap checks the stage
+        if not self.overlap:                                  # only when off: wrap checks the stage
             opts["overlap"] = False
         if takes(self.stage, "prefetch"):
             opts["prefetch"] = self.prefetch
-        for name in ("quantized_weights", "quantized_gradients"):       # only when on: wrap checks the stage
+        # only when on: wrap checks the stage
+        for name in ("quantized_weights", "quantized_gradients"):
             if getattr(self, name):
                 opts[name] = True
         if self.offload_path is not None:
@@ -138,15 +151,19 @@ def progress_bar(total: int, desc: str, enabled: bool, **kwargs) -> tqdm:
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over the scored positions (in fp32 even when the model is bf16)."""
+    """Mean next-token cross-entropy over the scored positions (in fp32 even when the model
+    is bf16)."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
 
 
-def forward_backward(cfg: TrainConfig, step: int, model, backward, no_sync, phases: dict | None = None) -> float:
-    """One step's forward and backward on this rank's rows: `grad_accum` micro-batches, all but the last
-    inside no_sync(). Returns the step's loss. (peers.py drives PyTorch's implementations through it.)
-    phases, if given, receives the seconds spent in "forward" (model and loss) and "backward" (backward(),
-    including the collectives it waits for), summed over micro-batches: the bench's profile."""
+def forward_backward(
+    cfg: TrainConfig, step: int, model, backward, no_sync, phases: dict | None = None
+) -> float:
+    """One step's forward and backward on this rank's rows: `grad_accum` micro-batches, all but the
+    last inside no_sync(). Returns the step's loss. (peers.py drives PyTorch's implementations
+    through it.) phases, if given, receives the seconds spent in "forward" (model and loss) and
+    "backward" (backward(), including the collectives it waits for), summed over micro-batches: the
+    bench's profile."""
     rank, n, device = comm.rank(), comm.world_size(), comm.device()
     x, y = global_batch(step, cfg.batch_size, cfg.model_config().block_size, seed=cfg.seed)
     step_loss = 0.0
@@ -177,18 +194,22 @@ def timed_step(step_fn, phases: dict) -> None:
 def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
     """Train on this rank; return its losses, memory, communication and timing (and state if asked).
 
-    make_engine(model, stage, optimizer, offload=..., **options) builds the engine: minizero.wrap, or
-    (the exercise graders) a factory of an engine subclass that calls a learner's code."""
+    make_engine(model, stage, optimizer, offload=..., **options) builds the engine: minizero.wrap,
+    or (the exercise graders) a factory of an engine subclass that calls a learner's code."""
     rank = comm.rank()
     mcfg = cfg.model_config()
     with sharded_init() if cfg.sharded_init else contextlib.nullcontext() as init:
         model = make_model(mcfg, seed=cfg.seed)
-    construction_peak = init.peak_bytes if init else sum(p.numel() * p.element_size() for p in model.parameters())
+    construction_peak = (
+        init.peak_bytes if init else sum(p.numel() * p.element_size() for p in model.parameters())
+    )
     if cfg.init_state:
         model.load_state_dict(torch.load(cfg.init_state, map_location="cpu", weights_only=True))
-    engine = make_engine(model, cfg.stage, cfg.optimizer_factory(), offload=cfg.offload, **cfg.engine_options())
+    engine = make_engine(
+        model, cfg.stage, cfg.optimizer_factory(), offload=cfg.offload, **cfg.engine_options()
+    )
     if cfg.load_dir:
-        engine.load(cfg.load_dir)                 # also restores step_count: the data continues there
+        engine.load(cfg.load_dir)               # also restores step_count: the data continues there
     first = engine.step_count if cfg.load_dir else cfg.start_step
     schedule = None
     if cfg.scheduler:                    # over the torch optimizer stepping this rank's masters
@@ -208,7 +229,7 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
         start, phases = time.perf_counter(), {}
         step_loss = forward_backward(cfg, step, engine, engine.backward, engine.no_sync, phases)
         if step == cfg.steps - 1:
-            memory = engine.memory()              # as held at the end of backward (optimizer state exists)
+            memory = engine.memory()       # as held at the end of backward (optimizer state exists)
         skipped = engine.skipped_steps
         timed_step(engine.step, phases)
         if schedule is not None and engine.skipped_steps == skipped:   # DeepSpeed: not on overflow
@@ -234,7 +255,7 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
         "rank": rank,
         "losses": losses,
         "loss_scales": loss_scales,
-        "loss_scale": engine.loss_scale,          # S now (fp16; 1.0 otherwise), and the steps skipped
+        "loss_scale": engine.loss_scale,        # S now (fp16; 1.0 otherwise), and the steps skipped
         "skipped_steps": engine.skipped_steps,
         "memory": memory,
         "comm_bytes_per_step": comm_per_step[-1] if comm_per_step else {},
@@ -255,11 +276,12 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
 
 
 def train_several(cfgs: list[TrainConfig]) -> list[dict]:
-    """Worker: several training runs one after another in one process group (one launch, many runs)."""
+    """Worker: several training runs one after another in one process group (one launch,
+    many runs)."""
     return [train_worker(cfg) for cfg in cfgs]
 
 
 def model_num_params(engine) -> int:
-    """Ψ: distinct parameters of the wrapped model (a tied weight once). Stage 3's parameters are views of
-    freed buffers, but their shapes are kept, so p.numel() still counts them."""
+    """Ψ: distinct parameters of the wrapped model (a tied weight once). Stage 3's parameters are
+    views of freed buffers, but their shapes are kept, so p.numel() still counts them."""
     return sum(p.numel() for p in engine.module.parameters())
