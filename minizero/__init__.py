@@ -2,7 +2,7 @@
 
     import functools, torch, minizero
     engine = minizero.wrap(model, stage=2, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
-    engine, optimizer, _, scheduler = minizero.initialize(model=model, config="ds.json")  # DeepSpeed
+    engine, optimizer, _, scheduler = minizero.initialize(model=model, config="ds.json") # DeepSpeed
     model = minizero.FullyShardedDataParallel(model)     # FairScale's: you build the optimizer
     results = minizero.launch(worker_fn, world_size=4)   # run a function on 4 ranks
     with minizero.sharded_init(): model = MyModel()      # stage 3: built partitioned, never whole
