@@ -6,7 +6,7 @@ ZeRO never communicates parameter by parameter. It lays parameters end to end in
 cuts that buffer into N equal *partitions* (N = world size, the paper's N_d), one per rank:
 
     flat buffer  |  p0 (6)  | p1 (4) |  p2 (5)  |pad|      numel Ψ_b = 15, padded to 16 for N = 4
-    partitions   | rank 0 | rank 1 | rank 2 | rank 3 |    4 elements each; every p straddles two ranks
+    partitions   | rank 0 | rank 1 | rank 2 | rank 3 | 4 elements each; each p straddles two
 
 A parameter may straddle two partitions (DeepSpeed's stage_1_and_2 does this; FairScale's OSS
 instead assigns whole parameters to ranks, which balances worse). Padding the end to a multiple of N
