@@ -234,12 +234,14 @@ class Watch:
                     "recent": [dict(r) for r in self.recent], "unchecked": list(self.unchecked)}
 
     def run(self) -> None:
-        while not self.stopped.wait(TICK_S):
+        while True:            # publish at once, then every TICK_S: a rank killed early is on record
             self.thread_store.set(_state_key(self.rank), json.dumps(self.state()))
             verdict = self.judge() if self.rank == 0 else None
             if verdict is not None:
                 self.thread_store.compare_set(VERDICT, "", verdict)
                 self.on_verdict(verdict)
+                return
+            if self.stopped.wait(TICK_S):
                 return
 
     def judge(self) -> str | None:
