@@ -30,8 +30,8 @@
 # communication than DDP (2Ψ) and stage 3 costs 1.5× (3Ψ).
 
 # %% [markdown]
-# **Exercise.** [../exercises/ex01_ring_allreduce.py](../exercises/ex01_ring_allreduce.py): build
-# the ring all-reduce from send/recv yourself.
+# **Exercise 01**: [`exercises/ex01_ring_allreduce.py`](../exercises/ex01_ring_allreduce.py), graded
+# with `pytest exercises -k ex01`: build the ring all-reduce from send/recv yourself.
 
 # %% tags=["parameters"]
 from minizero.lab import demo

@@ -30,8 +30,13 @@
 # (Here in fp32: $b_p = b_g = 4$, and Adam's K = 8 with no separate master copy; also 16Ψ.)
 
 # %% [markdown]
-# **Exercise.** [../exercises/ex02_ddp_bucket.py](../exercises/ex02_ddp_bucket.py): gradient buckets
-# that all-reduce during backward.
+# **Exercise 02**: [`exercises/ex02_ddp_bucket.py`](../exercises/ex02_ddp_bucket.py), graded with
+# `pytest exercises -k ex02`: gradient buckets, and the hook that starts averaging one inside
+# backward.
+#
+# **Exercise 03**: [`exercises/ex03_grad_accumulation.py`](../exercises/ex03_grad_accumulation.py),
+# graded with `pytest exercises -k ex03`: gradient accumulation (`no_sync`): K micro-batches, one
+# all-reduce a step.
 
 # %% tags=["parameters"]
 from minizero.lab import demo

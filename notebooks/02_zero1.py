@@ -28,8 +28,13 @@
 # shares the updated parameters. Total 2Ψ per step: the same as DDP.
 
 # %% [markdown]
-# **Exercise.** [../exercises/ex03_zero1_partition.py](../exercises/ex03_zero1_partition.py):
-# partition a flat buffer and step only your partition.
+# **Exercise 04**: [`exercises/ex04_zero1_partition.py`](../exercises/ex04_zero1_partition.py),
+# graded with `pytest exercises -k ex04`: padding, which slice each rank owns, the all-gather after
+# the step.
+#
+# **Exercise 05**: [`exercises/ex05_clip_global_norm.py`](../exercises/ex05_clip_global_norm.py),
+# graded with `pytest exercises -k ex05`: clipping by the global norm when each rank holds a
+# partition of the gradients.
 
 # %% tags=["parameters"]
 from minizero.lab import demo

@@ -29,9 +29,9 @@
 # persists.)
 
 # %% [markdown]
-# **Exercise.**
-# [../exercises/ex04_zero2_reduce_scatter.py](../exercises/ex04_zero2_reduce_scatter.py):
-# reduce-scatter a gradient bucket into a shard during backward.
+# **Exercise 06**:
+# [`exercises/ex06_zero2_reduce_scatter.py`](../exercises/ex06_zero2_reduce_scatter.py), graded with
+# `pytest exercises -k ex06`: reduce-scatter a gradient bucket into a shard from inside backward.
 
 # %% tags=["parameters"]
 from minizero.lab import demo

@@ -28,9 +28,14 @@
 # (backward) + reduce-scatter Ψ = **3Ψ**, 1.5× DDP, the price of not replicating parameters.
 
 # %% [markdown]
-# **Exercise.** [../exercises/ex05_zero3_hooks.py](../exercises/ex05_zero3_hooks.py): the four hooks
-# of a unit: gather before forward, free after it, gather before backward, reduce-scatter and free
-# after it.
+# **Exercise 07**: [`exercises/ex07_zero3_hooks.py`](../exercises/ex07_zero3_hooks.py), graded with
+# `pytest exercises -k ex07`: the four hooks of a unit, with prefetch: gather (the next unit ahead),
+# free, gather, reduce-scatter and free.
+#
+# **Exercise 08**:
+# [`exercises/ex08_zero3_from_scratch.py`](../exercises/ex08_zero3_from_scratch.py), graded with
+# `pytest exercises -k ex08`: the capstone: ZeRO-3 from plain PyTorch, a whole stage-3 wrapper and
+# its sharded optimizer from torch and `minizero.comm`.
 
 # %% tags=["parameters"]
 from minizero.lab import demo

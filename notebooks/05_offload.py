@@ -33,8 +33,13 @@
 # a GPU (separate host buffers, explicit copies), so the accounting is exactly what a GPU would see.
 
 # %% [markdown]
-# **Exercise.** [../exercises/ex06_offload_step.py](../exercises/ex06_offload_step.py): the
-# host-side optimizer step: copy down, step, copy up.
+# **Exercise 09**: [`exercises/ex09_offload_step.py`](../exercises/ex09_offload_step.py), graded
+# with `pytest exercises -k ex09`: the host-side optimizer step: gradients down, the step there,
+# parameters back up.
+#
+# **Exercise 10**: [`exercises/ex10_global_overflow.py`](../exercises/ex10_global_overflow.py),
+# graded with `pytest exercises -k ex10`: the global overflow check of fp16's loss scale: one
+# collective over the ranks' flags (this notebook's last section).
 
 # %% tags=["parameters"]
 from minizero.lab import demo
@@ -210,8 +215,9 @@ plots.memory_by_category(measured["stage 2 + offload"], "stage 2 + offload");
 # credit, so step 12 is skipped at the same S.
 
 # %% [markdown]
-# **Exercise.** [../exercises/ex08_global_overflow.py](../exercises/ex08_global_overflow.py): the
-# global overflow check: one collective over the ranks' local flags.
+# **Exercise 10**: [`exercises/ex10_global_overflow.py`](../exercises/ex10_global_overflow.py),
+# graded with `pytest exercises -k ex10`: the global overflow check of fp16's loss scale: one
+# collective over the ranks' flags.
 
 # %%
 FAULTS = {3: 1, 4: 0, 5: 1, 12: 1}       # step: the rank whose gradient partition gets an inf

@@ -31,8 +31,9 @@
 # does not have).
 
 # %% [markdown]
-# **Exercise.** [../exercises/ex07_checkpoint_unit.py](../exercises/ex07_checkpoint_unit.py):
-# checkpoint a unit: an autograd Function that keeps only the inputs and recomputes in backward.
+# **Exercise 11**: [`exercises/ex11_checkpoint_unit.py`](../exercises/ex11_checkpoint_unit.py),
+# graded with `pytest exercises -k ex11`: checkpoint a unit: keep only its inputs and recompute it
+# in backward.
 
 # %% tags=["parameters"]
 from minizero.lab import demo

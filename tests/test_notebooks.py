@@ -58,6 +58,7 @@ TINY = {
     "06_compare": _TINY_RUNS + '\nBENCH_SIZES, BENCH_REPEATS, PEERS = ("tiny",), 1, ("torch",)',
     "07_activations": _TINY_RUNS + "\nSEQS, BATCHES = (8, 16), (2, 4)",
     "08_beyond": 'MODEL, BUCKET_SIZE, QSTEPS = "tiny", 400, 4',
+    "09_what_goes_wrong": "STEPS = 2",
 }
 # what the checks read from the executed kernel: {name: expression over the notebook's variables}
 READ = {
@@ -79,6 +80,12 @@ READ = {
                                         ', "activations": rows, "memory_timelines": timelines}',
                        "steps_7": '{"steps": steps}'},
     "08_beyond": {"network_8": '{"network": out}', "steps_8": '{"steps": steps}'},
+    "09_what_goes_wrong": {"faults_9": '{"faults": {"verdict": verdict, "seconds": seconds, '
+                                       '"recorder": flight_recorder, "verdicts": verdicts, '
+                                       '"numel": w.numel(), "shape": list(w.shape), '
+                                       '"outside": outside, "inside": inside, '
+                                       '"gathers": len(gathers), "tokens": TOKENS, '
+                                       '"units": len(engine.units), "fault_rank": FAULT_RANK}}'},
 }
 # the collectives a stage's step-through must show, in order of first appearance
 STEP_COLLECTIVES = {0: ["all_reduce"], 1: ["reduce_scatter", "all_gather"],
@@ -247,6 +254,31 @@ def test_notebook_runs_and_its_plots_match_the_formulas(name, tmp_path):
             check_ring(data["ring"])
         if "bench" in data:
             check_bench(data["bench"])
+        if "faults" in data:
+            check_faults(data["faults"])
+
+
+# the backend would end the hang after comm.DEFAULT_TIMEOUT_S (120 s): the verdict comes long before
+HANG_NAMED_WITHIN_S = 30
+
+
+def check_faults(f: dict) -> None:
+    """Notebook 09. The skipped block at stage 3 ends in one line naming the rank out of step,
+    within HANG_NAMED_WITHIN_S, each rank's flight recorder below it; an extra micro-batch
+    desynchronizes stages 2 and 3 alike; a stage-3 parameter keeps its shape but 0 bytes of storage
+    outside forward, and its values inside engine.gathered(); T forwards through U units are T·U
+    all-gathers."""
+    out_of_step = f"ranks out of step: rank {f['fault_rank']} issued "
+    verdict = f["verdict"]
+    assert verdict.startswith(out_of_step) and "where rank 0 issued" in verdict, verdict
+    assert f["seconds"] < HANG_NAMED_WITHIN_S, f"the hang was named after {f['seconds']:.1f} s"
+    recorder = "\n".join(f["recorder"])
+    assert "rank 0: issued" in recorder and f"rank {f['fault_rank']}: issued" in recorder, recorder
+    for stage, line in f["verdicts"].items():
+        assert line.startswith(out_of_step), f"stage {stage}, an extra micro-batch: {line}"
+    assert f["shape"] == [f["numel"]] and f["outside"] == 0, f
+    assert f["inside"] >= element_bytes("fp32") * f["numel"], f
+    assert f["gathers"] == f["tokens"] * f["units"], f
 
 
 def check_bench(report: dict) -> None:
