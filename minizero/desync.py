@@ -234,7 +234,7 @@ class Watch:
                     "recent": [dict(r) for r in self.recent], "unchecked": list(self.unchecked)}
 
     def run(self) -> None:
-        while True:            # publish at once, then every TICK_S: a rank killed early is on record
+        while True:           # publish at once, then every TICK_S: a rank killed early is on record
             self.thread_store.set(_state_key(self.rank), json.dumps(self.state()))
             verdict = self.judge() if self.rank == 0 else None
             if verdict is not None:

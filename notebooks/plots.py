@@ -3,9 +3,10 @@
     import plots                               # from a notebook in this folder
     plots.memory_by_category(runs, "ZeRO stage 2")
 
-Every function takes the records minizero.lab.demo returns (measured numbers next to the paper's formulas)
-or the formulas of minizero.memory, and returns the matplotlib figure. Units are in the axis labels:
-kB for the small GPT's model states, MB for the collectives' tensors, GB for paper-sized models.
+Every function takes the records minizero.lab.demo returns (measured numbers next to the paper's
+formulas) or the formulas of minizero.memory, and returns the matplotlib figure. Units are in the
+axis labels: kB for the small GPT's model states, MB for the collectives' tensors, GB for
+paper-sized models.
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ from minizero.memory import (
     optimizer_k,
 )
 
-COLORS = {"params": "tab:blue", "grads": "tab:orange", "optimizer": "tab:green", "offloaded": "tab:purple"}
+COLORS = {
+    "params": "tab:blue",
+    "grads": "tab:orange",
+    "optimizer": "tab:green",
+    "offloaded": "tab:purple",
+}
 STAGE_NAMES = {0: "DDP", 1: "stage 1 (P_os)", 2: "stage 2 (P_os+g)", 3: "stage 3 (P_os+g+p)"}
 KB, MB, GB = 1e3, 1e6, 1e9
 
@@ -40,7 +46,14 @@ def loss_curves(runs: dict, title: str):
     fig, ax = plt.subplots(figsize=(6, 3.5))
     any_run = next(iter(runs.values()))
     steps = np.arange(1, len(any_run["reference_losses"]) + 1)
-    ax.plot(steps, any_run["reference_losses"], "k-", linewidth=5, alpha=0.3, label="reference (1 process)")
+    ax.plot(
+        steps,
+        any_run["reference_losses"],
+        "k-",
+        linewidth=5,
+        alpha=0.3,
+        label="reference (1 process)",
+    )
     for n, rec in sorted(runs.items()):
         ax.plot(steps, rec["losses"], "--", marker=".", label=f"N = {n}")
     ax.xaxis.get_major_locator().set_params(integer=True)
@@ -51,8 +64,13 @@ def loss_curves(runs: dict, title: str):
 
 
 def memory_by_category(runs: dict, title: str):
-    """Grouped bars: rank 0's measured bytes per category for each world size, formula as black ticks."""
-    cats = [c for c in COLORS if any(rec["theory"][c] or rec["ranks"][0]["memory"][c] for rec in runs.values())]
+    """Grouped bars: rank 0's measured bytes per category for each world size, formula as
+    black ticks."""
+    cats = [
+        c
+        for c in COLORS
+        if any(rec["theory"][c] or rec["ranks"][0]["memory"][c] for rec in runs.values())
+    ]
     sizes = sorted(runs)
     width = 0.8 / len(cats)
     fig, ax = plt.subplots(figsize=(8.5, 4))
@@ -66,8 +84,15 @@ def memory_by_category(runs: dict, title: str):
     for i, n in enumerate(sizes):           # the device total above each group
         top = max(max(runs[n]["ranks"][0]["memory"][c], runs[n]["theory"][c]) for c in cats) / KB
         total = _device_bytes(runs[n]["ranks"][0]["memory"]) / KB
-        ax.annotate(f"device total\n{total:.1f} kB", (i, top), xytext=(0, 4), textcoords="offset points",
-                    ha="center", va="bottom", fontsize=8)
+        ax.annotate(
+            f"device total\n{total:.1f} kB",
+            (i, top),
+            xytext=(0, 4),
+            textcoords="offset points",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_ylim(top=ax.get_ylim()[1] * 1.2)
     rec = runs[sizes[0]]
     ax.set_xticks(np.arange(len(sizes)), [f"N = {n}" for n in sizes])
@@ -79,8 +104,8 @@ def memory_by_category(runs: dict, title: str):
 
 
 def collective_bytes(results: dict):
-    """Left: bytes one rank sent per collective at the largest N, tally vs ring formula. Right: the same
-    divided by the tensor's size S, against N: all-reduce approaches 2, the others 1."""
+    """Left: bytes one rank sent per collective at the largest N, tally vs ring formula. Right: the
+    same divided by the tensor's size S, against N: all-reduce approaches 2, the others 1."""
     formulas = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
                 "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: (n - 1) / n,
                 "ring_all_reduce": lambda n: 2 * (n - 1) / n}
@@ -89,7 +114,9 @@ def collective_bytes(results: dict):
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     kinds = list(formulas)
     xs = np.arange(len(kinds))
-    left.bar(xs, [top["sent"][k] / MB for k in kinds], 0.6, color="tab:blue", label="sent (comm.tally)")
+    left.bar(
+        xs, [top["sent"][k] / MB for k in kinds], 0.6, color="tab:blue", label="sent (comm.tally)"
+    )
     _formula_ticks(left, xs, [formulas[k](n_max) * top["full_bytes"] / MB for k in kinds], 0.6,
                    label="ring formula")
     left.set_xticks(xs, [k.replace("_", "\n") for k in kinds])
@@ -97,13 +124,22 @@ def collective_bytes(results: dict):
              title=f"N = {n_max}, tensor S = {top['full_bytes'] / MB:.3g} MB (fp32)")
     left.legend(fontsize=8)
     ns = np.arange(2, 17)
-    for label, f, style in (("all-reduce: 2(N-1)/N", formulas["all_reduce"], "-"),
-                            ("reduce-scatter, all-gather, broadcast: (N-1)/N", formulas["all_gather"], "--")):
+    for label, f, style in (
+        ("all-reduce: 2(N-1)/N", formulas["all_reduce"], "-"),
+        ("reduce-scatter, all-gather, broadcast: (N-1)/N", formulas["all_gather"], "--"),
+    ):
         right.plot(ns, [f(n) for n in ns], "k" + style, label=label)
     sizes = sorted(results)
     for kind, marker in zip(kinds, "os^vx"):
-        right.plot(sizes, [results[n]["sent"][kind] / results[n]["full_bytes"] for n in sizes], marker,
-                   linestyle="none", markersize=8, fillstyle="none", label=f"{kind} (measured)")
+        right.plot(
+            sizes,
+            [results[n]["sent"][kind] / results[n]["full_bytes"] for n in sizes],
+            marker,
+            linestyle="none",
+            markersize=8,
+            fillstyle="none",
+            label=f"{kind} (measured)",
+        )
     right.set(xlabel="world size N", ylabel="bytes sent per rank / S", ylim=(0, 2.1),
               title="Per-rank traffic hardly grows with N")
     right.legend(fontsize=7, loc="lower right")
@@ -112,7 +148,8 @@ def collective_bytes(results: dict):
 
 
 def device_vs_host(variants: dict, title: str):
-    """Two panels, device and host bytes per rank, for each variant and world size; formula ticks."""
+    """Two panels, device and host bytes per rank, for each variant and world size;
+    formula ticks."""
     names = list(variants)
     sizes = sorted(next(iter(variants.values())))
     width = 0.8 / len(names)
@@ -123,8 +160,10 @@ def device_vs_host(variants: dict, title: str):
             recs = [variants[name][n] for n in sizes]
             measured = [_device_bytes(r["ranks"][0]["memory"]) if where == "device"
                         else r["ranks"][0]["memory"]["offloaded"] for r in recs]
-            formula = [r["theory"]["device_total"] if where == "device" else r["theory"]["offloaded"]
-                       for r in recs]
+            formula = [
+                r["theory"]["device_total"] if where == "device" else r["theory"]["offloaded"]
+                for r in recs
+            ]
             ax.bar(xs, np.array(measured) / KB, width * 0.9, label=name, color=f"C{j}")
             _formula_ticks(ax, xs, np.array(formula) / KB, width * 0.9,
                            label="formula" if j == 0 else None)
@@ -153,10 +192,18 @@ def unit_timeline(timelines: dict, intervals: dict):
                     color=color, alpha=0.75, hatch="//" if iv["how"] == "prefetch" else None,
                     edgecolor="black", linewidth=0.5)
         for mark, style in (("backward", "--"), ("step", ":")):
-            ax.axvline(rec["marks"][mark] * 1e3, color="gray", linestyle=style, label=f"{mark} starts")
+            ax.axvline(
+                rec["marks"][mark] * 1e3, color="gray", linestyle=style, label=f"{mark} starts"
+            )
         ax.set_yticks(range(len(names)), names)
-        ax.set(xlabel="time in the step (ms)", title=f"prefetch {'on' if prefetch else 'off'}: peak "
-               f"parameters {rec['peak_params'] / KB:.0f} kB (full model {rec['num_params'] * 4 / KB:.0f} kB)")
+        ax.set(
+            xlabel="time in the step (ms)",
+            title=(
+                f"prefetch {'on' if prefetch else 'off'}: peak "
+                f"parameters {rec['peak_params'] / KB:.0f} kB "
+                f"(full model {rec['num_params'] * 4 / KB:.0f} kB)"
+            ),
+        )
         ax.invert_yaxis()
     axes[0].set_ylabel("unit (rank 0)")
     handles = axes[1].get_legend_handles_labels()[0] + [
@@ -168,14 +215,14 @@ def unit_timeline(timelines: dict, intervals: dict):
     return fig
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # 06_compare: all stages, measured and from the estimator
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 def compare_measured(stages: dict):
-    """Three panels from the same runs: device memory per rank vs N on the formula curves, bytes sent per
-    step at the largest N vs 2Ψ / 3Ψ, and the step time: a bar at the median, a dot for every step (on
-    shared cores the spread is often wider than the difference between two bars)."""
+    """Three panels from the same runs: device memory per rank vs N on the formula curves, bytes
+    sent per step at the largest N vs 2Ψ / 3Ψ, and the step time: a bar at the median, a dot for
+    every step (on shared cores the spread is often wider than the difference between two bars)."""
     fig, (mem, com, tim) = plt.subplots(1, 3, figsize=(15, 4))
     sizes = sorted(next(iter(stages.values())))
     ns = np.arange(1, max(sizes) * 2 + 1)
@@ -183,12 +230,17 @@ def compare_measured(stages: dict):
         rec = runs[sizes[0]]
         elem = element_bytes(rec["dtype"])
         k = optimizer_k(state_bytes(rec["optimizer"]), rec["dtype"])
-        curve = [estimate(rec["num_params"], n, stage, param_bytes=elem, grad_bytes=elem, k=k) for n in ns]
+        curve = [
+            estimate(rec["num_params"], n, stage, param_bytes=elem, grad_bytes=elem, k=k)
+            for n in ns
+        ]
         mem.plot(ns, np.array(curve) / KB, color=f"C{stage}", label=f"{STAGE_NAMES[stage]} formula")
         mem.plot(sizes, [_device_bytes(runs[n]["ranks"][0]["memory"]) / KB for n in sizes], "o",
                  color=f"C{stage}", markersize=8, markeredgecolor="black")
     mem.plot([], [], "ko", label="measured (rank 0)")
-    mem.set(xlabel="world size N", ylabel="model states per rank (kB)", title="Memory per rank vs N")
+    mem.set(
+        xlabel="world size N", ylabel="model states per rank (kB)", title="Memory per rank vs N"
+    )
     mem.legend(fontsize=7)
 
     n_max = max(sizes)
@@ -199,37 +251,63 @@ def compare_measured(stages: dict):
     _formula_ticks(com, xs, [r["theory"]["comm_bytes_per_step"] / KB for r in recs], 0.6,
                    label="2Ψ (stages 0-2), 3Ψ (stage 3) × (N-1)/N")
     com.set_xticks(xs, [STAGE_NAMES[s].replace(" (", "\n(") for s in stages], fontsize=8)
-    com.set(ylabel="bytes sent per rank per step (kB)", title=f"Communication per step, N = {n_max}")
+    com.set(
+        ylabel="bytes sent per rank per step (kB)", title=f"Communication per step, N = {n_max}"
+    )
     com.legend(fontsize=7, loc="upper left")
 
     width = 0.8 / len(sizes)
     for j, n in enumerate(sizes):
         at = xs + (j - (len(sizes) - 1) / 2) * width
-        tim.bar(at, [runs[n]["step_time_s"] * 1e3 for runs in stages.values()],
-                width * 0.9, label=f"N = {n}", color=plt.cm.Greys(0.2 + 0.4 * j / max(1, len(sizes) - 1)))
+        tim.bar(
+            at,
+            [runs[n]["step_time_s"] * 1e3 for runs in stages.values()],
+            width * 0.9,
+            label=f"N = {n}",
+            color=plt.cm.Greys(0.2 + 0.4 * j / max(1, len(sizes) - 1)),
+        )
         for x, runs in zip(at, stages.values()):
             times = np.array(runs[n]["step_times_s"]) * 1e3
-            tim.plot(np.full(len(times), x) + np.linspace(-0.25, 0.25, len(times)) * width, times, ".",
-                     color="black", markersize=3)
+            tim.plot(
+                np.full(len(times), x) + np.linspace(-0.25, 0.25, len(times)) * width,
+                times,
+                ".",
+                color="black",
+                markersize=3,
+            )
     tim.plot([], [], "k.", markersize=3, label="each step (rank 0)")
     tim.set_xticks(xs, [STAGE_NAMES[s].replace(" (", "\n(") for s in stages], fontsize=8)
-    tim.set(ylabel="step time (ms): bar = median", title="Step time, every step (CPU processes: a rough guide)")
+    tim.set(
+        ylabel="step time (ms): bar = median",
+        title="Step time, every step (CPU processes: a rough guide)",
+    )
     tim.legend(fontsize=7)
     fig.tight_layout()
     return fig
 
 
 def largest_model(budget_bytes: float, dtype: str = "bf16", max_world_size: int = 1024):
-    """The largest Ψ whose model states fit `budget_bytes` per rank, per stage, against N (estimator)."""
-    pb, k = element_bytes(dtype), optimizer_k(state_bytes("adamw"), dtype)       # Adam: K = 12 in bf16
+    """The largest Ψ whose model states fit `budget_bytes` per rank, per stage, against
+    N (estimator)."""
+    pb, k = element_bytes(dtype), optimizer_k(state_bytes("adamw"), dtype)    # Adam: K = 12 in bf16
     ns = 2 ** np.arange(0, int(np.log2(max_world_size)) + 1)
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for stage in STAGE_NAMES:
-        psi = [budget_bytes / estimate(1, int(n), stage, param_bytes=pb, grad_bytes=pb, k=k) for n in ns]
-        ax.loglog(ns, np.array(psi) / 1e9, marker="o", color=f"C{stage}", label=STAGE_NAMES[stage], base=2)
+        psi = [
+            budget_bytes / estimate(1, int(n), stage, param_bytes=pb, grad_bytes=pb, k=k)
+            for n in ns
+        ]
+        ax.loglog(
+            ns, np.array(psi) / 1e9, marker="o", color=f"C{stage}", label=STAGE_NAMES[stage], base=2
+        )
     ax.set_yscale("log", base=10)
-    ax.set(xlabel="world size N", ylabel="largest model (billion parameters)",
-           title=f"What fits in {budget_bytes / GB:.0f} GB per rank ({dtype}, Adam; model states only)")
+    ax.set(
+        xlabel="world size N",
+        ylabel="largest model (billion parameters)",
+        title=(
+            f"What fits in {budget_bytes / GB:.0f} GB per rank ({dtype}, Adam; model states only)"
+        ),
+    )
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -237,59 +315,105 @@ def largest_model(budget_bytes: float, dtype: str = "bf16", max_world_size: int 
 
 
 def estimator_view(world_size: int, params_billion: float, dtype: str, budget_gb: float):
-    """Per-rank GB by category for each stage, for a model of `params_billion`, against a budget line."""
-    pb, k = element_bytes(dtype), optimizer_k(state_bytes("adamw"), dtype)       # Adam: K = 12 in bf16
+    """Per-rank GB by category for each stage, for a model of `params_billion`, against a
+    budget line."""
+    pb, k = element_bytes(dtype), optimizer_k(state_bytes("adamw"), dtype)    # Adam: K = 12 in bf16
     psi = params_billion * 1e9
     fig, (bars, comm) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [2, 1]})
     bottom = np.zeros(len(STAGE_NAMES))
     for cat in ("params", "grads", "optimizer"):
-        values = np.array([estimate_breakdown(psi, world_size, s, param_bytes=pb, grad_bytes=pb, k=k)[cat]
-                           for s in STAGE_NAMES]) / GB
+        values = (
+            np.array(
+                [
+                    estimate_breakdown(psi, world_size, s, param_bytes=pb, grad_bytes=pb, k=k)[cat]
+                    for s in STAGE_NAMES
+                ]
+            )
+            / GB
+        )
         bars.bar(list(STAGE_NAMES.values()), values, bottom=bottom, color=COLORS[cat], label=cat)
         bottom += values
     bars.axhline(budget_gb, color="red", linestyle="--", label=f"budget {budget_gb:g} GB")
-    bars.set(ylabel="model states per rank (GB)",
-             title=f"Ψ = {params_billion:g} B parameters, N = {world_size}, {dtype} + Adam (K = {k})")
+    bars.set(
+        ylabel="model states per rank (GB)",
+        title=f"Ψ = {params_billion:g} B parameters, N = {world_size}, {dtype} + Adam (K = {k})",
+    )
     bars.legend(fontsize=8)
     volumes = [comm_volume(psi, world_size, s, bytes_per_elem=pb) / GB for s in STAGE_NAMES]
     comm.bar([f"{s}" for s in STAGE_NAMES], volumes, color=[f"C{s}" for s in STAGE_NAMES])
-    comm.set(xlabel="stage (0 = DDP)", ylabel="bytes sent per rank per step (GB)", title="Communication")
+    comm.set(
+        xlabel="stage (0 = DDP)", ylabel="bytes sent per rank per step (GB)", title="Communication"
+    )
     fig.tight_layout()
     plt.show()
 
 
 def lora_memory(rows: list[dict]):
-    """Fine-tuning at stage 3: parameter bytes per rank vs N (measured, the formula, and what replicating
-    the frozen base would cost), and what building the model held, with and without sharded_init."""
+    """Fine-tuning at stage 3: parameter bytes per rank vs N (measured, the formula, and what
+    replicating the frozen base would cost), and what building the model held, with and
+    without sharded_init."""
     fig, (mem, build) = plt.subplots(1, 2, figsize=(12, 4))
     ns = [r["world_size"] for r in rows]
     xs = np.arange(len(rows))
     mem.bar(xs - 0.2, [r["replicated_frozen_would_be"] / KB for r in rows], 0.4, color="0.8",
             label="if the frozen base were replicated (stages 0-2, or not sharding it)")
-    mem.bar(xs + 0.2, [r["params"] / KB for r in rows], 0.4, color="C3", label="measured, rank 0 (frozen sharded)")
+    mem.bar(
+        xs + 0.2,
+        [r["params"] / KB for r in rows],
+        0.4,
+        color="C3",
+        label="measured, rank 0 (frozen sharded)",
+    )
     _formula_ticks(mem, xs + 0.2, [r["formula"] / KB for r in rows], 0.4, label="(Ψ + Ψ_f)·4/N")
     mem.set_xticks(xs, [f"N = {n}" for n in ns])
     mem.set(ylabel="parameter bytes per rank (kB)", title="LoRA: the frozen base is sharded too")
     mem.legend(fontsize=7, loc="upper right")
     build.bar(xs - 0.2, [r["construction_peak"]["normal"] / KB for r in rows], 0.4, color="0.6",
               label="built normally: the whole model")
-    build.bar(xs + 0.2, [r["construction_peak"]["sharded_init"] / KB for r in rows], 0.4, color="C2",
-              label="built under minizero.sharded_init")
+    build.bar(
+        xs + 0.2,
+        [r["construction_peak"]["sharded_init"] / KB for r in rows],
+        0.4,
+        color="C2",
+        label="built under minizero.sharded_init",
+    )
     build.set_xticks(xs, [f"N = {n}" for n in ns])
-    build.set(ylabel="parameter bytes held while building (kB)", title="Building the model, per rank")
+    build.set(
+        ylabel="parameter bytes held while building (kB)", title="Building the model, per rank"
+    )
     build.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     return fig
 
 
 def moved_run(rec: dict):
-    """The loss of a run moved from N = from_n to N = to_n at step `half`, on the uninterrupted one."""
+    """The loss of a run moved from N = from_n to N = to_n at step `half`, on the
+    uninterrupted one."""
     fig, ax = plt.subplots(figsize=(6, 3.5))
     steps = np.arange(1, len(rec["full"]) + 1)
-    ax.plot(steps, rec["full"], "k-", linewidth=5, alpha=0.3, label=f"uninterrupted, N = {rec['from_n']}")
+    ax.plot(
+        steps,
+        rec["full"],
+        "k-",
+        linewidth=5,
+        alpha=0.3,
+        label=f"uninterrupted, N = {rec['from_n']}",
+    )
     later = steps[rec["half"]:]
-    ax.plot(later, rec["resumed"], "--", marker=".", label=f"resumed at N = {rec['to_n']}, optimizer state resharded")
-    ax.plot(later, rec["fresh"], ":", marker="x", label=f"restarted at N = {rec['to_n']}, fresh optimizer")
+    ax.plot(
+        later,
+        rec["resumed"],
+        "--",
+        marker=".",
+        label=f"resumed at N = {rec['to_n']}, optimizer state resharded",
+    )
+    ax.plot(
+        later,
+        rec["fresh"],
+        ":",
+        marker="x",
+        label=f"restarted at N = {rec['to_n']}, fresh optimizer",
+    )
     ax.axvline(rec["half"] + 0.5, color="gray", linewidth=0.8)
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set(xlabel="optimizer step", ylabel="loss (mean over ranks)",
@@ -299,7 +423,7 @@ def moved_run(rec: dict):
     return fig
 
 
-# --- 07_activations -------------------------------------------------------------------------------------
+# --- 07_activations -------------------------------------------------------------------------------
 MODE_NAMES = {False: "kept", True: "checkpointed", "cpu": "checkpointed, inputs on the host"}
 
 
@@ -312,19 +436,24 @@ def activation_sweep(rows: list[dict]):
         for mode, name in MODE_NAMES.items():
             pts = sorted((r[x], r["measured"], r["estimate"]) for r in rows
                          if r["checkpointing"] == mode and r[fixed] == value)
-            line, = ax.plot([p[0] for p in pts], [p[2] / KB for p in pts], "-", label=f"{name}: estimate")
+            (line,) = ax.plot(
+                [p[0] for p in pts], [p[2] / KB for p in pts], "-", label=f"{name}: estimate"
+            )
             ax.plot([p[0] for p in pts], [p[1] / KB for p in pts], "o", color=line.get_color(),
                     label=f"{name}: measured")
-        ax.set(xlabel="sequence length s" if x == "seq" else "micro-batch b", ylabel="activations per rank (kB)",
-               title=f"{fixed} = {value}")
+        ax.set(
+            xlabel="sequence length s" if x == "seq" else "micro-batch b",
+            ylabel="activations per rank (kB)",
+            title=f"{fixed} = {value}",
+        )
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     return fig
 
 
 def full_memory(records: dict):
-    """Rank 0's device bytes per stage: model states stacked with activations, without (left bar of each
-    pair) and with checkpointing (right)."""
+    """Rank 0's device bytes per stage: model states stacked with activations, without (left bar of
+    each pair) and with checkpointing (right)."""
     fig, ax = plt.subplots(figsize=(8, 4))
     stages = sorted({s for s, _ in records})
     for i, s in enumerate(stages):
@@ -333,19 +462,29 @@ def full_memory(records: dict):
             x, bottom = i + (j - 0.5) * 0.4, 0.0
             for cat in ("params", "grads", "optimizer", "activations"):
                 color = COLORS.get(cat, "tab:red")
-                ax.bar(x, m[cat] / KB, 0.38, bottom=bottom / KB, color=color, hatch="//" if mode else None,
-                       label=cat if (i, j) == (0, 0) else None)
+                ax.bar(
+                    x,
+                    m[cat] / KB,
+                    0.38,
+                    bottom=bottom / KB,
+                    color=color,
+                    hatch="//" if mode else None,
+                    label=cat if (i, j) == (0, 0) else None,
+                )
                 bottom += m[cat]
     ax.set_xticks(range(len(stages)), [f"{STAGE_NAMES[s]}\nkept | ckpt" for s in stages])
-    ax.set(ylabel="device bytes per rank (kB)", title="Model states + activations per rank (hatched: checkpointed)")
+    ax.set(
+        ylabel="device bytes per rank (kB)",
+        title="Model states + activations per rank (hatched: checkpointed)",
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
 
 
 def memory_timeline(records: list[dict]):
-    """One step of rank 0, event by event: bytes by category stacked (the shape of PyTorch's CUDA memory
-    snapshot, measured here by the engine itself)."""
+    """One step of rank 0, event by event: bytes by category stacked (the shape of PyTorch's CUDA
+    memory snapshot, measured here by the engine itself)."""
     fig, axes = plt.subplots(len(records), 1, figsize=(11, 2.6 * len(records)), squeeze=False)
     cats = ("params", "grads", "optimizer", "activations")
     for ax, rec in zip(axes[:, 0], records):
@@ -353,31 +492,55 @@ def memory_timeline(records: list[dict]):
         ys = [[b[c] / KB for _, _, b in events] for c in cats]
         ax.stackplot(range(len(events)), ys, labels=cats, step="post",
                      colors=[COLORS.get(c, "tab:red") for c in cats])
-        ax.set_xticks(range(len(events)), [e for _, e, _ in events], rotation=60, ha="right", fontsize=7)
-        ax.set(ylabel="kB", title=f"{STAGE_NAMES[rec['stage']]}, {MODE_NAMES[rec['checkpointing']]}")
+        ax.set_xticks(
+            range(len(events)), [e for _, e, _ in events], rotation=60, ha="right", fontsize=7
+        )
+        ax.set(
+            ylabel="kB", title=f"{STAGE_NAMES[rec['stage']]}, {MODE_NAMES[rec['checkpointing']]}"
+        )
     axes[0, 0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     return fig
 
 
-# --- 05_offload, last section: the loss scale of an fp16 run -------------------------------------------
+# --- 05_offload, last section: the loss scale of an fp16 run --------------------------------------
 def loss_scale_trajectory(run: dict):
-    """The scale each step's gradients carried (rank 0; every rank's is the same), the steps every rank
-    skipped, and which rank's partition held the injected inf."""
+    """The scale each step's gradients carried (rank 0; every rank's is the same), the steps every
+    rank skipped, and which rank's partition held the injected inf."""
     trace = run["ranks"][0]["trace"]
     steps = [t["step"] for t in trace]
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.step(steps, [t["scale"] for t in trace], where="post", color="tab:blue", label="loss scale S at the step")
+    ax.step(
+        steps,
+        [t["scale"] for t in trace],
+        where="post",
+        color="tab:blue",
+        label="loss scale S at the step",
+    )
     skipped = [t for t in trace if t["skipped"]]
-    ax.scatter([t["step"] for t in skipped], [t["scale"] for t in skipped], marker="x", s=80, color="tab:red",
-               zorder=3, label="skipped by every rank")
+    ax.scatter(
+        [t["step"] for t in skipped],
+        [t["scale"] for t in skipped],
+        marker="x",
+        s=80,
+        color="tab:red",
+        zorder=3,
+        label="skipped by every rank",
+    )
     scales = [t["scale"] for t in trace]
     ax.set_yscale("log", base=2)
     ax.set_ylim(min(scales) / 1.5, max(scales) * 4)            # room above the line for the labels
     for k, r in run["faults"].items():
         ax.axvline(int(k), color="gray", linewidth=0.8, linestyle=":")
-        ax.annotate(f"inf on rank {r}", (int(k), ax.get_ylim()[1]), rotation=90, fontsize=7, va="top",
-                    ha="right", color="gray")
+        ax.annotate(
+            f"inf on rank {r}",
+            (int(k), ax.get_ylim()[1]),
+            rotation=90,
+            fontsize=7,
+            va="top",
+            ha="right",
+            color="gray",
+        )
     ax.xaxis.get_major_locator().set_params(integer=True)
     opts = run["loss_scale"]
     ax.set(xlabel="step", ylabel="loss scale S",
@@ -388,7 +551,7 @@ def loss_scale_trajectory(run: dict):
     return fig
 
 
-# --- one step, rank by rank (minizero.lab.stepthrough): notebooks 00-05, 07 and 08 -----------------------
+# --- one step, rank by rank (minizero.lab.stepthrough): notebooks 00-05, 07 and 08 ----------------
 def _cells(values) -> np.ndarray:
     return np.array([[np.nan if v is None else v for v in row] for row in values], dtype=float)
 
@@ -398,12 +561,16 @@ def _pad_columns(buckets: list[dict]) -> set[int]:
 
 
 def _boundaries(steps: dict) -> list[tuple[int, str]]:
-    """(column, "bucket" | "partition") where a bucket or, when partitioned, a rank's partition starts."""
+    """(column, "bucket" | "partition") where a bucket or, when partitioned, a rank's
+    partition starts."""
     out = []
     for b in steps["buckets"]:
         out.append((b["start"], "bucket"))
         if steps["partitioned"]:
-            out += [(b["start"] + q * b["shard"], "partition") for q in range(1, b["padded"] // b["shard"])]
+            out += [
+                (b["start"] + q * b["shard"], "partition")
+                for q in range(1, b["padded"] // b["shard"])
+            ]
     return out
 
 
@@ -424,30 +591,41 @@ def step_table(steps: dict) -> str:
             if previous is not None and rows == [rank[name] for rank in previous["ranks"]]:
                 continue
             for r, row in enumerate(rows):
-                lines.append(f"    {name if r == 0 else '':>22} rank {r}" + "".join(cell(j, v) for j, v in enumerate(row)))
+                lines.append(
+                    f"    {name if r == 0 else '':>22} rank {r}"
+                    + "".join(cell(j, v) for j, v in enumerate(row))
+                )
         previous = phase
     return "\n".join(lines)
 
 
 def step_grid(steps: dict, phase: int):
-    """One phase of the step-through: per buffer, a grid with a row per rank and a column per element of
-    the padded flat buffer; values in the cells, blank where a rank does not hold the element, padding
-    hatched, partition boundaries dashed and bucket boundaries solid, values that changed in this phase
-    in bold with a black frame."""
+    """One phase of the step-through: per buffer, a grid with a row per rank and a column per
+    element of the padded flat buffer; values in the cells, blank where a rank does not hold the
+    element, padding hatched, partition boundaries dashed and bucket boundaries solid, values that
+    changed in this phase in bold with a black frame."""
     ph, phases = steps["phases"][phase], steps["phases"]
     prev = phases[phase - 1] if phase else None
     names, n, cols = list(ph["ranks"][0]), len(ph["ranks"]), steps["padded"]
     pad = _pad_columns(steps["buckets"])
-    fig, axes = plt.subplots(len(names), 1, figsize=(0.62 * cols + 2.6, (0.34 * n + 0.5) * len(names) + 1.5),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(names),
+        1,
+        figsize=(0.62 * cols + 2.6, (0.34 * n + 0.5) * len(names) + 1.5),
+        squeeze=False,
+    )
     cmap = plt.get_cmap("coolwarm").copy()
     cmap.set_bad("white")
     for ax, name in zip(axes[:, 0], names):
         vals = _cells([rank[name] for rank in ph["ranks"]])
-        everything = np.concatenate([_cells([rank[name] for rank in p["ranks"]]).ravel() for p in phases])
+        everything = np.concatenate(
+            [_cells([rank[name] for rank in p["ranks"]]).ravel() for p in phases]
+        )
         scale = np.nanmax(np.abs(everything)) if np.isfinite(everything).any() else 1.0
         ax.imshow(np.ma.masked_invalid(vals), cmap=cmap, vmin=-scale, vmax=scale, aspect="auto")
-        before = _cells([rank[name] for rank in prev["ranks"]]) if prev else np.full_like(vals, np.nan)
+        before = (
+            _cells([rank[name] for rank in prev["ranks"]]) if prev else np.full_like(vals, np.nan)
+        )
         for j in sorted(pad):
             ax.axvspan(j - 0.5, j + 0.5, facecolor="0.85", edgecolor="none")
         for r in range(n):
@@ -458,7 +636,11 @@ def step_grid(steps: dict, phase: int):
                 ax.text(j, r, f"{vals[r, j]:.2f}", ha="center", va="center", fontsize=7,
                         fontweight="bold" if changed else "normal")
                 if changed:
-                    ax.add_patch(plt.Rectangle((j - 0.5, r - 0.5), 1, 1, fill=False, edgecolor="black", linewidth=1.2))
+                    ax.add_patch(
+                        plt.Rectangle(
+                            (j - 0.5, r - 0.5), 1, 1, fill=False, edgecolor="black", linewidth=1.2
+                        )
+                    )
         for x, kind in _boundaries(steps):
             ax.axvline(x - 0.5, color="black", linewidth=2.2 if kind == "bucket" else 1.2,
                        linestyle="-" if kind == "bucket" else "--")
@@ -471,25 +653,45 @@ def step_grid(steps: dict, phase: int):
         ax.set_title(name, fontsize=9, loc="left")
     top = axes[0, 0]
     for name, start, numel in steps["segments"]:
-        top.annotate(name, (start + numel / 2 - 0.5, -0.5), xytext=(0, 14), textcoords="offset points",
-                     ha="center", fontsize=8, color="0.3", annotation_clip=False)
+        top.annotate(
+            name,
+            (start + numel / 2 - 0.5, -0.5),
+            xytext=(0, 14),
+            textcoords="offset points",
+            ha="center",
+            fontsize=8,
+            color="0.3",
+            annotation_clip=False,
+        )
     cfg = steps["config"]
-    what = STAGE_NAMES[cfg["stage"]] + (", optimizer offloaded" if cfg["offload"] else "") + \
-        (", activation checkpointing" if cfg["checkpointing"] else "") + \
-        (f", shard groups of {cfg['shard_group_size']} ranks" if cfg.get("shard_group_size") else "") + \
-        (f", hpZ groups of {cfg['hpz_group_size']} ranks" if cfg.get("hpz_group_size") else "")
+    what = (
+        STAGE_NAMES[cfg["stage"]]
+        + (", optimizer offloaded" if cfg["offload"] else "")
+        + (", activation checkpointing" if cfg["checkpointing"] else "")
+        + (
+            f", shard groups of {cfg['shard_group_size']} ranks"
+            if cfg.get("shard_group_size")
+            else ""
+        )
+        + (f", hpZ groups of {cfg['hpz_group_size']} ranks" if cfg.get("hpz_group_size") else "")
+    )
     saved = ", ".join(f"{a} B" for a in ph["activations"])
     fig.suptitle(f"{what}, N = {n}: phase {phase} of {len(phases) - 1}\n{ph['label']}\n"
                  f"saved for backward per rank: {saved}", fontsize=10)
-    fig.subplots_adjust(left=1.1 / fig.get_figwidth(), right=0.99, top=1 - 1.45 / fig.get_figheight(),
-                        bottom=0.1 / fig.get_figheight(), hspace=0.5)
+    fig.subplots_adjust(
+        left=1.1 / fig.get_figwidth(),
+        right=0.99,
+        top=1 - 1.45 / fig.get_figheight(),
+        bottom=0.1 / fig.get_figheight(),
+        hspace=0.5,
+    )
     return fig
 
 
 def stepper(first, compute, draw, count, choices: dict, key: tuple, play_ms: int = 2000):
-    """An ipywidgets control, returned for the cell to show: a Dropdown per entry of `choices` (name ->
-    options, `key` the setting of `first`; a new setting calls compute(**setting), cached), a Play button
-    and a slider over draw(result, i) for i < count(result)."""
+    """An ipywidgets control, returned for the cell to show: a Dropdown per entry of `choices`
+    (name -> options, `key` the setting of `first`; a new setting calls compute(**setting), cached),
+    a Play button and a slider over draw(result, i) for i < count(result)."""
     import ipywidgets as w
     from IPython.display import display
     cache, current = {key: first}, {"result": first}
@@ -512,7 +714,7 @@ def stepper(first, compute, draw, count, choices: dict, key: tuple, play_ms: int
         if setting not in cache:
             try:
                 cache[setting] = compute(**dict(zip(drops, setting)))
-            except (ValueError, RuntimeError) as exc:     # a setting the engine refuses: its one line
+            except (ValueError, RuntimeError) as exc:   # a setting the engine refuses: its one line
                 with out:
                     out.clear_output()
                     print(f"{exc}".splitlines()[0])
@@ -531,9 +733,9 @@ def stepper(first, compute, draw, count, choices: dict, key: tuple, play_ms: int
 
 
 def step_widget(steps: dict, **choices):
-    """The step-through, interactive: Play or drag over the phases; each Dropdown (a StepConfig field ->
-    its options, e.g. stage=[0, 1, 2, 3], world_size=[2, 3, 4]) records the step again with that setting
-    (one launch, ~1 s; cached)."""
+    """The step-through, interactive: Play or drag over the phases; each Dropdown (a StepConfig
+    field -> its options, e.g. stage=[0, 1, 2, 3], world_size=[2, 3, 4]) records the step again with
+    that setting (one launch, ~1 s; cached)."""
     from minizero.lab.stepthrough import StepConfig, record
     cfg = steps["config"]
     return stepper(steps, lambda **setting: record(StepConfig(**{**cfg, **setting})), step_grid,
@@ -541,8 +743,8 @@ def step_widget(steps: dict, **choices):
 
 
 def ring_table(ring: dict) -> str:
-    """The ring all-reduce as text: each rank's padded buffer before each exchange and at the end, and
-    which chunk it sends to its right neighbour."""
+    """The ring all-reduce as text: each rank's padded buffer before each exchange and at the end,
+    and which chunk it sends to its right neighbour."""
     n, c = ring["world_size"], ring["chunk"]
     lines = []
     for s, state in enumerate(ring["states"]):
@@ -553,16 +755,22 @@ def ring_table(ring: dict) -> str:
         else:
             lines.append("result: the sum on every rank")
         for r, row in enumerate(state):
-            chunks = " |".join("".join(f"{v:6.0f}" for v in row[i * c:(i + 1) * c]) for i in range(n))
-            sends = f"   sends chunk {ring['sends'][s][r]} to rank {(r + 1) % n}" if s < len(ring["sends"]) else ""
+            chunks = " |".join(
+                "".join(f"{v:6.0f}" for v in row[i * c : (i + 1) * c]) for i in range(n)
+            )
+            sends = (
+                f"   sends chunk {ring['sends'][s][r]} to rank {(r + 1) % n}"
+                if s < len(ring["sends"])
+                else ""
+            )
             lines.append(f"    rank {r}:{chunks}{sends}")
     return "\n".join(lines)
 
 
 def ring_grid(ring: dict, s: int):
-    """State s of the ring all-reduce (0: the inputs; 2(N-1): the sums): one row per rank, chunks between
-    the dashed lines, padding hatched; green: the chunk the last exchange wrote, orange frame: the chunk
-    the rank sends next to its right neighbour."""
+    """State s of the ring all-reduce (0: the inputs; 2(N-1): the sums): one row per rank, chunks
+    between the dashed lines, padding hatched; green: the chunk the last exchange wrote, orange
+    frame: the chunk the rank sends next to its right neighbour."""
     n, c, numel = ring["world_size"], ring["chunk"], ring["numel"]
     vals = _cells(ring["states"][s])
     fig, ax = plt.subplots(figsize=(0.75 * n * c + 3.2, 0.5 * n + 1.4))
@@ -570,11 +778,21 @@ def ring_grid(ring: dict, s: int):
     for r in range(n):
         if s > 0:                                            # written by the last exchange
             i = ring["sends"][s - 1][(r - 1) % n]
-            ax.add_patch(plt.Rectangle((i * c - 0.5, r - 0.5), c, 1, facecolor="tab:green", alpha=0.35))
+            ax.add_patch(
+                plt.Rectangle((i * c - 0.5, r - 0.5), c, 1, facecolor="tab:green", alpha=0.35)
+            )
         if s < len(ring["sends"]):                           # sent next
             i = ring["sends"][s][r]
-            ax.add_patch(plt.Rectangle((i * c - 0.5, r - 0.45), c, 0.9, fill=False, edgecolor="tab:orange",
-                                       linewidth=2.5))
+            ax.add_patch(
+                plt.Rectangle(
+                    (i * c - 0.5, r - 0.45),
+                    c,
+                    0.9,
+                    fill=False,
+                    edgecolor="tab:orange",
+                    linewidth=2.5,
+                )
+            )
             ax.annotate(f"chunk {i} → rank {(r + 1) % n}", (n * c - 0.5, r), xytext=(8, 0),
                         textcoords="offset points", va="center", fontsize=8, color="tab:orange",
                         annotation_clip=False)
@@ -597,15 +815,20 @@ def ring_grid(ring: dict, s: int):
     elif s <= n - 1:
         what = f"after exchange {s} of {steps}: reduce-scatter, the received chunk was added"
     else:
-        what = f"after exchange {s} of {steps}: all-gather, the received chunk replaced the local one"
-    ax.set_title(f"ring all-reduce, N = {n}: {what}" + (" (done: the sum everywhere)" if s == steps else ""),
-                 fontsize=10)
+        what = (
+            f"after exchange {s} of {steps}: all-gather, the received chunk replaced the local one"
+        )
+    ax.set_title(
+        f"ring all-reduce, N = {n}: {what}" + (" (done: the sum everywhere)" if s == steps else ""),
+        fontsize=10,
+    )
     fig.tight_layout()
     return fig
 
 
 def ring_widget(ring: dict, world_sizes=(2, 3, 4)):
-    """The ring, interactive: Play or drag over the 2(N-1) exchanges; the Dropdown runs it on another N."""
+    """The ring, interactive: Play or drag over the 2(N-1) exchanges; the Dropdown runs it on
+    another N."""
     from minizero.lab.stepthrough import ring as run_ring
     return stepper(ring, lambda world_size: run_ring(world_size, ring["numel"]), ring_grid,
              lambda rg: len(rg["states"]), {"world_size": list(world_sizes)}, (ring["world_size"],))

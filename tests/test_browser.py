@@ -47,14 +47,17 @@ import urllib.request
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"     # Debian's, never a downloaded one
+# Debian's, never a downloaded one
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 NOTEBOOK = "06_compare"         # fast with the small settings (~15 s), a control that recomputes
 STAGE_NOTEBOOK = "02_zero1"     # a stage notebook: its worker cell, the launch, the in-process cell
 NOTEBOOK_NAMES = sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb"))
 RUN_TIMEOUT_S = 240
 WIDGET_CONTROLS = (".widget-slider, .widget-dropdown, .widget-play, .widget-toggle-buttons, "
                    ".widget-radio, .widget-select, .widget-button, .widget-checkbox, .widget-text")
-ERROR_LINE = re.compile(r"Traceback \(most recent call last\)|^\s*\w*(Error|Exception|Interrupt)\b", re.MULTILINE)
+ERROR_LINE = re.compile(
+    r"Traceback \(most recent call last\)|^\s*\w*(Error|Exception|Interrupt)\b", re.MULTILINE
+)
 
 
 def _missing() -> str | None:
@@ -81,9 +84,9 @@ if _missing() is None:
     from test_notebooks import with_tiny_settings
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the browser, JupyterLab, and evidence on failure
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def evidence_dir():
@@ -106,7 +109,8 @@ def browser():
 
 @contextlib.contextmanager
 def screenshots_on_failure(driver, name: str, evidence: dict, extra: dict | None = None):
-    """Any exception inside: a screenshot, the page's HTML and `extra` files go to a temporary folder."""
+    """Any exception inside: a screenshot, the page's HTML and `extra` files go to a
+    temporary folder."""
     try:
         yield
     except BaseException as e:
@@ -141,7 +145,8 @@ def children(pid: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    """`jupyter lab` on a free port serving a copy of notebooks/; the kernel imports this checkout's minizero."""
+    """`jupyter lab` on a free port serving a copy of notebooks/; the kernel imports this
+    checkout's minizero."""
     base = tmp_path_factory.mktemp("lab")
     root = base / "notebooks"
     # the .ipynb files without their jupytext twins (NN_name.py), which jupytext's contents manager
@@ -152,8 +157,10 @@ def lab(tmp_path_factory):
         path = root / f"{name}.ipynb"
         nbformat.write(with_tiny_settings(nbformat.read(path, as_version=4), name), path)
     settings = base / "settings" / "@jupyterlab"
-    for extension, values in (("notebook-extension/tracker", {"windowingMode": "none"}),   # every cell in the DOM
-                              ("apputils-extension/notification", {"fetchNews": "false"})):  # no news pop-up
+    # no news pop-up
+    # every cell in the DOM
+    for extension, values in (("notebook-extension/tracker", {"windowingMode": "none"}),
+                              ("apputils-extension/notification", {"fetchNews": "false"})):
         (settings / extension).parent.mkdir(parents=True, exist_ok=True)
         (settings / f"{extension}.jupyterlab-settings").write_text(json.dumps(values))
     token, port = secrets.token_hex(16), free_port()
@@ -180,12 +187,15 @@ def lab(tmp_path_factory):
                 break
             except OSError:
                 if time.monotonic() > deadline:
-                    pytest.fail(f"jupyter lab did not answer within 60 s: {log.read_text()[-2000:]}")
+                    pytest.fail(
+                        f"jupyter lab did not answer within 60 s: {log.read_text()[-2000:]}"
+                    )
                 time.sleep(0.3)
         yield {"url": url, "token": token, "root": root, "log": log}
     finally:
-        # Killed, not stopped: a polite stop waits ~5 s on kernels that are about to die anyway. Each kernel
-        # leads its own process group (with any ranks it launched), so it is killed by its own id.
+        # Killed, not stopped: a polite stop waits ~5 s on kernels that are about to die anyway.
+        # Each kernel leads its own process group (with any ranks it launched), so it is killed by
+        # its own id.
         kernels = children(proc.pid)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -197,9 +207,9 @@ def lab(tmp_path_factory):
                     os.kill(pid, signal.SIGKILL)
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # a notebook in JupyterLab
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 def wait_for(condition, timeout: float, what: str, poll: float = 0.3):
     deadline = time.monotonic() + timeout
@@ -213,7 +223,10 @@ def wait_for(condition, timeout: float, what: str, poll: float = 0.3):
 
 
 def kernel_idle(driver) -> bool:
-    return any(re.search(r"\|\s*Idle\b", e.text) for e in driver.find_elements(By.CSS_SELECTOR, ".jp-StatusBar-Widget"))
+    return any(
+        re.search(r"\|\s*Idle\b", e.text)
+        for e in driver.find_elements(By.CSS_SELECTOR, ".jp-StatusBar-Widget")
+    )
 
 
 def open_notebook(driver, lab: dict, name: str) -> None:
@@ -251,7 +264,8 @@ def check_markdown(driver, name: str, root: pathlib.Path) -> None:
 
 
 def run_all_cells(driver, lab: dict, name: str) -> list:
-    """Open `name`.ipynb, click Run → Run All Cells, wait until no cell is running; the code cells' elements."""
+    """Open `name`.ipynb, click Run → Run All Cells, wait until no cell is running; the code
+    cells' elements."""
     open_notebook(driver, lab, name)
     menu = lambda selector, label: next(e for e in driver.find_elements(By.CSS_SELECTOR, selector)
                                         if e.text == label)
@@ -262,37 +276,65 @@ def run_all_cells(driver, lab: dict, name: str) -> list:
     cells = driver.find_elements(By.CSS_SELECTOR, ".jp-NotebookPanel .jp-CodeCell")
     prompts = lambda: [c.find_element(By.CSS_SELECTOR, ".jp-InputPrompt").text for c in cells]
     # Run All stops at the first error: then some prompts stay "[ ]:" and the kernel goes idle
-    wait_for(lambda: "[*]:" not in prompts() and re.fullmatch(r"\[\d+\]:", prompts()[0]) and kernel_idle(driver),
-             RUN_TIMEOUT_S, f"{name} to run")
+    wait_for(
+        lambda: (
+            "[*]:" not in prompts()
+            and re.fullmatch(r"\[\d+\]:", prompts()[0])
+            and kernel_idle(driver)
+        ),
+        RUN_TIMEOUT_S,
+        f"{name} to run",
+    )
     return cells
 
 
 def widget_cells(name: str, root: pathlib.Path) -> list[int]:
     """Indices (among code cells) of the cells that build an ipywidgets control."""
-    cells = [c for c in json.loads((root / f"{name}.ipynb").read_text())["cells"] if c["cell_type"] == "code"]
-    return [i for i, c in enumerate(cells) if re.search(r"\bipywidgets\b|\binteract(ive)?\(|\bplots\.\w+_widget\(", "".join(c["source"]))]
+    cells = [
+        c
+        for c in json.loads((root / f"{name}.ipynb").read_text())["cells"]
+        if c["cell_type"] == "code"
+    ]
+    return [
+        i
+        for i, c in enumerate(cells)
+        if re.search(
+            r"\bipywidgets\b|\binteract(ive)?\(|\bplots\.\w+_widget\(", "".join(c["source"])
+        )
+    ]
 
 
 def check_cells(cells: list, widgets: list[int]):
     """Every code cell ran without a traceback; each widget cell shows a rendered control."""
     prompts = [c.find_element(By.CSS_SELECTOR, ".jp-InputPrompt").text for c in cells]
     for i, cell in enumerate(cells):
-        for out in cell.find_elements(By.CSS_SELECTOR, '[data-mime-type="application/vnd.jupyter.stderr"]'):
+        for out in cell.find_elements(
+            By.CSS_SELECTOR, '[data-mime-type="application/vnd.jupyter.stderr"]'
+        ):
             if ERROR_LINE.search(out.text):
                 raise AssertionError(f"code cell {i} ({prompts[i]}) shows an error:\n{out.text}")
     if not all(re.fullmatch(r"\[\d+\]:", p) for p in prompts):
         raise AssertionError(f"cells left unexecuted: {prompts}")
     for i in widgets:
         outputs = cells[i].find_element(By.CSS_SELECTOR, ".jp-OutputArea")
-        wait_for(lambda outputs=outputs: "Loading widget" not in outputs.text, 20, f"code cell {i}'s widgets to load")
-        controls = [e for e in outputs.find_elements(By.CSS_SELECTOR, WIDGET_CONTROLS) if e.is_displayed()]
+        wait_for(
+            lambda outputs=outputs: "Loading widget" not in outputs.text,
+            20,
+            f"code cell {i}'s widgets to load",
+        )
+        controls = [
+            e for e in outputs.find_elements(By.CSS_SELECTOR, WIDGET_CONTROLS) if e.is_displayed()
+        ]
         if "Error displaying widget" in outputs.text or not controls:
-            raise AssertionError(f"code cell {i} builds a widget but shows no control: {outputs.text[:500]!r}")
+            raise AssertionError(
+                f"code cell {i} builds a widget but shows no control: {outputs.text[:500]!r}"
+            )
 
 
 def change_a_control(driver, cell) -> str:
-    """Pick another value in the cell's first dropdown (else nudge its first slider); the interactive output's
-    new HTML, once it differs from before (it must be recomputed by the kernel, not only redrawn)."""
+    """Pick another value in the cell's first dropdown (else nudge its first slider); the
+    interactive output's new HTML, once it differs from before (it must be recomputed by the kernel,
+    not only redrawn)."""
     view = lambda: cell.find_element(By.CSS_SELECTOR, ".widget-output").get_attribute("innerHTML")
     before = view()
     selects = cell.find_elements(By.CSS_SELECTOR, ".widget-dropdown select")
@@ -320,14 +362,17 @@ def test_notebook_runs_in_jupyterlab_and_its_widgets_work(browser, lab, evidence
     with screenshots_on_failure(browser, NOTEBOOK, evidence_dir, {"jupyterlab.log": lab["log"]}):
         cells = run_all_cells(browser, lab, NOTEBOOK)
         check_cells(cells, widgets)
-        interactive = [i for i in widgets if cells[i].find_elements(By.CSS_SELECTOR, ".widget-output")]
+        interactive = [
+            i for i in widgets if cells[i].find_elements(By.CSS_SELECTOR, ".widget-output")
+        ]
         assert interactive, f"no widget cell of {NOTEBOOK} has an output its controls recompute"
         change_a_control(browser, cells[interactive[0]])
-        check_cells(cells, widgets)                       # and the recomputed output is no traceback
+        check_cells(cells, widgets)                      # and the recomputed output is no traceback
 
 
 def test_a_stage_notebook_runs_in_jupyterlab(browser, lab, evidence_dir):
-    """Its %%writefile worker is imported by the launched ranks from the folder JupyterLab serves."""
+    """Its %%writefile worker is imported by the launched ranks from the folder
+    JupyterLab serves."""
     log = {"jupyterlab.log": lab["log"]}
     with screenshots_on_failure(browser, STAGE_NOTEBOOK, evidence_dir, log):
         cells = run_all_cells(browser, lab, STAGE_NOTEBOOK)
@@ -340,7 +385,8 @@ def test_a_stage_notebook_runs_in_jupyterlab(browser, lab, evidence_dir):
 
 BROKEN = [
     "from ipywidgets import IntSlider, interact",
-    "def view(x):\n    raise RuntimeError(f'broken widget callback at x = {x}')\ninteract(view, x=IntSlider(3));",
+    "def view(x):\n    raise RuntimeError(f'broken widget "
+    "callback at x = {x}')\ninteract(view, x=IntSlider(3));",
     ("import ipywidgets, traitlets\n"                    # a model class the front end does not know
      "class Unknown(ipywidgets.DOMWidget):\n"
      "    _model_name = traitlets.Unicode('NoSuchModel').tag(sync=True)\n"
@@ -350,15 +396,30 @@ BROKEN = [
 
 
 def test_broken_widget_cells_fail_the_checks(browser, lab, evidence_dir):
-    """The same checks on a small notebook whose widget callback raises, and whose last widget's model class
-    does not exist in the front end: each must fail them."""
-    nb = {"cells": [{"cell_type": "code", "metadata": {}, "source": s, "outputs": [], "execution_count": None}
-                    for s in BROKEN],
-          "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
-          "nbformat": 4, "nbformat_minor": 5}
+    """The same checks on a small notebook whose widget callback raises, and whose last widget's
+    model class does not exist in the front end: each must fail them."""
+    nb = {
+        "cells": [
+            {
+                "cell_type": "code",
+                "metadata": {},
+                "source": s,
+                "outputs": [],
+                "execution_count": None,
+            }
+            for s in BROKEN
+        ],
+        "metadata": {
+            "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}
+        },
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
     (lab["root"] / "broken_widget.ipynb").write_text(json.dumps(nb))
     assert widget_cells("broken_widget", lab["root"]) == [0, 1, 2]
-    with screenshots_on_failure(browser, "broken_widget", evidence_dir, {"jupyterlab.log": lab["log"]}):
+    with screenshots_on_failure(
+        browser, "broken_widget", evidence_dir, {"jupyterlab.log": lab["log"]}
+    ):
         cells = run_all_cells(browser, lab, "broken_widget")
         with pytest.raises(AssertionError, match="RuntimeError: broken widget callback at x = 3"):
             check_cells(cells[:2], [1])
@@ -381,9 +442,9 @@ def test_indented_markdown_fails_the_check(browser, lab, evidence_dir):
             check_markdown(browser, "indented_markdown", lab["root"])
 
 
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # the slide deck
-# --------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 def _load_build():
     spec = importlib.util.spec_from_file_location("slides_build", ROOT / "slides" / "build.py")
@@ -394,7 +455,8 @@ def _load_build():
 
 @pytest.fixture(scope="module")
 def deck(tmp_path_factory) -> pathlib.Path:
-    """slides/deck.md built by slides/build.py, with a placeholder PNG (a distinct size each) per figure."""
+    """slides/deck.md built by slides/build.py, with a placeholder PNG (a distinct size each)
+    per figure."""
     import numpy as np
     from matplotlib.image import imsave
 
@@ -409,11 +471,13 @@ def deck(tmp_path_factory) -> pathlib.Path:
 
 SLIDE_STATE = """
 const current = document.querySelectorAll('.slide.current');
-return {current: Array.from(document.querySelectorAll('.slide')).findIndex(s => s.classList.contains('current')),
+const slides = Array.from(document.querySelectorAll('.slide'));
+return {current: slides.findIndex(s => s.classList.contains('current')),
         shown: current.length, number: document.querySelector('.number').textContent,
         images: current.length ? Array.from(current[0].querySelectorAll('img')).map(img => ({
             name: img.dataset.src, complete: img.complete, width: img.naturalWidth,
-            shown: img.getBoundingClientRect().width > 0 && img.getBoundingClientRect().height > 0})) : []};
+            shown: img.getBoundingClientRect().width > 0
+                   && img.getBoundingClientRect().height > 0})) : []};
 """
 
 
@@ -424,17 +488,29 @@ def test_deck_navigates_with_the_keyboard_and_shows_every_figure(browser, deck, 
         assert n >= 2
         keys, seen = [Keys.ARROW_RIGHT, Keys.SPACE, Keys.PAGE_DOWN], []
         for i in range(n):
-            state = wait_for(lambda i=i: (s := browser.execute_script(SLIDE_STATE))["current"] == i and s, 5,
-                             f"slide {i + 1}")
+            state = wait_for(
+                lambda i=i: (s := browser.execute_script(SLIDE_STATE))["current"] == i and s,
+                5,
+                f"slide {i + 1}",
+            )
             assert state["shown"] == 1 and state["number"] == f"{i + 1} / {n}", state
             for img in state["images"]:
-                assert img["complete"] and img["width"] > 0 and img["shown"], f"slide {i + 1}: {img}"
+                assert img["complete"] and img["width"] > 0 and img["shown"], (
+                    f"slide {i + 1}: {img}"
+                )
                 seen.append(img["name"])
             ActionChains(browser).send_keys(keys[i % len(keys)]).perform()
-        referenced = re.findall(r"!\[[^\]]*\]\(figures/([^)]+)\)", (ROOT / "slides" / "deck.md").read_text())
+        referenced = re.findall(
+            r"!\[[^\]]*\]\(figures/([^)]+)\)", (ROOT / "slides" / "deck.md").read_text()
+        )
         assert seen == referenced, "every figure of the deck, each on its slide, in order"
-        assert browser.execute_script(SLIDE_STATE)["current"] == n - 1        # past the end: stays on the last
+        # past the end: stays on the last
+        assert browser.execute_script(SLIDE_STATE)["current"] == n - 1
         ActionChains(browser).send_keys(Keys.HOME).perform()
-        assert wait_for(lambda: browser.execute_script(SLIDE_STATE)["number"] == f"1 / {n}", 5, "Home")
+        assert wait_for(
+            lambda: browser.execute_script(SLIDE_STATE)["number"] == f"1 / {n}", 5, "Home"
+        )
         ActionChains(browser).send_keys(Keys.ARROW_LEFT).send_keys(Keys.END).perform()
-        assert wait_for(lambda: browser.execute_script(SLIDE_STATE)["number"] == f"{n} / {n}", 5, "End")
+        assert wait_for(
+            lambda: browser.execute_script(SLIDE_STATE)["number"] == f"{n} / {n}", 5, "End"
+        )
