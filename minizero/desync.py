@@ -34,7 +34,7 @@ when it has completed: events.py), so comm itself knows nothing of it.
 
 Cost: a record per collective (microseconds) and, every `check_every` collectives, a few store
 round trips that wait for the slowest rank to reach the same collective (measured on training
-steps by python -m minizero.lab.desync_cost). Threads: the main thread records and, at a
+steps by python -m minizero.bench --desync). Threads: the main thread records and, at a
 check, uses a store connection of its own; the watchdog has another (a TCPStore connection serves
 one request at a time, and a check may wait on it for long).
 """

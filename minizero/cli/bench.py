@@ -9,16 +9,8 @@ from __future__ import annotations
 
 import sys
 
-from minizero.cli import (
-    OneLineParser,
-    UsageError,
-    collectives,
-    emit,
-    fail,
-    mode_of,
-    peak,
-    scale,
-)
+from minizero.cli import OneLineParser, UsageError, emit, fail, mode_of
+from minizero.cli import collectives, desync_cost, peak, scale      # the other measurements
 from minizero.lab import deepspeed_peer
 from minizero.lab.bench import PEER_FAMILIES, VARIANTS, compare, format_table
 from minizero.lab.model import MODEL_NAMES, SIZES
@@ -27,11 +19,12 @@ from minizero.lab.train import progress_wanted
 
 def main(argv: list[str] | None = None) -> int:
     prog = "python -m minizero.bench"
-    # --scale, --peak and --collectives run another measurement, with options of its own
+    # --scale, --peak, --collectives and --desync run another measurement, with options of its own
     try:
         mode, argv = mode_of(
             sys.argv[1:] if argv is None else argv,
-            {"--scale": scale.main, "--peak": peak.main, "--collectives": collectives.main},
+            {"--scale": scale.main, "--peak": peak.main, "--collectives": collectives.main,
+             "--desync": desync_cost.main},
         )
     except UsageError as e:
         return fail(prog, str(e))
@@ -97,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
             "minizero.comm run it instead (takes --world-size, --numel, --repeats, --json)"
         ),
     )
+    ap.add_argument("--desync", action="store_true",
+                    help="what the desync watch costs a step instead (takes --size, --stages, "
+                         "--world-size, --steps, --repeats; minizero/lab/desync_cost.py)")
     try:
         args = ap.parse_args(argv)
         sizes, peers = _validate(args)

@@ -1,7 +1,7 @@
 """What minizero.desync costs a training step, measured two ways.
 
-    python -m minizero.lab.desync_cost                         # 8M, stages 2 and 3, N = 2
-    python -m minizero.lab.desync_cost --size 8M --stages 3 --world-size 2 --steps 8 --repeats 3
+    python -m minizero.bench --desync                          # 8M, stages 2 and 3, N = 2
+    python -m minizero.bench --desync --size 8M --stages 3 --world-size 2 --steps 8 --repeats 3
 
 1. Per collective: a loop of small all-reduces, in turns with the watch off, on without checks
    (the recorder and the watchdog only), at the default check_every, and with a check before every
@@ -16,9 +16,7 @@
 
 from __future__ import annotations
 
-import argparse
 import functools
-import statistics
 import time
 from dataclasses import replace
 
@@ -26,7 +24,6 @@ import torch
 
 from minizero import comm, desync, events
 from minizero.lab.train import TrainConfig, train_worker
-from minizero.launcher import launch
 
 SETTINGS = {"off": None, "no checks": 0,
             f"every {desync.DEFAULT_CHECK_EVERY}": desync.DEFAULT_CHECK_EVERY, "every 1": 1}
@@ -65,35 +62,3 @@ def cost_worker(cfgs: list[TrainConfig], repeats: int) -> dict:
                 steps = _watched(every, functools.partial(train_worker, cfg))["step_times"][1:]
                 out.setdefault(f"stage {cfg.stage}, {name}", []).extend(steps)
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m minizero.lab.desync_cost",
-                                description=__doc__.split("\n")[0])
-    p.add_argument("--size", default="8M")
-    p.add_argument("--stages", default="2,3")
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--repeats", type=int, default=3)
-    args = p.parse_args(argv)
-    cfgs = [TrainConfig(stage=int(s), world_size=args.world_size, steps=args.steps,
-                        model=args.size) for s in args.stages.split(",")]
-    ranks = launch(cost_worker, args.world_size, cfgs, args.repeats, stall_timeout=None,
-                   check_every=0)
-    slowest = {key: [max(v) for v in zip(*(r[key] for r in ranks))]
-               for key in ranks[0] if key != "collectives"}
-    median = {key: statistics.median(v) for key, v in slowest.items()}
-    for cfg in cfgs:
-        count, off = ranks[0]["collectives"][cfg.stage], median[f"stage {cfg.stage}, off"]
-        print(f"{args.size} stage {cfg.stage} N={args.world_size}: {count} collectives and "
-              f"{off * 1e3:.0f} ms per step (watch off)")
-        for name in list(SETTINGS)[1:]:
-            added = median[f"call, {name}"] - median["call, off"]
-            whole = median[f"stage {cfg.stage}, {name}"] / off - 1
-            print(f"  watch {name:>9}: {added * 1e6:+6.1f} us CPU per collective = "
-                  f"{added * count / off * 100:+.2f} % of a step; whole steps {whole * 100:+.1f} %")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
