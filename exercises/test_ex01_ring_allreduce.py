@@ -16,16 +16,8 @@ from minizero import comm
 N = 3
 SHAPES = [(10,), (4, 6), (2,)]        # not divisible by N; 2 elements: fewer than ranks
 COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_single",
-    "all_gather_into_tensor",
-    "reduce_scatter",
-    "reduce_scatter_single",
-    "reduce_scatter_tensor",
-    "broadcast",
-    "reduce",
-    "all_to_all_single",
+    "all_reduce", "all_gather", "all_gather_single", "all_gather_into_tensor", "reduce_scatter",
+    "reduce_scatter_single", "reduce_scatter_tensor", "broadcast", "reduce", "all_to_all_single",
 )
 # minizero.comm's collectives and its own ring are refused in the source too (g.guard)
 REFUSED = tuple(f"minizero.comm.{name}" for name in ("ring_all_reduce", "all_to_all", *COLLECTIVES))

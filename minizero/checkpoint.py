@@ -106,14 +106,7 @@ MANIFEST = "manifest.json"
 _VERSION_DIR = re.compile(r"v\d+")
 _STEP_DIR = re.compile(r"step-(\d+)")
 _MANIFEST_KEYS = (
-    "version",
-    "step",
-    "stage",
-    "world_size",
-    "optimizer",
-    "buckets",
-    "state_dict",
-    "files",
+    "version", "step", "stage", "world_size", "optimizer", "buckets", "state_dict", "files",
 )
 
 

@@ -49,22 +49,9 @@ from minizero.flat import padded_size
 # Calls that only read a tensor's metadata (never its values): no gather needed. Attribute reads
 # (`p.shape`, `p.data`: a `__get__`) are metadata too; `p.data` is a view and stays partitioned.
 _METADATA = {
-    "numel",
-    "nelement",
-    "size",
-    "dim",
-    "ndimension",
-    "element_size",
-    "stride",
-    "storage_offset",
-    "is_contiguous",
-    "is_floating_point",
-    "is_complex",
-    "requires_grad_",
-    "untyped_storage",
-    "__get__",
-    "__set__",
-    "_set_grad_enabled",
+    "numel", "nelement", "size", "dim", "ndimension", "element_size", "stride", "storage_offset",
+    "is_contiguous", "is_floating_point", "is_complex", "requires_grad_", "untyped_storage",
+    "__get__", "__set__", "_set_grad_enabled",
 }
 
 

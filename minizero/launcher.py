@@ -217,16 +217,8 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None
             p = ctx.Process(
                 target=_worker,
                 args=(
-                    rank,
-                    world_size,
-                    store.port,
-                    backend,
-                    payload,
-                    send_end,
-                    memory_cap,
-                    network,
-                    stall_timeout,
-                    check_every,
+                    rank, world_size, store.port, backend, payload, send_end, memory_cap, network,
+                    stall_timeout, check_every,
                 ),
                 name=f"minizero-rank{rank}",
                 daemon=True,

@@ -17,11 +17,7 @@ from matplotlib.patches import Patch
 
 from minizero.lab.train import state_bytes
 from minizero.memory import (
-    comm_volume,
-    element_bytes,
-    estimate,
-    estimate_breakdown,
-    optimizer_k,
+    comm_volume, element_bytes, estimate, estimate_breakdown, optimizer_k,
 )
 
 COLORS = {

@@ -42,13 +42,7 @@ COLORS = {
 }
 LABELS = [label for label, _, _ in VARIANTS]
 FIGURES = (
-    "paper_7_5b",
-    "memory_vs_n",
-    "breakdown",
-    "comm",
-    "tradeoff",
-    "scale",
-    "zero3_timeline",
+    "paper_7_5b", "memory_vs_n", "breakdown", "comm", "tradeoff", "scale", "zero3_timeline",
     "bench_ratio",
 )
 

@@ -164,11 +164,8 @@ def test_collectives_are_timed_both_ways_and_agree(capsys):
     report = collectives.measure((2,), (1000,), repeats=1)
     (row,) = report["rows"]
     assert list(row["ms"]) == [
-        "all_reduce (backend)",
-        "reduce_scatter (backend)",
-        "reduce_scatter (minizero)",
-        "all_gather (backend)",
-        "all_gather (minizero)",
+        "all_reduce (backend)", "reduce_scatter (backend)", "reduce_scatter (minizero)",
+        "all_gather (backend)", "all_gather (minizero)",
     ]
     assert all(t > 0 for t in row["ms"].values()) and row["backend"] == "gloo"
     assert bench_command(["--collectives", "--numel", "0"]) == 2
@@ -205,15 +202,8 @@ def micro_batches(tmp_path_factory):
     assert (
         scale_command(
             [
-                "--micro-batch",
-                "--model",
-                "tiny",
-                "--budget-mb",
-                "0.5",
-                "--world-size",
-                "2",
-                "--json",
-                str(path),
+                "--micro-batch", "--model", "tiny", "--budget-mb", "0.5", "--world-size", "2",
+                "--json", str(path),
             ]
         )
         == 0

@@ -323,22 +323,8 @@ def test_consolidate_bad_input_is_one_line_exit_2_and_out_untouched(
 # --- periodic saves: a run killed at any moment and restarted with the same command ---------------
 
 PERIODIC = [
-    "--stage",
-    "2",
-    "--world-size",
-    "2",
-    "--model",
-    "tiny",
-    "--batch-size",
-    "12",
-    "--quiet",
-    "--steps",
-    "6",
-    "--save-every",
-    "2",
-    "--keep-last",
-    "2",
-    "--resume",
+    "--stage", "2", "--world-size", "2", "--model", "tiny", "--batch-size", "12", "--quiet",
+    "--steps", "6", "--save-every", "2", "--keep-last", "2", "--resume",
 ]
 
 

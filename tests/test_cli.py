@@ -32,21 +32,8 @@ def test_run_prints_table_and_writes_json(tmp_path):
     out = tmp_path / "run.json"
     p = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "minizero.run",
-            "--stage",
-            "2",
-            "--world-size",
-            "3",
-            "--steps",
-            "4",
-            "--batch-size",
-            "12",
-            "--model",
-            "tiny",
-            "--activation-checkpointing",
-            "--json",
+            sys.executable, "-m", "minizero.run", "--stage", "2", "--world-size", "3", "--steps",
+            "4", "--batch-size", "12", "--model", "tiny", "--activation-checkpointing", "--json",
             str(out),
         ],
         capture_output=True,
@@ -71,24 +58,9 @@ def test_run_under_torchrun_uses_its_process_group(tmp_path):
     out = tmp_path / "run.json"
     p = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "minizero.run",
-            "--stage",
-            "3",
-            "--offload",
-            "--steps",
-            "2",
-            "--model",
-            "tiny",
-            "--quiet",
-            "--json",
-            str(out),
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "-m", "minizero.run", "--stage", "3", "--offload", "--steps", "2", "--model", "tiny",
+            "--quiet", "--json", str(out),
         ],
         capture_output=True,
         text=True,
@@ -128,19 +100,8 @@ def test_fp16_run_reports_the_loss_scale_and_skipped_steps(tmp_path, capsys):
     assert (
         main(
             [
-                "--dtype",
-                "fp16",
-                "--loss-scale",
-                "1024",
-                "--world-size",
-                "2",
-                "--steps",
-                "2",
-                "--model",
-                "tiny",
-                "--quiet",
-                "--json",
-                str(out),
+                "--dtype", "fp16", "--loss-scale", "1024", "--world-size", "2", "--steps", "2",
+                "--model", "tiny", "--quiet", "--json", str(out),
             ]
         )
         == 0
@@ -155,19 +116,8 @@ def test_fp32_reduction_run_counts_4_byte_gradients(tmp_path, capsys):
     assert (
         main(
             [
-                "--dtype",
-                "bf16",
-                "--reduce-dtype",
-                "fp32",
-                "--world-size",
-                "2",
-                "--steps",
-                "2",
-                "--model",
-                "tiny",
-                "--quiet",
-                "--json",
-                str(out),
+                "--dtype", "bf16", "--reduce-dtype", "fp32", "--world-size", "2", "--steps", "2",
+                "--model", "tiny", "--quiet", "--json", str(out),
             ]
         )
         == 0
@@ -190,17 +140,8 @@ def test_save_then_load_resumes_bit_exactly(tmp_path, capsys):
     assert (
         main(
             [
-                "--stage",
-                "3",
-                "--world-size",
-                "4",
-                "--model",
-                "tiny",
-                "--quiet",
-                "--steps",
-                "3",
-                "--load",
-                ckpt,
+                "--stage", "3", "--world-size", "4", "--model", "tiny", "--quiet", "--steps", "3",
+                "--load", ckpt,
             ]
         )
         == 0
@@ -218,17 +159,8 @@ def saved_n2(tmp_path_factory):
     assert (
         main(
             [
-                "--stage",
-                "2",
-                "--world-size",
-                "2",
-                "--model",
-                "tiny",
-                "--quiet",
-                "--steps",
-                "1",
-                "--save",
-                d,
+                "--stage", "2", "--world-size", "2", "--model", "tiny", "--quiet", "--steps", "1",
+                "--save", d,
             ]
         )
         == 0

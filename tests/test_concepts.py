@@ -4,13 +4,7 @@ makes now."""
 import pytest
 
 from minizero.lab.concepts import (
-    CONCEPTS,
-    DOC,
-    ROOT,
-    concept_rows,
-    main,
-    resolve,
-    to_markdown,
+    CONCEPTS, DOC, ROOT, concept_rows, main, resolve, to_markdown,
 )
 
 REGENERATE = "run `python -m minizero.lab.concepts --write` and commit docs/concepts.md"

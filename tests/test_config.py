@@ -9,11 +9,7 @@ import pytest
 
 from minizero.cli.run import build_parser, config_from_args, main
 from minizero.config import (
-    ALWAYS_ON,
-    KEYS,
-    NOT_IMPLEMENTED,
-    ConfigError,
-    load_deepspeed_config,
+    ALWAYS_ON, KEYS, NOT_IMPLEMENTED, ConfigError, load_deepspeed_config,
 )
 
 ROOT = Path(__file__).parent.parent
@@ -321,68 +317,22 @@ def test_flags_given_override_the_file_and_only_those(tmp_path, capsys):
         }}))
     cfg = _cfg("--config", str(path), "--world-size", "4")
     assert (
-        cfg.stage,
-        cfg.world_size,
-        cfg.batch_size,
-        cfg.grad_accum,
-        cfg.dtype,
-        cfg.offload,
-        cfg.lr,
-        cfg.clip_grad_norm,
-        cfg.bucket_size,
-        cfg.optimizer_params,
+        cfg.stage, cfg.world_size, cfg.batch_size, cfg.grad_accum, cfg.dtype, cfg.offload, cfg.lr,
+        cfg.clip_grad_norm, cfg.bucket_size, cfg.optimizer_params,
     ) == (
-        2,
-        4,
-        32,
-        2,
-        "bf16",
-        "optimizer",
-        1e-3,
-        1.0,
-        2000,
+        2, 4, 32, 2, "bf16", "optimizer", 1e-3, 1.0, 2000,
         {"betas": (0.8, 0.9), "weight_decay": 0.0},
     )
     assert cfg.scheduler == {"type": "WarmupLR", "params": {}}
     assert capsys.readouterr().err == ""
     cfg = _cfg(
-        "--config",
-        str(path),
-        "--world-size",
-        "2",
-        "--stage",
-        "3",
-        "--offload",
-        "params",
-        "--batch-size",
-        "8",
-        "--grad-accum",
-        "1",
-        "--dtype",
-        "fp32",
-        "--lr",
-        "0.01",
-        "--clip-grad-norm",
-        "2",
-        "--bucket-size-mb",
-        "1",
-        "--no-prefetch",
-        "--optimizer",
-        "sgd",
+        "--config", str(path), "--world-size", "2", "--stage", "3", "--offload", "params",
+        "--batch-size", "8", "--grad-accum", "1", "--dtype", "fp32", "--lr", "0.01",
+        "--clip-grad-norm", "2", "--bucket-size-mb", "1", "--no-prefetch", "--optimizer", "sgd",
     )
     assert (
-        cfg.stage,
-        cfg.world_size,
-        cfg.batch_size,
-        cfg.grad_accum,
-        cfg.dtype,
-        cfg.offload,
-        cfg.lr,
-        cfg.clip_grad_norm,
-        cfg.bucket_size,
-        cfg.prefetch,
-        cfg.optimizer,
-        cfg.optimizer_params,
+        cfg.stage, cfg.world_size, cfg.batch_size, cfg.grad_accum, cfg.dtype, cfg.offload, cfg.lr,
+        cfg.clip_grad_norm, cfg.bucket_size, cfg.prefetch, cfg.optimizer, cfg.optimizer_params,
     ) == (3, 2, 8, 1, "fp32", "params", 0.01, 2.0, 1e6, False, "sgd", {})
     assert (
         "--optimizer sgd replaces the file's adamw: its "
@@ -418,17 +368,8 @@ def test_the_fp16_example_runs_dynamic_loss_scaling_without_a_warning(tmp_path, 
     assert (
         main(
             [
-                "--config",
-                str(FP16),
-                "--world-size",
-                "2",
-                "--steps",
-                "2",
-                "--model",
-                "tiny",
-                "--quiet",
-                "--json",
-                str(out),
+                "--config", str(FP16), "--world-size", "2", "--steps", "2", "--model", "tiny",
+                "--quiet", "--json", str(out),
             ]
         )
         == 0
@@ -447,17 +388,8 @@ def test_every_example_runs_and_a_flag_overrides_it(tmp_path):
         assert (
             main(
                 [
-                    "--config",
-                    str(path),
-                    "--world-size",
-                    "2",
-                    "--steps",
-                    "2",
-                    "--model",
-                    "tiny",
-                    "--quiet",
-                    "--json",
-                    str(out),
+                    "--config", str(path), "--world-size", "2", "--steps", "2", "--model", "tiny",
+                    "--quiet", "--json", str(out),
                     *extra,
                 ]
             )

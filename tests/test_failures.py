@@ -114,20 +114,8 @@ def test_cli_exits_nonzero_naming_the_rank_and_leaves_nothing(tmp_path):
     start = time.monotonic()
     p = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "minizero.run",
-            "--stage",
-            "1",
-            "--world-size",
-            "2",
-            "--steps",
-            "4",
-            "--model",
-            "tiny",
-            "--batch-size",
-            "8",
-            "--quiet",
+            sys.executable, "-m", "minizero.run", "--stage", "1", "--world-size", "2", "--steps",
+            "4", "--model", "tiny", "--batch-size", "8", "--quiet",
         ],
         capture_output=True,
         text=True,

@@ -28,13 +28,8 @@ from minizero.lab.reference import tolerance
 from minizero.lab.report import theory
 from minizero.lab.train import TrainConfig, loss_fn, train_worker
 from minizero.memory import (
-    comm_volume,
-    comm_volume_by_kind,
-    comm_volume_by_node,
-    estimate,
-    estimate_breakdown,
-    secondary_partition_bytes,
-    within_padding,
+    comm_volume, comm_volume_by_kind, comm_volume_by_node, estimate, estimate_breakdown,
+    secondary_partition_bytes, within_padding,
 )
 from minizero.network import Network
 from minizero.wrap import check

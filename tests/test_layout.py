@@ -57,21 +57,8 @@ def tooling_imports(path: pathlib.Path) -> list[str]:
 def test_the_implementation_is_what_we_expect():
     names = {n.removeprefix("minizero.") for n in core_modules()}
     assert names >= {
-        "minizero",
-        "comm",
-        "flat",
-        "reducer",
-        "optim",
-        "engine",
-        "ddp",
-        "zero1",
-        "zero2",
-        "zero3",
-        "offload",
-        "wrap",
-        "launcher",
-        "memory",
-        "checkpoint",
+        "minizero", "comm", "flat", "reducer", "optim", "engine", "ddp", "zero1", "zero2", "zero3",
+        "offload", "wrap", "launcher", "memory", "checkpoint",
     }, names
 
 

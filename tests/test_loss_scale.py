@@ -35,20 +35,7 @@ def test_hysteresis_and_growth_window_follow_deepspeed():
     # still spend the credit (DeepSpeed's consecutive_hysteresis off), and once it is spent each
     # overflow halves.
     assert trajectory(scaler, "xx.....x.xx...") == [
-        16,
-        8,
-        8,
-        8,
-        16,
-        16,
-        32,
-        32,
-        32,
-        16,
-        8,
-        8,
-        8,
-        16,
+        16, 8, 8, 8, 16, 16, 32, 32, 32, 16, 8, 8, 8, 16,
     ]
     assert scaler.skipped_steps == 5
 

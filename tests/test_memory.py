@@ -8,15 +8,8 @@ import pytest
 from minizero.cli.memory import main
 from minizero.lab.model import GPT, MODEL_NAMES, GPTConfig, count_params
 from minizero.memory import (
-    activation_bytes,
-    comm_volume,
-    disk_traffic,
-    element_bytes,
-    estimate,
-    estimate_breakdown,
-    grad_bytes,
-    measure,
-    optimizer_k,
+    activation_bytes, comm_volume, disk_traffic, element_bytes, estimate, estimate_breakdown,
+    grad_bytes, measure, optimizer_k,
 )
 
 
@@ -122,18 +115,8 @@ def test_cli_gpt_shape_adds_activations(capsys):
     assert (
         main(
             [
-                "--layers",
-                "48",
-                "--hidden",
-                "1600",
-                "--heads",
-                "25",
-                "--seq",
-                "1024",
-                "--batch",
-                "32",
-                "--world-size",
-                "64",
+                "--layers", "48", "--hidden", "1600", "--heads", "25", "--seq", "1024", "--batch",
+                "32", "--world-size", "64",
             ]
         )
         == 0
@@ -155,18 +138,8 @@ def test_cli_gpt_shape_adds_activations(capsys):
         ["--params", "x", "--world-size", "2"],
         ["--layers", "4", "--hidden", "64", "--world-size", "2"],
         [
-            "--layers",
-            "4",
-            "--hidden",
-            "64",
-            "--heads",
-            "3",
-            "--seq",
-            "8",
-            "--batch",
-            "2",
-            "--world-size",
-            "2",
+            "--layers", "4", "--hidden", "64", "--heads", "3", "--seq", "8", "--batch", "2",
+            "--world-size", "2",
         ],
     ],
 )

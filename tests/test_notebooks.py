@@ -30,14 +30,8 @@ from minizero.lab import stepthrough
 from minizero.lab.reference import tolerance
 from minizero.lab.train import state_bytes
 from minizero.memory import (
-    CATEGORIES,
-    activation_bytes,
-    comm_volume,
-    element_bytes,
-    estimate,
-    estimate_breakdown,
-    optimizer_k,
-    within_padding,
+    CATEGORIES, activation_bytes, comm_volume, element_bytes, estimate, estimate_breakdown,
+    optimizer_k, within_padding,
 )
 
 nbformat = pytest.importorskip("nbformat")

@@ -24,12 +24,7 @@ import sys
 import torch
 
 from minizero.checkpoint import (
-    CheckpointError,
-    consolidate,
-    find,
-    read_manifest,
-    universal,
-    write_atomic,
+    CheckpointError, consolidate, find, read_manifest, universal, write_atomic,
 )
 from minizero.cli import OneLineParser, UsageError, fail
 

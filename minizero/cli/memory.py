@@ -29,11 +29,7 @@ from minizero.cli import OneLineParser, UsageError, fail
 from minizero.lab.model import GPT, MODEL_NAMES, SIZES, GPTConfig, count_params
 from minizero.lab.train import state_bytes
 from minizero.memory import (
-    activation_bytes,
-    element_bytes,
-    estimate,
-    estimate_breakdown,
-    optimizer_k,
+    activation_bytes, element_bytes, estimate, estimate_breakdown, optimizer_k,
 )
 from minizero.optim import DTYPES
 from minizero.options import STAGES
@@ -154,11 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         psi = count_params(cfg)
         activations = {
             name: activation_bytes(
-                args.layers,
-                args.hidden,
-                heads,
-                args.seq,
-                args.batch,
+                args.layers, args.hidden, heads, args.seq, args.batch,
                 bytes_per_elem=elem,
                 mlp_ratio=cfg.mlp_ratio,
                 checkpointing=mode,

@@ -28,11 +28,7 @@ from minizero.lab.model import make_model
 from minizero.lab.reference import max_abs_diff, reference_train, tolerance
 from minizero.lab.report import summarize
 from minizero.lab.train import (
-    TrainConfig,
-    forward_backward,
-    loss_fn,
-    train_several,
-    train_worker,
+    TrainConfig, forward_backward, loss_fn, train_several, train_worker,
 )
 from minizero.launcher import launch
 from minizero.loss_scale import LossScaler
@@ -436,11 +432,7 @@ def activation_sweep(model: str, seqs, batches, dtype: str = "fp32") -> list[dic
                         "bytes_per_elem": element_bytes(dtype),
                         "measured": engine.memory()["activations"],
                         "estimate": activation_bytes(
-                            cfg.n_layer,
-                            cfg.n_embd,
-                            cfg.n_head,
-                            seq,
-                            batch,
+                            cfg.n_layer, cfg.n_embd, cfg.n_head, seq, batch,
                             bytes_per_elem=element_bytes(dtype),
                             mlp_ratio=cfg.mlp_ratio,
                             checkpointing=mode,

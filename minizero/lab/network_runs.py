@@ -146,13 +146,7 @@ def measure(
     """One launch of `base.world_size` ranks: rank 0's step_time_worker result
     (block_sleep: _slow_down)."""
     return launch(
-        step_time_worker,
-        base.world_size,
-        base,
-        runs,
-        latency,
-        ranks_per_node,
-        block_sleep,
+        step_time_worker, base.world_size, base, runs, latency, ranks_per_node, block_sleep,
         backend=base.backend,
     )[0]
 

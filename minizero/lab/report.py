@@ -13,12 +13,7 @@ from minizero.lab.data import sequence_length
 from minizero.lab.throughput import format_throughput, throughput
 from minizero.lab.train import TrainConfig, state_bytes
 from minizero.memory import (
-    activation_bytes,
-    comm_volume,
-    element_bytes,
-    estimate_breakdown,
-    grad_bytes,
-    optimizer_k,
+    activation_bytes, comm_volume, element_bytes, estimate_breakdown, grad_bytes, optimizer_k,
 )
 
 

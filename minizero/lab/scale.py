@@ -205,11 +205,7 @@ def estimated_total(
     )
     seq = sequence_length(mcfg.block_size)
     return states + activation_bytes(
-        mcfg.n_layer,
-        mcfg.n_embd,
-        mcfg.n_head,
-        seq,
-        rows,
+        mcfg.n_layer, mcfg.n_embd, mcfg.n_head, seq, rows,
         mlp_ratio=mcfg.mlp_ratio,
         checkpointing=checkpointing,
     )
