@@ -60,16 +60,14 @@ class Unit:
         return sum(full.untyped_storage().nbytes() for full, _ in self.buffers())
 
     def gather(self, prefetch: bool = False, forward: bool = False) -> None:
-        """FREE -> IN_FLIGHT -> GATHERED: all-gather `full` from the partitions (prefetch:
-        only start)."""
+        """FREE -> IN_FLIGHT -> GATHERED: all-gather `full` from the shards (prefetch: start)."""
         if self.state == GATHERED or (self.state == IN_FLIGHT and prefetch):
             return
         if self.state == FREE:
             route, sources = self._route(forward)
             for (full, _), source in zip(self.buffers(), sources):
                 full.untyped_storage().resize_(full.numel() * full.element_size())   # allocate
-                # <- the essential line of stage 3: every rank's partition -> the full unit,
-                # in place
+                # <- the essential line of stage 3: every rank's partition -> the full unit
                 self._in_flight.append(route.all_gather(full, source, self.tag))
             self.state = IN_FLIGHT
             events.emit("unit gather", engine=self.engine, unit=self, prefetch=prefetch,
