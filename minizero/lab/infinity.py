@@ -23,16 +23,16 @@ next to a raw sequential write and read of the same bytes by the same file code,
 once (the physical limit); step time, tokens/s, and MFU (6Ψ per token) against a bf16 matmul
 timed on the rank's core in the same run.
 
-Measured here (N = 2, cap 6.5 GB a rank, 2 cores shared with other jobs at a load of 8-13, 15 min
-in all; LR 2e-5 then): DDP out of memory in 156 s, stage 3 in 240 s; stage 3 + disk trained 3
-steps in 505 s at a peak RSS of 3.61 GB a rank (formula 2.95 GB), its 8.85 GB file read and
-written once a step (8.85 GB each way, the formula), 0.61 GB/s over engine.step() = 86 % of the
-raw 0.71 GB/s measured beside it (write 0.95, read 0.56 GB/s a rank); steps of 65-69 s after the
-first (130 s), engine.step() 23-24 s of them. The loss rose, 2.70 -> 2.87 -> 4.07: Adam's first
-steps move every weight by about LR whatever its gradient, which across 48 blocks of width 1600
-was too far. LR is 3e-6 since; at 16 blocks (--layers 16 --cap-gb 2.5, 167 s) that gave 2.73 ->
-2.57 -> 2.62 (each step is a new batch of 2 rows a rank: three steps are noisy), the disk at 97 %
-of the raw bandwidth. The full size has not been run again with it.
+Measured here (N = 2, cap 6.5 GB a rank, nothing else running; 271 s in all): DDP out of memory in
+33 s, stage 3 in 53 s; stage 3 + disk trained 3 steps in 186 s, the loss falling 2.700 -> 2.603 ->
+2.408 (every step trains on the same batch, so three steps show the optimizer at work), at a peak
+RSS of 3.61 GB a rank (formula 2.95 GB: the interpreter and torch add ~0.4 GB, then activations and
+gathered units), its 8.85 GB file read and written once a step (= KΨ/N, the formula), 0.82 GB/s
+over engine.step(), more than the 0.67 GB/s a plain write-then-read of the same file reached beside
+it (write 1.05, read 0.49 GB/s a rank, both ranks at once: the pipeline reads and writes at once);
+36-39 s a step, engine.step() 20-24 s of it. An earlier run at LR 2e-5 on a loaded machine (505 s
+for the 3 steps, 15 min in all) saw the loss rise: Adam's first steps move every weight by about
+LR whatever its gradient, too far across 48 blocks of width 1600; LR is 3e-6 since.
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ def train_config(stage: int, offload, layers: int, world_size: int, folder: str)
                        world_size=world_size, steps=STEPS, batch_size=ROWS * world_size,
                        dtype="bf16", lr=LR, optimizer_params=OPTIMIZER_PARAMS,
                        model_overrides=dataclasses.asdict(model_config(layers)),
-                       sharded_init=stage == 3, activation_checkpointing=True)
+                       sharded_init=stage == 3, activation_checkpointing=True,
+                       fixed_batch=True)       # one batch: three steps show the loss falling
 
 
 def raw_bandwidth(folder: str, nbytes: int) -> dict:

@@ -80,6 +80,7 @@ class TrainConfig:
     model: str = "default"                                  # GPTConfig.named(...)
     model_overrides: dict = field(default_factory=dict)
     seed: int = 0
+    fixed_batch: bool = False                 # every step trains on step 0's batch (a demo's loss)
     log_every: int = 0                # rank 0 prints progress every N steps (0: quiet)
     return_state: bool = False        # include the final full_state_dict in the result
     sharded_init: bool = False        # stage 3: build the model partitioned (minizero.sharded_init)
@@ -165,7 +166,8 @@ def forward_backward(
     "backward" (backward(), including the collectives it waits for), summed over micro-batches: the
     bench's profile."""
     rank, n, device = comm.rank(), comm.world_size(), comm.device()
-    x, y = global_batch(step, cfg.batch_size, cfg.model_config().block_size, seed=cfg.seed)
+    x, y = global_batch(0 if cfg.fixed_batch else step, cfg.batch_size,
+                        cfg.model_config().block_size, seed=cfg.seed)
     step_loss = 0.0
     times = dict.fromkeys(("forward", "backward"), 0.0)
     for micro in range(cfg.grad_accum):
