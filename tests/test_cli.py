@@ -1,6 +1,7 @@
 """python -m minizero.run: trains end to end, prints the table, writes --json, works under torchrun,
 and rejects bad input with one line and exit code 2."""
 
+import importlib
 import json
 import shutil
 import subprocess
@@ -226,3 +227,17 @@ def test_a_terminal_sees_a_progress_bar_and_quiet_or_a_pipe_does_not(tmp_path):
     out, err = _stderr_on_a_terminal("--world-size", "1", "--steps", "3", "--model", "tiny",
                                      "--quiet")
     assert "3/3" not in err and "step    1/3" not in out and err == ""
+
+
+def test_python_m_minizero_lists_and_dispatches_every_command(capsys):
+    from minizero.cli.commands import COMMANDS
+    from minizero.cli.commands import main as minizero_main
+    assert minizero_main([]) == 2                              # the list, as a usage error
+    listed = capsys.readouterr().out
+    assert all(f"  {name}" in listed for name in COMMANDS)
+    assert minizero_main(["nope"]) == 2
+    assert "unknown command 'nope'" in capsys.readouterr().err
+    assert minizero_main(["memory", "--params", "1e6", "--world-size", "2"]) == 0
+    assert "stage" in capsys.readouterr().out
+    for name in COMMANDS:                                      # each front end lives in cli/
+        assert callable(importlib.import_module(f"minizero.cli.{name}").main)
