@@ -281,12 +281,6 @@ def _book(tally_kind: str, kind: str, sent: float, n: int, group: Group | None):
 # it.
 # --------------------------------------------------------------------------------------------------
 
-class _Done:
-    """The handle of a collective with nothing left to wait for."""
-    def wait(self) -> bool:
-        return True
-
-
 class Joined:
     """One handle for several collectives in flight: wait() waits for each, then runs `finish` once
     (what is left to do locally when they are done: a copy out, a dequantization). `keep`: tensors
