@@ -40,11 +40,12 @@ one more term by N. Write that arithmetic yourself, then use it to choose how to
 
 What the grader checks: model_states and bytes_per_step against minizero.memory on 300 random
 configurations (Ψ up to 3·10^10, N up to 1024), within floating-point rounding; plan against the
-same rule on minizero.memory's formulas on 300 more; and one launch of two ranks training the
-default GPT with the stage and micro-batch you plan for a budget that only ZeRO makes room for:
-measured by engine.memory(), the planned run fits and the same run with one row more does not. Of
-minizero you may use minizero.comm and minizero.memory.activation_bytes (the rest of minizero.memory
-is the answer).
+same rule on minizero.memory's formulas on 300 more; and for real: two ranks train a 7 M parameter
+GPT with the stage and micro-batch you plan for a budget that only ZeRO makes room for, each rank's
+memory capped by the kernel at the budget plus what it holds whatever the model
+(minizero.launch(memory_cap=...)): the planned run must train, one row more must run out of memory.
+Of minizero you may use minizero.comm and minizero.memory.activation_bytes (the rest of
+minizero.memory is the answer).
 
 Hints:
   * Ψ/N with N = world_size; keep the arithmetic in floats (psi = float(num_params)).

@@ -2,10 +2,10 @@
 
 (1) In this process: your model_states and bytes_per_step against minizero.memory
 (estimate_breakdown, comm_volume) on 300 random configurations, and your plan against the same rule
-applied to minizero.memory on 300 more. (2) One launch of two ranks trains the default GPT with the
-stage and micro-batch you plan for a budget where ZeRO is what makes it fit, then with one row more;
-engine.memory() measures both: the planned run must fit the budget, the one with one more row must
-not.
+applied to minizero.memory on 300 more. (2) A real launch: your plan for a budget where ZeRO is what
+makes room (stage 0 does not fit), run on two ranks whose private memory the kernel caps
+(minizero.launch(memory_cap=...), RLIMIT_DATA) at what a rank holds whatever the model plus the
+budget: the planned run must train, and the same run with one row more must run out of memory.
 """
 
 import dataclasses
@@ -15,10 +15,12 @@ import random
 import pytest
 
 import _grading as g
+import minizero
 from minizero import memory
 from minizero.lab.data import sequence_length
 from minizero.lab.model import count_params
-from minizero.lab.train import TrainConfig, state_bytes, train_several
+from minizero.lab import rss
+from minizero.lab.train import TrainConfig, state_bytes
 
 # given: the activations of minizero's GPT
 ALLOWED = g.ALLOWED + ("minizero.memory.activation_bytes",)
@@ -29,9 +31,12 @@ ORDER = (
     + [(stage, False, True) for stage in range(4)]
     + [(3, True, True)]
 )  # the statement's order: cheapest first
-LAUNCH = TrainConfig(
-    stage=0, world_size=2, steps=2, model="default", optimizer="adamw", backend="gloo"
-)
+# The real launch: a 7.2 M parameter GPT whose rows of 256 tokens hold 30 MB of activations each, so
+# that one row more is far from what the formulas leave out.
+LAUNCH = TrainConfig(stage=0, world_size=2, steps=2, optimizer="adamw", backend="gloo",
+                     model_overrides={"block_size": 256, "n_embd": 384, "n_layer": 4, "n_head": 4})
+ROWS = 8        # rows per rank and step the launch's plan may use
+SLACK = 0.5
 
 
 def shape_of(cfg: TrainConfig) -> dict:
@@ -158,46 +163,62 @@ def check_plans(impl: str) -> None:
 
 
 def launch_budget() -> tuple[float, dict]:
-    """The budget of the real launch: stage 1 with one row fits, stage 0 does not; half a row of
-    slack."""
+    """The budget of the real launch: stage 1 with one row fits, stage 0 with one row and stage 1
+    with two do not. It sits SLACK of the way from stage 1's one row to the nearer of those two:
+    room for what the formulas leave out (autograd's and gloo's temporaries, 4-8 MB measured), and
+    as much again before the next run would fit."""
     psi, shape = count_params(LAUNCH.model_config()), shape_of(LAUNCH)
     one = needed(psi, shape, 2, "fp32", "adam", ORDER[1], 1)
-    budget = one + (needed(psi, shape, 2, "fp32", "adam", ORDER[1], 2) - one) / 2
-    return budget, expected_plan(psi, shape, 2, budget, 8, "fp32", "adam")
+    nearest = min(needed(psi, shape, 2, "fp32", "adam", ORDER[0], 1),
+                  needed(psi, shape, 2, "fp32", "adam", ORDER[1], 2))
+    budget = one + SLACK * (nearest - one)
+    return budget, expected_plan(psi, shape, 2, budget, ROWS, "fp32", "adam")
 
 
-def worker(planned: dict) -> list[dict]:
-    """The planned run and the same with one row more, measured by minizero (engine.memory())."""
-    runs = [dataclasses.replace(LAUNCH, stage=planned["stage"], offload=planned["offload"],
-                                activation_checkpointing=planned["checkpointing"], batch_size=2 * b)
-            for b in (planned["micro_batch"], planned["micro_batch"] + 1)]
-    return [
-        {"peak": r["memory"]["peak"], "activations": r["memory"]["activations"]}
-        for r in train_several(runs)
-    ]
+def run_config(planned: dict, rows_per_rank: int, model: str | None = None) -> TrainConfig:
+    return dataclasses.replace(LAUNCH, stage=planned["stage"], offload=planned["offload"],
+                               activation_checkpointing=planned["checkpointing"],
+                               batch_size=2 * rows_per_rank,
+                               **({"model": model, "model_overrides": {}} if model else {}))
+
+
+def trains_under(cap: int, cfg: TrainConfig) -> str | None:
+    """None if cfg trains on two ranks whose private memory is capped at `cap` bytes each, else the
+    launcher's one line on the rank that failed."""
+    try:
+        minizero.launch(rss.capped_worker, 2, cfg, backend="gloo", memory_cap=cap,
+                        timeout=g.LAUNCH_TIMEOUT_S)
+    except RuntimeError as exc:
+        return str(exc).partition("\n")[0]
+    return None
 
 
 def check_launch(impl: str) -> None:
     __tracebackhide__ = True
     g.guard(impl, allowed=ALLOWED)
     budget, want = launch_budget()
-    assert want and want["stage"] == 1, ("grader: the launch's budget should need stage 1, planned "
-                                         f"{want}")
+    assert want and want["stage"] == 1 and want["micro_batch"] == 1, (
+        f"grader: the launch's budget should need stage 1 with one row, planned {want}")
     psi, shape = count_params(LAUNCH.model_config()), shape_of(LAUNCH)
-    planned = g.call(g.learner(impl).plan, psi, shape, 2, budget, 8, dtype="fp32", optimizer="adam")
+    planned = g.call(g.learner(impl).plan, psi, shape, 2, budget, ROWS, dtype="fp32",
+                     optimizer="adam")
     if not planned:
-        raise AssertionError(f"plan(the default GPT, N=2, budget={budget:.0f} bytes) = {planned!r}"
-                             f", but {want} fits")
-    fits, more = g.launch(worker, 2, planned)[0]
-    used, over = fits["peak"] + fits["activations"], more["peak"] + more["activations"]
-    if used > budget:
-        raise AssertionError(f"your plan {planned} needs {used} bytes per rank as measured (model "
-                             f"states {fits['peak']} + activations {fits['activations']}): over "
-                             f"the budget of {budget:.0f}")
-    if over <= budget:
-        raise AssertionError(f"your plan {planned} fits the budget of {budget:.0f} bytes, but so "
-                             f"does one row more ({over} bytes measured): plan the largest "
-                             "micro-batch that fits")
+        raise AssertionError(f"plan(a {psi / 1e6:.1f} M GPT, N=2, budget={budget:.0f} bytes) = "
+                             f"{planned!r}, but {want} fits")
+    # what a rank holds whatever the model (the interpreter, torch, gloo, the code training runs):
+    # the same run with the tiny GPT, measured first; the cap is that plus the budget (lab/rss.py)
+    base = max(r["VmData"] for r in minizero.launch(
+        rss.baseline_worker, 2, [run_config(planned, 1, model="tiny")], backend="gloo",
+        timeout=g.LAUNCH_TIMEOUT_S))
+    cap, b = int(base + budget), planned["micro_batch"]
+    where = (f"under a cap of {cap / 1e6:.0f} MB a rank (the {base / 1e6:.0f} MB it holds "
+             f"whatever the model + your budget of {budget / 1e6:.1f} MB)")
+    failed = trains_under(cap, run_config(planned, b))
+    if failed:
+        raise AssertionError(f"your plan {planned} did not train {where}: {failed}")
+    if b < ROWS and trains_under(cap, run_config(planned, b + 1)) is None:
+        raise AssertionError(f"your plan {planned} trains {where}, but so does one row more: plan "
+                             "the largest micro-batch that fits")
 
 
 @pytest.mark.points(2)
