@@ -1,4 +1,5 @@
-"""Exercise 14: overlap communication with backward: launch buckets in order, at most k in flight.
+"""Exercise 14: overlap communication with backward: launch buckets in order, at most k in flight,
+and choose the bucket size for the link.
 
     Grade it:    pytest exercises -k ex14            (or: python -m minizero.grade -k ex14)
     Notebook:    notebooks/08_beyond.ipynb (the network model: overlap and prefetch)
@@ -23,17 +24,36 @@ Write the class BucketLauncher(num_buckets, launch, max_in_flight):
   finish()   backward is over: launch what is left, in order, then wait for every handle. Afterwards
              the launcher is ready for the next step (all buckets again).
 
-What the grader checks: two ranks run a simulated backward of 8 buckets whose gradients become ready
-out of order, with k = 2, under minizero's network model (minizero/network.py: each collective takes
-a modelled time, deterministic): the buckets are launched in order, never more than k in flight, all
-waited for by finish(); and, with communication the larger part, your step takes at most 1.15 x
-max(compute, communication), while the same step launching everything after backward takes their
-sum.
+Then choose how big a bucket should be. Each collective pays the link's latency on every hop of
+the ring whatever its size, α-β (Hockney): an all-reduce of S bytes over a ring of N ranks takes
+    2(N-1)·α + 2(N-1)/N·S/β        α: latency per hop (s), β: the link's bytes per second
+Small buckets start communicating early and leave little to send after backward, but pay 2(N-1)α
+each; one bucket pays it once but cannot overlap at all. PyTorch's DDP (and minizero) default to
+25 MB (minizero/flat.py), a good size on a fast, low-latency link, not on every link.
+
+Write bucket_size(gradient_bytes, backward_s, world_size, latency, bandwidth, max_in_flight) -> the
+bucket size in bytes that makes the step shortest: backward produces gradient_bytes at an even pace
+over backward_s; the gradient is cut into buckets of that size (the last may be smaller), launched
+by your BucketLauncher as each is complete, one collective at a time on the rank's link. Try every
+number of buckets from 1 to 256 on paper: play the schedule your launcher follows with the α-β time
+of each bucket, and keep the fastest.
+
+What the grader checks: (1) two ranks run a simulated backward of 16 buckets whose gradients become
+ready out of order, with k = 2, under minizero's network model (minizero/network.py: each
+collective's wait() returns when the modelled link has carried it): the buckets are launched in
+order, never more than k in flight, all waited for by finish(); and, with communication the larger
+part, your step takes at most 1.15 x max(compute, communication), while the same step launching
+everything after backward takes their sum. (2) In the network model's arithmetic (a virtual clock:
+exact and instant), 400 MB of gradients over 250 ms of backward at N = 16 on a 100 Gb/s link: with
+0.5 ms a hop (latency-bound) your bucket size must beat the 25 MB default and, on both that link and
+the same link without latency, come within 5 % of the best step any number of buckets gives.
 
 Hints:
   * Keep the index of the next bucket to launch, which buckets are ready, and a deque of
     (bucket, handle) in flight; collections.deque.popleft() gives the oldest.
   * Never wait for a handle you just started: that is a blocking collective, no overlap.
+  * bucket_size: keep `now` (where backward is) and `link` (when the link is free); a bucket starts
+    at max(now, link); waiting for the oldest in flight moves `now` to its end.
 """
 
 
@@ -46,3 +66,9 @@ class BucketLauncher:
 
     def finish(self) -> None:
         raise NotImplementedError("ex14: write BucketLauncher.finish")
+
+
+def bucket_size(gradient_bytes: float, backward_s: float, world_size: int, latency: float,
+                bandwidth: float, max_in_flight: int) -> float:
+    """Bytes per bucket that make the step shortest on this link (α = latency, β = bandwidth)."""
+    raise NotImplementedError("ex14: write bucket_size")

@@ -1,26 +1,38 @@
 """Grader for exercise 14 (overlapping bucket launches):  pytest exercises -k ex14
 
-Two ranks run a simulated backward: 8 buckets whose gradients become ready out of order, each after
-COMPUTE_S of sleep (the compute), each all-reduced in COMM_S under minizero's network model (each
-collective's wait() returns when the modelled link has carried it: deterministic time). The grader
-counts launches and waits; it times the step with your BucketLauncher and with one that launches
-everything after backward (the serial baseline).
+(1) Two ranks run a simulated backward: 16 buckets whose gradients become ready out of order, each
+after COMPUTE_S of sleep (the compute), each all-reduced in COMM_S under minizero's network model
+(each collective's wait() returns when the modelled link has carried it). The grader counts launches
+and waits; it times the step with your BucketLauncher and with one that launches everything after
+backward (the serial baseline). (2) Your bucket_size on two links, played on a virtual clock with
+your BucketLauncher and the network model's time for each collective: exact, instant.
 """
 
+import math
 import time
 from collections import deque
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import _grading as g
 from minizero import comm
+from minizero.flat import DEFAULT_BUCKET_BYTES
 from minizero.network import Network
 
 N, K, ELEMENTS = 2, 2, 1024
-READY = [0, 1, 3, 2, 4, 5, 7, 6]          # bucket 3 is ready before bucket 2, 7 before 6
-COMPUTE_S, COMM_S = 0.02, 0.04            # communication is the larger part: 8 x 40 ms vs 8 x 20 ms
+# buckets 3, 7, 11, 15 are ready before 2, 6, 10, 14
+READY = [j for i in range(0, 16, 4) for j in (i, i + 1, i + 3, i + 2)]
+COMPUTE_S, COMM_S = 0.01, 0.02            # communication is the larger part: 16 x 20 ms vs 16 x 10
 SLACK = 1.15
+
+# (2) the bucket size: Ψ = 100 M fp32 gradients, N = 16, on a 100 Gb/s link with and without latency
+GRADIENT_BYTES, BACKWARD_S, WORLD = 400e6, 0.25, 16
+LINKS = {"latency-bound": Network(bandwidth=12.5e9, latency=0.5e-3),
+         "bandwidth-bound": Network(bandwidth=12.5e9, latency=0.0)}
+MOST_BUCKETS = 256                        # the candidates: 1 to 256 buckets
+NEAR_BEST = 1.05
 
 
 class Serial:
@@ -129,6 +141,68 @@ def check_overlap(impl: str) -> None:
                 "it and those before it are ready, and never wait for one you just started")
 
 
+class VirtualHandle:
+    """A collective on the virtual clock: wait() moves the clock to its end."""
+
+    def __init__(self, clock, end):
+        self.clock, self.end = clock, end
+
+    def wait(self):
+        self.clock.now = max(self.clock.now, self.end)
+        return True
+
+
+def modelled_step(launcher_class, bucket_bytes: float, network: Network) -> float:
+    """Seconds of one backward on a virtual clock: GRADIENT_BYTES produced at an even pace over
+    BACKWARD_S, cut into buckets of bucket_bytes (the last smaller), each all-reduced in the time
+    the network model gives it, one after another on the rank's link, launched and waited for by
+    launcher_class. The step ends when backward and the link are both done."""
+    count = math.ceil(GRADIENT_BYTES / bucket_bytes - 1e-9)
+    sizes = [min(bucket_bytes, GRADIENT_BYTES - i * bucket_bytes) for i in range(count)]
+    clock = SimpleNamespace(now=0.0, link=0.0)
+
+    def launch(i):
+        start = max(clock.now, clock.link)
+        sent = comm.ring_bytes("all_reduce", sizes[i], WORLD)
+        clock.link = start + network.time("all_reduce", sent, WORLD, inter_node=True)
+        return VirtualHandle(clock, clock.link)
+
+    launcher = g.call(launcher_class, count, launch, K)
+    for i, size in enumerate(sizes):
+        clock.now += BACKWARD_S * size / GRADIENT_BYTES
+        g.call(launcher.ready, i)
+    g.call(launcher.finish)
+    return max(clock.now, clock.link)
+
+
+def check_bucket_size(impl: str) -> None:
+    __tracebackhide__ = True
+    g.guard(impl)
+    answer = g.learner(impl)
+    for name, link in LINKS.items():
+        where = (f"on the {name} link ({link.latency * 1e3:g} ms a hop, "
+                 f"{link.bandwidth / 1e9:g} GB/s)")
+        size = g.call(answer.bucket_size, GRADIENT_BYTES, BACKWARD_S, WORLD, link.latency,
+                      link.bandwidth, K)
+        if not (isinstance(size, (int, float)) and GRADIENT_BYTES / MOST_BUCKETS <= size):
+            raise AssertionError(f"bucket_size {where} = {size!r}: expected bytes per bucket, at "
+                                 f"most {MOST_BUCKETS} buckets of the {GRADIENT_BYTES / 1e6:g} MB")
+        yours = modelled_step(answer.BucketLauncher, size, link)
+        steps = {b: modelled_step(answer.BucketLauncher, GRADIENT_BYTES / b, link)
+                 for b in range(1, MOST_BUCKETS + 1)}
+        best = min(steps, key=steps.get)
+        default = modelled_step(answer.BucketLauncher, DEFAULT_BUCKET_BYTES, link)
+        told = (f"{where}, your {size / 1e6:.3g} MB buckets make the step {yours * 1e3:.1f} ms; "
+                f"the 25 MB default {default * 1e3:.1f} ms, {best} buckets of "
+                f"{GRADIENT_BYTES / best / 1e6:.3g} MB {steps[best] * 1e3:.1f} ms (backward alone "
+                f"{BACKWARD_S * 1e3:g} ms)")
+        if name == "latency-bound" and yours >= default:
+            raise AssertionError(f"{told}: on a latency-bound link, choose a size that beats the "
+                                 "default (each bucket pays 2(N-1)α)")
+        if yours > NEAR_BEST * steps[best]:
+            raise AssertionError(f"{told}: come within {NEAR_BEST} x the best")
+
+
 @pytest.mark.points(2)
 def test_buckets_go_in_order_at_most_k_in_flight(impl):
     check_policy(impl)
@@ -137,3 +211,8 @@ def test_buckets_go_in_order_at_most_k_in_flight(impl):
 @pytest.mark.points(2)
 def test_communication_hides_behind_backward(impl):
     check_overlap(impl)
+
+
+@pytest.mark.points(2)
+def test_the_bucket_size_fits_the_link(impl):
+    check_bucket_size(impl)

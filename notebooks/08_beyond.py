@@ -35,7 +35,7 @@
 #
 # **Exercise 14**: [`exercises/ex14_overlap_buckets.py`](../exercises/ex14_overlap_buckets.py),
 # graded with `pytest exercises -k ex14`: overlap: launch gradient buckets in order, at most k in
-# flight, timed by the network model (its deterministic time).
+# flight, timed by the network model; then choose the bucket size for a link from its α-β time.
 
 # %% tags=["parameters"]
 import network_plots                # notebooks/network_plots.py: this notebook's figures

@@ -1,7 +1,9 @@
 """Exercise 14, answer: the launch policy of minizero's reducer (minizero/reducer.py,
-GradBuckets)."""
+GradBuckets), and the bucket size that policy runs fastest with on a given link."""
 
 from collections import deque
+
+MOST_BUCKETS = 256
 
 
 class BucketLauncher:
@@ -31,3 +33,21 @@ class BucketLauncher:
         while self.in_flight:
             self.in_flight.popleft()[1].wait()
         self.reset()
+
+
+def bucket_size(gradient_bytes, backward_s, world_size, latency, bandwidth, max_in_flight):
+    n = world_size
+
+    def step_s(buckets):                            # BucketLauncher's schedule, played on paper
+        each = 2 * (n - 1) * latency + 2 * (n - 1) / n * gradient_bytes / buckets / bandwidth
+        now = link = 0.0                            # where backward is; when the link is free
+        in_flight: deque = deque()                  # end times, oldest first
+        for _ in range(buckets):
+            now += backward_s / buckets             # this bucket's gradients are computed
+            if len(in_flight) >= max_in_flight:
+                now = max(now, in_flight.popleft())  # backward waits for the oldest
+            link = max(now, link) + each
+            in_flight.append(link)
+        return max(now, link)
+
+    return gradient_bytes / min(range(1, MOST_BUCKETS + 1), key=step_s)
