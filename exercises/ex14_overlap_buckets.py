@@ -1,5 +1,5 @@
-"""Exercise 14: overlap communication with backward: launch buckets in order, at most k in flight,
-and choose the bucket size for the link.
+"""Exercise 14: overlap communication with compute: launch buckets in order, at most k in flight,
+choose the bucket size for the link, and prefetch stage 3's units in the order they run.
 
     Grade it:    pytest exercises -k ex14            (or: python -m minizero.grade -k ex14)
     Notebook:    notebooks/08_beyond.ipynb (the network model: overlap and prefetch)
@@ -38,6 +38,21 @@ by your BucketLauncher as each is complete, one collective at a time on the rank
 number of buckets from 1 to 256 on paper: play the schedule your launcher follows with the α-β time
 of each bucket, and keep the fastest.
 
+Stage 3 overlaps the other way round: a unit's parameters must be all-gathered before it computes,
+so the next unit's all-gather should run while this one computes (prefetch), and a unit is freed
+as soon as it is done (at most depth + 1 units materialized: ZeRO-3's memory). Which unit is next
+is given by the order of visits: forward 0, 1, ..., L-1, then backward L-1, ..., 0 (DeepSpeed and
+FSDP record it during the first step, since a model may call its units in any order). The last
+unit of forward is the first of backward: keep it, do not free and gather it again.
+
+Write the class Prefetcher(order, gather, free, depth):
+  order      the unit of each visit, e.g. [0, 1, 2, 3, 3, 2, 1, 0] for L = 4
+  gather(u)  starts unit u's all-gather and returns its async handle; free(u) drops u's parameters
+  use(k)     visit k is about to compute unit order[k]: start the all-gathers of the units of the
+             next `depth` visits that are not gathered yet (and of order[k] itself if nobody did),
+             then wait until order[k] is gathered.
+  done(k)    visit k is over: free its unit, unless one of the next `depth` visits uses it again.
+
 What the grader checks: (1) two ranks run a simulated backward of 16 buckets whose gradients become
 ready out of order, with k = 2, under minizero's network model (minizero/network.py: each
 collective's wait() returns when the modelled link has carried it): the buckets are launched in
@@ -46,7 +61,11 @@ part, your step takes at most 1.15 x max(compute, communication), while the same
 everything after backward takes their sum. (2) In the network model's arithmetic (a virtual clock:
 exact and instant), 400 MB of gradients over 250 ms of backward at N = 16 on a 100 Gb/s link: with
 0.5 ms a hop (latency-bound) your bucket size must beat the 25 MB default and, on both that link and
-the same link without latency, come within 5 % of the best step any number of buckets gives.
+the same link without latency, come within 5 % of the best step any number of buckets gives. (3) On
+the same virtual clock, a pass over 8 units (10 ms of forward and 20 ms of backward each, a 7 ms
+all-gather per unit), with depth 1 and 2: every unit gathered before it computes, once per pass and
+in the order of the visits (15 all-gathers), at most depth + 1 units materialized, all freed at the
+end, and the pass within 1.15 x max(compute, communication).
 
 Hints:
   * Keep the index of the next bucket to launch, which buckets are ready, and a deque of
@@ -72,3 +91,14 @@ def bucket_size(gradient_bytes: float, backward_s: float, world_size: int, laten
                 bandwidth: float, max_in_flight: int) -> float:
     """Bytes per bucket that make the step shortest on this link (α = latency, β = bandwidth)."""
     raise NotImplementedError("ex14: write bucket_size")
+
+
+class Prefetcher:
+    def __init__(self, order: list[int], gather, free, depth: int):
+        raise NotImplementedError("ex14: write Prefetcher")
+
+    def use(self, k: int) -> None:
+        raise NotImplementedError("ex14: write Prefetcher.use")
+
+    def done(self, k: int) -> None:
+        raise NotImplementedError("ex14: write Prefetcher.done")

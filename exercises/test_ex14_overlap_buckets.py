@@ -5,7 +5,8 @@ after COMPUTE_S of sleep (the compute), each all-reduced in COMM_S under minizer
 (each collective's wait() returns when the modelled link has carried it). The grader counts launches
 and waits; it times the step with your BucketLauncher and with one that launches everything after
 backward (the serial baseline). (2) Your bucket_size on two links, played on a virtual clock with
-your BucketLauncher and the network model's time for each collective: exact, instant.
+your BucketLauncher and the network model's time for each collective: exact, instant. (3) Your
+Prefetcher on the same clock, over stage 3's forward and backward visits of 8 units.
 """
 
 import math
@@ -33,6 +34,12 @@ LINKS = {"latency-bound": Network(bandwidth=12.5e9, latency=0.5e-3),
          "bandwidth-bound": Network(bandwidth=12.5e9, latency=0.0)}
 MOST_BUCKETS = 256                        # the candidates: 1 to 256 buckets
 NEAR_BEST = 1.05
+
+# (3) stage 3's prefetch: 8 units of 25 M fp32 parameters, N = 8, a 100 Gb/s link (7.1 ms a gather)
+UNITS, UNIT_BYTES, UNIT_WORLD = 8, 100e6, 8
+ORDER = list(range(UNITS)) + list(reversed(range(UNITS)))     # forward, then backward
+COMPUTE = [0.010] * UNITS + [0.020] * UNITS                      # seconds per visit
+GATHER_LINK = Network(bandwidth=12.5e9, latency=20e-6)
 
 
 class Serial:
@@ -203,6 +210,88 @@ def check_bucket_size(impl: str) -> None:
             raise AssertionError(f"{told}: come within {NEAR_BEST} x the best")
 
 
+class GatherHandle(VirtualHandle):
+    """A unit's all-gather on the virtual clock: waiting for it makes the unit usable."""
+
+    def __init__(self, clock, end, unit, units):
+        super().__init__(clock, end)
+        self.unit, self.units = unit, units
+
+    def wait(self):
+        super().wait()
+        if self.units.get(self.unit) is self:
+            self.units[self.unit] = "gathered"
+        return True
+
+
+def modelled_pass(prefetcher_class, depth: int) -> dict:
+    """Stage 3's visits (ORDER) on a virtual clock with prefetcher_class: {"seconds", "gathers"
+    (units in the order their all-gathers were issued), "most" (units materialized at once), "left"
+    (units still materialized at the end), "gather_s" (one all-gather)}."""
+    clock = SimpleNamespace(now=0.0, link=0.0)
+    units: dict = {}                   # materialized unit -> its handle in flight, or "gathered"
+    gathers, most = [], 0
+    seconds = GATHER_LINK.time("all_gather", comm.ring_bytes("all_gather", UNIT_BYTES, UNIT_WORLD),
+                               UNIT_WORLD, inter_node=True)
+
+    def gather(unit):
+        nonlocal most
+        if unit in units:
+            raise AssertionError(f"unit {unit} gathered again while still materialized")
+        clock.link = max(clock.now, clock.link) + seconds
+        units[unit] = GatherHandle(clock, clock.link, unit, units)
+        gathers.append(unit)
+        most = max(most, len(units))
+        return units[unit]
+
+    def free(unit):
+        if unit not in units:
+            raise AssertionError(f"free({unit}): unit {unit} is not materialized")
+        del units[unit]
+
+    prefetcher = g.call(prefetcher_class, list(ORDER), gather, free, depth)
+    for k, unit in enumerate(ORDER):
+        g.call(prefetcher.use, k)
+        if units.get(unit) != "gathered":
+            raise AssertionError(f"depth {depth}, visit {k}: unit {unit} computes but use({k}) "
+                                 "returned before its all-gather was waited for")
+        clock.now += COMPUTE[k]
+        g.call(prefetcher.done, k)
+    return {"seconds": clock.now, "gathers": gathers, "most": most, "left": sorted(units),
+            "gather_s": seconds}
+
+
+def check_prefetch(impl: str) -> None:
+    __tracebackhide__ = True
+    g.guard(impl)
+    prefetcher_class = g.learner(impl).Prefetcher
+    want = list(dict.fromkeys(ORDER[:UNITS])) + ORDER[UNITS + 1:]
+    for depth in (1, 2):
+        res = modelled_pass(prefetcher_class, depth)
+        order = (f"depth {depth}: all-gathers issued for units {res['gathers']}, expected {want}: "
+                 "each unit once per pass, in the order of the visits; forward's last unit stays "
+                 "for backward")
+        if res["gathers"] != want[:len(res["gathers"])]:        # a wrong or an extra all-gather
+            raise AssertionError(order)
+        if res["most"] > depth + 1:
+            raise AssertionError(f"depth {depth}: {res['most']} units materialized at once, at "
+                                 f"most depth + 1 = {depth + 1}: free each unit when its visit is "
+                                 "done")
+        if res["left"]:
+            raise AssertionError(f"depth {depth}: units {res['left']} are still materialized after "
+                                 "the last visit: done(k) frees the unit it no longer needs")
+        if res["gathers"] != want:
+            raise AssertionError(order)
+        compute, work = sum(COMPUTE), len(want) * res["gather_s"]
+        bound = SLACK * max(compute, work)
+        if res["seconds"] > bound:
+            raise AssertionError(
+                f"depth {depth}: the pass took {res['seconds'] * 1e3:.1f} ms for "
+                f"{compute * 1e3:.0f} ms of compute and {work * 1e3:.1f} ms of all-gathers; "
+                f"prefetched it takes at most {bound * 1e3:.1f} ms ({SLACK} x the larger): start "
+                "the next visits' gathers before waiting for this one")
+
+
 @pytest.mark.points(2)
 def test_buckets_go_in_order_at_most_k_in_flight(impl):
     check_policy(impl)
@@ -216,3 +305,8 @@ def test_communication_hides_behind_backward(impl):
 @pytest.mark.points(2)
 def test_the_bucket_size_fits_the_link(impl):
     check_bucket_size(impl)
+
+
+@pytest.mark.points(2)
+def test_stage_3_prefetches_in_the_order_of_the_visits(impl):
+    check_prefetch(impl)

@@ -35,7 +35,8 @@
 #
 # **Exercise 14**: [`exercises/ex14_overlap_buckets.py`](../exercises/ex14_overlap_buckets.py),
 # graded with `pytest exercises -k ex14`: overlap: launch gradient buckets in order, at most k in
-# flight, timed by the network model; then choose the bucket size for a link from its α-β time.
+# flight, timed by the network model; choose the bucket size for a link from its α-β time; prefetch
+# stage 3's units in the order they run, forward then backward.
 
 # %% tags=["parameters"]
 import network_plots                # notebooks/network_plots.py: this notebook's figures

@@ -1,5 +1,6 @@
 """Exercise 14, answer: the launch policy of minizero's reducer (minizero/reducer.py,
-GradBuckets), and the bucket size that policy runs fastest with on a given link."""
+GradBuckets), the bucket size that policy runs fastest with on a given link, and stage 3's prefetch
+(minizero/zero3.py, minizero/unit.py)."""
 
 from collections import deque
 
@@ -51,3 +52,24 @@ def bucket_size(gradient_bytes, backward_s, world_size, latency, bandwidth, max_
         return max(now, link)
 
     return gradient_bytes / min(range(1, MOST_BUCKETS + 1), key=step_s)
+
+
+class Prefetcher:
+    def __init__(self, order, gather, free, depth):
+        self.order, self.gather, self.free, self.depth = order, gather, free, depth
+        self.gathered = {}                              # unit -> its all-gather (done or in flight)
+
+    def upcoming(self, k):
+        return self.order[k + 1:k + 1 + self.depth]     # the units of the next `depth` visits
+
+    def use(self, k):
+        for unit in [self.order[k], *self.upcoming(k)]:
+            if unit not in self.gathered:
+                self.gathered[unit] = self.gather(unit)  # runs while order[k] computes
+        self.gathered[self.order[k]].wait()
+
+    def done(self, k):
+        unit = self.order[k]
+        if unit not in self.upcoming(k):                # forward's last unit is backward's first
+            self.free(unit)
+            del self.gathered[unit]
