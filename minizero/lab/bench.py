@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 
 import torch
 
@@ -67,6 +66,7 @@ from minizero.lab.rss import release_freed_memory
 from minizero.lab.throughput import peak_worker, throughput
 from minizero.lab.train import (
     TrainConfig,
+    clock,
     forward_backward,
     progress_bar,
     train_worker,
@@ -142,12 +142,10 @@ def meter_worker(cfg: TrainConfig, meter: bool) -> dict:
     forward = engine if meter else engine.module          # engine(x) records what forward saves
     step_times, losses = [], []
     for step in range(cfg.steps):
-        start = time.perf_counter()
+        start = clock()
         losses.append(forward_backward(cfg, step, forward, engine.backward, engine.no_sync))
         engine.step()
-        if comm.device().type == "cuda":
-            torch.cuda.synchronize()
-        step_times.append(time.perf_counter() - start)
+        step_times.append(clock() - start)
     return {
         "step_times": step_times,
         "losses": losses,
