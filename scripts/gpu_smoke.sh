@@ -9,9 +9,12 @@
 # device model states of the default GPT by the formula, by engine.memory() and as CUDA's allocator
 # frees them, and the allocator's peak (max_memory_allocated) next to engine.memory()'s peak plus the
 # activations; how far offload takes the device bytes down (allocator, engine.memory(), formula);
-# with 2+ GPUs, how long stage 3's all-gathers ran beside compute with and without prefetch; then
-# pytest's result line. The whole log stays in $TMPDIR. Exit status: pytest's (2: no CUDA).
-# Meant to take under 5 minutes on one GPU; the whole pytest run is stopped after 9.
+# with 2+ GPUs, how long stage 3's all-gathers ran beside compute with and without prefetch; the
+# bench table at N = 1 in fp32, every pair (test_bench_runs_every_pair_on_one_gpu); pytest's result
+# line; then `python -m minizero.bench --device cuda --dtype bf16`'s table: minizero alone (the peers
+# run in fp32 only), tokens/s and MFU against the GPU's bf16 GEMM peak. The whole log stays in
+# $TMPDIR. Exit status: pytest's, or else the bench's (2: no CUDA).
+# Meant to take under 5 minutes on one GPU; pytest is stopped after 9 minutes, the bench after 2.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"      # this checkout's minizero, installed or not
@@ -36,12 +39,20 @@ start=$SECONDS
 timeout 540 "$python" -m pytest tests/test_cuda.py -q -s -rfEsxX -p no:cacheprovider "$@" 2>&1 \
     | tee "$log"
 status=${PIPESTATUS[0]}
+pytest_s=$((SECONDS - start))
+bench=(-m minizero.bench --device cuda --dtype bf16 --steps 4 --repeats 1 --quiet)
+timeout 120 "$python" "${bench[@]}" > "$log.bench" 2>&1
+bench_status=$?
 
 echo
 echo "=== minizero GPU smoke summary: $machine ==="
 grep -o 'gpu-smoke: .*' "$log" | sed 's/^gpu-smoke: //'
 grep -E '^(FAILED|ERROR|XPASS|XFAIL)' "$log"
 result=$(grep -E '(passed|failed|error|skipped).* in [0-9.]+s' "$log" | tail -1 | tr -d '=' | xargs)
-echo "pytest: ${result:-no result line (exit status $status; see the log)}; $((SECONDS - start)) s"
+echo "pytest: ${result:-no result line (exit status $status; see the log)}; ${pytest_s} s"
 [ "$status" = 124 ] && echo "gpu_smoke: stopped after 540 s"
+echo
+echo "python ${bench[*]}: exit status $bench_status, $((SECONDS - start - pytest_s)) s"
+cat "$log.bench"
+[ "$status" = 0 ] && status=$bench_status
 exit "$status"

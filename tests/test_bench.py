@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
+import torch
 
 import minizero
 from minizero.cli.bench import main as bench_command
 from minizero.cli.scale import main as scale_command
 from minizero.lab import bench, deepspeed_peer, rss, scale
 from minizero.lab.model import GPT, SIZES, GPTConfig, count_params
+from minizero.lab.train import TrainConfig
 from minizero.memory import activation_bytes, comm_volume, estimate
 
 
@@ -47,6 +51,9 @@ def test_every_pair_is_reported(report):
                 set(m) == set(bench.MEMORY_KEYS) for m in p["memory"][side]
             )
     assert report["config"]["sizes"] == {"tiny": count_params(GPTConfig.named("tiny"))}
+    assert {k: report["config"][k] for k in ("device", "backend", "dtype", "gpu")} == {
+        "device": "cpu", "backend": "gloo", "dtype": "fp32", "gpu": None}
+    assert report["alone"] == [] and report["skipped"] == []       # every pair ran
 
 
 def test_the_profile_splits_every_step_into_its_phases(report):
@@ -139,6 +146,8 @@ def test_sizes_are_what_they_say():
         ["--sizes", "3M"],
         ["--sizes", ""],
         ["--peers", "jax"],
+        ["--device", "tpu"],
+        ["--dtype", "fp16"],
         ["--scale", "--budget-mb", "0"],
         ["--scale", "--world-size", "0"],
         ["--scale", "--micro-batch", "--model", "huge"],
@@ -155,6 +164,68 @@ def test_bad_input_is_one_line_and_exit_2(argv, capsys):
     assert bench_command(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "error" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA --device cuda runs the bench")
+def test_device_cuda_without_a_gpu_is_one_line_and_exit_2():
+    p = subprocess.run([sys.executable, "-m", "minizero.bench", "--device", "cuda"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stdout == "", p
+    assert p.stderr.startswith("python -m minizero.bench: error: --device cuda: no GPU here")
+    assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr
+
+
+def test_device_cuda_takes_at_most_one_rank_per_gpu(monkeypatch, capsys):
+    """Checked before anything launches (a machine with one GPU, as far as the parent can tell)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert bench_command(["--device", "cuda", "--world-size", "1", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "every N must be between 1 and the 1 GPU(s) here" in err and err.count("\n") == 1
+
+
+def test_a_peer_refusing_a_group_of_one_is_skipped_with_its_reason(monkeypatch):
+    """At N = 1 (--device cuda on one GPU) a peer that raises is skipped, its reason reported, and
+    minizero's run stands alone in the table; with more ranks the error fails the launch. Runs
+    bench_worker in this process: no group, so comm's world size is 1."""
+    run = bench._run
+
+    def refusing(impl, cfg):
+        if impl == "ddp":
+            raise RuntimeError("no group of one, please\n(details)")
+        return run(impl, cfg)
+    monkeypatch.setattr(bench, "_run", refusing)
+    cfg = TrainConfig(stage=0, world_size=1, steps=2, model="tiny", backend="gloo")
+    threads = torch.get_num_threads()
+    try:
+        (record,) = bench.bench_worker([(cfg, ["ddp"])], 2, False)
+    finally:
+        torch.set_num_threads(threads)                 # bench_worker's one thread, for this process
+    assert record["skipped"] == {"ddp": "RuntimeError: no group of one, please"}
+    assert record["impls"] == ["minizero"] and list(record["times"]) == ["minizero"]
+    pairs, alone, skipped, _ = bench._records([(cfg, ["ddp"], "0")], [[record]], meter=False)
+    assert pairs == [] and [a["reason"] for a in alone] == ["ddp refused N = 1"]
+    assert alone[0]["throughput"]["tokens_per_s"] > 0 and 0 < alone[0]["throughput"]["mfu"] < 1
+    assert skipped == [{"world_size": 1, "size": "tiny", "variant": "0", "peer": "ddp",
+                        "reason": "RuntimeError: no group of one, please"}]
+    assert not bench._may_skip("minizero")               # minizero's own failure is never skipped
+    monkeypatch.setattr(bench.comm, "world_size", lambda: 2)
+    assert not bench._may_skip("ddp")
+
+
+def test_bf16_runs_minizero_alone_and_says_why():
+    """The peers are built in fp32 only: a bf16 bench has no pair, only minizero's rows, with
+    tokens/s and MFU against the bf16 GEMM peak."""
+    report = bench.compare((2,), sizes=("tiny",), steps=2, repeats=1, variants=("2",),
+                           meter=False, dtype="bf16")
+    assert report["pairs"] == [] and report["config"]["dtype"] == "bf16"
+    (alone,) = report["alone"]
+    assert (alone["variant"], alone["dtype"], alone["reason"]) == (
+        "2", "bf16", "the peers run in fp32 only")
+    assert 0 < alone["throughput"]["mfu"] < 1 and alone["comm_bytes_per_step"] > 0
+    text = bench.format_table(report)
+    assert "minizero alone, bf16" in text and "the peers run in fp32 only" in text
+    assert "peer ms" not in text                          # no pair header without pairs
 
 
 def test_collectives_are_timed_both_ways_and_agree(capsys):

@@ -22,6 +22,9 @@ What runs differently on CUDA, and the test that runs it:
   Hugging Face's GPT-2 ........................ test_hf_gpt2_matches_reference
   N = 2: NCCL's collectives (N = 1 runs none: comm skips them), and stage 3's prefetch in a
       torch.profiler trace .................... test_prefetch_overlaps_the_next_gather_with_compute
+  `python -m minizero.bench --device cuda` at N = 1: every peer (PyTorch's, DeepSpeed's) in a
+      group of one, clocks read after torch.cuda.synchronize, MFU against the GPU's measured GEMM
+      peak ..................................... test_bench_runs_every_pair_on_one_gpu
 Every run is compared with the single-process CPU reference (minizero/lab/reference.py) at
 reference.tolerance (fp32 1e-4; bf16 5e-2, against fp32): a GPU's kernels round differently from a
 CPU's, so nothing here asks for bitwise equality.
@@ -398,3 +401,29 @@ def test_prefetch_overlaps_the_next_gather_with_compute(tmp_path):
                 f"{overlap[prefetch]:.0f} µs of it beside compute kernels ({trace})")
     assert overlap[True] > 0, "with prefetch, no all-gather ran beside a unit's forward"
     assert overlap[False] <= 0.05 * overlap[True], "without prefetch, gathers overlapped compute"
+
+
+def test_bench_runs_every_pair_on_one_gpu(tmp_path):
+    """python -m minizero.bench --device cuda at N = 1, fp32 (the peers' precision), the default
+    GPT, 4 steps, 1 repeat: every pair ran (a peer that refused a group of one would be in
+    "skipped", with its reason), with tokens/s and an MFU between 0 and 1 against the GPU's own
+    fp32 GEMM peak on both sides. The table goes to the summary."""
+    from minizero.cli.bench import main as bench_command
+    from minizero.lab import bench
+    path = tmp_path / "bench.json"
+    assert bench_command(["--device", "cuda", "--world-size", "1", "--steps", "4", "--repeats",
+                          "1", "--quiet", "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    c = report["config"]
+    assert (c["device"], c["backend"], c["dtype"]) == ("cuda", "nccl", "fp32")
+    assert c["world_sizes"] == [1]
+    assert c["gpu"], "rank 0 names its GPU"
+    assert report["skipped"] == [] and report["alone"] == [], (report["skipped"], report["alone"])
+    assert [(p["variant"], p["peer"]) for p in report["pairs"]] == [
+        (v, peer) for v in bench.VARIANTS for peer in bench.peers_of(v)]
+    for p in report["pairs"]:
+        for side in bench.SIDES:
+            t = p["throughput"][side]
+            assert t["tokens_per_s"] > 0 and 0 < t["mfu"] < 1, (p["variant"], p["peer"], side, t)
+    for line in bench.format_table(report).splitlines():
+        summary(line)

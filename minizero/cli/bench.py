@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import sys
 
+import torch
+
 from minizero.cli import OneLineParser, UsageError, emit, fail, mode_of
 from minizero.cli import collectives, desync_cost, peak, scale      # the other measurements
 from minizero.lab import deepspeed_peer
-from minizero.lab.bench import PEER_FAMILIES, VARIANTS, compare, format_table
+from minizero.lab.bench import BACKENDS, PEER_DTYPE, PEER_FAMILIES, VARIANTS, compare, format_table
 from minizero.lab.model import MODEL_NAMES, SIZES
 from minizero.lab.train import progress_wanted
+
+SPLITS = (1, 2, 4, 8, 16)           # the N that split the batch of 16 rows evenly
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,8 +36,15 @@ def main(argv: list[str] | None = None) -> int:
         return mode(argv)
     ap = OneLineParser(prog=prog, description=__doc__.split("\n")[0])
     ap.add_argument(
-        "--world-size", type=int, nargs="+", default=[2, 4], help="one or more N (default 2 4)"
+        "--world-size", type=int, nargs="+", default=None,
+        help="one or more N (default 2 4; with --device cuda all the GPUs, up to 16: one per rank)",
     )
+    ap.add_argument("--device", choices=list(BACKENDS), default="cpu",
+                    help="cpu (default: gloo, one process per rank) or cuda (NCCL, one GPU per "
+                         "rank)")
+    ap.add_argument("--dtype", choices=[PEER_DTYPE, "bf16"], default=PEER_DTYPE,
+                    help=f"{PEER_DTYPE} (default: every pair) or bf16 (minizero alone: the peers "
+                         f"run in {PEER_DTYPE} only); MFU is against the GEMM peak at this dtype")
     ap.add_argument(
         "--steps", type=int, default=10, help="steps per run (default 10, the first is warm-up)"
     )
@@ -95,18 +106,20 @@ def main(argv: list[str] | None = None) -> int:
                          "--world-size, --steps, --repeats; minizero/lab/desync_cost.py)")
     try:
         args = ap.parse_args(argv)
-        sizes, peers = _validate(args)
+        world_sizes, sizes, peers = _validate(args)
     except UsageError as e:
         return fail(prog, str(e))
     try:
         report = compare(
-            tuple(args.world_size),
+            world_sizes,
             sizes=sizes,
             steps=args.steps,
             repeats=args.repeats,
             variants=tuple(args.stages),
             peers=peers,
             meter=args.sizes is None,
+            device=args.device,
+            dtype=args.dtype,
             progress=progress_wanted(args.quiet, args.json),
         )
     except RuntimeError as e:                       # a rank failed: the launcher says which and why
@@ -116,10 +129,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _validate(args) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(sizes, peer families) from the flags, or UsageError."""
-    if any(n < 2 for n in args.world_size):
-        raise UsageError("--world-size: every N must be >= 2 (the peers need a group)")
+def _validate(args) -> tuple[tuple[int, ...], tuple[str, ...], tuple[str, ...]]:
+    """(world sizes, sizes, peer families) from the flags, or UsageError."""
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device cuda: no GPU here (torch {torch.__version__}: "
+                             "torch.cuda.is_available() is False)")
+        gpus = torch.cuda.device_count()
+        # default: one N, the most GPUs that split the batch (1 with one GPU: NCCL cannot put two
+        # ranks on one GPU)
+        world_sizes = tuple(args.world_size or [max(n for n in SPLITS if n <= gpus)])
+        if any(not 1 <= n <= gpus for n in world_sizes):
+            raise UsageError(f"--world-size: every N must be between 1 and the {gpus} GPU(s) here "
+                             "(NCCL: one GPU per rank)")
+    else:
+        world_sizes = tuple(args.world_size or [2, 4])
+        if any(n < 2 for n in world_sizes):
+            raise UsageError("--world-size: every N must be >= 2 (the peers need a group)")
     if args.steps < 2 or args.repeats < 1:
         raise UsageError("--steps must be >= 2 (the first is warm-up) and --repeats >= 1")
     if args.model not in MODEL_NAMES:
@@ -140,6 +166,8 @@ def _validate(args) -> tuple[tuple[str, ...], tuple[str, ...]]:
             "--peers deepspeed: DeepSpeed is not installed "
             "(DS_BUILD_OPS=0 pip install -e '.[peers]')"
         )
-    if any(16 % n for n in args.world_size):
-        raise UsageError("--world-size: the batch of 16 rows must split evenly (N in 2, 4, 8, 16)")
-    return sizes, peers
+    if any(16 % n for n in world_sizes):
+        raise UsageError("--world-size: the batch of 16 rows must split evenly "
+                         f"(N in {', '.join(map(str, SPLITS))})")
+    return world_sizes, sizes, peers
+

@@ -12,7 +12,7 @@ import sys
 import torch
 
 from minizero.cli import OneLineParser, UsageError, emit, fail
-from minizero.lab.throughput import GEMM_SIZE, peaks_worker
+from minizero.lab.throughput import gemm_size, peaks_worker
 from minizero.optim import DTYPES
 
 
@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
               "threads_per_rank": args.threads or None,
               "peak_flops_per_s": {d: sum(r[d] for r in per_rank) for d in dtypes},
               "per_rank": per_rank}
-    lines = [(f"GEMM peak ([{GEMM_SIZE}x{GEMM_SIZE}] products), {args.world_size} rank(s) at "
+    size = gemm_size(torch.device(args.device))
+    lines = [(f"GEMM peak ([{size}x{size}] products), {args.world_size} rank(s) at "
               f"once on {args.device}:")]
     for d in dtypes:
         low, high = (f(r[d] for r in per_rank) / 1e9 for f in (min, max))

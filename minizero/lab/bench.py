@@ -4,6 +4,8 @@
     python -m minizero.bench                                        # N = 2 and 4, the default model
     python -m minizero.bench --world-size 2 --sizes 1M,8M,50M --steps 6 --repeats 2 --json b.json
     python -m minizero.bench --peers torch                          # PyTorch's peers only
+    python -m minizero.bench --device cuda                          # NCCL, one GPU per rank
+    python -m minizero.bench --device cuda --dtype bf16             # minizero alone, bf16 MFU
     # where each side's time goes
     python -m minizero.bench --world-size 4 --sizes 8M --stages 2 --phases
     # the scale demo (minizero.scale)
@@ -26,7 +28,11 @@ trained by the same loop as minizero.lab.train):
 Stage 3 gathers the same units on every side: minizero's default units are the GPT's blocks, FSDP2
 is fully_shard-ed per block, DeepSpeed fetches each block at once (set_z3_leaf_modules). DeepSpeed
 pairs run when it is installed (pip install -e ".[peers]"). Same GPT (--sizes:
-minizero.lab.model.SIZES), initial weights, data, fp32, AdamW, world size, gloo on the CPU.
+minizero.lab.model.SIZES), initial weights, data, fp32, AdamW, world size, gloo on the CPU
+(--device cuda: NCCL, one GPU per rank, so N = 1 on a machine with one GPU; at N = 1 a peer that
+refuses a group of one is skipped, its reason in the report). The peers are built in fp32 only
+(peers.build_peer and deepspeed_peer.ds_config refuse anything else): with --dtype bf16 minizero
+runs alone, and its rows say so, rather than next to a peer at another precision.
 
 How it is fair: one launch per world size runs every pair in the same processes; within a repeat
 each configuration runs minizero and its peers back to back, in alternating order (A B C, then C B
@@ -54,7 +60,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 
 import torch
 
@@ -67,6 +72,7 @@ from minizero.lab.rss import release_freed_memory
 from minizero.lab.throughput import peak_worker, throughput
 from minizero.lab.train import (
     TrainConfig,
+    clock,
     forward_backward,
     progress_bar,
     train_worker,
@@ -87,6 +93,8 @@ VARIANTS = {
     "2+offload": (2, True),
 }
 PEER_FAMILIES = ("torch", "deepspeed")
+PEER_DTYPE = "fp32"                          # the one precision the peer wrappers build
+BACKENDS = {"cpu": "gloo", "cuda": "nccl"}   # --device: one process per rank, on the CPU or a GPU
 PHASES = ("forward", "backward", "step")     # minizero.lab.train.forward_backward and timed_step
 
 # The collectives each PyTorch peer issues per step, each over the full Ψ (the ring bytes of
@@ -142,12 +150,10 @@ def meter_worker(cfg: TrainConfig, meter: bool) -> dict:
     forward = engine if meter else engine.module          # engine(x) records what forward saves
     step_times, losses = [], []
     for step in range(cfg.steps):
-        start = time.perf_counter()
+        start = clock()
         losses.append(forward_backward(cfg, step, forward, engine.backward, engine.no_sync))
         engine.step()
-        if comm.device().type == "cuda":
-            torch.cuda.synchronize()
-        step_times.append(time.perf_counter() - start)
+        step_times.append(clock() - start)
     return {
         "step_times": step_times,
         "losses": losses,
@@ -175,7 +181,7 @@ def bench_worker(jobs: list[tuple[TrainConfig, list[str]]], repeats: int, meter:
     for cfg, peers in jobs:
         impls = ["minizero", *peers] + (list(METER) if meter else [])
         out.append({"impls": impls, "times": {impl: [] for impl in impls},
-                    "phases": {impl: [] for impl in impls if impl not in METER}})
+                    "phases": {impl: [] for impl in impls if impl not in METER}, "skipped": {}})
     bar = progress_bar(repeats * len(jobs), f"N = {comm.world_size()}",
                        progress and comm.rank() == 0, unit="config")
     for rep in range(repeats):
@@ -186,10 +192,21 @@ def bench_worker(jobs: list[tuple[TrainConfig, list[str]]], repeats: int, meter:
             for impl in record["impls"] if rep % 2 == 0 else record["impls"][::-1]:
                 release_freed_memory()          # the last run's memory back to the OS (lab/rss.py)
                 comm.barrier()                  # every side starts from the same line
-                results[impl] = _run(impl, cfg if impl in METER else run_cfg)
+                try:
+                    results[impl] = _run(impl, cfg if impl in METER else run_cfg)
+                except Exception as e:
+                    if not _may_skip(impl):
+                        raise
+                    record["skipped"][impl] = _reason(e)
+                    continue
                 record["times"][impl].append(results[impl]["step_times"])
                 if impl not in METER:
                     record["phases"][impl].append(results[impl]["phase_times"])
+            for impl in record["skipped"]:      # the pair is dropped: no partial repeats
+                record["impls"] = [i for i in record["impls"] if i != impl]
+                record["times"].pop(impl, None)
+                record["phases"].pop(impl, None)
+            peers = [p for p in peers if p not in record["skipped"]]
             if rep > 0:
                 continue
             if meter:
@@ -208,10 +225,27 @@ def bench_worker(jobs: list[tuple[TrainConfig, list[str]]], repeats: int, meter:
                 impl: results[impl]["losses"][-1] for impl in ["minizero", *peers]
             }
     bar.close()
-    peak = peak_worker("fp32")           # MFU's peak: every rank's GEMM at once, one thread each
-    for record in out:
-        record["gemm_flops_per_s"] = peak
+    # MFU's peak at each run's dtype: every rank's GEMM at once (one thread each on the CPU)
+    peaks = {dtype: peak_worker(dtype) for dtype in sorted({cfg.dtype for cfg, _ in jobs})}
+    device = comm.device()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    for (cfg, _), record in zip(jobs, out):
+        record["gemm_flops_per_s"] = peaks[cfg.dtype]
+        record["device_name"] = name
     return out
+
+
+def _may_skip(impl: str) -> bool:
+    """Whether a run of `impl` that raised is skipped (its reason reported) rather than failing the
+    launch: a peer's, at N = 1 only. With more ranks the others would wait for this one inside
+    the peer's collectives until the timeout; the launcher's one-line failure says more."""
+    return comm.world_size() == 1 and impl not in ("minizero", *METER)
+
+
+def _reason(e: Exception) -> str:
+    """An exception in one short line: its type and the first line of its message."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first[:200]}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -220,10 +254,14 @@ def bench_worker(jobs: list[tuple[TrainConfig, list[str]]], repeats: int, meter:
 
 def compare(world_sizes=(2, 4), *, sizes=("default",), steps: int = 10, repeats: int = 3,
             variants=tuple(VARIANTS), peers=PEER_FAMILIES, meter: bool = True, batch_size: int = 16,
-            progress: bool = False) -> dict:
-    """{"config": ..., "pairs": [one record per (N, size, variant, peer)], "meter": [one per (N,
-    size, variant)] when meter}; see the module docstring for the fields."""
-    pairs, meters = [], []
+            device: str = "cpu", dtype: str = PEER_DTYPE, progress: bool = False) -> dict:
+    """{"config": ..., "pairs": [one record per (N, size, variant, peer)], "alone": [minizero's
+    record per (N, size, variant) that no peer ran next to, with the reason], "skipped": [the
+    peers that refused N = 1, with their reason], "meter": [one per (N, size, variant)] when
+    meter}; see the module docstring for the fields. device: "cpu" (gloo) or "cuda" (NCCL, one GPU
+    per rank); dtype: minizero's (TrainConfig.dtype); the peers run only at PEER_DTYPE."""
+    backend = BACKENDS[device]
+    pairs, alone, skipped, meters, device_name = [], [], [], [], None
     for n in world_sizes:
         jobs = []
         for size in sizes:
@@ -236,16 +274,15 @@ def compare(world_sizes=(2, 4), *, sizes=("default",), steps: int = 10, repeats:
                     steps=steps,
                     model=size,
                     batch_size=batch_size,
-                    backend="gloo",
+                    dtype=dtype,
+                    backend=backend,
                 )
-                jobs.append((cfg, peers_of(v, peers), v))
+                jobs.append((cfg, peers_of(v, peers) if dtype == PEER_DTYPE else [], v))
         per_rank = launch(bench_worker, n, [(cfg, ps) for cfg, ps, _ in jobs], repeats, meter,
-                          progress, backend="gloo")
-        for i, (cfg, ps, v) in enumerate(jobs):
-            ranks = [rank_records[i] for rank_records in per_rank]
-            pairs += [_pair_record(cfg, v, p, ranks) for p in ps]
-            if meter:
-                meters.append(_meter_record(cfg, v, ranks))
+                          progress, backend=backend)
+        device_name = per_rank[0][0]["device_name"]
+        for out, records in zip((pairs, alone, skipped, meters), _records(jobs, per_rank, meter)):
+            out += records
     report = {
         "config": {
             "world_sizes": list(world_sizes),
@@ -253,18 +290,50 @@ def compare(world_sizes=(2, 4), *, sizes=("default",), steps: int = 10, repeats:
             "steps": steps,
             "repeats": repeats,
             "batch_size": batch_size,
-            "backend": "gloo",
-            "dtype": "fp32",
+            "device": device,
+            "gpu": device_name,                     # torch.cuda.get_device_name on rank 0's GPU
+            "backend": backend,
+            "dtype": dtype,
+            "peer_dtype": PEER_DTYPE,
             "optimizer": "adamw",
             "threads_per_rank": 1,
             "peers": list(peers),
             "deepspeed": deepspeed_peer.available(),
         },
         "pairs": pairs,
+        "alone": alone,
+        "skipped": skipped,
     }
     if meter:
         report["meter"] = meters
     return report
+
+
+def _records(jobs: list, per_rank: list[list[dict]], meter: bool) -> tuple[list, ...]:
+    """One launch's (pairs, alone, skipped, meter) records from every rank's bench_worker result;
+    jobs: (cfg, peers, variant) in the order the worker ran them."""
+    pairs, alone, skipped, meters = [], [], [], []
+    for i, (cfg, ps, v) in enumerate(jobs):
+        ranks = [rank_records[i] for rank_records in per_rank]
+        refused = ranks[0]["skipped"]          # N = 1 only (_may_skip): one rank
+        skipped += [{"world_size": cfg.world_size, "size": cfg.model, "variant": v, "peer": p,
+                     "reason": why} for p, why in refused.items()]
+        ran = [p for p in ps if p not in refused]
+        pairs += [_pair_record(cfg, v, p, ranks) for p in ran]
+        if not ran:
+            alone.append(_alone_record(cfg, v, _alone_reason(cfg, refused), ranks))
+        if meter:
+            meters.append(_meter_record(cfg, v, ranks))
+    return pairs, alone, skipped, meters
+
+
+def _alone_reason(cfg: TrainConfig, refused: dict[str, str]) -> str:
+    """Why a configuration has no pair: the table's last column for minizero's lone row."""
+    if cfg.dtype != PEER_DTYPE:
+        return f"the peers run in {PEER_DTYPE} only"
+    if refused:
+        return "; ".join(f"{peer} refused N = 1" for peer in refused)
+    return "no peer among --peers for this variant"
 
 
 def _pair_record(cfg: TrainConfig, variant: str, peer: str, ranks: list[dict]) -> dict:
@@ -305,6 +374,26 @@ def _pair_record(cfg: TrainConfig, variant: str, peer: str, ranks: list[dict]) -
             "minizero": first["final_loss"]["minizero"],
             "peer": first["final_loss"][peer],
         },
+    }
+
+
+def _alone_record(cfg: TrainConfig, variant: str, reason: str, ranks: list[dict]) -> dict:
+    """minizero's side of a pair without its peer: step time, throughput, profile, memory, comm."""
+    first = ranks[0]
+    median = statistics.median(_slowest_rank_steps(ranks, "minizero"))
+    return {
+        "world_size": cfg.world_size, "size": cfg.model, "num_params": first["num_params"],
+        "variant": variant, "stage": cfg.stage, "offload": bool(cfg.offload), "dtype": cfg.dtype,
+        "reason": reason,
+        "step_time_s": median,
+        "throughput": throughput(cfg.model_config(), cfg.batch_size, median, cfg.world_size,
+                                 sum(r["gemm_flops_per_s"] for r in ranks)),
+        "phase_s": {phase: statistics.median(_slowest_rank_steps(ranks, "minizero", phase))
+                    for phase in PHASES},
+        "memory": [{k: r["memory"]["minizero"].get(k, 0) for k in MEMORY_KEYS} for r in ranks],
+        "minizero_peak": [r["peak"] for r in ranks],
+        "comm_bytes_per_step": first["comm"],
+        "final_loss": first["final_loss"]["minizero"],
     }
 
 
@@ -354,39 +443,57 @@ def format_table(report: dict, phases: bool = False) -> str:
         if c["deepspeed"] or "deepspeed" not in c["peers"]
         else " (DeepSpeed not installed: pip install -e '.[peers]')"
     )
+    gpu = f" ({c['gpu']})" if c["gpu"] else ""
     lines = [
         (
             f"minizero vs its peers{ds}, {c['steps']} steps "
-            f"x {c['repeats']} repeats, {c['backend']}, "
+            f"x {c['repeats']} repeats, {c['backend']} on {c['device']}{gpu}, "
             f"{c['dtype']} AdamW, batch {c['batch_size']}; rank "
             "0's device model states and bytes sent per step in MB"
         )
     ]
     lines += ["  " + size_label(s) for s in c["sizes"]]
-    lines.append(
-        f"{'N':>2} {'size':>7} {'stage':>9} {'peer':<17}{'mz ms':>9}{'peer ms':>9}{'ratio':>7}"
-        f"{'mz tok/s':>10}{'mz MFU':>8}{'peer MFU':>9}"
-        f"{'mz dev':>10}{'peer dev':>10}{'mz comm':>10}{'peer comm':>10}{'max |Δp|':>10}"
-    )
-    for p in report["pairs"]:
-        dev = {side: sum(p["memory"][side][0][k] for k in DEVICE_KEYS) for side in SIDES}
+    if report["pairs"]:
         lines.append(
-            f"{p['world_size']:>2} {p['size']:>7} {p['variant']:>9} {p['peer']:<17}"
-            f"{p['step_time_s']['minizero'] * 1e3:9.1f}{p['step_time_s']['peer'] * 1e3:9.1f}"
-            f"{p['ratio']:7.2f}{p['throughput']['minizero']['tokens_per_s']:10,.0f}"
-            f"{p['throughput']['minizero']['mfu']:8.1%}"
-            f"{p['throughput']['peer']['mfu']:9.1%}"
-            f" {mb(dev['minizero'])} {mb(dev['peer'])}"
-            f" {mb(p['comm_bytes_per_step']['minizero'])} {mb(p['comm_bytes_per_step']['peer'])}"
-            f"{p['max_param_diff']:10.1e}"
+            f"{'N':>2} {'size':>7} {'stage':>9} {'peer':<17}{'mz ms':>9}{'peer ms':>9}{'ratio':>7}"
+            f"{'mz tok/s':>10}{'mz MFU':>8}{'peer MFU':>9}"
+            f"{'mz dev':>10}{'peer dev':>10}{'mz comm':>10}{'peer comm':>10}{'max |Δp|':>10}"
         )
-    lines.append(
-        "ratio = median step time minizero / peer (< 1: "
-        "minizero faster). Peer comm: ring formula of "
-        "its collectives. dev: params + grads + optimizer on the compute device (offloaded: host)."
-    )
+        for p in report["pairs"]:
+            dev = {side: sum(p["memory"][side][0][k] for k in DEVICE_KEYS) for side in SIDES}
+            lines.append(
+                f"{p['world_size']:>2} {p['size']:>7} {p['variant']:>9} {p['peer']:<17}"
+                f"{p['step_time_s']['minizero'] * 1e3:9.1f}{p['step_time_s']['peer'] * 1e3:9.1f}"
+                f"{p['ratio']:7.2f}{p['throughput']['minizero']['tokens_per_s']:10,.0f}"
+                f"{p['throughput']['minizero']['mfu']:8.1%}"
+                f"{p['throughput']['peer']['mfu']:9.1%}"
+                f" {mb(dev['minizero'])} {mb(dev['peer'])}"
+                f" {mb(p['comm_bytes_per_step']['minizero'])}"
+                f" {mb(p['comm_bytes_per_step']['peer'])}"
+                f"{p['max_param_diff']:10.1e}"
+            )
+        lines.append("ratio = median step time minizero / peer (< 1: minizero faster). Peer comm: "
+                     "ring formula of its collectives.")
+    if report["alone"]:
+        lines.append("")
+        lines.append(f"minizero alone, {c['dtype']}: no peer ran next to these (why: last column)")
+        lines.append(f"{'N':>2} {'size':>7} {'stage':>9}{'mz ms':>9}{'mz tok/s':>10}{'mz MFU':>8}"
+                     f"{'mz dev':>10}{'mz comm':>10}  why")
+        for a in report["alone"]:
+            dev = sum(a["memory"][0][k] for k in DEVICE_KEYS)
+            lines.append(
+                f"{a['world_size']:>2} {a['size']:>7} {a['variant']:>9}"
+                f"{a['step_time_s'] * 1e3:9.1f}{a['throughput']['tokens_per_s']:10,.0f}"
+                f"{a['throughput']['mfu']:8.1%} {mb(dev)} {mb(a['comm_bytes_per_step'])}"
+                f"  {a['reason']}"
+            )
+    for s in report["skipped"]:
+        lines.append(f"skipped at N = {s['world_size']}: {s['peer']} for stage {s['variant']} "
+                     f"({s['size']}): {s['reason']}")
+    lines.append("dev: params + grads + optimizer on the compute device (offloaded: host).")
     lines.append("tok/s: tokens per second, all ranks; MFU: model FLOPs per second (6Ψ + attention "
-                 "per token) over the ranks' summed fp32 GEMM peak (minizero/lab/throughput.py)")
+                 f"per token) over the ranks' summed GEMM peak at the run's dtype ({c['dtype']}; "
+                 "minizero/lab/throughput.py)")
     if phases:
         lines.append("")
         lines.append(

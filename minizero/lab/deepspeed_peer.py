@@ -36,14 +36,13 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import time
 import warnings
 
 import torch
 
 from minizero import comm
 from minizero.lab.model import Block, make_model
-from minizero.lab.train import TrainConfig, forward_backward, timed_step
+from minizero.lab.train import TrainConfig, clock, forward_backward, timed_step
 from minizero.memory import measure
 
 PEER = "deepspeed"
@@ -128,16 +127,14 @@ def deepspeed_worker(cfg: TrainConfig) -> dict:
     engine = build(cfg)
     losses, step_times, phase_times, memory = [], [], [], None
     for step in range(cfg.steps):
-        start, phases = time.perf_counter(), {}
+        start, phases = clock(), {}
         # one micro-batch per step (ds_config), so no_sync is never entered; DeepSpeed's own refuses
         # stage 2-3
         losses.append(forward_backward(cfg, step, engine, engine.backward, engine.no_sync, phases))
         if step == cfg.steps - 1:
             memory = _memory(engine, cfg)
         timed_step(engine.step, phases)
-        if comm.device().type == "cuda":
-            torch.cuda.synchronize()
-        step_times.append(time.perf_counter() - start)
+        step_times.append(clock() - start)
         phase_times.append(phases)
     result = {
         "rank": comm.rank(),

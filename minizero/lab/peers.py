@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import time
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -31,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from minizero import comm
 from minizero.lab.model import make_model
-from minizero.lab.train import OPTIMIZERS, TrainConfig, forward_backward, timed_step
+from minizero.lab.train import OPTIMIZERS, TrainConfig, clock, forward_backward, timed_step
 from minizero.memory import measure
 
 PEER_OF_STAGE = {0: "ddp", 1: "zero_redundancy", 2: "fsdp2_no_reshard", 3: "fsdp2"}
@@ -87,19 +86,17 @@ def build_peer(cfg: TrainConfig, peer: str):
 def peer_worker(cfg: TrainConfig, peer: str) -> dict:
     """The loop of minizero.lab.train.train_worker, with PyTorch's implementation instead of
     an engine."""
-    rank, device = comm.rank(), comm.device()
+    rank = comm.rank()
     module, optimizer, no_sync = build_peer(cfg, peer)
     params = [p for p in module.parameters() if p.requires_grad]
     losses, step_times, phase_times, memory = [], [], [], None
     for step in range(cfg.steps):
-        start, phases = time.perf_counter(), {}
+        start, phases = clock(), {}
         step_loss = forward_backward(cfg, step, module, torch.Tensor.backward, no_sync, phases)
         if step == cfg.steps - 1:
             memory = _memory(module, optimizer)
         timed_step(functools.partial(_step, optimizer, params, cfg.clip_grad_norm), phases)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        step_times.append(time.perf_counter() - start)
+        step_times.append(clock() - start)
         phase_times.append(phases)
         losses.append(step_loss)
     result = {"rank": rank, "losses": losses, "step_times": step_times, "phase_times": phase_times,

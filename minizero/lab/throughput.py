@@ -35,6 +35,10 @@ from minizero.lab.model import GPTConfig
 from minizero.optim import DTYPES
 
 GEMM_SIZE = 1024          # [1024 x 1024] @ [1024 x 1024]: 2.1 GFLOP, ~12 ms fp32 on one core
+# On a GPU a 1024 product takes microseconds, about what launching it and synchronising take, so
+# the clock would time the launches: 8192 (1.1 TFLOP, ~1-2 ms bf16 on a datacenter GPU; < 1 GB of
+# operands) keeps that overhead near 1 %.
+CUDA_GEMM_SIZE = 8192
 PEAK_SECONDS = 0.3        # how long each rank multiplies (after one warm-up product)
 
 
@@ -52,13 +56,23 @@ def flops_per_token(cfg: GPTConfig, checkpointing: bool | str = False) -> int:
     return (4 if checkpointing else 3) * forward
 
 
-def gemm_flops_per_s(dtype: str = "fp32", device: torch.device | None = None, size: int = GEMM_SIZE,
-                     seconds: float = PEAK_SECONDS) -> float:
-    """This process's matmul FLOP/s at `dtype`: square products repeated for about `seconds`."""
+def gemm_size(device: torch.device) -> int:
+    """The side of the square products gemm_flops_per_s times on `device`."""
+    return CUDA_GEMM_SIZE if device.type == "cuda" else GEMM_SIZE
+
+
+def gemm_flops_per_s(dtype: str = "fp32", device: torch.device | None = None,
+                     size: int | None = None, seconds: float = PEAK_SECONDS) -> float:
+    """This process's matmul FLOP/s at `dtype`: square products (gemm_size) repeated for about
+    `seconds`. On CUDA every product is waited for before the clock is read: kernels run
+    asynchronously, and an unsynchronised clock times only their launches."""
     device = device or comm.device()
+    size = size or gemm_size(device)
     a = torch.randn(size, size, device=device).to(DTYPES[dtype])
     b = torch.randn(size, size, device=device).to(DTYPES[dtype])
     a @ b                                                        # warm-up (kernel choice, caches)
+    if device.type == "cuda":          # ... finished before the clock starts, not timed with it
+        torch.cuda.synchronize()
     done, start = 0, time.perf_counter()
     while True:
         a @ b
