@@ -145,7 +145,8 @@ def _validate(args) -> tuple[tuple[int, ...], tuple[str, ...], tuple[str, ...]]:
     else:
         world_sizes = tuple(args.world_size or [2, 4])
         if any(n < 2 for n in world_sizes):
-            raise UsageError("--world-size: every N must be >= 2 (the peers need a group)")
+            raise UsageError("--world-size: every N must be >= 2 on cpu (N = 1 shards nothing; "
+                             "it is for --device cuda on one GPU)")
     if args.steps < 2 or args.repeats < 1:
         raise UsageError("--steps must be >= 2 (the first is warm-up) and --repeats >= 1")
     if args.model not in MODEL_NAMES:
