@@ -14,7 +14,7 @@ from minizero.lab.peers import PEER_OF_STAGE, peer_worker
 from minizero.lab.reference import reference_train
 from minizero.lab.report import theory
 from minizero.lab.train import TrainConfig, train_several
-from minizero.memory import CATEGORIES, comm_volume, element_bytes, within_padding
+from minizero.memory import CATEGORIES, within_padding
 
 WORLD_SIZES = (1, 2, 3, 4)
 
