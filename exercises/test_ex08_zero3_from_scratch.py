@@ -1,8 +1,9 @@
 """Grader for exercise 8 (the capstone, ZeRO-3 from plain PyTorch):  pytest exercises -k ex08 -s
 
-Two ranks train a 4-block GPT (a tied weight, a parameter forward never uses) for 3 SGD steps of two
-accumulated micro-batches each, clipped by the global norm, with your Zero3; and, in a launch of its
-own, the same run with minizero's stage 3, for comparison (-s prints both). The grader's own hooks,
+Two ranks (and, for the training check, four) train a 4-block GPT (a tied weight, a parameter
+forward never uses) for 3 SGD steps of two accumulated micro-batches each, clipped by the global
+norm, with your Zero3; and, in a launch of its own, the same run with minizero's stage 3, for
+comparison (-s prints both). The grader's own hooks,
 registered after yours, measure on the parameters' storages what is materialized, and read
 comm.tally as each unit's forward ends.
 """
@@ -18,9 +19,10 @@ from minizero.lab.data import global_batch, local_batch
 from minizero.lab.model import make_model
 from minizero.lab.train import loss_fn, train_worker
 
-# below every step's norm: clipping acts
-CFG = g.config(stage=3, world_size=2, clip_grad_norm=0.05,
+# below every step's norm: clipping acts; 16 rows: two micro-batches on 2 ranks and on 4
+CFG = g.config(stage=3, world_size=2, clip_grad_norm=0.05, batch_size=16,
                model_overrides={"unused_param": True, "n_layer": 4})
+TRAINED_ON = (2, 4)                 # world sizes the training check runs (the others: CFG's)
 # PyTorch's
 REFUSED = ("torch.distributed.fsdp", "torch.distributed._composable", "torch.nn.parallel")
 WORDS = 4                                                          # bytes per fp32 element
@@ -94,10 +96,10 @@ def minizero_worker(_: str) -> dict:
     return {"peak": result["memory"]["peak_params"], "sent": result["comm_bytes_per_step"]}
 
 
-def launched(impl: str) -> list[dict]:
+def launched(impl: str, world_size: int = CFG.world_size) -> list[dict]:
     __tracebackhide__ = True
     g.guard(impl, REFUSED)
-    return g.launch_once(worker, CFG.world_size, impl)
+    return g.launch_once(worker, world_size, impl)
 
 
 def minizeros() -> list[dict]:
@@ -106,10 +108,13 @@ def minizeros() -> list[dict]:
 
 def check_training(impl: str) -> None:
     __tracebackhide__ = True
-    g.assert_matches_reference(CFG, launched(impl), atol=1e-5,
-                               hint="Is every unit reduce-scattered with op avg, each "
-                                    "micro-batch's partition added into the gradient shard, and "
-                                    "the norm summed over every rank's shards before clipping?")
+    for n in TRAINED_ON:
+        g.assert_matches_reference(dataclasses.replace(CFG, world_size=n), launched(impl, n),
+                                   atol=1e-5,
+                                   hint="Is every unit reduce-scattered with op avg, each "
+                                        "micro-batch's partition added into the gradient shard, "
+                                        "and the norm summed over every rank's shards before "
+                                        "clipping?")
 
 
 def check_memory(impl: str) -> None:
