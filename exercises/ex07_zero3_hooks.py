@@ -9,9 +9,10 @@ backward, reduce-scatter and free after backward.
 Stage 3 (P_os+g+p) partitions the parameters too: (2 + 2 + K)Ψ/N bytes per rank, plus the few
 *units* (here: each transformer block, and the rest of the model as one more unit) that are
 materialized at any moment. A unit's parameters live in one flat buffer `unit.full` [Ψ_u padded];
-the model's parameters are views into it. Between uses its storage is released (0 bytes, shape
-kept), and all that persists is this rank's partition `unit.shard` [Ψ_u / N], which the optimizer
-updates in place.
+while it is materialized the model's parameters are views into it (minizero points them there after
+your pre_ hooks, and at NaN placeholders after your post_ hooks: [Note: absent parameters] in
+minizero/unit.py). Between uses its storage is released (0 bytes, shape kept), and all that persists
+is this rank's partition `unit.shard` [Ψ_u / N], which the optimizer updates in place.
 
 minizero calls your four hooks for every unit (they replace the lifecycle methods of zero3.Unit),
 with the unit itself, which has:

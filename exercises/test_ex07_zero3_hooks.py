@@ -78,6 +78,7 @@ class LearnerUnit(Unit):
         if not gathered and held:
             raise AssertionError(f"{where}: after it, unit.full still holds {held} bytes: release "
                                  "it (resize its storage to 0), that is the memory stage 3 saves")
+        self.point_params(gathered)       # the module computes with unit.full, or sees it absent
         return result
 
 

@@ -36,6 +36,7 @@ units inside a checkpoint).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -61,8 +62,8 @@ class SavedTensorMeter:
     """Bytes of the tensors saved for backward, alive now and at most during the current (or
     last) step."""
 
-    def __init__(self, params: list[nn.Parameter]):
-        self.params = params
+    def __init__(self, param_tensors: Callable[[], list[torch.Tensor]]):
+        self.param_tensors = param_tensors          # what holds the parameters: not activations
         self.peak = 0
         self.alive = 0                                  # bytes saved for backward now
         self._storages: dict[int, list[int]] = {}   # storage -> [saved tensors using it, its bytes]
@@ -80,8 +81,8 @@ class SavedTensorMeter:
         if self._new_step:
             self.peak, self._new_step = self.alive, False
         # A storage is identified by its StorageImpl (_cdata), which stage 3's resize_ keeps: a
-        # unit's parameters stay recognisable while it is freed and gathered again.
-        self._excluded = {p.untyped_storage()._cdata for p in self.params}
+        # unit's full buffer stays recognisable while it is freed and gathered again.
+        self._excluded = {t.untyped_storage()._cdata for t in self.param_tensors()}
         with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
             yield
 

@@ -122,7 +122,7 @@ class Engine:
         self.trainable = [p for p in params if p.requires_grad]
         self.frozen = [p for p in params if not p.requires_grad]   # replicated as-is, never stepped
         # ZeRO-R: what forward saves (activations.py)
-        self.activations = activations.SavedTensorMeter(params)
+        self.activations = activations.SavedTensorMeter(self._param_tensors)
         events.subscribe_weakly(self._count)                       # [Note: counted peaks]
 
     @classmethod
@@ -354,10 +354,15 @@ class Engine:
         return {**now, **self._peak, "activations": self.activations.peak,
                 "disk": self.optimizer.disk_bytes()}       # the disk tier's file (disk.py), else 0
 
+    def _param_tensors(self) -> list[torch.Tensor]:
+        """The tensors holding the model's parameters: the parameters themselves (stage 3: each
+        unit's full buffer, [Note: absent parameters] in unit.py)."""
+        return self._params
+
     def _memory_groups(self) -> dict[str, list[torch.Tensor]]:
         params = self._params
         return {
-            "params": params + self._extra_tensors("params"),
+            "params": self._param_tensors() + self._extra_tensors("params"),
             "grads": [p.grad for p in params] + self._extra_tensors("grads"),
             "optimizer": self.optimizer.device_tensors(),
             "offloaded": self.optimizer.host_tensors() + self._extra_tensors("offloaded"),

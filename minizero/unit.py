@@ -7,6 +7,8 @@ FSDP2's FSDPParamGroup is the industrial version of `Unit`, with the same explic
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +18,26 @@ from minizero.flat import partition
 
 FREE, IN_FLIGHT, GATHERED = "free", "in flight", "gathered"        # what unit.full holds
 IDLE, FORWARD, PRE_BACKWARD = "idle", "forward", "pre-backward"    # where the step is, for the unit
+
+
+def absent_like(p: torch.Tensor) -> torch.Tensor:
+    """What a parameter of a free unit reads as: its shape, NaN everywhere, and 2-4 bytes shared by
+    all of them.
+
+    [Note: absent parameters] Outside its unit's forward and backward, a stage-3 parameter's values
+    are not on any one rank (each holds 1/N of them). Left a view of the freed `full`, it would
+    point at 0 bytes, and reading it (print(model.lm_head.weight)) would read freed memory: a
+    crash. So the unit points it at this instead: shape, dtype and numel() stay true (a learner's
+    count of parameters still works), what it reads is NaN (no value here), and writing to it
+    raises (its elements share one memory location). DeepSpeed makes it torch.empty(0) instead,
+    FSDP2 a DTensor of the shard. To see the values: `with engine.gathered(params):`, or
+    engine.full_state_dict()."""
+    return _one_absent_value(p.dtype, p.device).expand(p.shape)
+
+
+@functools.cache
+def _one_absent_value(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.full((1,), math.nan if dtype.is_floating_point else 0, dtype=dtype, device=device)
 
 
 @dataclass(frozen=True)
@@ -30,8 +52,8 @@ class UnitRoutes:
 class Unit:
     """One unit: its module, its buffers, its state, and what each hook does to it.
 
-    full [Ψ_u padded]  its trainable parameters end to end, the module's parameters views of it:
-                       0 bytes while FREE (shape kept), allocated while IN_FLIGHT / GATHERED.
+    full [Ψ_u padded]  its trainable parameters end to end: 0 bytes while FREE (shape kept),
+                       allocated while IN_FLIGHT / GATHERED, when the parameters are views of it.
     shard [Ψ_u / N]    this rank's partition, a view into param_shard: all that persists.
     frozen_full, frozen_shard: the same for its frozen parameters; secondary: hpZ's [Ψ_u / R].
     training_state     IDLE -pre_forward-> FORWARD -post_forward-> IDLE; engine.backward() ->
@@ -46,7 +68,12 @@ class Unit:
         (self.full, self.shard), (self.frozen_full, self.frozen_shard) = buffers
         self.params = [p for b in (bucket, frozen_bucket) if b is not None for p in b.params]
         self.numel = sum(p.numel() for p in self.params)
+        # [Note: absent parameters] what each parameter is while GATHERED (built so: flat.py) and
+        # while not
+        self.views = [p.data for p in self.params]
+        self.absent = [absent_like(p) for p in self.params]
         self.state, self.training_state = GATHERED, IDLE
+        self.held = False                  # engine.gathered() holds it: forward does not free it
         self.secondary: list[torch.Tensor] | None = None
         self._in_flight: list = []                     # all-gather handles while IN_FLIGHT
         self.free()                                    # built gathered; released right away
@@ -76,9 +103,16 @@ class Unit:
                 return
         self._wait()
         self.state = GATHERED
+        self.point_params(gathered=True)
         if self.routes.node is not None and self.training_state == FORWARD:
             self.keep_secondary()
         events.emit("unit gathered", engine=self.engine, unit=self)
+
+    def point_params(self, gathered: bool) -> None:
+        """The module's parameters: views of `full` while it is gathered (the module computes with
+        them), absent otherwise ([Note: absent parameters])."""
+        for p, view, absent in zip(self.params, self.views, self.absent):
+            p.data = view if gathered else absent
 
     def _route(self, forward: bool) -> tuple[comm.Route, list[torch.Tensor]]:
         """Backward's all-gather runs within the node from the secondaries when hpZ kept them."""
@@ -93,11 +127,12 @@ class Unit:
         self._in_flight = []
 
     def free(self) -> None:
-        """Release `full`: 0 bytes, shape kept, so the parameters stay views of it."""
+        """Release `full` (0 bytes); the parameters become absent (see absent_like)."""
         if self.state == FREE:
             return
         self._wait()                                   # never free a buffer a collective is writing
         nbytes = self.held_bytes()
+        self.point_params(gathered=False)
         for full, _ in self.buffers():
             full.untyped_storage().resize_(0)
         self.state = FREE
@@ -135,7 +170,8 @@ class Unit:
         if self.training_state == PRE_BACKWARD:     # a recompute: its backward needs the parameters
             return
         self.training_state = IDLE
-        self.free()                                    # <- stage 3's saving: free after forward
+        if not self.held:
+            self.free()                                # <- stage 3's saving: free after forward
 
     def pre_backward(self) -> None:
         """Its output's gradient is known: its backward is next, every later unit's is done."""

@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten
 
 from minizero import comm, construct
 from minizero.flat import Bucket, FlatLayout, partition
-from minizero.unit import FREE, IDLE, PRE_BACKWARD, Unit, UnitRoutes
+from minizero.unit import IDLE, PRE_BACKWARD, Unit, UnitRoutes
 from minizero.units import assign_units, default_units
 from minizero.zero2 import Zero2
 
@@ -164,10 +164,11 @@ class Zero3(Zero2):
         return [u for u in self.units if any(id(p) in wanted for p in u.params)]
 
     def _gather_for_user(self, params) -> None:
-        # only units free now: a nested gathered() (full_state_dict inside one) keeps the outer's
-        newly = [unit for unit in self._units_of(params) if unit.state == FREE]
+        # units not held yet: a nested gathered() (full_state_dict inside one) keeps the outer's
+        newly = [unit for unit in self._units_of(params) if not unit.held]
         for unit in newly:
             unit.gather()
+            unit.held = True
         self._gathered_for_user.append(newly)
 
     def _after_user_write(self, params) -> None:
@@ -178,7 +179,11 @@ class Zero3(Zero2):
 
     def _release_for_user(self, params) -> None:
         for unit in self._gathered_for_user.pop():
+            unit.held = False
             unit.free()
+
+    def _param_tensors(self):
+        return [full for unit in self.units for full, _ in unit.buffers()]    # 0 bytes while free
 
     def _extra_tensors(self, category):
         shard_category = "offloaded" if self.offload == "params" else "params"

@@ -146,12 +146,12 @@ interact(reproduce, mode=["raise", "kill", "skip-block", "extra-micro-batch"], s
 # %% [markdown]
 # ## 2. Parameters outside forward at stage 3
 #
-# Outside a unit's forward (and its backward) its parameters hold nothing: their storage was
-# released after use, which is the whole saving of stage 3. DeepSpeed makes this visible by
-# replacing each parameter's data with an empty tensor, so `p.shape` prints `torch.Size([0])`;
-# minizero keeps the shape (so `p.numel()` still counts Ψ) and resizes the storage to 0 bytes.
-# Either way **the values are not there**: DeepSpeed's `torch.Size([0])` makes any use fail, and in
-# minizero a read outside forward reads freed memory. To look at, print, compare or edit
+# Outside a unit's forward (and its backward) its parameters' values are not on this rank: the
+# unit's buffer was released after use, which is the whole saving of stage 3. DeepSpeed makes this
+# visible by replacing each parameter's data with an empty tensor, so `p.shape` prints
+# `torch.Size([0])`; minizero keeps the shape (so `p.numel()` still counts Ψ) and points the
+# parameter at a placeholder that reads as NaN and refuses writes (`absent_like` in
+# minizero/unit.py). Either way **the values are not there**. To look at, print, compare or edit
 # parameters between steps, gather them first:
 
 # %%
@@ -164,8 +164,9 @@ from minizero.lab.model import GPTConfig, make_model
 model = make_model(GPTConfig.named(MODEL))
 engine = minizero.wrap(model, 3, functools.partial(torch.optim.SGD, lr=0.1))   # here: N = 1
 w = model.blocks[0].ln1.weight
-outside = w.untyped_storage().nbytes()
-print("outside forward:", w.shape, outside, "bytes")                 # the shape kept, 0 bytes
+held = sum(unit.held_bytes() for unit in engine.units)              # every unit released
+outside = bool(w.isnan().all())
+print("outside forward:", w.shape, w[:4], f"({held} bytes gathered)")      # the shape kept, NaN
 with engine.gathered([model.blocks[0]]):                             # every rank: a collective
     inside = w.untyped_storage().nbytes()
     print("inside gathered():", w.shape, inside, "bytes", w[:4])

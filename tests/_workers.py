@@ -193,7 +193,17 @@ def gathered_round_trip(stage: int, options: dict) -> dict:
     names = dict(model.named_parameters())
     with engine.gathered():
         inner = engine.full_state_dict()                    # nested: the outer block stays gathered
+        with torch.no_grad():
+            engine(xm)                     # an evaluation inside the block leaves it gathered too
         read = {n: p.detach().float().clone() for n, p in names.items()}
+    # outside: stage 3's parameters are absent (unit.py), the others are the trained values
+    outside = {n: p.detach().float().clone() for n, p in names.items()}
+    try:
+        with torch.no_grad():
+            next(iter(names.values())).add_(0)
+        write_refused = False
+    except RuntimeError:
+        write_refused = True
     with engine.gathered(modifier_rank=1):
         if comm.rank() == 1:
             with torch.no_grad():
@@ -206,6 +216,10 @@ def gathered_round_trip(stage: int, options: dict) -> dict:
     return {"read_ok": all(torch.equal(inner[n], before[n]) for n in names) and all(
                 torch.equal(read[n], before[n]) if exact else
                            torch.allclose(read[n], before[n], rtol=1e-2, atol=1e-3) for n in names),
+            "outside": {"shapes_kept": all(outside[n].shape == before[n].shape for n in names),
+                        "absent": all(outside[n].isnan().all() for n in names),
+                        "same": all(torch.equal(outside[n], read[n]) for n in names),
+                        "write_refused": write_refused},
             "written_ok": all(torch.equal(after[n], torch.full_like(after[n], 0.5 + i / 64))
                               for i, n in enumerate(names)),
             "state": engine.full_state_dict()}

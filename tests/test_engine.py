@@ -1,5 +1,6 @@
 """What every stage shares (minizero/engine.py): engine.gathered() reads and writes full parameters
-between steps, at every stage, with frozen parameters and with offload."""
+between steps, at every stage, with frozen parameters and with offload, an evaluation forward
+inside it included; outside it stage 3's parameters read as absent."""
 
 import pytest
 import torch
@@ -24,6 +25,14 @@ def test_gathered_reads_full_parameters_and_rank_1_writes_reach_every_rank(round
         assert res["written_ok"], (
             f"rank {r}: what rank 1 wrote inside gathered(modifier_rank=1) is not there"
         )
+    # between steps, outside gathered(): stage 3's parameters are absent (NaN, shape kept, not
+    # writable: unit.py's [Note: absent parameters]), not a view of freed memory that crashes
+    stage, outside = SETTINGS[i][0], ranks[0]["outside"]
+    assert outside["shapes_kept"]
+    if stage == 3:
+        assert outside["absent"] and outside["write_refused"], outside
+    else:
+        assert outside["same"] and not outside["write_refused"], outside
     # and the step after it kept the replicas identical
     assert all(torch.equal(ranks[0]["state"][k], ranks[1]["state"][k]) for k in ranks[0]["state"])
 

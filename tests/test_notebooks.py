@@ -77,7 +77,7 @@ READ = {
     "09_what_goes_wrong": {"faults_9": '{"faults": {"verdict": verdict, "seconds": seconds, '
                                        '"recorder": flight_recorder, "verdicts": verdicts, '
                                        '"numel": w.numel(), "shape": list(w.shape), '
-                                       '"outside": outside, "inside": inside, '
+                                       '"outside": outside, "held": held, "inside": inside, '
                                        '"gathers": len(gathers), "tokens": TOKENS, '
                                        '"units": len(engine.units), "fault_rank": FAULT_RANK}}'},
 }
@@ -263,9 +263,9 @@ HANG_NAMED_WITHIN_S = 30
 def check_faults(f: dict) -> None:
     """Notebook 09. The skipped block at stage 3 ends in one line naming the rank out of step,
     within HANG_NAMED_WITHIN_S, each rank's flight recorder below it; an extra micro-batch
-    desynchronizes stages 2 and 3 alike; a stage-3 parameter keeps its shape but 0 bytes of storage
-    outside forward, and its values inside engine.gathered(); T forwards through U units are T·U
-    all-gathers."""
+    desynchronizes stages 2 and 3 alike; a stage-3 parameter keeps its shape and reads NaN outside
+    forward (no unit holds a byte), and its values inside engine.gathered(); T forwards through U
+    units are T·U all-gathers."""
     out_of_step = f"ranks out of step: rank {f['fault_rank']} issued "
     verdict = f["verdict"]
     assert verdict.startswith(out_of_step) and "where rank 0 issued" in verdict, verdict
@@ -274,7 +274,7 @@ def check_faults(f: dict) -> None:
     assert "rank 0: issued" in recorder and f"rank {f['fault_rank']}: issued" in recorder, recorder
     for stage, line in f["verdicts"].items():
         assert line.startswith(out_of_step), f"stage {stage}, an extra micro-batch: {line}"
-    assert f["shape"] == [f["numel"]] and f["outside"] == 0, f
+    assert f["shape"] == [f["numel"]] and f["outside"] is True and f["held"] == 0, f
     assert f["inside"] >= element_bytes("fp32") * f["numel"], f
     assert f["gathers"] == f["tokens"] * f["units"], f
 

@@ -26,7 +26,7 @@ def gather(unit) -> None:
 
 
 def free(unit) -> None:
-    # shape kept, parameters stay views, 0 bytes held
+    # 0 bytes held, shape kept (minizero then points the parameters away: unit.point_params)
     unit.full.untyped_storage().resize_(0)
 
 
