@@ -44,8 +44,9 @@ the gradients' norm so clipping acts): every rank ends where one process trainin
 ends (torch's SGD and clip_grad_norm_), on two ranks and on four; at most the root and two blocks
 are materialized at once (the one computing and the one prefetched: measured on the parameters'
 storages); each micro-batch sends 3Ψ(N-1)/N fp32 elements, within the padding (comm.tally: use
-minizero.comm's collectives); and when a block's forward ends, the next block's all-gather has been issued already. minizero's
-engines, flat layout, reducer, units and optimizer are refused in your file (and PyTorch's FSDP).
+minizero.comm's collectives); and when a block's forward ends, the next block's all-gather has been
+issued already. minizero's engines, flat layout, reducer, units and optimizer are refused in your
+file (and PyTorch's FSDP).
 
 Hints:
   * Exercise 7's start_gather / gather / free and exercise 6's staging buffer are most of it: one
