@@ -91,7 +91,7 @@ class Int8Blocks:
     all-gather, qgZ's reduce-scatter), in place of comm.EXACT. Both collectives start and return a
     handle whose wait() also dequantizes into `output` (in fp32, cast to the output's dtype). The
     extension point for another quantizer: a subclass with other `quantize` / `dequantize`, given to
-    an engine as its `int8_codec` (zero2.py; exercise 12's grader does this)."""
+    an engine as its `int8_codec` (zero2.py; exercise 13's grader does this)."""
     quantize = staticmethod(quantize)
     dequantize = staticmethod(dequantize)
 

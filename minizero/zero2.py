@@ -45,7 +45,7 @@ class Zero2(Zero1):
     # stages the whole bucket at once (exercise 4's grader turns it off: the learner's hook does
     # exactly that).
     contiguous_gradients = True
-    int8_codec = quantize.Int8Blocks   # ZeRO++'s codec (quantize.py); exercise 12 brings its own
+    int8_codec = quantize.Int8Blocks   # ZeRO++'s codec (quantize.py); exercise 13 brings its own
 
     def __init__(self, model, optimizer, *, bucket_size: float = DEFAULT_BUCKET_BYTES,
                  buckets_in_flight: int = 2, quantized_gradients: bool = False,

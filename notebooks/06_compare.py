@@ -26,8 +26,8 @@
 # | stage 2 | $b_p\Psi + (b_g + K)\Psi/N$ | $2\Psi$ |
 # | stage 3 | $(b_p + b_g + K)\Psi/N$ | $3\Psi$ |
 #
-# **Exercise 13**: [`exercises/ex13_predict_and_plan.py`](../exercises/ex13_predict_and_plan.py),
-# graded with `pytest exercises -k ex13`: predict model states and bytes per step before running,
+# **Exercise 12**: [`exercises/ex12_predict_and_plan.py`](../exercises/ex12_predict_and_plan.py),
+# graded with `pytest exercises -k ex12`: predict model states and bytes per step before running,
 # then plan stage, offload, checkpointing and micro-batch under a memory budget.
 
 # %% tags=["parameters"]

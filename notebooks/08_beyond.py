@@ -29,8 +29,8 @@
 # 3. **ZeRO++**: hpZ (backward's all-gather inside the node), qwZ and qgZ (int8 block quantization
 #    of the all-gather and the reduce-scatter): bytes, one step's error, loss curves.
 #
-# **Exercise 12**: [`exercises/ex12_block_quantize.py`](../exercises/ex12_block_quantize.py), graded
-# with `pytest exercises -k ex12`: ZeRO++'s int8 block quantization: within absmax/254 of every
+# **Exercise 13**: [`exercises/ex13_block_quantize.py`](../exercises/ex13_block_quantize.py), graded
+# with `pytest exercises -k ex13`: ZeRO++'s int8 block quantization: within absmax/254 of every
 # element, and the bytes qwZ and qgZ send with it.
 #
 # **Exercise 14**: [`exercises/ex14_overlap_buckets.py`](../exercises/ex14_overlap_buckets.py),
@@ -397,8 +397,8 @@ print("final losses:", ", ".join(f"{n} {f:.4f}" for n, f in zip(QRUNS, finals)))
 # bytes (fp32: 12 bytes an element per step become about 6). Every stored tensor stays exact, so the
 # error does not accumulate in the weights: each step's quantization error is fresh and bounded.
 #
-# **Exercise 12**: [`exercises/ex12_block_quantize.py`](../exercises/ex12_block_quantize.py), graded
-# with `pytest exercises -k ex12`: ZeRO++'s int8 block quantization: within absmax/254 of every
+# **Exercise 13**: [`exercises/ex13_block_quantize.py`](../exercises/ex13_block_quantize.py), graded
+# with `pytest exercises -k ex13`: ZeRO++'s int8 block quantization: within absmax/254 of every
 # element, and the bytes qwZ and qgZ send with it.
 
 # %% [markdown]

@@ -1,4 +1,4 @@
-"""Exercise 13, answer: the paper's model-state counts and ring bytes (minizero/memory/__init__.py,
+"""Exercise 12, answer: the paper's model-state counts and ring bytes (minizero/memory/__init__.py,
 estimate_breakdown, optimizer_k, step_collectives, comm_volume), and a planner on top of them."""
 
 from minizero.memory import activation_bytes

@@ -1,6 +1,6 @@
-"""Exercise 12: ZeRO++'s block quantization, int8 values and one fp32 scale per block.
+"""Exercise 13: ZeRO++'s block quantization, int8 values and one fp32 scale per block.
 
-    Grade it:    pytest exercises -k ex12            (or: python -m minizero.grade -k ex12)
+    Grade it:    pytest exercises -k ex13            (or: python -m minizero.grade -k ex13)
     Notebook:    notebooks/08_beyond.ipynb (its section on qwZ and qgZ)
     Compare:     minizero/quantize.py (quantize, dequantize, wire_bytes), and where it is used:
                  zero3.Unit.gather (qwZ) and zero2.Zero2.reduce_scatter_grads (qgZ)
@@ -41,9 +41,9 @@ Hints:
 def quantize(x, block):
     """x [..., n] -> (q [..., n] int8, scales [..., ceil(n / block)] fp32), blocks along the last
     dimension."""
-    raise NotImplementedError("ex12: write quantize")
+    raise NotImplementedError("ex13: write quantize")
 
 
 def dequantize(q, scales, block):
     """q [..., n] int8, scales [..., ceil(n / block)] -> q * its block's scale, [..., n] fp32."""
-    raise NotImplementedError("ex12: write dequantize")
+    raise NotImplementedError("ex13: write dequantize")

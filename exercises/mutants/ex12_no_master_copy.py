@@ -1,7 +1,7 @@
 """Mutant: K is the optimizer's own state only, forgetting the fp32 master copy a bf16 (or
 offloaded) run keeps: Adam's K = 8 instead of the paper's 12."""
 
-from solutions.ex13_predict_and_plan import ELEMENT, STATE, bytes_per_step, plan  # noqa: F401
+from solutions.ex12_predict_and_plan import ELEMENT, STATE, bytes_per_step, plan  # noqa: F401
 
 
 def model_states(num_params, world_size, stage, *, dtype, optimizer, offload):

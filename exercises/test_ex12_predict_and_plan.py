@@ -1,4 +1,4 @@
-"""Grader for exercise 13 (predict, then plan):  pytest exercises -k ex13
+"""Grader for exercise 12 (predict, then plan):  pytest exercises -k ex12
 
 (1) In this process: your model_states and bytes_per_step against minizero.memory
 (estimate_breakdown, comm_volume) on 300 random configurations, and your plan against the same rule

@@ -1,6 +1,6 @@
-"""Exercise 13: predict memory and communication before running, then plan a run under a budget.
+"""Exercise 12: predict memory and communication before running, then plan a run under a budget.
 
-    Grade it:    pytest exercises -k ex13            (or: python -m minizero.grade -k ex13)
+    Grade it:    pytest exercises -k ex12            (or: python -m minizero.grade -k ex12)
     Notebook:    notebooks/06_compare.ipynb, then 07_activations.ipynb (activations per row)
     Compare:     minizero/memory/__init__.py (estimate_breakdown, optimizer_k, step_collectives,
                  comm_volume), python -m minizero.memory
@@ -58,15 +58,15 @@ from minizero.memory import activation_bytes  # noqa: F401  (plan will need it)
 def model_states(num_params: int, world_size: int, stage: int, *, dtype: str, optimizer: str,
                  offload: bool) -> dict[str, float]:
     """Bytes per rank of the model states by category: params, grads, optimizer, offloaded."""
-    raise NotImplementedError("ex13: write model_states")
+    raise NotImplementedError("ex12: write model_states")
 
 
 def bytes_per_step(num_params: int, world_size: int, stage: int, *, dtype: str) -> float:
     """Bytes one rank sends per step in a ring."""
-    raise NotImplementedError("ex13: write bytes_per_step")
+    raise NotImplementedError("ex12: write bytes_per_step")
 
 
 def plan(num_params: int, shape: dict, world_size: int, budget: float, rows: int, *, dtype: str,
          optimizer: str) -> dict | None:
     """The first option that fits the budget, with its largest micro-batch; None if none does."""
-    raise NotImplementedError("ex13: write plan")
+    raise NotImplementedError("ex12: write plan")

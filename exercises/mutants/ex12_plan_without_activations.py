@@ -1,6 +1,6 @@
 """Mutant: plans with the model states alone: the activations of the micro-batch do not fit."""
 
-from solutions.ex13_predict_and_plan import OPTIONS, bytes_per_step, model_states  # noqa: F401
+from solutions.ex12_predict_and_plan import OPTIONS, bytes_per_step, model_states  # noqa: F401
 
 
 def plan(num_params, shape, world_size, budget, rows, *, dtype, optimizer):

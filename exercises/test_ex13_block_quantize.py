@@ -1,4 +1,4 @@
-"""Grader for exercise 12 (ZeRO++'s block quantization):  pytest exercises -k ex12
+"""Grader for exercise 13 (ZeRO++'s block quantization):  pytest exercises -k ex13
 
 (1) In this process: your quantize/dequantize on tensors with blocks of very different magnitudes, a
 partial last block and a block of zeros; each element must come back within absmax/254 of its block.
