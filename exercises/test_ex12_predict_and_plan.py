@@ -36,7 +36,7 @@ ORDER = (
 LAUNCH = TrainConfig(stage=0, world_size=2, steps=2, optimizer="adamw", backend="gloo",
                      model_overrides={"block_size": 256, "n_embd": 384, "n_layer": 4, "n_head": 4})
 ROWS = 8        # rows per rank and step the launch's plan may use
-SLACK = 0.5
+SLACK = 0.65    # of the way from the planned run to the next one: see launch_budget
 
 
 def shape_of(cfg: TrainConfig) -> dict:
@@ -165,8 +165,9 @@ def check_plans(impl: str) -> None:
 def launch_budget() -> tuple[float, dict]:
     """The budget of the real launch: stage 1 with one row fits, stage 0 with one row and stage 1
     with two do not. It sits SLACK of the way from stage 1's one row to the nearer of those two:
-    room for what the formulas leave out (autograd's and gloo's temporaries, 4-8 MB measured), and
-    as much again before the next run would fit."""
+    room for what the formulas leave out (autograd's and gloo's temporaries), and more before the
+    next run would fit. Measured here, against the kernel's cap: the planned run needs 6.6 MB more
+    than its formula (12 MB of room), one row more 8.5 MB more (20 MB over the budget)."""
     psi, shape = count_params(LAUNCH.model_config()), shape_of(LAUNCH)
     one = needed(psi, shape, 2, "fp32", "adam", ORDER[1], 1)
     nearest = min(needed(psi, shape, 2, "fp32", "adam", ORDER[0], 1),
