@@ -20,7 +20,9 @@ How, for the parameters of each module (buffers are small and stay as they are):
      is *partitioned*: broadcast from rank 0 (all ranks start from rank 0's values, as Engine does),
      flattened, padded to a multiple of N, and rank r keeps chunk r [⌈numel/N⌉]; the parameter's
      storage is released (0 bytes, shape kept), as stage 3 releases a unit. What is never attached
-     (the root) is partitioned when the context closes.
+     (the root) is partitioned when the context closes; then every partitioned parameter becomes
+     absent, as a free unit's are (unit.py's [Note: absent parameters]: read between here and
+     wrap, it shows NaN rather than freed memory).
   3. Constructors often write their children's parameters after building them (a GPT's
      `self.apply(_init_weights)`, Hugging Face's `post_init`). While the context is open a torch
      function mode watches every torch call: one that touches a partitioned parameter (or a view of
@@ -45,6 +47,7 @@ from torch.utils._pytree import tree_flatten
 
 from minizero import comm
 from minizero.flat import padded_size
+from minizero.unit import absent_like
 
 # Calls that only read a tensor's metadata (never its values): no gather needed. Attribute reads
 # (`p.shape`, `p.data`: a `__get__`) are metadata too; `p.data` is a view and stays partitioned.
@@ -116,16 +119,13 @@ def partition_of(t: torch.Tensor) -> Partition | None:
 # --- what the engines do with a model built this way ----------------------------------------------
 
 def cast_partitions(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """Engine's model.to(device, dtype) for partitioned parameters: cast the chunk, and give the
-    parameter an empty tensor of the new dtype (its values would be read otherwise, and there
-    are none)."""
+    """Engine's model.to(device, dtype) for partitioned parameters: cast the chunk, and make the
+    parameter absent in the new dtype (model.to would read its values otherwise: there are none)."""
     for p in model.parameters():
         part = partition_of(p)
         if part is not None and p.is_floating_point() and (p.dtype, p.device) != (dtype, device):
             part.chunk = part.chunk.to(device=device, dtype=dtype)
-            empty = torch.empty(p.shape, dtype=dtype, device=device)   # one parameter at a time
-            empty.untyped_storage().resize_(0)
-            p.data = empty
+            p.data = absent_like(p, dtype, device)             # no values to cast, none read
 
 
 def full_value(param: torch.Tensor) -> torch.Tensor:
@@ -159,6 +159,7 @@ class sharded_init(TorchFunctionMode):
     def __init__(self):
         super().__init__()
         self._full: dict[int, weakref.ref] = {}   # parameters created but not partitioned yet
+        self._partitioned: list[weakref.ref] = []  # and those partitioned
         self._held = 0                            # bytes of parameters held in full right now
         self.shard_bytes = 0                      # bytes of the chunks this rank keeps
         self.peak_bytes = 0                       # the most parameter bytes held at any moment
@@ -179,7 +180,12 @@ class sharded_init(TorchFunctionMode):
             for ref in list(self._full.values()):
                 if ref() is not None:
                     self._partition(ref())
+            # no call gathers them any more: each is absent until stage 3 builds its unit
+            for param in [p for p in (ref() for ref in self._partitioned) if p is not None]:
+                _partitions.pop(_key(param), None)      # found by its attribute from now on
+                param.data = absent_like(param)
         self._full.clear()
+        self._partitioned.clear()
         return out
 
     # --- 1-2: parameters appear in full, and are partitioned once their module is built -----------
@@ -204,6 +210,7 @@ class sharded_init(TorchFunctionMode):
             param.untyped_storage().resize_(0)     # <- the essential line: the full values are gone
         _partitions[_key(param)] = part
         param._minizero_partition = part             # the parameter keeps its partition alive
+        self._partitioned.append(weakref.ref(param))
         self._full.pop(_key(param), None)
         chunk_bytes = part.chunk.numel() * part.chunk.element_size()
         self.shard_bytes += chunk_bytes

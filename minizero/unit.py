@@ -20,9 +20,11 @@ FREE, IN_FLIGHT, GATHERED = "free", "in flight", "gathered"        # what unit.f
 IDLE, FORWARD, PRE_BACKWARD = "idle", "forward", "pre-backward"    # where the step is, for the unit
 
 
-def absent_like(p: torch.Tensor) -> torch.Tensor:
-    """What a parameter of a free unit reads as: its shape, NaN everywhere, and 2-4 bytes shared by
-    all of them.
+def absent_like(p: torch.Tensor, dtype: torch.dtype | None = None,
+                device: torch.device | None = None) -> torch.Tensor:
+    """What a parameter of a free unit (or one built by sharded_init, construct.py) reads as: its
+    shape, NaN everywhere, and 2-4 bytes shared by all of them (of p's dtype and device, or those
+    given).
 
     [Note: absent parameters] Outside its unit's forward and backward, a stage-3 parameter's values
     are not on any one rank (each holds 1/N of them). Left a view of the freed `full`, it would
@@ -32,7 +34,7 @@ def absent_like(p: torch.Tensor) -> torch.Tensor:
     raises (its elements share one memory location). DeepSpeed makes it torch.empty(0) instead,
     FSDP2 a DTensor of the shard. To see the values: `with engine.gathered(params):`, or
     engine.full_state_dict()."""
-    return _one_absent_value(p.dtype, p.device).expand(p.shape)
+    return _one_absent_value(dtype or p.dtype, device or p.device).expand(p.shape)
 
 
 @functools.cache

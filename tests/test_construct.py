@@ -10,7 +10,8 @@ from _workers import build_sharded
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_minizero_gpt_built_sharded_is_bitwise_the_normal_one(n):
     for r in minizero.launch(build_sharded, n, "gpt"):
-        assert r["differ"] == [] and r["unpartitioned"] == [] and r["held_after"] == 0
+        assert r["differ"] == [] and r["unpartitioned"] == [] and r["absent_after"]
+        assert r["held_after"] == 4                  # the absent value every parameter reads
         # chunks are ⌈numel/N⌉ per parameter: Ψ/N up to < N elements of padding each
         assert r["model_bytes"] / n <= r["shard"] < r["model_bytes"] / n + 4 * n * len(r["names"])
         # while building: its chunks plus the largest submodule (a block's MLP is built before it
@@ -25,7 +26,8 @@ def test_hugging_face_gpt2_built_sharded_is_bitwise_the_normal_one():
     for r in minizero.launch(build_sharded, 2, "hf_gpt2"):
         # GPT-2's post_init re-initialises every weight after construction: gathered,
         # written, re-partitioned
-        assert r["differ"] == [] and r["unpartitioned"] == [] and r["held_after"] == 0
+        assert r["differ"] == [] and r["unpartitioned"] == [] and r["absent_after"]
+        assert r["held_after"] == 4
         assert r["peak"] < r["model_bytes"]
 
 
