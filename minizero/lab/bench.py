@@ -336,10 +336,24 @@ def _alone_reason(cfg: TrainConfig, refused: dict[str, str]) -> str:
     return "no peer among --peers for this variant"
 
 
+def _one_side(cfg: TrainConfig, ranks: list[dict], impl: str) -> dict:
+    """One implementation's figures in a launch: its median step time (the slowest rank's),
+    throughput against the ranks' summed GEMM peak, profile by phase, and each rank's memory."""
+    median = statistics.median(_slowest_rank_steps(ranks, impl))
+    return {
+        "step_time_s": median,
+        "throughput": throughput(cfg.model_config(), cfg.batch_size, median, cfg.world_size,
+                                 sum(r["gemm_flops_per_s"] for r in ranks)),
+        "phase_s": {phase: statistics.median(_slowest_rank_steps(ranks, impl, phase))
+                    for phase in PHASES},
+        "memory": [{k: r["memory"][impl].get(k, 0) for k in MEMORY_KEYS} for r in ranks],
+    }
+
+
 def _pair_record(cfg: TrainConfig, variant: str, peer: str, ranks: list[dict]) -> dict:
     first = ranks[0]
-    medians = {side: statistics.median(_slowest_rank_steps(ranks, impl))
-               for side, impl in zip(SIDES, ("minizero", peer))}
+    sides = {side: _one_side(cfg, ranks, impl) for side, impl in zip(SIDES, ("minizero", peer))}
+    medians = {side: sides[side]["step_time_s"] for side in SIDES}
     psi = first["num_params"]
     return {
         "world_size": cfg.world_size, "size": cfg.model, "num_params": psi, "variant": variant,
@@ -353,19 +367,9 @@ def _pair_record(cfg: TrainConfig, variant: str, peer: str, ranks: list[dict]) -
                 _slowest_rank_repeats(ranks, "minizero"), _slowest_rank_repeats(ranks, peer)
             )
         ],
-        # tokens/s, FLOP/s and MFU of each side against the ranks' summed fp32 GEMM peak
-        "throughput": {side: throughput(cfg.model_config(), cfg.batch_size, medians[side],
-                                        cfg.world_size, sum(r["gemm_flops_per_s"] for r in ranks))
-                       for side in SIDES},
-        "phase_s": {
-            side: {
-                phase: statistics.median(_slowest_rank_steps(ranks, impl, phase))
-                for phase in PHASES
-            }
-            for side, impl in zip(SIDES, ("minizero", peer))
-        },
-        "memory": {side: [{k: r["memory"][impl].get(k, 0) for k in MEMORY_KEYS} for r in ranks]
-                   for side, impl in zip(SIDES, ("minizero", peer))},
+        # tokens/s, FLOP/s and MFU of each side against the ranks' summed GEMM peak
+        **{key: {side: sides[side][key] for side in SIDES}
+           for key in ("throughput", "phase_s", "memory")},
         "minizero_peak": [r["peak"] for r in ranks],
         "comm_bytes_per_step": {"minizero": first["comm"],
                                 "peer": peer_comm_bytes(peer, psi, cfg.world_size, cfg.stage)},
@@ -380,17 +384,11 @@ def _pair_record(cfg: TrainConfig, variant: str, peer: str, ranks: list[dict]) -
 def _alone_record(cfg: TrainConfig, variant: str, reason: str, ranks: list[dict]) -> dict:
     """minizero's side of a pair without its peer: step time, throughput, profile, memory, comm."""
     first = ranks[0]
-    median = statistics.median(_slowest_rank_steps(ranks, "minizero"))
     return {
         "world_size": cfg.world_size, "size": cfg.model, "num_params": first["num_params"],
         "variant": variant, "stage": cfg.stage, "offload": bool(cfg.offload), "dtype": cfg.dtype,
         "reason": reason,
-        "step_time_s": median,
-        "throughput": throughput(cfg.model_config(), cfg.batch_size, median, cfg.world_size,
-                                 sum(r["gemm_flops_per_s"] for r in ranks)),
-        "phase_s": {phase: statistics.median(_slowest_rank_steps(ranks, "minizero", phase))
-                    for phase in PHASES},
-        "memory": [{k: r["memory"]["minizero"].get(k, 0) for k in MEMORY_KEYS} for r in ranks],
+        **_one_side(cfg, ranks, "minizero"),
         "minizero_peak": [r["peak"] for r in ranks],
         "comm_bytes_per_step": first["comm"],
         "final_loss": first["final_loss"]["minizero"],
