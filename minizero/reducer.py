@@ -17,7 +17,9 @@ Reducer uses:
     which bounds the memory of buffers in flight (what keeps stage 2's gradient memory at ~Ψ/N);
   * `finish()` at the end of backward launches what never became ready (parameters that got no
     gradient this step: unused ones, which are then reduced as zeros on every rank) and waits
-    for everything.
+    for everything. A zero is still a gradient: with weight decay an unused parameter decays, as
+    in DeepSpeed, where one process (and PyTorch's DDP) leaves its grad None, which the optimizer
+    skips.
 
 `overlap=False` is the variant without overlap, for comparison (DDP's
 `wrap(model, 0, overlap=False)`): nothing is launched during backward, `finish()` launches every

@@ -81,9 +81,12 @@ def configs(n: int) -> dict[str, object]:
     from _checks import AWKWARD
 
     from minizero.lab.train import TrainConfig
-    # tied, frozen and unused parameters, several buckets, accumulation (no_sync)
+    # tied, frozen and unused parameters, several buckets, accumulation (no_sync); Adam's moments
+    # on the host under offload. No weight decay: it would move the unused parameter here and not in
+    # the reference (reducer.py's docstring says why)
     trained = {**AWKWARD, "world_size": n, "steps": 3, "batch_size": 8, "grad_accum": 2,
-               "return_state": True, "optimizer": "adamw", "lr": 1e-2}
+               "return_state": True, "optimizer": "adamw", "lr": 1e-2,
+               "optimizer_params": {"weight_decay": 0.0}}
     measured = {"world_size": n, "steps": 2, "batch_size": 8, "optimizer": "adamw"}
     out = {}
     for (stage, offload) in SETTINGS:
@@ -158,6 +161,7 @@ def train_and_release(cfgs: list) -> list[dict]:
                    "frozen_shards": sorted(k for k in host if k.endswith("frozen_shard")),
                    "counted_now": now["params"] + now["grads"] + now["optimizer"],
                    "peak_above_start": torch.cuda.max_memory_allocated() - start}
+        gc.collect()                      # what training left in reference cycles goes first
         held, allocations = _allocated()
         del engine, host
         gc.collect()                      # the engine's hooks make reference cycles with the model
@@ -320,20 +324,13 @@ def test_offload_takes_the_formulas_bytes_off_the_device(runs, setting, dtype):
 
 @pytest.mark.parametrize("run", [name(s, d) for s in OFFLOADED for d in DTYPES])
 def test_offload_host_buffers_are_pinned(runs, run):
-    """What crosses the bus (offload's fp32 gradients and masters, stage 3's parameter shard) is
-    pinned: only then are offload's non_blocking copies asynchronous."""
-    for r in runs[f"trained/{run}"][1]:
-        unpinned = [k for k in r["unpinned"] if k not in r["frozen_shards"]]
-        assert not unpinned, f"rank {r['rank']}: host buffers not pinned: {unpinned}"
-
-
-@pytest.mark.xfail(strict=True, reason="zero3.py Unit.__init__ allocates frozen_shard without "
-                   "pin_memory: its copies to the GPU are synchronous (reported, not fixed here)")
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_offloaded_frozen_shards_are_pinned(runs, dtype):
-    """The awkward GPT's frozen position embedding, offloaded with the parameters: pinned too."""
-    for r in runs[f"trained/{name((3, 'params'), dtype)}"][1]:
-        assert r["frozen_shards"], "the awkward GPT has a frozen parameter, so a frozen shard"
+    """What crosses the bus (offload's fp32 gradients and masters; with offload="params" stage 3's
+    parameter shard and the frozen parameters' shards too) is pinned: only then are offload's
+    non_blocking copies asynchronous."""
+    cfg, results = runs[f"trained/{run}"]
+    for r in results:
+        if cfg.offload == "params":   # the awkward GPT's frozen position embedding, offloaded too
+            assert r["frozen_shards"], "the awkward GPT has a frozen parameter, so a frozen shard"
         assert not r["unpinned"], f"rank {r['rank']}: host buffers not pinned: {r['unpinned']}"
 
 
