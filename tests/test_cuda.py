@@ -4,8 +4,9 @@ what engine.memory() counts.
     python -m pytest tests/test_cuda.py -q      # every test skipped, saying why, without CUDA
     scripts/gpu_smoke.sh                         # on a GPU machine: these tests, then a summary
 
-Written on CPU-only machines: it has not run on a GPU yet (README, "On a GPU"). One process per GPU:
-N = 1, and N = 2 where there are two GPUs (NCCL refuses two ranks on one GPU), through
+Written on CPU-only machines: it has not run on a GPU yet (README, "On a GPU"); its training runs
+are rehearsed on CPU by tests/test_cuda_rehearsal.py, so that they cannot rot unseen. One process
+per GPU: N = 1, and N = 2 where there are two GPUs (NCCL refuses two ranks on one GPU), through
 `minizero.launch(..., backend="nccl")`, one launch per N for all the training runs.
 
 What runs differently on CUDA, and the test that runs it:
