@@ -111,8 +111,16 @@ _MANIFEST_KEYS = (
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that is missing, damaged, or saved for another configuration
-    (one-line message)."""
+    """A checkpoint that is missing, damaged, saved for another configuration, or asked for
+    between a backward() and its step() (one-line message)."""
+
+
+def _between_steps(engine, verb: str, why: str) -> None:
+    """A checkpoint is a state between steps: refuse one that would drop or misapply gradients.
+    (Every rank runs the same loop, so every rank refuses.)"""
+    if engine.mid_step:
+        raise CheckpointError(f"engine.{verb}() between backward() and step(): {why}; call it "
+                              "between steps")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -122,6 +130,8 @@ class CheckpointError(ValueError):
 def save(engine, directory: str) -> None:
     """engine.save: every rank writes its shard into a new version directory, then
     rank 0 commits."""
+    _between_steps(engine, "save", "a checkpoint holds no gradients, so those since the last "
+                   "step would be lost")
     directory = os.fspath(directory)
     version = _new_version_dir(directory) if engine.rank == 0 else None
     version = comm.all_gather_object(version)[0]             # everyone writes where rank 0 decided
@@ -411,6 +421,8 @@ def load(engine, path: str) -> None:
     """engine.load: check everything on every rank, agree, then restore; see the module docstring.
     `path` is a checkpoint directory, or a file written by
     `python -m minizero.consolidate --optimizer-state`."""
+    _between_steps(engine, "load", "the gradients since the last step would step the loaded "
+                   "weights")
     path = os.fspath(path)
     try:
         if os.path.isfile(path):

@@ -107,6 +107,7 @@ class Engine:
         # bytes by category, counted on [Note: counted peaks]
         self._now: dict[str, int] | None = None
         self._accumulating = False                    # a no_sync() backward ran since the last step
+        self.mid_step = False          # a backward() ran, its step() not yet: checkpoints refuse
         self.last_grad_norm: float | None = None
         self.step_count = 0            # steps taken, skipped ones included; a checkpoint saves it
 
@@ -196,6 +197,7 @@ class Engine:
         if self.scaler is not None:
             loss = self.scaler.scale_loss(loss)         # every gradient S times larger (chain rule)
         self._accumulating |= not self._sync              # p.grad holds what no_sync() accumulated
+        self.mid_step = True
         loss.backward()
         self._after_backward()
         self._track_peak()
@@ -231,7 +233,7 @@ class Engine:
             self._track_peak()
             events.emit("step", engine=self)
         self._zero_grad()
-        self._accumulating = False
+        self._accumulating = self.mid_step = False
         self.activations.new_step()
         self.step_count += 1
 
@@ -334,13 +336,13 @@ class Engine:
     # --- checkpoints: sharded, bit-exact resume (format and guarantees:
     # minizero/checkpoint.py) -------
     def save(self, directory: str) -> None:
-        """Collective, between steps: every rank writes its shard to `directory`, rank 0
-        commits it."""
+        """Collective, between steps (CheckpointError after a backward() whose step() has not
+        run): every rank writes its shard to `directory`, rank 0 commits it."""
         checkpoint.save(self, directory)
 
     def load(self, directory: str) -> None:
-        """Collective: restore a checkpoint of the same model and optimizer class, saved at any
-        stage, world size, dtype or offload (resharded); on any mismatch raise
+        """Collective, between steps: restore a checkpoint of the same model and optimizer class,
+        saved at any stage, world size, dtype or offload (resharded); on any mismatch raise
         checkpoint.CheckpointError (one line) on every rank, with nothing modified."""
         checkpoint.load(self, directory)
 

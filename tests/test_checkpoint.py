@@ -223,6 +223,32 @@ def test_a_bad_checkpoint_is_refused_in_one_line_and_nothing_changes(
     assert all(torch.equal(before[k], v) for k, v in engine.full_state_dict().items())
 
 
+def test_a_checkpoint_between_backward_and_step_is_refused_in_one_line(saved, tmp_path):
+    """A checkpoint holds no gradients: save() would lose those of a backward whose step() has not
+    run (here accumulated in no_sync()), load() would let that step() apply them to the loaded
+    weights. Both refuse, and the step goes on as if nothing had been asked."""
+    engine, twin = _engine(), _engine()
+    x = torch.randint(0, 10, (4, 16))
+    for e in (engine, twin):
+        with e.no_sync():
+            e.backward(e(x).float().mean())
+    before = engine.full_state_dict()
+    for verb, call in (("save", lambda: engine.save(tmp_path / "mid")),
+                       ("load", lambda: engine.load(saved))):
+        with pytest.raises(CheckpointError, match=rf"^engine\.{verb}\(\) between backward\(\) "
+                           r"and step\(\): .*; call it between steps$") as info:
+            call()
+        assert "\n" not in str(info.value)
+    assert not (tmp_path / "mid").exists() and engine.step_count == 0
+    assert all(torch.equal(before[k], v) for k, v in engine.full_state_dict().items())
+    for e in (engine, twin):
+        e.step()
+    assert all(torch.equal(twin.full_state_dict()[k], v)
+               for k, v in engine.full_state_dict().items())
+    engine.save(tmp_path / "after")                                     # between steps: saved
+    assert checkpoint.read_manifest(str(tmp_path / "after"))["step"] == 1
+
+
 class _TwoNumbersPerParameter(torch.optim.SGD):
     """An optimizer whose state is neither per element nor a scalar: it cannot be resharded."""
 
