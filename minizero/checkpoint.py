@@ -66,8 +66,9 @@ reads its own file, and the resumed run is bit-identical. The resumed run applie
 operations to the same values: masters, Adam's moments and step counter, the bf16
 parameters (= round(master)), the step count (so the data stream continues where it stopped), the
 RNG states and fp16's loss scaler (S and its counters: a fresh one would start again at 2**16 and
-skip other steps); gradients are zero between steps. A checkpoint without a scaler state (older, or
-not fp16) leaves the engine's fresh scaler as it is.
+skip other steps); gradients are zero between steps, the only time save() and load() accept (a
+CheckpointError between a backward() and its step()). A checkpoint without a scaler state (older,
+or not fp16) leaves the engine's fresh scaler as it is.
 
 Another layout (another N, or other buckets: stage 1 has one, stages 0 and 2 bucket by bytes, so by
 dtype and bucket size too, stage 3 has one per unit): resharding, with the optimizer state. The flat
