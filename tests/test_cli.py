@@ -96,6 +96,23 @@ def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv", [
+    ["run", "--stage", "1"], ["bench"], ["bench", "--peak"], ["bench", "--collectives"],
+    ["bench", "--scale"], ["scale", "--infinity"], ["grade"], ["collectives"],
+], ids=" ".join)
+def test_json_into_a_missing_folder_is_a_usage_error_before_any_work(capsys, tmp_path, argv):
+    """Every --json: a path that cannot be written stops the command as it reads its arguments,
+    not with a traceback once the run is done (its results lost)."""
+    from minizero.cli.commands import main as minizero_main
+    missing = tmp_path / "no-such-folder" / "out.json"
+    assert minizero_main([*argv, "--json", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert f"argument --json: no directory {missing.parent} to write out.json in" in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert minizero_main([*argv, "--json", str(tmp_path)]) == 2             # a folder, not a file
+    assert f"{tmp_path} is a directory" in capsys.readouterr().err
+
+
 def test_fp16_run_reports_the_loss_scale_and_skipped_steps(tmp_path, capsys):
     out = tmp_path / "fp16.json"
     assert (

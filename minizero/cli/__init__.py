@@ -4,6 +4,7 @@ code 2."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -22,6 +23,25 @@ def fail(prog: str, message: str) -> int:
     """Report bad input the one way all minizero commands do; returns the exit code (2)."""
     print(f"{prog}: error: {message}", file=sys.stderr)
     return 2
+
+
+def add_json_flag(parser: argparse.ArgumentParser, what: str) -> None:
+    """--json PATH, checked as the command line is read: a typo in the path is a usage error before
+    the work starts, not a traceback after it (and the results lost)."""
+    parser.add_argument("--json", default=None, metavar="PATH", type=_writable_file,
+                        help=f"also write {what} as JSON")
+
+
+def _writable_file(path: str) -> str:
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{path} is a directory")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"no directory {folder} to write {os.path.basename(path)} "
+                                         "in")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"cannot write {path}")
+    return path
 
 
 def emit(text: str, data: dict, json_path: str | None) -> None:

@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from minizero.cli import OneLineParser, UsageError, emit, fail, mode_of
+from minizero.cli import OneLineParser, UsageError, add_json_flag, emit, fail, mode_of
 from minizero.cli import collectives, desync_cost, peak, scale      # the other measurements
 from minizero.lab import deepspeed_peer
 from minizero.lab.bench import BACKENDS, PEER_DTYPE, PEER_FAMILIES, VARIANTS, compare, format_table
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also print each pair's profile: forward, backward and step times (always in --json)",
     )
-    ap.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
+    add_json_flag(ap, "the report")
     ap.add_argument("--quiet", action="store_true",
                     help="no progress bar (also off when stderr is no terminal)")
     ap.add_argument(

@@ -7,7 +7,7 @@ The command's arguments and output are here; the experiment itself is minizero/l
 
 from __future__ import annotations
 
-from minizero.cli import OneLineParser, UsageError, emit, fail
+from minizero.cli import OneLineParser, UsageError, add_json_flag, emit, fail
 from minizero.lab.collectives import format_table, measure
 
 
@@ -20,7 +20,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--numel", type=float, nargs="+", default=[1e6, 8e6, 50e6],
                     help="fp32 elements per collective (default 1e6 8e6 50e6)")
     ap.add_argument("--repeats", type=int, default=4, help="calls per collective (default 4)")
-    ap.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
+    add_json_flag(ap, "the report")
     try:
         args = ap.parse_args(argv)
         if any(n < 2 for n in args.world_size) or args.repeats < 1:

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from minizero.cli import OneLineParser, UsageError, fail
+from minizero.cli import OneLineParser, UsageError, add_json_flag, fail
 from minizero.lab.grade import EXERCISES, Collector, format_table, score, verdict
 
 
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="grade exercises/solutions/ instead")
     parser.add_argument("-k", dest="keyword",
                         help="only exercises/tests matching this pytest -k expression")
-    parser.add_argument("--json", metavar="PATH", help="also write the score table to PATH as JSON")
+    add_json_flag(parser, "the score table")
     parser.add_argument("--exercises", metavar="DIR", default=str(EXERCISES),
                         help="the exercises folder")
     expect = parser.add_mutually_exclusive_group()

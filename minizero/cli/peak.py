@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from minizero.cli import OneLineParser, UsageError, emit, fail
+from minizero.cli import OneLineParser, UsageError, add_json_flag, emit, fail
 from minizero.lab.throughput import gemm_size, peaks_worker
 from minizero.optim import DTYPES
 
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="cpu (gloo) or cuda (nccl)")
     ap.add_argument("--threads", type=int, default=1,
                     help="intra-op threads per rank (default 1, as the bench's; 0: torch's)")
-    ap.add_argument("--json", default=None, metavar="PATH", help="also write the peaks as JSON")
+    add_json_flag(ap, "the peaks")
     try:
         args = ap.parse_args(sys.argv[1:] if argv is None else argv)
         dtypes = args.dtypes.split(",")

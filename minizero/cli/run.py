@@ -31,7 +31,7 @@ import os
 import sys
 
 from minizero import checkpoint, comm, desync
-from minizero.cli import OneLineParser, UsageError, emit
+from minizero.cli import OneLineParser, UsageError, add_json_flag, emit
 from minizero.config import ConfigError, load_deepspeed_config
 from minizero.lab.model import MODEL_NAMES, make_model
 from minizero.lab.report import format_table, summarize
@@ -205,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
             f"config's stall_timeout, else {desync.DEFAULT_STALL_TIMEOUT_S:g}; 0: off)"
         ),
     )
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    add_json_flag(p, "the results")
     p.add_argument("--quiet", action="store_true", help="no progress lines or bar")
     return p
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from minizero.cli import OneLineParser, UsageError, emit, fail, mode_of
+from minizero.cli import OneLineParser, UsageError, add_json_flag, emit, fail, mode_of
 from minizero.lab import infinity
 from minizero.lab.model import MODEL_NAMES
 from minizero.lab.scale import format_table, largest_micro_batches, largest_models
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             "what a rank holds whatever the model (default 200)"
         ),
     )
-    ap.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
+    add_json_flag(ap, "the report")
     ap.add_argument("--quiet", action="store_true",
                     help="no progress bar (also off when stderr is no terminal)")
     try:

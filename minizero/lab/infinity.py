@@ -46,7 +46,7 @@ import time
 import torch
 
 from minizero import comm
-from minizero.cli import OneLineParser, UsageError, emit, fail
+from minizero.cli import OneLineParser, UsageError, add_json_flag, emit, fail
 from minizero.disk import ALIGN, IO_CHUNK, ScratchFile, aligned_buffer, check_folder
 from minizero.lab.data import sequence_length
 from minizero.lab.model import GPTConfig, count_params
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world-size", type=int, default=2, help="ranks N (default 2)")
     ap.add_argument("--offload-path", default=None, metavar="DIR",
                     help="folder of the disk tier's files (default: the temp folder)")
-    ap.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON")
+    add_json_flag(ap, "the report")
     try:
         args = ap.parse_args(argv)
         if args.layers < 1 or args.world_size < 2 or not args.cap_gb > 0:
