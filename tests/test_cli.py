@@ -99,6 +99,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
 @pytest.mark.parametrize("argv", [
     ["run", "--stage", "1"], ["bench"], ["bench", "--peak"], ["bench", "--collectives"],
     ["bench", "--scale"], ["scale", "--infinity"], ["grade"], ["collectives"],
+    ["memory", "--params", "1e6", "--world-size", "2"],
 ], ids=" ".join)
 def test_json_into_a_missing_folder_is_a_usage_error_before_any_work(capsys, tmp_path, argv):
     """Every --json: a path that cannot be written stops the command as it reads its arguments,

@@ -129,6 +129,38 @@ def test_cli_gpt_shape_adds_activations(capsys):
     )
 
 
+def test_cli_json_holds_the_tables_numbers_in_bytes(tmp_path, capsys):
+    """--json: each stage's row, its sums with the activations, and stage 3's tiers, as the formulas
+    give them (a GPT's shape, part of it frozen, fp32: every column of the table in play)."""
+    import json
+    path = tmp_path / "memory.json"
+    shape = ["--layers", "4", "--hidden", "256", "--heads", "4", "--seq", "128", "--batch", "8"]
+    assert main([*shape, "--world-size", "4", "--frozen", "1e5", "--dtype", "fp32",
+                 "--json", str(path)]) == 0
+    assert f"wrote {path}" in capsys.readouterr().out
+    r = json.loads(path.read_text())
+    psi = count_params(GPTConfig(n_layer=4, n_embd=256, n_head=4, block_size=128,
+                                 vocab_size=50257))
+    k = optimizer_k(8, "fp32")
+    sizes = dict(param_bytes=4, grad_bytes=4, k=k, frozen=100_000)
+    assert (r["params"], r["frozen"], r["world_size"], r["dtype"]) == (psi, 100_000, 4, "fp32")
+    assert r["bytes_per_param"] == {"params": 4, "grads": 4, "optimizer_k": k}
+    assert r["activations"]["kept"] == activation_bytes(4, 256, 4, 128, 8, bytes_per_elem=4)
+    assert [s["stage"] for s in r["stages"]] == [0, 1, 2, 3]
+    for s in r["stages"]:
+        b = estimate_breakdown(psi - 100_000, 4, s["stage"], **sizes)
+        total = estimate(psi - 100_000, 4, s["stage"], **sizes)
+        assert (s["params"], s["grads"], s["optimizer"]) == (b["params"], b["grads"],
+                                                             b["optimizer"])
+        assert s["total"] == pytest.approx(total)
+        assert s["with_activations"] == {n: pytest.approx(s["total"] + a)
+                                         for n, a in r["activations"].items()}
+    assert [t["offload"] for t in r["tiers"]] == ["optimizer", "params", "disk"]
+    disk = r["tiers"][2]
+    assert disk["host"] == 0 and disk["disk"] == pytest.approx(k * (psi - 100_000) / 4)
+    assert r["deepspeed"] is None                     # DeepSpeed's estimate is for --model only
+
+
 @pytest.mark.parametrize(
     "args",
     [

@@ -1,13 +1,13 @@
 """The command behind `python -m minizero.memory`: per-rank model states for each stage,
 and activations.
 
-    python -m minizero.memory --params 7.5e9 --world-size 64  # the paper's figure 1, any model size
-    python -m minizero.memory --model default --world-size 4      # minizero's small GPT
+    python -m minizero.memory --params 7.5e9 --world-size 64   # the paper's figure 1, any size
+    python -m minizero.memory --model default --world-size 4       # minizero's small GPT
+    # a GPT's shape: + its activations, kept and with checkpointing
     python -m minizero.memory --layers 48 --hidden 1600 --heads 25 --seq 1024 --batch 32 \
         --world-size 64
-                                                                  # a GPT: + activations,
-                                                                  with checkpointing
     python -m minizero.memory --model llama-7b --world-size 8 --seq 2048 --batch 1    # any model
+    python -m minizero.memory --model gpt2 --world-size 8 --json gpt2.json   # + the numbers, bytes
 
 A GPT described by --layers/--hidden/--seq/--batch gets Ψ from its shape (lab.model.count_params,
 with --vocab) and its activations per rank (memory.activation_bytes, micro-batch --batch) next to
@@ -25,7 +25,7 @@ host, the parameters too, the disk tier), and what DeepSpeed's estimate_zero3_mo
 
 from __future__ import annotations
 
-from minizero.cli import OneLineParser, UsageError, fail
+from minizero.cli import OneLineParser, UsageError, add_json_flag, emit, fail
 from minizero.lab.model import GPT, MODEL_NAMES, SIZES, GPTConfig, count_params
 from minizero.lab.train import state_bytes
 from minizero.memory import (
@@ -51,19 +51,46 @@ TIERS = (("stage 3 + host", "optimizer"), ("stage 3 + params", "params"),
          ("stage 3 + disk", "disk"))
 
 
-def _table(num_params: int, world_size: int, param_bytes: int, grad_bytes: int, k: int,
-           tier_k: dict, frozen: int = 0, activations: dict | None = None) -> str:
-    """The stages' per-rank bytes, then stage 3's tiers (tier_k: K for each offload)."""
+def report(num_params: int, world_size: int, param_bytes: int, grad_bytes: int, k: int,
+           tier_k: dict, frozen: int = 0, activations: dict | None = None) -> dict:
+    """Per-rank bytes of each stage (and each activation setting on top), then stage 3's tiers
+    (tier_k: K for each offload): the table's numbers, and what --json writes."""
+    sizes = dict(param_bytes=param_bytes, grad_bytes=grad_bytes, k=k, frozen=frozen)
+    base = estimate(num_params, world_size, 0, **sizes)
+    stages = []
+    for s in STAGES:
+        b = estimate_breakdown(num_params, world_size, s, **sizes)
+        total = b["params"] + b["grads"] + b["optimizer"]
+        stages.append({"stage": s, "params": b["params"], "grads": b["grads"],
+                       "optimizer": b["optimizer"], "total": total, "vs_ddp": base / total,
+                       "with_activations": {name: total + a
+                                            for name, a in (activations or {}).items()}})
+    tiers = []
+    for name, offload in TIERS:
+        b = estimate_breakdown(num_params, world_size, 3, offload=offload,
+                               **{**sizes, "k": tier_k[offload]})
+        tiers.append({"offload": offload, "name": name,
+                      "device": b["params"] + b["grads"] + b["optimizer"],
+                      "host": b["offloaded"], "disk": b["disk"]})
+    return {"params": num_params + frozen, "frozen": frozen, "world_size": world_size,
+            "bytes_per_param": {"params": param_bytes, "grads": grad_bytes, "optimizer_k": k},
+            "activations": activations, "stages": stages, "tiers": tiers}
+
+
+def _table(r: dict) -> str:
+    """report()'s numbers as the command prints them, in GB."""
     names = {0: "DDP (baseline)", 1: "stage 1  P_os", 2: "stage 2  P_os+g", 3: "stage 3  P_os+g+p"}
-    of_them = f" ({frozen:,} of them frozen)" if frozen else ""
+    of_them = f" ({r['frozen']:,} of them frozen)" if r["frozen"] else ""
+    per = r["bytes_per_param"]
     rows = [
-        f"Ψ = {num_params + frozen:,} parameters{of_them}, N = {world_size}, bytes/param: params "
-        f"{param_bytes}, grads {grad_bytes}, optimizer K = {k}",
+        f"Ψ = {r['params']:,} parameters{of_them}, N = {r['world_size']}, bytes/param: params "
+        f"{per['params']}, grads {per['grads']}, optimizer K = {per['optimizer_k']}",
         "",
     ]
     header = (
         f"{'':20}{'params GB':>11}{'grads GB':>11}{'optim GB':>11}{'total GB':>11}{'vs DDP':>9}"
     )
+    activations = r["activations"] or {}
     if activations:
         rows[-1:] = [
             "",
@@ -73,20 +100,14 @@ def _table(num_params: int, world_size: int, param_bytes: int, grad_bytes: int, 
         ]
         header += "".join(f"{'+ ' + name:>16}" for name in activations)
     rows.append(header)
-    sizes = dict(param_bytes=param_bytes, grad_bytes=grad_bytes, k=k, frozen=frozen)
-    base = estimate(num_params, world_size, 0, **sizes)
-    for s in STAGES:
-        b = estimate_breakdown(num_params, world_size, s, **sizes)
-        total = b["params"] + b["grads"] + b["optimizer"]
-        rows.append(f"{names[s]:20}{b['params'] / 1e9:11.2f}{b['grads'] / 1e9:11.2f}"
-                    f"{b['optimizer'] / 1e9:11.2f}{total / 1e9:11.2f}{base / total:8.1f}x"
-                    + "".join(f"{(total + a) / 1e9:16.2f}" for a in (activations or {}).values()))
+    for b in r["stages"]:
+        rows.append(f"{names[b['stage']]:20}{b['params'] / 1e9:11.2f}{b['grads'] / 1e9:11.2f}"
+                    f"{b['optimizer'] / 1e9:11.2f}{b['total'] / 1e9:11.2f}{b['vs_ddp']:8.1f}x"
+                    + "".join(f"{t / 1e9:16.2f}" for t in b["with_activations"].values()))
     rows += ["", f"{'tiers (stage 3)':20}{'device GB':>11}{'host GB':>11}{'disk GB':>11}"]
-    for name, offload in TIERS:
-        b = estimate_breakdown(num_params, world_size, 3, offload=offload,
-                               **{**sizes, "k": tier_k[offload]})
-        rows.append(f"{name:20}{(b['params'] + b['grads'] + b['optimizer']) / 1e9:11.2f}"
-                    f"{b['offloaded'] / 1e9:11.2f}{b['disk'] / 1e9:11.2f}")
+    for t in r["tiers"]:
+        rows.append(f"{t['name']:20}{t['device'] / 1e9:11.2f}{t['host'] / 1e9:11.2f}"
+                    f"{t['disk'] / 1e9:11.2f}")
     return "\n".join(rows)
 
 
@@ -122,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
                     help="bf16, fp16: 2+2 bytes, K=12 (paper); fp32: 4+4 bytes, K=8")
+    add_json_flag(ap, "the numbers, in bytes (the table's rows as records),")
     try:
         args = ap.parse_args(argv)
         if args.world_size < 1:
@@ -172,10 +194,14 @@ def main(argv: list[str] | None = None) -> int:
         return fail(ap.prog, "--frozen must be >= 0 and fewer than the parameters")
     adam = state_bytes("adamw")
     tier_k = {offload: optimizer_k(adam, args.dtype, offload) for _, offload in TIERS}
-    print(_table(psi - frozen, args.world_size, elem, elem, optimizer_k(adam, args.dtype), tier_k,
-                 frozen, activations))
+    numbers = report(psi - frozen, args.world_size, elem, elem, optimizer_k(adam, args.dtype),
+                     tier_k, frozen, activations)
+    text = _table(numbers)
+    numbers |= {"dtype": args.dtype, "deepspeed": None}
     if args.model is not None:
-        print(deepspeed_estimate(shape, args.world_size))
+        numbers["deepspeed"] = deepspeed_estimate(shape, args.world_size)
+        text += "\n" + _deepspeed_table(shape, args.world_size, numbers["deepspeed"])
+    emit(text, numbers, args.json)
     return 0
 
 
@@ -202,26 +228,34 @@ def model_shape(name: str) -> dict:
     return {"params": sum(p.numel() for p in model.parameters()), "largest_layer": largest, **block}
 
 
-def deepspeed_estimate(shape: dict, world_size: int) -> str:
+def deepspeed_estimate(shape: dict, world_size: int) -> list[dict] | None:
     """DeepSpeed's own stage-3 estimate for the same model on one node of N devices (the numbers
     estimate_zero3_model_states_mem_needs_all_live prints; that one counts Ψ by data_ptr, which
-    a meta model lacks, so Ψ and the largest layer are passed as counted here). It adds 4 bytes a
-    parameter of the largest layer (gathered in fp32) and counts 18 bytes a parameter, 2 more than
-    the paper's 16."""
+    a meta model lacks, so Ψ and the largest layer are passed as counted here), or None without
+    DeepSpeed. It adds 4 bytes a parameter of the largest layer (gathered in fp32) and counts 18
+    bytes a parameter, 2 more than the paper's 16."""
     import os
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     except ImportError:
-        return "DeepSpeed is not installed: no comparison"
-    rows = [(f"DeepSpeed's stage-3 estimate (Ψ {shape['params']:,}, largest layer "
-             f"{shape['largest_layer']:,}, N = {world_size} on one node):")]
+        return None
+    rows = []
     for label, offload, params in (("no offload", False, False),
                                    ("optimizer on the host", True, False),
                                    ("+ parameters on the host", True, True)):
-        cpu, device, _ = estimate_zero3_model_states_mem_needs(
+        host, device, _ = estimate_zero3_model_states_mem_needs(
             shape["params"], shape["largest_layer"], num_gpus_per_node=world_size,
             cpu_offload=offload, cpu_offload_params=params)
-        rows.append(f"  {label:26} per device {device / 1e9:8.2f} GB, host (the node, x1.5 "
-                    f"buffer) {cpu / 1e9:8.2f} GB")
-    return "\n".join(rows)
+        rows.append({"name": label, "device": device, "host": host})
+    return rows
+
+
+def _deepspeed_table(shape: dict, world_size: int, rows: list[dict] | None) -> str:
+    if rows is None:
+        return "DeepSpeed is not installed: no comparison"
+    return "\n".join(
+        [f"DeepSpeed's stage-3 estimate (Ψ {shape['params']:,}, largest layer "
+         f"{shape['largest_layer']:,}, N = {world_size} on one node):"]
+        + [f"  {r['name']:26} per device {r['device'] / 1e9:8.2f} GB, host (the node, x1.5 "
+           f"buffer) {r['host'] / 1e9:8.2f} GB" for r in rows])
