@@ -87,6 +87,9 @@ def test_run_under_torchrun_uses_its_process_group(tmp_path):
     (["--save-every", "2"], "--save-every K needs --save DIR and K >= 1"),
     (["--save", "d", "--keep-last", "2"], "--keep-last M needs --save-every and M >= 1"),
     (["--save", "d", "--resume"], "--resume needs --save DIR --save-every K"),
+    (["--save", __file__], "a file is there, not a folder"),
+    (["--save", f"{__file__}/run", "--save-every", "1"], f"{__file__} is a file, not a folder"),
+    (["--save", "/proc/minizero-run"], "cannot write in /proc"),
     (["--activation-checkpointing", "gpu"], "invalid choice: 'gpu' (choose from 'cpu')"),
     (["--reduce-dtype", "bf16"], "invalid choice: 'bf16' (choose from 'fp32')"),
 ])

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 
 from minizero import checkpoint, comm, desync
 from minizero.cli import OneLineParser, UsageError, add_json_flag, emit
@@ -302,6 +303,8 @@ def network_from_args(args: argparse.Namespace):
 
 
 def _check_periodic(args: argparse.Namespace) -> None:
+    if args.save is not None:
+        _check_save_dir(args.save)
     if args.save_every is not None and (args.save is None or args.save_every < 1):
         raise UsageError("--save-every K needs --save DIR and K >= 1")
     if args.keep_last is not None and (args.save_every is None or args.keep_last < 1):
@@ -310,6 +313,22 @@ def _check_periodic(args: argparse.Namespace) -> None:
         raise UsageError(
             "--resume needs --save DIR --save-every K (it continues from DIR), not --load"
         )
+
+
+def _check_save_dir(directory: str) -> None:
+    """--save DIR must be a folder, or one that can be made: found out before training, not at
+    the first save, when the run's work would be lost."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise UsageError(f"--save {directory}: a file is there, not a folder")
+    existing = os.path.abspath(directory)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UsageError(f"--save {directory}: {existing} is a file, not a folder")
+    try:                           # tried rather than os.access, which root's permissions fool
+        os.rmdir(tempfile.mkdtemp(dir=existing))
+    except OSError as e:
+        raise UsageError(f"--save {directory}: cannot write in {existing} ({e.strerror})") from None
 
 
 def _find_checkpoint(directory: str) -> str:
