@@ -115,6 +115,9 @@ def test_json_into_a_missing_folder_is_a_usage_error_before_any_work(capsys, tmp
     assert err.count("\n") == 1 and "Traceback" not in err
     assert minizero_main([*argv, "--json", str(tmp_path)]) == 2             # a folder, not a file
     assert f"{tmp_path} is a directory" in capsys.readouterr().err
+    assert minizero_main([*argv, "--json", "/proc/out.json"]) == 2     # root may, the kernel not
+    assert "cannot write /proc/out.json" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []                              # nothing left behind
 
 
 def test_fp16_run_reports_the_loss_scale_and_skipped_steps(tmp_path, capsys):

@@ -39,8 +39,13 @@ def _writable_file(path: str) -> str:
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"no directory {folder} to write {os.path.basename(path)} "
                                          "in")
-    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise argparse.ArgumentTypeError(f"cannot write {path}")
+    existed = os.path.exists(path)
+    try:                           # tried rather than os.access, which root's permissions fool
+        open(path, "a").close()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write {path} ({e.strerror})") from None
+    if not existed:
+        os.remove(path)
     return path
 
 
