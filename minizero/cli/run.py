@@ -279,7 +279,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         cfg.activation_checkpointing = args.activation_checkpointing
     cfg.save_dir, cfg.load_dir = args.save, args.load
     cfg.save_every, cfg.keep_last = args.save_every or 0, args.keep_last
-    _check_periodic(args)
+    _check_saving(args)
     if args.resume:
         cfg.load_dir = checkpoint.latest(args.save)          # None: nothing saved yet, start fresh
     elif cfg.load_dir is not None:
@@ -302,7 +302,7 @@ def network_from_args(args: argparse.Namespace):
         raise UsageError(f"--network: {e}" if args.network is not None else str(e)) from None
 
 
-def _check_periodic(args: argparse.Namespace) -> None:
+def _check_saving(args: argparse.Namespace) -> None:
     if args.save is not None:
         _check_save_dir(args.save)
     if args.save_every is not None and (args.save is None or args.save_every < 1):
