@@ -1,9 +1,9 @@
 """minizero against DeepSpeed's ZeRO (stages 1, 2, 3 and 2 + optimizer offload, N = 2): the same
-small GPT (tied embedding/head, a frozen parameter, odd sizes) ends at the same parameters, and each
-rank holds the same bytes of Adam moments up to padding. One launch runs all four configurations,
-DeepSpeed inside minizero.launch's process group (minizero/lab/deepspeed_peer.py says how, and how
-its JIT build is avoided). Skipped when DeepSpeed is not installed: pip install -e ".[peers]" (CI
-installs it).
+small GPT (tied embedding/head, a frozen parameter, an unused one, odd sizes; AdamW with weight
+decay) ends at the same parameters, and each rank holds the same bytes of Adam moments up to
+padding. One launch runs all four configurations, DeepSpeed inside minizero.launch's process group
+(minizero/lab/deepspeed_peer.py says how, and how its JIT build is avoided). Skipped when DeepSpeed
+is not installed: pip install -e ".[peers]" (CI installs it).
 Run: python -m pytest tests/test_deepspeed.py -q"""
 
 from __future__ import annotations
@@ -28,15 +28,17 @@ pytestmark = pytest.mark.skipif(
 )
 
 N = 2
-# n_embd 15 makes most parameters odd-sized, so both sides must pad (differently, see below)
+# n_embd 15 makes most parameters odd-sized, so both sides must pad (differently, see below). The
+# unused parameter's gradient is zero on both sides, so weight decay moves it on both (reducer.py)
 BASE = {
     "world_size": N,
     "steps": 5,
     "lr": 1e-2,
+    "optimizer_params": {"weight_decay": 0.1},
     "backend": "gloo",
     "return_state": True,
     "model": "tiny",
-    "model_overrides": {"n_embd": 15, "frozen": ("pos_emb.weight",)},
+    "model_overrides": {"n_embd": 15, "frozen": ("pos_emb.weight",), "unused_param": True},
 }
 CONFIGS = {
     "stage 1": TrainConfig(stage=1, **BASE),
