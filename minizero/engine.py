@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 
 import torch
 from torch import nn
@@ -57,6 +58,11 @@ from minizero.loss_scale import scaler_for
 from minizero.memory import measure
 from minizero.optim import DTYPES
 from minizero.options import check_offload, is_positive_int, takes
+
+# Every model an engine has taken: a second wrap would add a second engine's hooks to the first's,
+# which trains wrong at stage 0 and fails in a hook at stages 2 and 3 (the first engine took the
+# gradients). Weak: a model nobody holds any more leaves the set.
+_WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 class Engine:
@@ -79,6 +85,10 @@ class Engine:
     ):
         self.check(dtype, offload, reduce_dtype, shard_group_size, hpz_group_size,
                    offload_path=offload_path)
+        if model in _WRAPPED:
+            raise ValueError("the model is wrapped already: its hooks call that engine and its "
+                             "parameters are that engine's views; build the model again and wrap "
+                             "the new one (in a notebook: build and wrap in one cell)")
         # fp16: the loss is multiplied by S before backward, the gradients divided by it in step()
         self.scaler = scaler_for(dtype, loss_scale)
         if clip_grad_norm is not None and not clip_grad_norm > 0:
@@ -115,6 +125,7 @@ class Engine:
         # cast; the optimizer keeps fp32 masters, see optim.py). A model built by
         # minizero.sharded_init holds only partitions: those are cast (construct.py), and they
         # hold rank 0's values already.
+        _WRAPPED.add(model)                     # from here on the model is this engine's
         construct.cast_partitions(model, self.device, self.dtype)
         model.to(device=self.device, dtype=self.dtype)
         self._broadcast_from_rank0()

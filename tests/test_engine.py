@@ -100,3 +100,23 @@ def test_an_engine_no_longer_used_is_freed(stage):
     del engine
     gc.collect()
     assert alive() is None, f"stage {stage}: the engine outlived its last reference"
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_model_is_wrapped_once(stage):
+    """A second wrap of the same model (a notebook cell run again) would add a second engine's
+    hooks to the first's: at N = 2 that trained wrong at stage 0 (0.05 from the reference after 3
+    steps) and failed inside a hook at stages 2 and 3. It is refused in one line, and a wrap that
+    was refused for a bad option leaves the model free to be wrapped."""
+    import functools
+
+    from minizero.lab.model import GPTConfig, make_model
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-3)
+    model = make_model(GPTConfig.named("tiny"))
+    with pytest.raises(ValueError, match="dtype"):
+        minizero.wrap(model, stage, adamw, dtype="fp8")
+    minizero.wrap(model, stage, adamw)
+    with pytest.raises(ValueError, match=r"^the model is wrapped already: .* build the model "
+                                         r"again and wrap the new one") as refused:
+        minizero.wrap(model, stage, adamw)
+    assert "\n" not in str(refused.value)
