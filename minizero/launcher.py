@@ -51,6 +51,7 @@ import io
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import pickle
 import resource
 import signal
 import time
@@ -203,12 +204,18 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None
         raise ValueError(f"check_every must be a number of collectives >= 0, got {check_every!r}")
     if memory_cap is not None:
         check_positive_int("memory_cap", memory_cap, "number of bytes")
+    try:
+        payload = _dumps((fn, args))
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        raise TypeError(f"launch sends the worker and its arguments to every rank by pickle, which "
+                        f"failed: {' '.join(str(e).split())} (the worker must be importable: "
+                        "defined at the top of a module, not a lambda, a nested function or a "
+                        "notebook cell)") from None
     ctx = _context(start_method, fn)
     # The parent hosts the rendezvous store on a port the OS picks, so there is no race for a
     # free port.
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
-    payload = _dumps((fn, args))
     network = comm.network() or network_from_env()
     procs, conns = [], []
     try:

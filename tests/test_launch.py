@@ -38,3 +38,16 @@ def test_a_raising_rank_is_named_and_no_process_is_left(tmp_path):
 def test_bad_world_size(bad):
     with pytest.raises(ValueError, match="world_size"):
         minizero.launch(rank_and_size, bad)
+
+
+def test_a_worker_that_cannot_be_sent_is_refused_in_one_line_before_any_rank_starts():
+    """A lambda or a nested function cannot be pickled to the ranks: one TypeError saying what the
+    worker must be, raised before any process starts (it was pickle's AttributeError)."""
+    def nested():
+        return 1
+
+    for worker in (lambda: 1, nested):
+        with pytest.raises(TypeError, match=r"^launch sends the worker .* by pickle, which failed: "
+                                            r".*\(the worker must be importable") as refused:
+            minizero.launch(worker, 2)
+        assert "\n" not in str(refused.value)
