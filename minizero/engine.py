@@ -59,9 +59,9 @@ from minizero.memory import measure
 from minizero.optim import DTYPES
 from minizero.options import check_offload, is_positive_int, takes
 
-# Every model an engine has taken: a second wrap would add a second engine's hooks to the first's,
-# which trains wrong at stage 0 and fails in a hook at stages 2 and 3 (the first engine took the
-# gradients). Weak: a model nobody holds any more leaves the set.
+# Every model an engine has taken: a second wrap would add a second engine's hooks beside the
+# first's, both handling every gradient (tests/test_engine.py's test_a_model_is_wrapped_once says
+# what that did). Weak: a model nobody holds any more leaves the set.
 _WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
