@@ -30,7 +30,8 @@ HF_CASES = {name(setting, "fp32"): Case("gpt2", *setting, world_size=N) for sett
 @pytest.fixture(scope="module")
 def runs() -> dict[str, tuple[object, list[dict]]]:
     """test_cuda's trained runs and its Hugging Face cases in one launch over gloo."""
-    trained = {run: configs(N)[f"trained/{run}"] for run in TRAINED}
+    every = configs(N)
+    trained = {run: every[f"trained/{run}"] for run in TRAINED}
     per_rank = minizero.launch(_rehearse, N, list(trained.values()), list(HF_CASES.values()))
     out = {run: (cfg, [ranks[0][i] for ranks in per_rank])
            for i, (run, cfg) in enumerate(trained.items())}

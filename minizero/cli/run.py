@@ -325,7 +325,7 @@ def _check_save_dir(directory: str) -> None:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         raise UsageError(f"--save {directory}: {existing} is a file, not a folder")
-    try:                           # tried rather than os.access, which root's permissions fool
+    try:                           # tried, as cli._writable_file tries --json's file
         os.rmdir(tempfile.mkdtemp(dir=existing))
     except OSError as e:
         raise UsageError(f"--save {directory}: cannot write in {existing} ({e.strerror})") from None
