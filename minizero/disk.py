@@ -167,7 +167,7 @@ class DiskShardOptimizer(ShardOptimizer):
                  folder):
         self.names = per_element_state(optimizer_factory)
         # fp32 parameters in host memory are their own master (optim.py): then only the state goes
-        # to disk. A GPU's are not: the host steps a master of its own (untested: no GPU here)
+        # to disk. A GPU's are not: the host steps a master of its own (test_cuda's disk runs)
         part = param_parts[0]
         self.own_master = part.dtype != torch.float32 or part.device.type != "cpu"
         self.resident = False           # the whole state is in memory (a checkpoint loaded)

@@ -4,8 +4,9 @@ what engine.memory() counts.
     python -m pytest tests/test_cuda.py -q      # every test skipped, saying why, without CUDA
     scripts/gpu_smoke.sh                         # on a GPU machine: these tests, then a summary
 
-Written on CPU-only machines: it has not run on a GPU yet (README, "On a GPU"); its training runs
-are rehearsed on CPU by tests/test_cuda_rehearsal.py, so that they cannot rot unseen. One process
+Run once on one H200, at N = 1 (its figures: README, "On a GPU"); the N = 2 tests have not run yet.
+Its training runs are rehearsed on CPU by tests/test_cuda_rehearsal.py, so that they cannot rot
+unseen. One process
 per GPU: N = 1, and N = 2 where there are two GPUs (NCCL refuses two ranks on one GPU), through
 `minizero.launch(..., backend="nccl")`, one launch per N for all the training runs.
 
@@ -20,6 +21,8 @@ What runs differently on CUDA, and the test that runs it:
   activation checkpointing's inputs on pinned host memory, copied back non-blocking, the CUDA RNG
       state restored for the recompute; sharded_init's partitions cast onto the GPU
       ............................ test_matches_reference[checkpointing-cpu], [sharded-init]
+  offload="disk": a GPU's parameters stepped through a host master of their own
+      ............................ test_matches_reference[disk-stage2], [disk-stage3-bf16]
   Hugging Face's GPT-2 ........................ test_hf_gpt2_matches_reference
   N = 2: NCCL's collectives (N = 1 runs none: comm skips them), and stage 3's prefetch in a
       torch.profiler trace .................... test_prefetch_overlaps_the_next_gather_with_compute
@@ -41,6 +44,7 @@ from __future__ import annotations
 import functools
 import gc
 import json
+import tempfile
 
 import pytest
 import torch
@@ -56,10 +60,15 @@ SETTINGS = [(0, False), (1, False), (1, True), (2, False), (2, True), (3, False)
             (3, "params")]
 OFFLOADED = [s for s in SETTINGS if s[1]]
 DTYPES = ("fp32", "bf16")
-# Stage 3 beyond SETTINGS: P_a+cpu (inputs on pinned host memory, copied back non-blocking, the CUDA
-# RNG state restored for the recompute) and a model built partitioned (sharded_init onto the GPU).
+# Beyond SETTINGS: at stage 3, P_a+cpu (inputs on pinned host memory, copied back non-blocking, the
+# CUDA RNG state restored for the recompute) and a model built partitioned (sharded_init onto the
+# GPU); the disk tier, where a GPU's parameters get a host master of their own (disk.py). Its files
+# are nameless (O_TMPFILE), so every rank's can share one folder.
 EXTRAS = {"checkpointing-cpu": {"stage": 3, "activation_checkpointing": "cpu"},
-          "sharded-init": {"stage": 3, "sharded_init": True}}
+          "sharded-init": {"stage": 3, "sharded_init": True},
+          "disk-stage2": {"stage": 2, "offload": "disk", "offload_path": tempfile.gettempdir()},
+          "disk-stage3-bf16": {"stage": 3, "offload": "disk", "dtype": "bf16",
+                               "offload_path": tempfile.gettempdir()}}
 # CUDA's caching allocator rounds each allocation up to a multiple of 512 bytes (kMinBlockSize):
 # what it holds exceeds the tensors' own bytes by less than that, per allocation.
 ALLOCATOR_ROUNDING = 512
@@ -121,7 +130,7 @@ def _host_buffers(engine) -> dict[str, torch.Tensor]:
     """The host tensors offload copies to or from the device: pinned (page-locked), or the copies
     are not asynchronous. (Adam's moments live on the host too, but never cross the bus.)"""
     buffers = {}
-    if engine.offload:
+    if engine.offload in (True, "params"):       # "disk": the state crosses through its file
         buffers |= {f"host_grads[{i}]": t for i, t in enumerate(engine.optimizer.host_grads)}
         buffers |= {f"masters[{i}]": t for i, t in enumerate(engine.optimizer.masters)}
     if engine.offload == "params":
