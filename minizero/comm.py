@@ -67,6 +67,12 @@ def init(rank: int | None = None, world_size: int | None = None, *, backend: str
     if dist.is_initialized():
         return
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    ranks = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
+    if backend == "nccl" and ranks > 1 and not hasattr(dist, "all_gather_single"):
+        # NCCL's all_gather / reduce_scatter below call torch 2.13's *_single collectives; one
+        # rank calls none (an older torch trains at N = 1 on a GPU)
+        raise RuntimeError(f"minizero needs torch >= 2.13 for NCCL with {ranks} ranks "
+                           f"(dist.all_gather_single); this is torch {torch.__version__}")
     if backend == "nccl":
         # One process per GPU: LOCAL_RANK under torchrun, the global rank under minizero.launch.
         local_rank = int(os.environ.get("LOCAL_RANK", rank if rank is not None else 0))

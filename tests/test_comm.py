@@ -81,3 +81,13 @@ def test_single_process_without_a_group_is_a_no_op():
     comm.all_gather(out, x)
     assert torch.equal(out, x) and torch.equal(x, torch.ones(4))
     assert comm.tally()["total"] == 0
+
+
+def test_nccl_on_an_older_torch_is_one_line_before_any_group(monkeypatch):
+    """torch < 2.13 lacks the collectives comm issues on NCCL: comm.init says so, before it touches
+    a GPU or a store, rather than an AttributeError at the first step (the GPU image that ran
+    test_cuda had torch 2.11: fine at N = 1, where no collective runs)."""
+    monkeypatch.delattr(torch.distributed, "all_gather_single")
+    with pytest.raises(RuntimeError, match=r"needs torch >= 2\.13 for NCCL with 2 ranks"):
+        comm.init(0, 2, backend="nccl")
+    assert not torch.distributed.is_initialized()
