@@ -6,9 +6,9 @@ what engine.memory() counts.
 
 Run once on one H200, at N = 1 (its figures: README, "On a GPU"); the N = 2 tests have not run yet.
 Its training runs are rehearsed on CPU by tests/test_cuda_rehearsal.py, so that they cannot rot
-unseen. One process
-per GPU: N = 1, and N = 2 where there are two GPUs (NCCL refuses two ranks on one GPU), through
-`minizero.launch(..., backend="nccl")`, one launch per N for all the training runs.
+unseen. One process per GPU: N = 1, and N = 2 where there are two GPUs (NCCL refuses two ranks on
+one GPU), through `minizero.launch(..., backend="nccl")`, one launch per N for all the training
+runs.
 
 What runs differently on CUDA, and the test that runs it:
   comm.init picks NCCL, each rank its GPU ..... test_nccl_is_the_default_and_each_rank_has_its_gpu
