@@ -18,7 +18,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"      # this checkout's minizero, installed or not
-python=${PYTHON:-python}
+# $PYTHON, else python, else python3 (CUDA images often have only python3)
+python=${PYTHON:-$(command -v python || command -v python3)}
+[ -n "$python" ] || { echo "gpu_smoke: no python or python3 on PATH (set PYTHON)" >&2; exit 2; }
 
 machine=$("$python" - <<'PY'
 import sys

@@ -1,6 +1,6 @@
 """tests/test_cuda.py's runs rehearsed on CPU (gloo, N = 2), so that they cannot rot unseen between
 GPU machines: its configurations and its Hugging Face cases still train to the single-process
-reference.
+reference; and scripts/gpu_smoke.sh starts (and stops, saying why, without a GPU).
 
     python -m pytest tests/test_cuda_rehearsal.py -q      # skipped where CUDA is: test_cuda runs
 
@@ -10,6 +10,12 @@ weight decay moved the awkward GPT's unused parameter here and not in the refere
 """
 
 from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -58,3 +64,22 @@ def test_hf_gpt2_matches_reference(runs, run):
         diff = max_abs_diff(r["state_dict"], expected)
         assert diff <= tolerance("fp32"), (
             f"{case}, rank {r['rank']}: max |minizero - reference| = {diff:.3g}")
+
+
+def test_gpu_smoke_finds_python3_and_stops_without_a_gpu(tmp_path):
+    """scripts/gpu_smoke.sh without CUDA: exit 2 and one line saying so, before any test runs; also
+    where python3 is the only Python on PATH (the H200 image's PyTorch is under python3)."""
+    script = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "gpu_smoke.sh"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("timeout", "tee", "grep", "sed", "date", "xargs", "tr", "dirname", "cat"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    python3 = bin_dir / "python3"            # this interpreter (a venv's too), as python3 alone
+    python3.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python3.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"} | {"PATH": str(bin_dir)}
+    done = subprocess.run([shutil.which("bash"), str(script)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    assert done.stderr.splitlines() == [
+        f"gpu_smoke: torch {torch.__version__} (CUDA build: {torch.version.cuda}) sees no GPU"]
