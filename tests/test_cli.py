@@ -49,8 +49,10 @@ def test_run_prints_table_and_writes_json(tmp_path):
         and "activ." in p.stdout
     )
     assert "tokens/s" in p.stdout and "MFU" in p.stdout
+    assert "fp32, gloo on cpu" in p.stdout             # where the ranks ran: no GPU here
     data = json.loads(out.read_text())
     _check_summary(data, 2, 3, 4)
+    assert (data["backend"], data["device"]) == ("gloo", "cpu")
     estimate = data["theory"]["activations"]             # with checkpointing: about half of without
     assert all(abs(r["memory"]["activations"] - estimate) <= 0.1 * estimate for r in data["ranks"])
 

@@ -91,9 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                    ))
     p.add_argument("--offload-path", default=None, metavar="DIR",
                    help="--offload disk: the folder of each rank's file (DeepSpeed's nvme_path)")
-    p.add_argument(
-        "--backend", default=None, help="gloo or nccl (default: nccl if CUDA is available)"
-    )
+    p.add_argument("--backend", default=None,
+                   help="gloo or nccl (default: nccl with a GPU for every rank, else gloo)")
     p.add_argument(
         "--batch-size", type=int, default=None, help="global batch rows per step (default 16)"
     )

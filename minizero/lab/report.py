@@ -74,6 +74,8 @@ def summarize(cfg: TrainConfig, results: list[dict], network=None) -> dict:
     return {
         "stage": cfg.stage,
         "world_size": cfg.world_size,
+        "backend": results[0]["backend"],
+        "device": results[0]["device"],
         "num_params": num_params,
         "num_frozen": num_frozen,
         "dtype": cfg.dtype,
@@ -121,7 +123,8 @@ def format_table(summary: dict) -> str:
         off += f", hpZ groups of R = {summary['hpz_group_size']}"
     lines = [
         f"stage {summary['stage']}, N = {summary['world_size']}, Ψ = {summary['num_params']:,} "
-        f"parameters, {summary['dtype']}{reduce}{off}   (kB per rank; theory = ZeRO paper)",
+        f"parameters, {summary['dtype']}{reduce}{off}, {summary['backend']} on "
+        f"{summary['device']}   (kB per rank; theory = ZeRO paper)",
         f"{'rank':>4} {'params':>9} {'grads':>9} {'optim':>9} {'offload':>9} {'device':>9} "
         f"{'peak':>9} {'comm/step':>10} {'activ.':>9}",
     ]

@@ -263,6 +263,8 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
         engine.save(cfg.save_dir)
     result = {
         "rank": rank,
+        "backend": comm.backend(),               # where it ran: gloo on the CPU, NCCL on its GPU
+        "device": device.type,
         "losses": losses,
         "loss_scales": loss_scales,
         "loss_scale": engine.loss_scale,        # S now (fp16; 1.0 otherwise), and the steps skipped
