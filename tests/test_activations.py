@@ -151,3 +151,25 @@ def test_checkpointing_trains_like_the_reference_at_every_stage(n):
     per_rank = minizero.launch(train_several, n, cfgs)
     for i, cfg in enumerate(cfgs):
         assert_matches_reference(cfg, [rank_results[i] for rank_results in per_rank], atol=1e-6)
+
+
+def test_the_peak_breakdown_names_what_neither_count():
+    """scripts/peak_breakdown.py at stage 0, fp32 (README, "On a GPU"): its columns are torch's
+    categories in torch's order, and at the step's peak the profiler's model states are exactly
+    engine.memory()'s. What neither engine.memory() nor the activation meter counts is then
+    autograd's gradients in flight plus the batch, less the saved activations backward has freed
+    by then: all three are there, and the rest of the profiler's bytes are no more than what the
+    meter counts."""
+    import pathlib
+    import sys
+    from torch.profiler import _memory_profiler
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "scripts"))
+    import peak_breakdown
+    assert [c.name.lower().replace("_", " ") if c else "unknown"
+            for c in _memory_profiler._CATEGORY_TO_INDEX] == list(peak_breakdown.COLUMNS)
+    r = minizero.launch(peak_breakdown.breakdown, 1, 0, "fp32", 8)[0]
+    p = r["profiler"]
+    assert p["parameter"] + p["gradient"] + p["optimizer state"] == r["model_states"], r
+    assert p["autograd detail"] > 0 and p["input"] > 0, p            # inside backward, batch alive
+    assert 0 < p["activation"] < r["activations"], r                 # some saved ones already freed
+    assert r["peak"] > r["model_states"] + r["activations"], r       # neither counts: > 0
