@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from minizero.cli.memory import main
+from minizero.lab import deepspeed_peer
 from minizero.lab.model import GPT, MODEL_NAMES, GPTConfig, count_params
 from minizero.memory import (
     activation_bytes, comm_volume, disk_traffic, element_bytes, estimate, estimate_breakdown,
@@ -49,9 +50,13 @@ def test_cli_what_if_architecture(capsys):
     assert main(["--model", "gpt2-xl", "--world-size", "2", "--seq", "1024", "--batch", "1"]) == 0
     out = capsys.readouterr().out
     psi, largest = 1_557_611_200, 50257 * 1600
-    assert f"Ψ = {psi:,} parameters" in out and f"largest layer {largest:,}" in out
-    assert f"{(18 * psi / 2 + 4 * largest) / 1e9:.2f} GB" in out
+    assert f"Ψ = {psi:,} parameters" in out
     assert "stage 3 + disk             3.12       0.00       9.35" in out
+    if not deepspeed_peer.available():      # the README's fresh machine: no .[peers]
+        assert out.rstrip().endswith("DeepSpeed is not installed: no comparison")
+        return
+    assert f"largest layer {largest:,}" in out
+    assert f"{(18 * psi / 2 + 4 * largest) / 1e9:.2f} GB" in out
 
 
 def test_fp16_is_the_papers_accounting_like_bf16():
