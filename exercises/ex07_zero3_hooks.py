@@ -3,7 +3,7 @@ backward, reduce-scatter and free after backward.
 
     Grade it:    pytest exercises -k ex07            (or: python -m minizero.grade -k ex07)
     Notebook:    notebooks/04_zero3.ipynb
-    Compare:     minizero/zero3.py (Unit: gather, free, pre_forward, post_forward, pre_backward,
+    Compare:     minizero/unit.py (Unit: gather, free, pre_forward, post_forward, pre_backward,
                  post_backward)
 
 Stage 3 (P_os+g+p) partitions the parameters too: (2 + 2 + K)Ψ/N bytes per rank, plus the few

@@ -2,8 +2,9 @@
 
     Grade it:    pytest exercises -k ex08 -s         (-s: your peak and bytes next to minizero's)
     Notebook:    notebooks/04_zero3.ipynb
-    Compare:     minizero/zero3.py (Unit, Zero3), minizero/flat.py, minizero/zero2.py
-                 (reduce_scatter_grads), minizero/reducer.py, minizero/engine.py (step, _clip)
+    Compare:     minizero/unit.py (Unit), minizero/zero3.py (Zero3), minizero/flat.py,
+                 minizero/zero2.py (reduce_scatter_grads), minizero/reducer.py,
+                 minizero/engine.py (step, _clip)
 
 Exercises 4 to 7 each wrote one piece inside minizero's engines. Here you write the whole of stage 3
 (P_os+g+p) yourself, from torch and minizero.comm's collectives only, as Stanford CS336's second

@@ -145,7 +145,7 @@ class LossScaler:
         return unscaled
 
     def found_overflow(self, grads: list[torch.Tensor]) -> bool:
-        """The overflow check unscale() calls (the module's found_overflow): the seam exercise 8
+        """The overflow check unscale() calls (the module's found_overflow): the seam exercise 10
         grades through, a subclass may replace it."""
         return found_overflow(grads)
 

@@ -42,7 +42,7 @@ class Zero2(Zero1):
     stage = 2
     # DeepSpeed's contiguous_gradients: copy each gradient into its bucket's staging buffer the
     # moment it is complete (one full parameter gradient alive at a time). Off, reduce_scatter_grads
-    # stages the whole bucket at once (exercise 4's grader turns it off: the learner's hook does
+    # stages the whole bucket at once (exercise 6's grader turns it off: the learner's hook does
     # exactly that).
     contiguous_gradients = True
     int8_codec = quantize.Int8Blocks   # ZeRO++'s codec (quantize.py); exercise 13 brings its own
@@ -111,7 +111,7 @@ class Zero2(Zero1):
         _accumulate_bucket adds that partition into grad_shard from self.staging[b.index]. Inside
         no_sync() nothing happens (None): gradients keep accumulating in p.grad.
 
-        The seam others build on: stage 3's Unit.post_backward calls it, exercise 4's grader
+        The seam others build on: stage 3's Unit.post_backward calls it, exercise 6's grader
         replaces it."""
         if not self._sync:
             return None

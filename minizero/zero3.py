@@ -45,7 +45,7 @@ class Zero3(Zero2):
     """Builds the units, connects the model's forward hooks and autograd to their lifecycle, and
     runs stage 2's reducer with one bucket per unit."""
     stage = 3
-    unit_class = Unit       # what units are made of: exercise 5's grader brings the learner's hooks
+    unit_class = Unit       # what units are made of: exercise 7's grader brings the learner's hooks
 
     def __init__(self, model, optimizer, *, units: list[nn.Module] | None = None,
                  prefetch: bool = True, quantized_weights: bool = False, **kwargs):

@@ -209,5 +209,5 @@ plots.memory_by_category(runs, "stage 1");
 # parameters: a weight can straddle two ranks (as in DeepSpeed), and the padding moves with N. Check
 # one stepped element by hand: new = old - 0.1 × averaged gradient (the momentum buffer is the
 # gradient at the first step). Above, the optimizer bar falls as KΨ/N (K = 8 here: fp32 Adam's two
-# moments, no separate master copy) while parameters and gradients stay. Then do exercise 3:
-# partition the flat buffer and step only yours.
+# moments, no separate master copy) while parameters and gradients stay. Then do exercise 4:
+# partition the flat buffer and step only yours, and exercise 5: clip by the global norm.

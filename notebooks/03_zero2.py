@@ -214,5 +214,5 @@ plots.memory_by_category(runs, "stage 2");
 # In the step-through, switch between stage 1 and stage 2 at the same N and compare the gradient
 # rows at the end of backward: a full buffer per rank against a shard. Try N = 4: each bucket is
 # padded to a multiple of 4 on its own, so padding appears in both buckets. Above, the gradient bar
-# should be Ψ/N of the DDP one. Then do exercise 4: reduce-scatter a bucket into the shard from the
+# should be Ψ/N of the DDP one. Then do exercise 6: reduce-scatter a bucket into the shard from the
 # backward hook.

@@ -274,4 +274,5 @@ plots.lora_memory(lora);
 # the step: 2Ψ). In the unit timeline, compare the peak parameters with prefetch on and off; in the
 # worker cell, set `PREFETCH = False` and see the same difference in `peak_params` on every rank. In
 # the LoRA section, change the world sizes and watch the frozen parameters shrink as 1/N. Then do
-# exercise 5: the four hooks that gather, free and reduce-scatter a unit.
+# exercise 7: the four hooks that gather, free and reduce-scatter a unit; then exercise 8,
+# the capstone.

@@ -237,4 +237,4 @@ plots.loss_scale_trajectory(fp16);
 # device keeps no optimizer state; at stage 3 the parameter shard stays on the device here
 # (`offload="params"` would move it too). In the fp16 section, change `FAULTS` so two ranks overflow
 # in the same step, or `SCALING["hysteresis"]` to 1, and predict the trajectory before you run it.
-# Then do exercises 6 (the host step) and 8 (the global overflow check).
+# Then do exercises 9 (the host step) and 10 (the global overflow check).

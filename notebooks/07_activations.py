@@ -159,4 +159,4 @@ plots.memory_timeline(timelines);
 # saved for backward phase by phase. In the sweep, add a longer sequence to `SEQS` (64, say) and
 # watch the attention term $a \cdot s^2 \cdot b$ take over without checkpointing. In the timeline,
 # compare stage 0 and stage 3 with checkpointing: the parameters rise and fall with each block's
-# backward only at stage 3. Then do exercise 7: checkpoint a unit yourself.
+# backward only at stage 3. Then do exercise 11: checkpoint a unit yourself.

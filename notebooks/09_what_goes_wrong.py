@@ -13,8 +13,6 @@
 #     name: python3
 # ---
 
-# %%
-
 # %% [markdown]
 # # 09 · What goes wrong at stage 3, and how to see it
 #
