@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU path in one command (issue 30): tests/test_cuda.py on this machine's GPUs, then a summary
-# to paste into an issue or the README.
+# to paste into an issue or docs/gpus.md.
 #
 #     scripts/gpu_smoke.sh                  # from anywhere; N = 1, and N = 2 too with 2+ GPUs
 #     scripts/gpu_smoke.sh -k offload       # extra arguments go to pytest

@@ -6,7 +6,7 @@ counts.
 
 engine.memory() counts the model states (P_os, P_g, P_p), and the activation meter counts what
 forward saved for backward. Their sum is not the allocator's peak, which the first GPU run showed
-(README, "On a GPU": 105-269 kB above at stages 0-2). The peak falls inside backward:
+(docs/gpus.md: 105-269 kB above at stages 0-2). The peak falls inside backward:
   * some of the saved activations are already freed;
   * autograd holds the gradients flowing from one operation to the next (its "autograd detail"),
     which no ZeRO stage shards: they are activation-sized, ZeRO-R's territory;

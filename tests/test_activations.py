@@ -154,7 +154,7 @@ def test_checkpointing_trains_like_the_reference_at_every_stage(n):
 
 
 def test_the_peak_breakdown_names_what_neither_count():
-    """scripts/peak_breakdown.py at stage 0, fp32 (README, "On a GPU"): its columns are torch's
+    """scripts/peak_breakdown.py at stage 0, fp32 (docs/gpus.md): its columns are torch's
     categories in torch's order, and at the step's peak the profiler's model states are exactly
     engine.memory()'s. What neither engine.memory() nor the activation meter counts is then
     autograd's gradients in flight plus the batch, less the saved activations backward has freed

@@ -4,7 +4,7 @@ what engine.memory() counts.
     python -m pytest tests/test_cuda.py -q      # every test skipped, saying why, without CUDA
     scripts/gpu_smoke.sh                         # on a GPU machine: these tests, then a summary
 
-Run once on one H200, at N = 1 (its figures: README, "On a GPU"); the N = 2 tests have not run yet.
+Run once on one H200, at N = 1 (its figures: docs/gpus.md); the N = 2 tests have not run yet.
 Its training runs are rehearsed on CPU by tests/test_cuda_rehearsal.py, so that they cannot rot
 unseen. One process per GPU: N = 1, and N = 2 where there are two GPUs (NCCL refuses two ranks on
 one GPU), through `minizero.launch(..., backend="nccl")`, one launch per N for all the training

@@ -153,3 +153,21 @@ def test_each_notebooks_settings_are_its_first_code_cell():
         assert code and 'tags=["parameters"]' in code[0], (
             f"{path.name}: the first code cell is not the settings cell (tagged parameters), "
             "where notebooks/README.md says the settings are")
+
+
+def test_every_relative_link_in_the_docs_resolves():
+    """README.md, docs/ and the folders' READMEs link to files by relative path: each must exist."""
+    wrong = []
+    for path in _sources("*.md", "*/README.md", "docs/*.md"):
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text()):
+            if "://" not in target and not (path.parent / target).exists():
+                wrong.append(f"{path.relative_to(ROOT)}: {target}")
+    assert not wrong, "links to nothing: " + "; ".join(wrong)
+
+
+def test_the_readme_is_a_front_door():
+    """What minizero is, the two set-up commands, the learning path, the three front ends and where
+    everything else lives: at most 150 lines (topics have their pages under docs/)."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150, "README.md: move a topic to its page under docs/"
+    assert 'pip install torch==2.13.0 -e ".[dev]"' in readme and "\npython -m pytest\n" in readme
