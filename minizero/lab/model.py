@@ -78,12 +78,14 @@ class CausalSelfAttention(nn.Module):
         self.register_buffer("causal_mask", mask)            # [T_max, T_max], a buffer, not a param
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:          # x: [B, T, C]
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(C // self.n_head)          # [B, H, T, T]
+        B, T, _ = x.shape
+        # [B, T, C] each; C/M under tensor parallelism (n_head/M heads: minizero/tensor_parallel.py)
+        q, k, v = self.qkv(x).chunk(3, dim=2)
+        head_size = q.shape[-1] // self.n_head
+        q, k, v = (t.view(B, T, self.n_head, head_size).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(head_size)                  # [B, H, T, T]
         att = att.masked_fill(~self.causal_mask[:T, :T], float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(B, T, C)
+        y = (att @ v).transpose(1, 2).reshape(B, T, -1)
         return self.proj(y)
 
 

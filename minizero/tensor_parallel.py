@@ -1,0 +1,234 @@
+"""Tensor parallelism, Megatron's way: each block's matmuls split over the M ranks of a group.
+
+    group = comm.row_group(M)                       # M consecutive ranks (a node): one TP group
+    model = tensor_parallel.parallelize_gpt(make_model(cfg), group)   # split in place, same seed
+    loss = tensor_parallel.cross_entropy(model(x), y, group)          # logits stay split by vocab
+    python -m pytest tests/test_tensor_parallel.py
+
+ZeRO shards what data parallelism *replicates* (model states); tensor parallelism (Shoeybi et al.,
+2019, "Megatron-LM") splits the *computation* of each layer, and the ZeRO paper combines the two
+for its largest models: M-way model parallelism inside a node, ZeRO's N_d-way data parallelism
+across. Each of the M ranks of a tensor-parallel group holds 1/M of every block's weights and
+computes 1/M of its matmuls; what crosses between them is activations, not parameters.
+
+A transformer block is two pairs of linear layers (attention: qkv then proj; MLP: fc then proj).
+The first of a pair is *column-parallel*: its weight [out, in] is split along out, so each rank
+computes out/M of the outputs from the whole input, and an elementwise function after it (GELU,
+or attention over the rank's heads) needs nothing from the others. The second is *row-parallel*:
+its weight is split along in, so each rank multiplies its out/M slice of the activations by its
+in/M columns and gets a partial sum of the whole output; one all-reduce adds the M partial sums.
+So a block costs two collectives forward and two backward, written f and g in the Megatron paper:
+
+    f: forward the identity (every rank needs the whole input);   backward an all-reduce (each
+       rank's input gradient is a partial sum: it flowed back through its out/M outputs only)
+    g: forward an all-reduce (the row-parallel partial sums);     backward the identity (the
+       output gradient is whole on every rank already)
+
+f and g are the mirror of each other, as a column split is the transpose of a row split. The
+embedding is split by vocabulary (each rank holds V/M rows; a token's row lives on one rank, the
+others contribute zeros, then g), and with tied weights the head reuses that split: each rank
+computes the logits of its V/M tokens, and `cross_entropy` computes the loss from them with three
+all-reduces of [B, T] numbers instead of gathering [B, T, V] logits.
+
+Everything else (LayerNorms, biases of row-parallel layers, position embeddings) is replicated in
+the group: each rank computes it on the same whole activations, and its gradient, computed from the
+same whole output gradient, is the same on every rank, so no collective is needed for it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minizero import comm
+
+
+def check_divides(what: str, size: int, group: comm.Group) -> None:
+    """Megatron splits evenly: a size M does not divide is an error, said once, here."""
+    if size % group.size:
+        raise ValueError(f"tensor parallelism over {group.size} ranks: {what} = {size} is not "
+                         f"divisible by {group.size}")
+
+
+def _split(tensor: torch.Tensor, dim: int, group: comm.Group, pieces: int = 1) -> torch.Tensor:
+    """This rank's 1/M of `tensor` along `dim`; with pieces > 1 (a fused qkv weight) each of the
+    `pieces` equal parts is split on its own, so a rank gets its q, its k and its v."""
+    parts = tensor.chunk(pieces, dim=dim)
+    return torch.cat([part.chunk(group.size, dim=dim)[group.index] for part in parts],
+                     dim=dim).clone()
+
+
+# --------------------------------------------------------------------------------------------------
+# f and g: the two collectives of a tensor-parallel block, forward and backward side by side
+# --------------------------------------------------------------------------------------------------
+
+class _CopyToGroup(torch.autograd.Function):
+    """f: the identity forward, an all-reduce (sum) of the input's gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: comm.Group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()                                 # all-reduce works in place
+        comm.all_reduce(grad, op="sum", group=ctx.group, tag="tensor parallel f")
+        return grad, None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    """g: an all-reduce (sum) of the partial outputs forward, the identity backward."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, group: comm.Group) -> torch.Tensor:
+        out = partial.contiguous().clone()                       # the caller's tensor untouched
+        comm.all_reduce(out, op="sum", group=group, tag="tensor parallel g")
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def copy_to_group(x: torch.Tensor, group: comm.Group) -> torch.Tensor:
+    return _CopyToGroup.apply(x, group)
+
+
+def reduce_from_group(x: torch.Tensor, group: comm.Group) -> torch.Tensor:
+    return _ReduceFromGroup.apply(x, group)
+
+
+# --------------------------------------------------------------------------------------------------
+# The layers
+# --------------------------------------------------------------------------------------------------
+
+class ColumnParallelLinear(nn.Module):
+    """y_i = f(x) W_i^T + b_i: this rank's out/M outputs. Built from a whole nn.Linear, which it
+    splits (`pieces`: how many fused matrices its rows hold, 3 for qkv)."""
+
+    def __init__(self, linear: nn.Linear, group: comm.Group, pieces: int = 1):
+        super().__init__()
+        check_divides("a column-parallel layer's outputs", linear.out_features // pieces, group)
+        self.group = group
+        self.weight = nn.Parameter(_split(linear.weight.data, 0, group, pieces),   # [out/M, in]
+                                   requires_grad=linear.weight.requires_grad)
+        self.bias = None if linear.bias is None else nn.Parameter(
+            _split(linear.bias.data, 0, group, pieces), requires_grad=linear.bias.requires_grad)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:        # x: [..., in] -> [..., out/M]
+        return F.linear(copy_to_group(x, self.group), self.weight, self.bias)      # <- f
+
+
+class RowParallelLinear(nn.Module):
+    """y = g(x_i W_i^T) + b: the M partial sums added; the bias once, after the sum."""
+
+    def __init__(self, linear: nn.Linear, group: comm.Group):
+        super().__init__()
+        check_divides("a row-parallel layer's inputs", linear.in_features, group)
+        self.group = group
+        self.weight = nn.Parameter(_split(linear.weight.data, 1, group),          # [out, in/M]
+                                   requires_grad=linear.weight.requires_grad)
+        self.bias = None if linear.bias is None else nn.Parameter(
+            linear.bias.data.clone(), requires_grad=linear.bias.requires_grad)   # replicated
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:        # x: [..., in/M] -> [..., out]
+        y = reduce_from_group(F.linear(x, self.weight), self.group)               # <- g
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, end) of the vocabulary on this rank: a token outside them looks up zeros, and g
+    adds the M lookups, of which exactly one is the token's row."""
+
+    def __init__(self, embedding: nn.Embedding, group: comm.Group):
+        super().__init__()
+        vocab = embedding.num_embeddings
+        check_divides("the vocabulary", vocab, group)
+        self.group, per_rank = group, vocab // group.size
+        self.start, self.end = group.index * per_rank, (group.index + 1) * per_rank
+        self.weight = nn.Parameter(_split(embedding.weight.data, 0, group),       # [V/M, C]
+                                   requires_grad=embedding.weight.requires_grad)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:      # ids: [B, T] -> [B, T, C]
+        elsewhere = (ids < self.start) | (ids >= self.end)
+        rows = F.embedding((ids - self.start).masked_fill(elsewhere, 0), self.weight)
+        return reduce_from_group(rows.masked_fill(elsewhere.unsqueeze(-1), 0.0), self.group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy over the scored positions, from logits split by vocabulary [N, V/M]:
+    log Σ_v exp(z_v) - z_target, each sum over v an all-reduce of N numbers."""
+
+    @staticmethod
+    def forward(ctx, logits, target, group, start, ignore_index):   # logits [N, V/M], target [N]
+        logits = logits.float()
+        peak = logits.max(dim=-1).values                                          # [N]
+        comm.all_reduce(peak, op="max", group=group, tag="tensor parallel loss")
+        shifted = logits - peak.unsqueeze(-1)                 # exp cannot overflow: at most 1
+        exp = shifted.exp()
+        total = exp.sum(dim=-1)                                                   # [N]
+        comm.all_reduce(total, op="sum", group=group, tag="tensor parallel loss")
+        local = target - start
+        here = (local >= 0) & (local < logits.shape[-1])      # this rank holds the target's logit
+        index = local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
+        picked = shifted.gather(-1, index).squeeze(-1).masked_fill(~here, 0.0)    # [N]
+        comm.all_reduce(picked, op="sum", group=group, tag="tensor parallel loss")
+        scored = target != ignore_index
+        count = scored.sum().clamp(min=1)
+        loss = ((total.log() - picked) * scored).sum() / count
+        ctx.save_for_backward(exp / total.unsqueeze(-1), index, here & scored, scored, count)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, index, target_here, scored, count = ctx.saved_tensors
+        # d loss / d z_v = (softmax_v - [v = target]) / count, on this rank's V/M logits only
+        g = softmax.clone()
+        g.scatter_add_(-1, index, -target_here.unsqueeze(-1).to(g.dtype))
+        g *= (scored.unsqueeze(-1) * grad / count)
+        return g, None, None, None, None
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: comm.Group,
+                  ignore_index: int = -100) -> torch.Tensor:
+    """F.cross_entropy(whole logits, target, ignore_index) from this rank's vocab slice of the
+    logits [..., V/M] (the layout parallelize_gpt's head gives): the loss, equal on every rank."""
+    per_rank = logits.shape[-1]
+    return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), target.flatten(), group,
+                                            group.index * per_rank, ignore_index)
+
+
+# --------------------------------------------------------------------------------------------------
+# Applying it to a model
+# --------------------------------------------------------------------------------------------------
+
+class _TiedVocabHead(nn.Module):
+    """The head tied to a vocab-parallel embedding: this rank's V/M logits, f(x) E_i^T."""
+
+    def __init__(self, embedding: VocabParallelEmbedding):
+        super().__init__()
+        self.embedding, self.group = [embedding], embedding.group    # a list: not a submodule
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:        # [B, T, C] -> [B, T, V/M]
+        return F.linear(copy_to_group(x, self.group), self.embedding[0].weight)    # <- f
+
+
+def parallelize_gpt(model: nn.Module, group: comm.Group) -> nn.Module:
+    """Split minizero's GPT (minizero/lab/model.py's shape: blocks of attn.qkv / attn.proj and
+    mlp[0] / mlp[2], tok_emb, a tied head) over `group`, in place; returns the model. Its output is
+    this rank's vocab slice of the logits: take the loss with `cross_entropy`."""
+    if getattr(model.cfg, "tie_weights", False) is not True:
+        raise ValueError("parallelize_gpt splits the head as the tied embedding: tie_weights=True")
+    check_divides("the number of heads", model.cfg.n_head, group)
+    for block in model.blocks:
+        attn = block.attn
+        attn.qkv = ColumnParallelLinear(attn.qkv, group, pieces=3)   # q, k, v: n_head/M heads each
+        attn.proj = RowParallelLinear(attn.proj, group)
+        attn.n_head //= group.size
+        block.mlp[0] = ColumnParallelLinear(block.mlp[0], group)
+        block.mlp[2] = RowParallelLinear(block.mlp[2], group)
+    model.tok_emb = VocabParallelEmbedding(model.tok_emb, group)
+    model.head = _TiedVocabHead(model.tok_emb)
+    return model
