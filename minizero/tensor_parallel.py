@@ -204,7 +204,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: comm.Group,
 # Applying it to a model
 # --------------------------------------------------------------------------------------------------
 
-class _TiedVocabHead(nn.Module):
+class TiedVocabHead(nn.Module):
     """The head tied to a vocab-parallel embedding: this rank's V/M logits, f(x) E_i^T."""
 
     def __init__(self, embedding: VocabParallelEmbedding):
@@ -230,5 +230,5 @@ def parallelize_gpt(model: nn.Module, group: comm.Group) -> nn.Module:
         block.mlp[0] = ColumnParallelLinear(block.mlp[0], group)
         block.mlp[2] = RowParallelLinear(block.mlp[2], group)
     model.tok_emb = VocabParallelEmbedding(model.tok_emb, group)
-    model.head = _TiedVocabHead(model.tok_emb)
+    model.head = TiedVocabHead(model.tok_emb)
     return model

@@ -1,5 +1,6 @@
 """minizero/tensor_parallel.py: Megatron's column- and row-parallel layers, the vocab-parallel
-embedding and cross-entropy, on minizero's GPT, against the same GPT on one process."""
+embedding and cross-entropy, on minizero's GPT and Hugging Face's GPT-2 and Llama, against the
+same model whole on one process."""
 
 from __future__ import annotations
 
@@ -9,25 +10,37 @@ import types
 import pytest
 import torch
 
+import _hf as _hf_models
 import minizero
-from minizero import comm, tensor_parallel
+from minizero import comm, tensor_parallel, tensor_parallel_hf
 from minizero.lab.data import global_batch
 from minizero.lab.model import GPTConfig, make_model
 from minizero.lab.train import IGNORE, loss_fn
 
 
-def _train_side_by_side(m: int, steps: int = 3) -> dict:
-    """One tensor-parallel group of m ranks and, on the same ranks, the whole GPT: the same batch,
+def _gpt(seed: int = 0):
+    return make_model(GPTConfig(), seed=seed)
+
+
+def _hf(name: str):
+    return lambda: _hf_models.build(_hf_models.Case(name, stage=0))
+
+
+def _logits(model, x):
+    return model(x) if hasattr(model, "blocks") else model(input_ids=x, use_cache=False).logits
+
+
+def _train_side_by_side(build, split_fn, m: int, steps: int = 3) -> dict:
+    """One tensor-parallel group of m ranks and, on the same ranks, the whole model: the same batch,
     the same SGD steps (SGD: a gradient off by a factor shows; Adam would normalize it away)."""
     group = comm.row_group(m)
-    cfg = GPTConfig()
-    whole = make_model(cfg, seed=0)
-    split = tensor_parallel.parallelize_gpt(make_model(cfg, seed=0), group)
+    whole, split = build(), split_fn(build(), group)             # the same seed: the same weights
     optimizers = [torch.optim.SGD(model.parameters(), lr=0.5) for model in (whole, split)]
     out = {"logits": 0.0, "loss": 0.0, "params": 0.0}
+    block_size = 8 if hasattr(whole, "config") else whole.cfg.block_size
     for step in range(steps):
-        x, y = global_batch(step, 8, cfg.block_size)
-        logits, mine = whole(x), split(x)                          # [B, T, V], [B, T, V/M]
+        x, y = global_batch(step, 8, block_size)
+        logits, mine = _logits(whole, x), _logits(split, x)         # [B, T, V], [B, T, V/M]
         per_rank = mine.shape[-1]
         expected = logits[..., group.index * per_rank:(group.index + 1) * per_rank]
         out["logits"] = max(out["logits"], (mine - expected).abs().max().item())
@@ -38,7 +51,7 @@ def _train_side_by_side(m: int, steps: int = 3) -> dict:
             loss.backward()
             optimizer.step()
     # the whole model after training, split the same way: what each rank should hold now
-    expected = dict(tensor_parallel.parallelize_gpt(copy.deepcopy(whole), group).named_parameters())
+    expected = dict(split_fn(copy.deepcopy(whole), group).named_parameters())
     for name, p in split.named_parameters():
         out["params"] = max(out["params"], (p - expected[name]).abs().max().item())
     out["split_numel"] = sum(p.numel() for p in split.parameters())
@@ -46,27 +59,33 @@ def _train_side_by_side(m: int, steps: int = 3) -> dict:
     return out
 
 
-def _both_group_sizes() -> dict:
-    return {m: _train_side_by_side(m) for m in (2, 4)}
+def _every_case() -> dict:
+    gpt = {("gpt", m): _train_side_by_side(_gpt, tensor_parallel.parallelize_gpt, m)
+           for m in (2, 4)}
+    hf = {(name, 2): _train_side_by_side(_hf(name), tensor_parallel_hf.parallelize, 2)
+          for name in ("gpt2", "llama")}
+    return gpt | hf
 
 
 @pytest.fixture(scope="module")
 def runs():
-    return minizero.launch(_both_group_sizes, 4)
+    return minizero.launch(_every_case, 4)
 
 
-@pytest.mark.parametrize("m", [2, 4])
-def test_a_split_gpt_trains_to_the_whole_gpts_parameters(runs, m):
+@pytest.mark.parametrize("case", [("gpt", 2), ("gpt", 4), ("gpt2", 2), ("llama", 2)])
+def test_a_split_model_trains_to_the_whole_models_parameters(runs, case):
+    """minizero's GPT at M = 2 and 4; Hugging Face's GPT-2 (tied head, Conv1D) and Llama (untied
+    head, rotary, RMSNorm, gated MLP) at M = 2."""
     for rank, result in enumerate(runs):
-        r = result[m]
-        assert r["logits"] < 1e-5 and r["loss"] < 1e-5, (rank, r)
-        assert r["params"] < 1e-5, f"rank {rank}, M = {m}: parameters off by {r['params']:.2e}"
+        r = result[case]
+        assert r["logits"] < 1e-5 and r["loss"] < 1e-5, (rank, case, r)
+        assert r["params"] < 1e-5, f"rank {rank}, {case}: parameters off by {r['params']:.2e}"
 
 
 def test_each_rank_holds_its_share_of_the_blocks(runs):
     """Blocks' matmul weights and the vocabulary are split; LayerNorms, position embeddings and
     row-parallel biases are replicated: more than Ψ/M, less than Ψ."""
-    r2, r4 = runs[0][2], runs[0][4]
+    r2, r4 = runs[0][("gpt", 2)], runs[0][("gpt", 4)]
     assert r4["split_numel"] < r2["split_numel"] < r2["whole_numel"]
     h, layers, vocab = 64, 4, 12
     matmuls = layers * (4 + 2 * 4) * h * h + layers * (3 * h + 4 * h)    # weights + split biases

@@ -1,0 +1,91 @@
+"""Tensor parallelism for Hugging Face's GPT-2 and Llama, built from their configs.
+
+    model = GPT2LMHeadModel(GPT2Config(...))            # or LlamaForCausalLM(LlamaConfig(...))
+    group = comm.row_group(M)
+    model = tensor_parallel_hf.parallelize(model, group)           # split in place, same weights
+    logits = model(input_ids=x, use_cache=False).logits            # this rank's V/M of the vocab
+    loss = tensor_parallel.cross_entropy(logits[:, :-1], x[:, 1:], group)
+    python -m pytest tests/test_tensor_parallel.py
+
+The same four layers as minizero's GPT (minizero/tensor_parallel.py explains f, g and the split):
+in each block the attention's input projection(s) and the MLP's first layer(s) are column-parallel,
+the attention's output projection and the MLP's last layer row-parallel; the token embedding is
+split by vocabulary, and the head reuses that split (tied, GPT-2) or is column-parallel over the
+vocabulary (untied, Llama's default). The attention modules compute their head count from the
+width they receive (`view(..., -1, head_dim)`), so only GPT-2's `split_size` must be told.
+
+GPT-2's layers are `Conv1D`s (weight [in, out], y = x W + b): each is turned into the nn.Linear it
+is (weight [out, in]) before it is split.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from minizero import comm
+from minizero.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TiedVocabHead,
+    VocabParallelEmbedding,
+    check_divides,
+)
+
+
+def parallelize(model: nn.Module, group: comm.Group) -> nn.Module:
+    """Split a GPT2LMHeadModel or a LlamaForCausalLM (or a model of their layout) over `group`, in
+    place; returns the model, whose logits are this rank's vocabulary slice."""
+    if hasattr(model, "transformer") and hasattr(model.transformer, "h"):
+        _gpt2(model, group)
+    elif hasattr(model, "model") and hasattr(model.model, "layers"):
+        _llama(model, group)
+    else:
+        raise TypeError(f"tensor parallelism knows GPT-2's and Llama's layouts, not "
+                        f"{type(model).__name__}'s: split its layers with minizero.tensor_parallel")
+    return model
+
+
+def _as_linear(conv1d: nn.Module) -> nn.Linear:
+    """GPT-2's Conv1D (weight [in, out]) as the nn.Linear it computes (weight [out, in])."""
+    n_in, n_out = conv1d.weight.shape
+    linear = nn.Linear(n_in, n_out, bias=conv1d.bias is not None)
+    linear.weight.data.copy_(conv1d.weight.data.t())
+    if conv1d.bias is not None:
+        linear.bias.data.copy_(conv1d.bias.data)
+    return linear
+
+
+def _head(model: nn.Module, embedding: VocabParallelEmbedding, group: comm.Group) -> None:
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.lm_head = TiedVocabHead(embedding)
+    else:
+        model.lm_head = ColumnParallelLinear(model.lm_head, group)    # [V/M, C]: the same rows
+
+
+def _gpt2(model: nn.Module, group: comm.Group) -> None:
+    check_divides("the number of heads", model.config.n_head, group)
+    for block in model.transformer.h:
+        attn, mlp = block.attn, block.mlp
+        attn.c_attn = ColumnParallelLinear(_as_linear(attn.c_attn), group, pieces=3)   # q, k, v
+        attn.c_proj = RowParallelLinear(_as_linear(attn.c_proj), group)
+        attn.split_size //= group.size              # forward splits c_attn's output by this width
+        mlp.c_fc = ColumnParallelLinear(_as_linear(mlp.c_fc), group)
+        mlp.c_proj = RowParallelLinear(_as_linear(mlp.c_proj), group)
+    model.transformer.wte = VocabParallelEmbedding(model.transformer.wte, group)
+    _head(model, model.transformer.wte, group)
+
+
+def _llama(model: nn.Module, group: comm.Group) -> None:
+    check_divides("the number of heads", model.config.num_attention_heads, group)
+    check_divides("the number of key-value heads", model.config.num_key_value_heads, group)
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.q_proj = ColumnParallelLinear(attn.q_proj, group)
+        attn.k_proj = ColumnParallelLinear(attn.k_proj, group)
+        attn.v_proj = ColumnParallelLinear(attn.v_proj, group)
+        attn.o_proj = RowParallelLinear(attn.o_proj, group)
+        mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj, group)
+        mlp.up_proj = ColumnParallelLinear(mlp.up_proj, group)
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, group)
+    model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, group)
+    _head(model, model.model.embed_tokens, group)
