@@ -119,6 +119,13 @@ MUTANTS = [
     ("test_ex14_overlap_buckets", "check_bucket_size", "ex14_default_bucket",
      r"on the latency-bound link .*, your 25 MB buckets .* 315.6 ms; the 25 MB default 315.6 ms, "
      r"12 buckets of 33.3 MB 270.0 ms .*: on a latency-bound link, choose a size that beats"),
+    ("test_ex15_tensor_parallel_linear", "check_shards", "ex15_wrong_split_axis",
+     r"rank 0: the first weight shard is \[12, 2\], expected \[4, 6\]: a column-parallel layer "
+     r"splits the outputs"),
+    ("test_ex15_tensor_parallel_linear", "check_forward", "ex15_g_averages",
+     r"rank 0: the output differs .*: it is 1/3 of it, g must sum the partial outputs"),
+    ("test_ex15_tensor_parallel_linear", "check_backward", "ex15_no_all_reduce_in_backward",
+     r"rank 0: the input's gradient is not the whole MLP's: .* f's backward must all-reduce"),
 ]
 # Every exercise refuses an answer borrowed from minizero (or PyTorch): one mutant each imports it.
 # The guard reads the source, so the grader's first check rejects it before launching anything.
@@ -137,7 +144,8 @@ MUTANTS += [(f"test_{name}", check, f"{name[:4]}_imports_the_answer",
                                 ("ex11_checkpoint_unit", "check_training"),
                                 ("ex12_predict_and_plan", "check_predictions"),
                                 ("ex13_block_quantize", "check_error_bound"),
-                                ("ex14_overlap_buckets", "check_policy")]]
+                                ("ex14_overlap_buckets", "check_policy"),
+                                ("ex15_tensor_parallel_linear", "check_shards")]]
 
 
 def load(grader: str):
@@ -159,7 +167,7 @@ def test_every_mutant_is_used_and_every_exercise_has_one():
     on_disk = {p.stem for p in (EXERCISES / "mutants").glob("ex*.py")}
     assert on_disk == {m[2] for m in MUTANTS}
     assert {m[2][:4] for m in MUTANTS} == {name[:4] for name in EXERCISE_NAMES}
-    assert [name[:4] for name in EXERCISE_NAMES] == [f"ex{i:02d}" for i in range(1, 15)]   # no gap
+    assert [name[:4] for name in EXERCISE_NAMES] == [f"ex{i:02d}" for i in range(1, 16)]   # no gap
 
 
 @pytest.mark.parametrize("name", EXERCISE_NAMES)
