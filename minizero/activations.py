@@ -21,8 +21,10 @@ Kept: s·b·h per layer instead of the layer's ~16·s·b·h + a·s²·b, for one
 (~33 % more compute, the paper's figure). mode "cpu" keeps those inputs in host memory until
 backward: the paper's P_a+cpu. The paper's P_a itself (partitioned activations) splits the
 checkpoints that model parallelism *replicates* across its ranks; in pure data parallelism every
-rank's activations are its own, for its own rows, and there is no replica to partition. CPU
-checkpointing is the part of it that applies.
+rank's activations are its own, for its own rows, and there is no replica to partition. With tensor
+parallelism (tensor_parallel.py) there is: the M ranks of a group hold the same block inputs, and
+mode "partitioned" keeps each rank's 1/M of them and all-gathers them before the recompute (P_a;
+"partitioned+cpu" keeps that 1/M on the host: P_a+cpu).
 
 Why not torch.utils.checkpoint: its non-reentrant recompute keeps the recomputed tensors through
 saved- tensor hooks of its own, which a measurement cannot see. `_Checkpoint` is the reentrant
@@ -42,7 +44,12 @@ from functools import partial
 import torch
 from torch import nn
 
+from minizero import comm
+
 MODES = (False, True, "cpu")       # wrap(activation_checkpointing=...) checks these
+# The paper's P_a: the checkpoints partitioned over a tensor-parallel group (its ranks hold the same
+# block inputs); "+cpu" also keeps each rank's part on the host. checkpoint(..., group=) only.
+PARTITIONED = ("partitioned", "partitioned+cpu")
 
 
 class _Saved:
@@ -112,26 +119,30 @@ def _unpack(saved: _Saved) -> torch.Tensor:
 
 # --- activation checkpointing ---------------------------------------------------------------------
 class _Checkpoint(torch.autograd.Function):
-    """forward(run, meter, dummy, *inputs): run(*inputs) saving nothing but the inputs;
-    backward recomputes it under the meter and backpropagates through the recomputed graph.
-    `dummy` requires grad, so that the output does even when no input does (parameters inside
-    still need gradients)."""
+    """forward(run, meter, group, dummy, *inputs): run(*inputs) saving nothing but the inputs
+    (with a tensor-parallel `group`, P_a: this rank's 1/M of each); backward gathers them again,
+    recomputes under the meter and backpropagates through the recomputed graph. `dummy` requires
+    grad, so that the output does even when no input does (parameters inside still need
+    gradients)."""
 
     @staticmethod
-    def forward(ctx, run, meter, dummy, *inputs):
-        ctx.run, ctx.meter = run, meter
+    def forward(ctx, run, meter, group, dummy, *inputs):
+        ctx.run, ctx.meter, ctx.group = run, meter, group
         ctx.rng = _rng_state(inputs)                 # dropout in the recompute draws the same masks
         ctx.tensor_inputs = [torch.is_tensor(x) for x in inputs]
         ctx.grad_inputs = [torch.is_tensor(x) and x.requires_grad for x in inputs]
         ctx.others = [None if torch.is_tensor(x) else x for x in inputs]          # None, flags, ...
-        # packed once forward returns
-        ctx.save_for_backward(*(x for x in inputs if torch.is_tensor(x)))
+        ctx.shapes = [x.shape for x in inputs if torch.is_tensor(x)]
+        kept = [x if group is None else _my_part(x, group) for x in inputs if torch.is_tensor(x)]
+        ctx.save_for_backward(*kept)                 # packed once forward returns
         with torch.no_grad():
             return run(*inputs)
 
     @staticmethod
     def backward(ctx, *grads):
-        tensors = iter(ctx.saved_tensors)
+        tensors = iter(ctx.saved_tensors if ctx.group is None else
+                       [_whole(part, shape, ctx.group)
+                        for part, shape in zip(ctx.saved_tensors, ctx.shapes)])
         inputs = [next(tensors).detach().requires_grad_(g) if is_tensor else other
                   for is_tensor, other, g in zip(ctx.tensor_inputs, ctx.others, ctx.grad_inputs)]
         with torch.random.fork_rng(devices=ctx.rng[1]), torch.enable_grad(), ctx.meter.recording():
@@ -140,26 +151,48 @@ class _Checkpoint(torch.autograd.Function):
         outputs = (outputs,) if torch.is_tensor(outputs) else outputs
         pairs = [(o, g) for o, g in zip(outputs, grads) if torch.is_tensor(o) and o.requires_grad]
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, None, None) + tuple(x.grad if torch.is_tensor(x) else None for x in inputs)
+        return (None,) * 4 + tuple(x.grad if torch.is_tensor(x) else None for x in inputs)
 
 
-def checkpoint(units: list[nn.Module], mode: bool | str, meter: SavedTensorMeter) -> None:
-    """Make each unit's forward a checkpoint (mode True), its inputs kept on the host ("cpu").
-    Units inside another unit are left alone: the outer recompute runs them anyway. Keyword
-    arguments reach the forward but get no gradient (a mask, a flag); tensors that need one are
-    passed positionally."""
+def _my_part(x: torch.Tensor, group) -> torch.Tensor:
+    """P_a's line: of a checkpoint every rank of the group holds alike, keep 1/M (flat, padded)."""
+    flat = x.detach().reshape(-1)
+    per_rank = -(-flat.numel() // group.size)
+    padded = torch.nn.functional.pad(flat, (0, per_rank * group.size - flat.numel()))
+    return padded[group.index * per_rank:(group.index + 1) * per_rank].clone()   # [numel/M]
+
+
+def _whole(part: torch.Tensor, shape: torch.Size, group) -> torch.Tensor:
+    """The checkpoint again, all-gathered from the M parts, before the recompute needs it."""
+    full = part.new_empty(part.numel() * group.size)                           # [numel padded]
+    comm.all_gather(full, part, group=group, tag="partitioned checkpoint")
+    return full[:shape.numel()].view(shape)
+
+
+def checkpoint(units: list[nn.Module], mode: bool | str, meter: SavedTensorMeter,
+               group=None) -> None:
+    """Make each unit's forward a checkpoint (mode True), its inputs kept on the host ("cpu"), or
+    partitioned over the tensor-parallel `group` whose ranks hold the same inputs (PARTITIONED:
+    P_a, and P_a+cpu). Units inside another unit are left alone: the outer recompute runs them
+    anyway. Keyword arguments reach the forward but get no gradient (a mask, a flag); tensors that
+    need one are passed positionally."""
+    if (mode in PARTITIONED) != (group is not None and group.size > 1):
+        raise ValueError(f"activation_checkpointing={mode!r}: P_a partitions the checkpoints that "
+                         "the ranks of a tensor-parallel group replicate, so 'partitioned' needs "
+                         "such a group (M > 1), and only it does")
     inside = {id(m) for u in units for m in u.modules() if m is not u}
     for unit in units:
         if id(unit) not in inside:
-            unit.forward = partial(_checkpointed, unit.forward, meter, mode == "cpu")
+            unit.forward = partial(_checkpointed, unit.forward, meter, mode in ("cpu",
+                                   "partitioned+cpu"), group if mode in PARTITIONED else None)
 
 
-def _checkpointed(forward, meter, host, *inputs, **kwargs):
+def _checkpointed(forward, meter, host, group, *inputs, **kwargs):
     if not torch.is_grad_enabled():                     # nothing would be saved: plain forward
         return forward(*inputs, **kwargs)
     dummy = torch.empty(0, requires_grad=True)
     with _to_host() if host else contextlib.nullcontext():     # P_a+cpu: the checkpoint on the host
-        return _Checkpoint.apply(partial(forward, **kwargs), meter, dummy, *inputs)
+        return _Checkpoint.apply(partial(forward, **kwargs), meter, group, dummy, *inputs)
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ import torch
 
 import _hf as _hf_models
 import minizero
-from minizero import comm, tensor_parallel, tensor_parallel_hf
+from minizero import activations, comm, tensor_parallel, tensor_parallel_hf
 from minizero.lab.data import global_batch
 from minizero.lab.model import GPTConfig, make_model
 from minizero.lab.train import IGNORE, loss_fn
@@ -72,6 +72,25 @@ def runs():
     return minizero.launch(_every_case, 4)
 
 
+def _checkpoint_modes() -> dict:
+    """The split GPT's forward and backward with each checkpointing mode: gradients and the peak
+    bytes saved for backward (the activation meter)."""
+    group, out = comm.row_group(comm.world_size()), {}
+    x, y = global_batch(0, 4, 16)
+    for mode in (False, True, "partitioned", "partitioned+cpu"):
+        model = tensor_parallel.parallelize_gpt(make_model(GPTConfig(), seed=0), group)
+        meter = activations.SavedTensorMeter(lambda m=model: list(m.parameters()))
+        if mode:
+            activations.checkpoint(list(model.blocks), mode, meter,
+                                   group if mode in activations.PARTITIONED else None)
+        with meter.recording():
+            logits = model(x)
+        kept = meter.alive                            # everything forward saved for backward
+        tensor_parallel.cross_entropy(logits, y, group, IGNORE).backward()
+        out[mode] = {"kept": kept, "peak": meter.peak, "grads": [p.grad for p in model.parameters()]}
+    return out
+
+
 @pytest.mark.parametrize("case", [("gpt", 2), ("gpt", 4), ("gpt2", 2), ("llama", 2)])
 def test_a_split_model_trains_to_the_whole_models_parameters(runs, case):
     """minizero's GPT at M = 2 and 4; Hugging Face's GPT-2 (tied head, Conv1D) and Llama (untied
@@ -96,3 +115,25 @@ def test_a_size_the_group_does_not_divide_is_one_clear_error():
     three = types.SimpleNamespace(size=3, index=0)
     with pytest.raises(ValueError, match=r"over 3 ranks: the number of heads = 4 is not divisible"):
         tensor_parallel.check_divides("the number of heads", 4, three)
+
+
+def test_partitioned_checkpoints_keep_one_mth_of_each_blocks_input():
+    """P_a: the M ranks of a tensor-parallel group hold the same block inputs; each keeps 1/M of
+    them and all-gathers them before the recompute. Same gradients; what forward keeps falls by
+    exactly (1 - 1/M) of the L inputs [B, T, C] fp32, and P_a+cpu keeps none of them on the
+    device. (The peak falls by less: the recompute holds one whole input again.)"""
+    m, layers, inputs = 2, 4, 4 * 16 * 64 * 4                   # L; one input's bytes, B T C e
+    for rank, modes in enumerate(minizero.launch(_checkpoint_modes, m)):
+        for mode in (True, "partitioned", "partitioned+cpu"):
+            for got, want in zip(modes[mode]["grads"], modes[False]["grads"]):
+                assert torch.allclose(got, want, rtol=1e-5, atol=1e-7), (rank, mode)
+        saved = modes[True]["kept"] - modes["partitioned"]["kept"]
+        assert saved == layers * inputs * (1 - 1 / m), (rank, saved)
+        assert modes["partitioned"]["kept"] - modes["partitioned+cpu"]["kept"] == layers * inputs / m
+        assert modes["partitioned"]["peak"] < modes[True]["peak"] < modes[False]["peak"]
+
+
+def test_partitioned_checkpoints_need_a_tensor_parallel_group():
+    with pytest.raises(ValueError, match="P_a partitions the checkpoints that the ranks of a "
+                                         "tensor-parallel group replicate"):
+        activations.checkpoint([], "partitioned", None)
