@@ -8,6 +8,8 @@ import pytest
 from minizero.cli.memory import main
 from minizero.lab import deepspeed_peer
 from minizero.lab.model import GPT, MODEL_NAMES, GPTConfig, count_params
+from minizero.memory import mesh
+from minizero.memory.mesh import estimate_mesh, params_per_rank
 from minizero.memory import (
     activation_bytes, comm_volume, disk_traffic, element_bytes, estimate, estimate_breakdown,
     grad_bytes, measure, optimizer_k,
@@ -186,3 +188,30 @@ def test_cli_bad_input_exits_2(args):
     )
     assert p.returncode == 2 and p.stderr.startswith("python -m minizero.memory: error:")
     assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr
+
+
+def test_the_papers_table1_with_model_parallelism(capsys):
+    """ZeRO paper, Table 1 (32 GB V100s, 64-way data parallelism): the largest model per stage for
+    M = 1 ... 16, in billions. The paper rounds (its M = 2 row doubles M = 1's 7.6): 1 % apart."""
+    paper = {1: (2, 7.6, 14.4, 128), 2: (4, 15.2, 28.8, 256), 4: (8, 30.4, 57.6, 512),
+             8: (16, 60.8, 115.2, 1024), 16: (32, 121.6, 230.4, 2048)}
+    for row in mesh.table1():
+        for got, want in zip(row["largest"], paper[row["model_parallel"]]):
+            assert got / 1e9 == pytest.approx(want, rel=0.01), row
+    assert main(["--table1"]) == 0
+    out = capsys.readouterr().out
+    assert "   1     64        2.0        7.6       14.4      128.0" in out
+
+
+def test_cli_with_tensor_parallelism(capsys):
+    """--tensor-parallel M: each rank's model is Ψ/M, ZeRO shards it over N_d = N/M: stage 3 holds
+    (2 + 2 + K)Ψ/(M·N_d)."""
+    psi, m, n = 7.5e9, 8, 64
+    assert main(["--params", str(psi), "--world-size", str(n), "--tensor-parallel", str(m)]) == 0
+    out = capsys.readouterr().out
+    assert "M = 8 tensor-parallel ranks), N_d = 8 (N = 64)" in out
+    assert f"{16 * psi / n / 1e9:11.2f}{1.0 * 16 / (16 / 8):8.1f}x" in out
+    assert estimate_mesh(psi, m, n // m, 3) == 16 * psi / n
+    assert params_per_rank(split=96, replicated=5, tensor_parallel=4) == 29
+    assert main(["--params", "1e9", "--world-size", "64", "--tensor-parallel", "3"]) == 2
+    assert "--tensor-parallel must divide --world-size 64, got 3" in capsys.readouterr().err

@@ -16,6 +16,7 @@ from minizero import activations, comm, tensor_parallel, tensor_parallel_hf
 from minizero.lab.data import global_batch
 from minizero.lab.model import GPTConfig, make_model
 from minizero.lab.train import IGNORE, loss_fn
+from minizero.memory.mesh import tensor_parallel_bytes
 
 
 def _gpt(seed: int = 0):
@@ -83,12 +84,14 @@ def _checkpoint_modes() -> dict:
         if mode:
             activations.checkpoint(list(model.blocks), mode, meter,
                                    group if mode in activations.PARTITIONED else None)
+        comm.reset_tally()
         with meter.recording():
             logits = model(x)
         kept = meter.alive                            # everything forward saved for backward
         tensor_parallel.cross_entropy(logits, y, group, IGNORE).backward()
         grads = [p.grad for p in model.parameters()]
-        out[mode] = {"kept": kept, "peak": meter.peak, "grads": grads}
+        out[mode] = {"kept": kept, "peak": meter.peak, "grads": grads,
+                     "all_reduce": comm.tally()["all_reduce"]}
     return out
 
 
@@ -139,3 +142,15 @@ def test_partitioned_checkpoints_need_a_tensor_parallel_group():
     with pytest.raises(ValueError, match="P_a partitions the checkpoints that the ranks of a "
                                          "tensor-parallel group replicate"):
         activations.checkpoint([], "partitioned", None)
+
+
+def test_what_tensor_parallelism_sends_is_the_formula():
+    """Per step, 4 all-reduces of [b, s, h] per block (6 when checkpointing recomputes it), the
+    embedding's g and the head's f, and the loss's three all-reduces of [b·s] numbers."""
+    m, layers, (b, s, h) = 2, 4, (4, 16, 64)
+    outside = 2 * comm.ring_bytes("all_reduce", 4 * b * s * h, m)          # embedding g, head f
+    loss = 3 * comm.ring_bytes("all_reduce", 4 * b * s, m)
+    modes = minizero.launch(_checkpoint_modes, m)[0]
+    for mode, recompute in ((False, False), (True, True)):
+        blocks = tensor_parallel_bytes(b, s, h, m, layers=layers, recompute=recompute)
+        assert modes[mode]["all_reduce"] == blocks + outside + loss, mode

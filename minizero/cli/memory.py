@@ -8,6 +8,8 @@ and activations.
         --world-size 64
     python -m minizero.memory --model llama-7b --world-size 8 --seq 2048 --batch 1    # any model
     python -m minizero.memory --model gpt2 --world-size 8 --json gpt2.json   # + the numbers, bytes
+    python -m minizero.memory --params 7.5e9 --world-size 64 --tensor-parallel 8   # a 2-D mesh
+    python -m minizero.memory --table1           # the paper's Table 1: the largest model per stage
 
 A GPT described by --layers/--hidden/--seq/--batch gets Ψ from its shape (lab.model.count_params,
 with --vocab) and its activations per rank (memory.activation_bytes, micro-batch --batch) next to
@@ -31,6 +33,7 @@ from minizero.lab.train import state_bytes
 from minizero.memory import (
     activation_bytes, element_bytes, estimate, estimate_breakdown, optimizer_k,
 )
+from minizero.memory.mesh import TABLE1_DATA_PARALLEL, TABLE1_DEVICE_BYTES, table1
 from minizero.optim import DTYPES
 from minizero.options import STAGES
 
@@ -73,6 +76,7 @@ def report(num_params: int, world_size: int, param_bytes: int, grad_bytes: int, 
                       "device": b["params"] + b["grads"] + b["optimizer"],
                       "host": b["offloaded"], "disk": b["disk"]})
     return {"params": num_params + frozen, "frozen": frozen, "world_size": world_size,
+            "tensor_parallel": 1,
             "bytes_per_param": {"params": param_bytes, "grads": grad_bytes, "optimizer_k": k},
             "activations": activations, "stages": stages, "tiers": tiers}
 
@@ -82,8 +86,13 @@ def _table(r: dict) -> str:
     names = {0: "DDP (baseline)", 1: "stage 1  P_os", 2: "stage 2  P_os+g", 3: "stage 3  P_os+g+p"}
     of_them = f" ({r['frozen']:,} of them frozen)" if r["frozen"] else ""
     per = r["bytes_per_param"]
+    m, n = r["tensor_parallel"], f"N = {r['world_size']}"
+    mesh = "" if m == 1 else (f" a rank (Ψ/M of {r['params'] * m:,}, M = {m} "
+                              "tensor-parallel ranks)")
+    if m > 1:
+        n = f"N_d = {r['world_size']} (N = {r['world_size'] * m})"
     rows = [
-        f"Ψ = {r['params']:,} parameters{of_them}, N = {r['world_size']}, bytes/param: params "
+        f"Ψ = {r['params']:,} parameters{of_them}{mesh}, {n}, bytes/param: params "
         f"{per['params']}, grads {per['grads']}, optimizer K = {per['optimizer_k']}",
         "",
     ]
@@ -124,6 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     what.add_argument(
         "--layers", type=int, help="a GPT of this many blocks (with --hidden, --seq, --batch)"
     )
+    what.add_argument("--table1", action="store_true",
+                      help="the ZeRO paper's Table 1: the largest model each stage fits per "
+                           "model-parallel degree (--device-gb, default 32)")
+    ap.add_argument("--device-gb", type=float, default=TABLE1_DEVICE_BYTES / 1e9,
+                    help="with --table1: each device's memory, GB")
+    ap.add_argument("--tensor-parallel", type=int, default=1, metavar="M",
+                    help="ranks per tensor-parallel group: each holds Ψ/M, ZeRO shards it over "
+                         "N_d = N/M (minizero/memory/mesh.py)")
     ap.add_argument("--hidden", type=int, help="width h")
     ap.add_argument("--heads", type=int, help="attention heads a (default h/64, at least 1)")
     ap.add_argument("--seq", type=int, help="sequence length s")
@@ -131,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--vocab", type=int, default=GPT2_VOCAB, help=f"vocabulary, for Ψ (default {GPT2_VOCAB})"
     )
-    ap.add_argument("--world-size", type=int, required=True, help="data-parallel ranks N")
+    ap.add_argument("--world-size", type=int, help="ranks N (required but with --table1)")
     ap.add_argument(
         "--frozen",
         type=float,
@@ -146,8 +163,21 @@ def main(argv: list[str] | None = None) -> int:
     add_json_flag(ap, "the numbers, in bytes (the table's rows as records),")
     try:
         args = ap.parse_args(argv)
-        if args.world_size < 1:
-            raise UsageError("--world-size must be >= 1")
+        if args.table1:
+            if not args.device_gb > 0:
+                raise UsageError("--device-gb must be > 0")
+            rows = table1(args.device_gb * 1e9)
+            emit(_table1(rows, args.device_gb), {"table1": rows}, args.json)
+            return 0
+        if args.world_size is None or args.world_size < 1:
+            raise UsageError("--world-size must be given, >= 1")
+        m = args.tensor_parallel
+        if m < 1 or args.world_size % m:
+            raise UsageError(f"--tensor-parallel must divide --world-size {args.world_size}, "
+                             f"got {m}")
+        if m > 1 and (args.seq is not None or args.layers is not None):
+            raise UsageError("--tensor-parallel: activations under tensor parallelism are not "
+                             "estimated yet; give --params or --model without --seq/--batch")
         if args.params is not None and not args.params >= 1:
             raise UsageError("--params must be >= 1")
         shape = (args.hidden, args.seq, args.batch)
@@ -194,15 +224,28 @@ def main(argv: list[str] | None = None) -> int:
         return fail(ap.prog, "--frozen must be >= 0 and fewer than the parameters")
     adam = state_bytes("adamw")
     tier_k = {offload: optimizer_k(adam, args.dtype, offload) for _, offload in TIERS}
-    numbers = report(psi - frozen, args.world_size, elem, elem, optimizer_k(adam, args.dtype),
-                     tier_k, frozen, activations)
+    numbers = report((psi - frozen) // m, args.world_size // m, elem, elem,
+                     optimizer_k(adam, args.dtype), tier_k, frozen // m, activations)
+    numbers["tensor_parallel"] = m
     text = _table(numbers)
     numbers |= {"dtype": args.dtype, "deepspeed": None}
-    if args.model is not None:
+    if args.model is not None and m == 1:
         numbers["deepspeed"] = deepspeed_estimate(shape, args.world_size)
         text += "\n" + _deepspeed_table(shape, args.world_size, numbers["deepspeed"])
     emit(text, numbers, args.json)
     return 0
+
+
+def _table1(rows: list[dict], device_gb: float) -> str:
+    """table1()'s rows as the paper prints them: billions of parameters."""
+    out = [f"The largest model whose model states fit {device_gb:g} GB per device (ZeRO paper, "
+           f"Table 1: mixed-precision Adam, K = 12, {TABLE1_DATA_PARALLEL}-way data parallelism), "
+           "billions of parameters", "",
+           f"{'MP':>4}{'GPUs':>7}{'baseline':>11}{'P_os':>11}{'P_os+g':>11}{'P_os+g+p':>11}"]
+    for r in rows:
+        out.append(f"{r['model_parallel']:4}{r['gpus']:7}"
+                   + "".join(f"{psi / 1e9:11.1f}" for psi in r["largest"]))
+    return "\n".join(out)
 
 
 def model_shape(name: str) -> dict:
