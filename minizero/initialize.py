@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import warnings
 
@@ -203,7 +204,10 @@ def _optimizer_factory(optimizer, settings: dict, groups: list[dict] | None):
                           "choose one")
     if isinstance(optimizer, torch.optim.Optimizer):
         own = [dict(g) for g in optimizer.param_groups]         # params and every setting
-        return functools.partial(type(optimizer), **optimizer.defaults), own
+        # its defaults that its constructor takes (AdamW's decoupled_weight_decay it sets itself)
+        accepted = inspect.signature(type(optimizer)).parameters
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        return functools.partial(type(optimizer), **defaults), own
     if optimizer is not None:
         if not callable(optimizer):
             raise TypeError("optimizer must be a torch.optim.Optimizer or a factory params -> "
