@@ -211,16 +211,22 @@ def test_a_checkpoint_loads_only_into_the_same_groups(tmp_path):
         engine.load(tmp_path / "ckpt")
 
 
-def test_trainable_parameters_in_no_group_are_not_trained_and_said_so():
-    """DeepSpeed builds its optimizer over the groups only: a trainable parameter left out keeps its
-    value."""
+@pytest.mark.parametrize("front", ("wrap", "initialize"))
+def test_trainable_parameters_in_no_group_are_not_trained_and_said_so(front):
+    """DeepSpeed builds its optimizer over model_parameters only: a trainable parameter left out
+    keeps its value."""
     model = build()
     before = model[2].bias.detach().clone()
     mine = groups(model)
     mine[1]["params"] = [p for p in mine[1]["params"] if p is not model[2].bias]
     with pytest.warns(UserWarning, match=r"1 trainable parameters \(2.bias, ...\) are in no"):
-        engine = minizero.wrap(model, 2, functools.partial(torch.optim.AdamW, lr=LR),
-                               param_groups=mine)
+        if front == "wrap":
+            engine = minizero.wrap(model, 2, functools.partial(torch.optim.AdamW, lr=LR),
+                                   param_groups=mine)
+        else:                                    # parameters, not groups: every one but 2.bias
+            engine, *_ = minizero.initialize(
+                model=model, model_parameters=[p for g in mine for p in g["params"]],
+                optimizer=functools.partial(torch.optim.AdamW, lr=LR), config=CONFIG)
     train(engine)
     state = engine.full_state_dict()
     assert torch.equal(state["2.bias"], before) and not torch.equal(state["2.weight"],
