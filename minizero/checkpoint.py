@@ -37,8 +37,9 @@ manifest.json: "format", "format_version", "version" (the v3 directory), "step",
 name), "num_params" (Ψ), "buckets" ([{"numel", "padded_numel",
 "shard_numel" (elements per rank file), "params": [{"name", "shape", "offset"}]}]), "state_dict"
 (every key of model.state_dict() in order: {"key", "source", "shape", "trainable"}; the tied
-embedding/head weight is two keys with one source) and "files" ({"rank0.pt": {"bytes",
-"sha256"}, ...}).
+embedding/head weight is two keys with one source), "group_params" (the names of the parameters in
+each optimizer parameter group, None for one group of all: load wants the same groups) and "files"
+({"rank0.pt": {"bytes", "sha256"}, ...}).
 
 A run directory (save_numbered, latest; the CLI's --save-every) holds one such checkpoint per save:
 
@@ -178,7 +179,19 @@ def describe(engine) -> dict:
         "num_params": sum(p.numel() for p in engine.module.parameters()),
         "buckets": buckets,
         "state_dict": state_dict_entries(engine.module),
+        "group_params": group_params(engine),
     }
+
+
+def group_params(engine) -> list[list[str]] | None:
+    """The optimizer's parameter groups as the names of the parameters in each (None: one group of
+    every trainable parameter, optim.py [Note: parameter groups]): a checkpoint's group settings
+    load only into the same groups."""
+    if engine.param_groups is None:
+        return None
+    names = _names(engine.module)
+    return [[names[id(p)] for p in engine.trainable if engine._group_of.get(id(p)) == i]
+            for i in range(len(engine.param_groups))]
 
 
 def state_dict_entries(model) -> list[dict]:
@@ -394,6 +407,16 @@ def check_compatible(saved: dict, engine, where: str) -> None:
     difference = model_difference(saved, here["state_dict"])
     if difference:
         raise CheckpointError(f"{where} holds a different model: {difference}")
+    if saved.get("group_params") != here["group_params"]:      # absent: saved before groups
+        raise CheckpointError(f"{where} was saved with other parameter groups "
+                              f"({_groups_in_words(saved.get('group_params'))}) than this "
+                              f"engine's ({_groups_in_words(here['group_params'])})")
+
+
+def _groups_in_words(groups: list[list[str]] | None) -> str:
+    if groups is None:
+        return "one of every trainable parameter"
+    return "groups of " + ", ".join(f"{len(g)}" for g in groups) + " parameters"
 
 
 def model_difference(saved: dict, entries: list[dict]) -> str | None:
@@ -526,14 +549,14 @@ def _restore_universal(engine, u: dict) -> None:
         for name, values in u["optimizer_state"].items():
             for i, part in enumerate(my_parts(values)):
                 state[i][name] = part
-    group = {**u["param_groups"][0], "params": list(range(len(masters)))}
+    groups = [{**g, "params": []} for g in u["param_groups"]]      # its own views (optim.py)
     trainable = {id(p) for p in engine.trainable}
     frozen = {k: u["model"][k] for k, t in engine.module.state_dict(keep_vars=True).items()
               if id(t) not in trainable}                     # frozen parameters and buffers
     _restore(
         engine,
         masters,
-        {"state": state, "param_groups": [group]},
+        {"state": state, "param_groups": groups},
         frozen,
         u["step"],
         u["rng"],
@@ -571,7 +594,7 @@ def universal(directory: str) -> dict:
          fp32 tensor shaped like the parameter}} for every per-element state (exp_avg,
          exp_avg_sq, momentum_buffer),
          "scalars": {state name: value} (step: the same for every bucket), "param_groups":
-         [lr, betas...],
+         [lr, betas... of each group], "group_params": the manifest's,
          "rng": rank 0's, "loss_scaler": rank 0's (the same on every rank; None without fp16)}
 
     A state that is neither per-element nor one scalar for all buckets cannot be cut:
@@ -603,6 +626,7 @@ def universal(directory: str) -> dict:
         "step": manifest["step"],
         "optimizer": manifest["optimizer"],
         "state_dict": manifest["state_dict"],
+        "group_params": manifest.get("group_params"),
         "model": shards.model(),
         "optimizer_state": {
             name: shards.trainable(lambda f, i, n=name: f["optimizer"]["state"][i][n])

@@ -62,7 +62,7 @@ class DDP(Engine):
         self.reducer = GradBuckets(self.layout.buckets, launch=self._all_reduce_bucket, owner=self,
                                    max_in_flight=buckets_in_flight, overlap=overlap)
         self.optimizer = ShardOptimizer([self._bucket_params(b) for b in self.layout.buckets],
-                                        self.optimizer_factory)
+                                        self.optimizer_factory, self._grouping())
 
     def _bucket_params(self, b):
         return self.layout.full(self.flat_params, b)

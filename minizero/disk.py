@@ -49,7 +49,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
-from minizero.optim import OptimizerFactory, ShardOptimizer, _per_element
+from minizero.optim import Grouping, OptimizerFactory, ShardOptimizer, _per_element
 
 PIECE_NUMEL = 1 << 22       # elements a piece of the pipeline: 16 MiB of each fp32 field
 ALIGN = 4096                # O_DIRECT: buffer addresses, file offsets and lengths in whole blocks
@@ -84,16 +84,21 @@ def aligned_buffer(nbytes: int) -> torch.Tensor:
     return raw[skip: skip + nbytes]
 
 
-def per_element_state(optimizer_factory: OptimizerFactory) -> list[str]:
+def per_element_state(optimizer_factory: OptimizerFactory,
+                      grouping: Grouping | None = None) -> list[str]:
     """The names of the state the optimizer keeps one value of per element (AdamW: exp_avg and
     exp_avg_sq; SGD with momentum: momentum_buffer), found by stepping a throwaway copy of it on
-    two elements."""
+    two elements (with each parameter group's settings: amsgrad in one adds a state)."""
     probe = nn.Parameter(torch.zeros(2))
     probe.grad = torch.ones(2)
-    optimizer = optimizer_factory([probe])
-    optimizer.step()
-    state = optimizer.state[probe]
-    names = [name for name, value in state.items() if _per_element(value, probe)]
+    names, state = [], {}
+    for settings in [None] if grouping is None else grouping.settings:
+        optimizer = optimizer_factory([probe] if settings is None
+                                      else [{**settings, "params": [probe]}])
+        optimizer.step()
+        state.update(optimizer.state[probe])
+        names += [name for name, value in optimizer.state[probe].items()
+                  if _per_element(value, probe) and name not in names]
     odd = [name for name in names if state[name].dtype != torch.float32]
     if odd:
         raise ValueError(f"offload='disk' keeps fp32 optimizer state; this optimizer's {odd[0]} "
@@ -164,14 +169,14 @@ class DiskShardOptimizer(ShardOptimizer):
     piece_numel = PIECE_NUMEL
 
     def __init__(self, param_parts: list[torch.Tensor], optimizer_factory: OptimizerFactory,
-                 folder):
-        self.names = per_element_state(optimizer_factory)
+                 folder, grouping: Grouping | None = None):
+        self.names = per_element_state(optimizer_factory, grouping)
         # fp32 parameters in host memory are their own master (optim.py): then only the state goes
         # to disk. A GPU's are not: the host steps a master of its own (test_cuda's disk runs)
         part = param_parts[0]
         self.own_master = part.dtype != torch.float32 or part.device.type != "cpu"
         self.resident = False           # the whole state is in memory (a checkpoint loaded)
-        super().__init__(param_parts, optimizer_factory)
+        super().__init__(param_parts, optimizer_factory, grouping)
         self.pieces = self._cut_pieces()
         self.file = ScratchFile(folder, sum(p["bytes"] for p in self.pieces))
         self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minizero-disk")
@@ -219,7 +224,7 @@ class DiskShardOptimizer(ShardOptimizer):
         sizes = [v.numel() for v in views]
         fields = [self._field(piece, slot, f).split(sizes) for f in range(self.fields)]
         for i, view in enumerate(views):
-            yield view, self.optimizer.state[view], [values[i] for values in fields]
+            yield view, self._state(view), [values[i] for values in fields]
 
     def _part(self, piece: dict) -> torch.Tensor:
         """The model's parameters whose master the piece holds: [numel], in the compute dtype."""
@@ -247,7 +252,7 @@ class DiskShardOptimizer(ShardOptimizer):
             view = self.views[piece["bucket"]][j]
             if self.own_master:
                 view.data = placeholder(view.shape)
-            state = self.optimizer.state[view]
+            state = self._state(view)
             for name in self.names:
                 if name in state:
                     state[name] = placeholder(view.shape)
@@ -305,10 +310,10 @@ class DiskShardOptimizer(ShardOptimizer):
         """Read the whole state into memory: masters and each view's state as ordinary tensors."""
         if self.resident:
             return
-        for master, views in zip(self.masters, self.views):
+        for master, views, sizes in zip(self.masters, self.views, self._sizes):
             if self.own_master:
                 master.data = torch.empty(master.numel())
-                for view, values in zip(views, master.data.tensor_split(len(views))):
+                for view, values in zip(views, master.data.split(sizes)):
                     view.data = values
         for piece, slot in self._each_piece(write=False):
             for view, state, values in self._by_view(piece, slot):

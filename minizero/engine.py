@@ -56,7 +56,7 @@ from torch.utils._pytree import tree_flatten
 from minizero import activations, checkpoint, comm, construct, disk, events
 from minizero.loss_scale import scaler_for
 from minizero.memory import measure
-from minizero.optim import DTYPES
+from minizero.optim import DTYPES, Grouping, group_runs, parse_param_groups
 from minizero.options import check_offload, is_positive_int, takes
 
 # Every model an engine has taken: a second wrap would add a second engine's hooks beside the
@@ -82,6 +82,7 @@ class Engine:
         shard_group_size: int | None = None,
         hpz_group_size: int | None = None,
         offload_path: str | None = None,
+        param_groups: list[dict] | None = None,
     ):
         self.check(dtype, offload, reduce_dtype, shard_group_size, hpz_group_size,
                    offload_path=offload_path)
@@ -133,6 +134,12 @@ class Engine:
         self._params = params         # the Parameter objects never change (stages move only p.data)
         self.trainable = [p for p in params if p.requires_grad]
         self.frozen = [p for p in params if not p.requires_grad]   # replicated as-is, never stepped
+        # the optimizer's groups: None (one, every trainable parameter) or (settings, group of each
+        # parameter) [Note: parameter groups] in optim.py
+        self.param_groups = self._group_of = None
+        if param_groups is not None:
+            self.param_groups, self._group_of = parse_param_groups(
+                param_groups, list(model.named_parameters()))
         # ZeRO-R: what forward saves (activations.py)
         self.activations = activations.SavedTensorMeter(self._param_tensors)
         events.subscribe_weakly(self._count)                       # [Note: counted peaks]
@@ -197,6 +204,19 @@ class Engine:
             for t in list(self.module.parameters()) + list(self.module.buffers()):
                 if construct.partition_of(t) is None:
                     comm.broadcast(t.data, src=0, tag="rank 0's initial values")
+
+    def _grouping(self) -> Grouping | None:
+        """The parameter groups as this rank's optimizer sees them: for each bucket, the runs of
+        its elements that this rank steps (its partition, or the whole bucket unsharded), cut where
+        the group changes. None without groups."""
+        if self.param_groups is None:
+            return None
+        runs = []
+        for b in self.layout.buckets:
+            start = self.layout.rank * b.shard_numel if self.sharded else 0
+            size = b.shard_numel if self.sharded else b.padded_numel
+            runs.append(group_runs(b, start, start + size, self._group_of))
+        return Grouping(self.param_groups, runs)
 
     # --- forward ----------------------------------------------------------------------------------
     def __call__(self, *inputs, **kwargs):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import warnings
 
@@ -125,10 +126,11 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     """(engine, optimizer, training_dataloader, lr_scheduler), as deepspeed.initialize returns them.
 
     config (or config_params, or args.deepspeed_config): a DeepSpeed JSON path or dict.
-    optimizer: None (the config's optimizer section), a torch.optim.Optimizer (its class and
-        settings, one parameter group) or a factory params -> Optimizer. model_parameters: the
-        model's trainable parameters (minizero steps every parameter with requires_grad; anything
-        else is an error).
+    optimizer: None (the config's optimizer section), a torch.optim.Optimizer (its class, and its
+        parameter groups with their settings) or a factory params -> Optimizer. model_parameters:
+        None (every trainable parameter), parameters (frozen ones among them are not trained, as
+        in DeepSpeed) or torch's group dicts [{"params": [...], "weight_decay": 0.0}, ...]
+        ([Note: parameter groups] in optim.py); trainable parameters in none are not trained.
     lr_scheduler: None (the config's scheduler section) or a factory optimizer -> scheduler.
     training_data: a torch Dataset: each rank gets a DataLoader of its share (DistributedSampler) in
         micro-batches. The process group is joined from torchrun's environment unless it exists
@@ -149,8 +151,8 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     if comm.rank() == 0:
         for note in notes:
             warnings.warn(note, stacklevel=2)
-    _check_parameters(model, model_parameters)
-    factory = _optimizer_factory(optimizer, settings)
+    factory, groups = _optimizer_factory(optimizer, settings,
+                                         _check_parameters(model, model_parameters))
     stage = settings.get("stage", 0)                       # DeepSpeed's default: no ZeRO
     options = {name: settings[name] for name in ENGINE_OPTIONS if name in settings}
     for name in SIZE_OPTIONS:
@@ -161,7 +163,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
                 del options[name]
     engine = wrap(model, stage, factory, offload=settings.get("offload", False),
                   activation_checkpointing=settings.get("activation_checkpointing", False),
-                  **options)
+                  param_groups=groups, **options)
     schedule = _scheduler(engine.optimizer.optimizer, lr_scheduler, settings.get("scheduler"))
     accumulation = settings.get("grad_accum", 1)
     micro = None
@@ -172,40 +174,50 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     return outer, outer.optimizer, loader, schedule
 
 
-def _check_parameters(model: nn.Module, model_parameters) -> None:
+def _check_parameters(model: nn.Module, model_parameters) -> list[dict] | None:
+    """model_parameters as wrap's param_groups: None when they are every trainable parameter (one
+    group, the factory's settings), else torch's group dicts (wrap checks them against the
+    model). Frozen parameters given are not trained, as DeepSpeed's ZeRO filters them out."""
     if model_parameters is None:
-        return
+        return None
+    if isinstance(model_parameters, (torch.Tensor, dict)):
+        model_parameters = [model_parameters]
     given = list(model_parameters)
-    if any(isinstance(p, dict) for p in given):
-        raise TypeError("model_parameters: parameter groups are not supported (minizero's "
-                        "optimizer steps one partition per bucket with one set of settings)")
-    if {id(p) for p in given} != {id(p) for p in model.parameters() if p.requires_grad}:
-        raise ValueError("model_parameters must be the model's trainable parameters: minizero "
-                         "steps every parameter with requires_grad=True (False freezes one)")
+    if all(isinstance(g, dict) for g in given) and given:
+        return given
+    if not all(isinstance(p, torch.Tensor) for p in given):
+        raise TypeError("model_parameters must be parameters or parameter-group dicts "
+                        "{'params': [...], ...}, not a mix")
+    if {id(p) for p in given if p.requires_grad} == {
+            id(p) for p in model.parameters() if p.requires_grad}:
+        return None
+    return [{"params": given}]
 
 
-def _optimizer_factory(optimizer, settings: dict):
-    """params -> torch optimizer: from the object or factory given, else from the config's
-    section."""
+def _optimizer_factory(optimizer, settings: dict, groups: list[dict] | None):
+    """(params -> torch optimizer, parameter groups for wrap): from the object or factory given,
+    else from the config's section. An optimizer object gives its class, its defaults and its own
+    groups (settings and parameters; model_parameters then only chose what it was built over, as
+    in DeepSpeed)."""
     if optimizer is not None and "optimizer" in settings:
         raise ConfigError("the config has an optimizer section and optimizer= was passed too: "
                           "choose one")
     if isinstance(optimizer, torch.optim.Optimizer):
-        if len(optimizer.param_groups) != 1:
-            raise TypeError("optimizer: parameter groups are not supported; pass one group or a "
-                            "factory")
-        group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
-        return functools.partial(type(optimizer), **group)
+        own = [dict(g) for g in optimizer.param_groups]         # params and every setting
+        # its defaults that its constructor takes (AdamW's decoupled_weight_decay it sets itself)
+        accepted = inspect.signature(type(optimizer)).parameters
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        return functools.partial(type(optimizer), **defaults), own
     if optimizer is not None:
         if not callable(optimizer):
             raise TypeError("optimizer must be a torch.optim.Optimizer or a factory params -> "
                             f"Optimizer, got {type(optimizer).__name__}")
-        return optimizer
+        return optimizer, groups
     if "optimizer" not in settings:
         raise ConfigError("no optimizer: give the config an optimizer section or pass optimizer=")
     lr = {"lr": settings["lr"]} if "lr" in settings else {}
     params = settings.get("optimizer_params", {})
-    return functools.partial(OPTIMIZERS[settings["optimizer"]], **lr, **params)
+    return functools.partial(OPTIMIZERS[settings["optimizer"]], **lr, **params), groups
 
 
 def _scheduler(optimizer: torch.optim.Optimizer, given, spec: dict | None):

@@ -25,17 +25,18 @@ import torch
 from torch import nn
 
 from minizero import comm
-from minizero.optim import OptimizerFactory, ShardOptimizer
+from minizero.optim import Grouping, OptimizerFactory, ShardOptimizer
 
 
 class HostShardOptimizer(ShardOptimizer):
     """A ShardOptimizer whose fp32 masters, gradients and state are host tensors."""
 
-    def __init__(self, param_parts: list[torch.Tensor], optimizer_factory: OptimizerFactory):
+    def __init__(self, param_parts: list[torch.Tensor], optimizer_factory: OptimizerFactory,
+                 grouping: Grouping | None = None):
         self.pin = comm.device().type == "cuda"     # pinned memory makes device<->host copies async
         self.host_grads = [torch.zeros(p.numel(), dtype=torch.float32, pin_memory=self.pin)
                            for p in param_parts]     # [Ψ_b / N] fp32 each
-        super().__init__(param_parts, optimizer_factory)
+        super().__init__(param_parts, optimizer_factory, grouping)
 
     def _make_master(self, part: torch.Tensor) -> nn.Parameter:
         # Always a separate host copy, also in fp32: the device parameters are not the master

@@ -28,16 +28,39 @@ group and pays the same price. The views are
 invisible from outside: master.grad is what the optimizer steps (a step pre-hook hands each view its
 part), state_dict() speaks in buckets, and the state's bytes are the same KΨ/N (plus Adam's 4-byte
 step counter per view).
+
+[Note: parameter groups] torch's param_groups (Hugging Face's "no weight decay on biases and
+norms", a lower lr for the embeddings) give parameters their own lr, weight_decay, betas, eps, any
+key. DeepSpeed keeps one flat fp32 buffer per group, partitioned over the ranks. minizero keeps its
+flat layout as it is (a bucket, a stage-3 unit, mixes groups: a block's weights and its LayerNorm),
+and the groups live where the hyperparameters are used, here: each master is cut into *runs* where
+the group changes (group_runs: from the bucket's parameter offsets and this rank's range of it),
+each run into cache-sized views, and the torch optimizer gets one param_group per user group, in the
+user's order, holding the views of that group (on every rank, empty where this rank owns none of
+it): so a scheduler and get_lr see one entry per user group, with the user's settings. Adam is
+elementwise, so a view stepped with its group's settings is exactly its parameters stepped by one
+process with theirs. Padding and trainable parameters that are in no group are in no view the
+optimizer steps: as in DeepSpeed, which builds its optimizer over the groups only, they are not
+trained (their gradients are still reduced; the engine says so in one warning line). Without groups
+(param_groups=None) every element is in the one group and the factory gets a plain list: views,
+state and results exactly as before.
 """
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
 
-OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+from minizero import comm
+
+# params -> optimizer; params a list of tensors, or (with parameter groups) of torch's group dicts
+OptimizerFactory = Callable[[list], torch.optim.Optimizer]
+# A run of a master's elements: (start, stop, index of its parameter group, or None: not stepped)
+Run = tuple[int, int, "int | None"]
 
 # About how many elements of a master the optimizer steps at once [Note: cache-sized views]: 1 MiB
 # of fp32.
@@ -48,39 +71,119 @@ VIEW_NUMEL = 1 << 18
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+@dataclass
+class Grouping:
+    """The user's parameter groups as one rank's optimizer sees them [Note: parameter groups]."""
+    settings: list[dict]       # each group's hyperparameters (no "params"), in the user's order
+    runs: list[list[Run]]      # for each part: its elements cut where the group changes
+
+
+def parse_param_groups(param_groups, named: list[tuple[str, nn.Parameter]]):
+    """torch-style groups [{"params": [...], "lr": ...}, ...] over the model's parameters `named`
+    -> (settings per group, {id(param): group index}). Frozen parameters in a group are never
+    stepped (nothing to do); trainable ones in no group are not trained: one warning line (rank 0).
+    Bad groups: one-line TypeError / ValueError."""
+    if isinstance(param_groups, dict) or not isinstance(param_groups, (list, tuple)):
+        raise TypeError("param_groups must be a list of dicts {'params': [...], 'lr': ...}, got "
+                        f"{type(param_groups).__name__}")
+    if not param_groups:
+        raise ValueError("param_groups is empty: give at least one group, or None for one group "
+                         "of every trainable parameter")
+    name_of = {id(p): name for name, p in named}
+    settings, group_of = [], {}
+    for i, group in enumerate(param_groups):
+        if not isinstance(group, dict) or "params" not in group:
+            raise TypeError(f"param_groups[{i}] must be a dict with 'params', got "
+                            f"{type(group).__name__}")
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for p in params:
+            if id(p) not in name_of:
+                raise ValueError(f"param_groups[{i}] holds a tensor that is not a parameter of "
+                                 "the model")
+            if id(p) in group_of:
+                raise ValueError(f"{name_of[id(p)]} is in parameter groups {group_of[id(p)]} and "
+                                 f"{i}: a parameter belongs to one group")
+            group_of[id(p)] = i
+        settings.append({k: v for k, v in group.items() if k != "params"})
+    left_out = [name for name, p in named if p.requires_grad and id(p) not in group_of]
+    if left_out and comm.rank() == 0:
+        warnings.warn(f"{len(left_out)} trainable parameters ({left_out[0]}, ...) are in no "
+                      "parameter group: they are not trained, as in DeepSpeed (set requires_grad="
+                      "False to save their gradients too)", stacklevel=3)
+    return settings, group_of
+
+
+def group_runs(bucket, start: int, stop: int, group_of: dict[int, int]) -> list[Run]:
+    """Elements [start, stop) of a bucket (flat.Bucket: this rank's range of it), cut where the
+    parameter group changes; positions relative to start. Padding and parameters in no group:
+    None."""
+    runs: list[Run] = []
+    edges = [(off, off + p.numel(), group_of.get(id(p)))
+             for p, off in zip(bucket.params, bucket.offsets)]
+    edges.append((bucket.numel, bucket.padded_numel, None))                  # the padding
+    for lo, hi, group in edges:
+        lo, hi = max(lo, start) - start, min(hi, stop) - start
+        if lo >= hi:
+            continue
+        if runs and runs[-1][2] == group:
+            runs[-1] = (runs[-1][0], hi, group)                 # the same group goes on: one run
+        else:
+            runs.append((lo, hi, group))
+    return runs
+
+
 class ShardOptimizer:
     """Steps `param_parts` (views into the model's parameter storage) with the user's optimizer.
 
     param_parts: one 1-D tensor per bucket, e.g. this rank's partition of each bucket's flat
     parameters. The optimizer steps one nn.Parameter per part (the master), never the model's own
     parameters: set master.grad and call self.optimizer.step(). It sees each master as equal views
-    of about VIEW_NUMEL elements (`views[i]`: the views of masters[i]) [Note: cache-sized views].
+    of about VIEW_NUMEL elements (`views[i]`: the views of masters[i]) [Note: cache-sized views],
+    cut where grouping's runs change group, one torch param_group per user group [Note: parameter
+    groups].
     """
 
-    def __init__(self, param_parts: list[torch.Tensor], optimizer_factory: OptimizerFactory):
+    def __init__(self, param_parts: list[torch.Tensor], optimizer_factory: OptimizerFactory,
+                 grouping: Grouping | None = None):
         self.param_parts = param_parts
         self.masters = [self._make_master(p) for p in param_parts]
-        self.views = [
-            [
-                nn.Parameter(v)
-                for v in m.detach().tensor_split(max(1, round(m.numel() / VIEW_NUMEL)))
-            ]
-            for m in self.masters
-        ]  # no copy: they share the masters' storage
-        # optimizer index
-        self._first_view = [sum(map(len, self.views[:b])) for b in range(len(self.views))]
-        self.optimizer = optimizer_factory([v for views in self.views for v in views])
+        runs = [[(0, m.numel(), 0)] for m in self.masters] if grouping is None else grouping.runs
+        self.views: list[list[nn.Parameter]] = []      # no copy: they share the masters' storage
+        self.view_groups: list[list[int | None]] = []  # each view's group (None: not stepped)
+        for master, master_runs in zip(self.masters, runs):
+            views, groups = [], []
+            for start, stop, group in master_runs:
+                pieces = master.detach()[start:stop].tensor_split(
+                    max(1, round((stop - start) / VIEW_NUMEL)))
+                views += [nn.Parameter(v) for v in pieces]
+                groups += [group] * len(pieces)
+            self.views.append(views)
+            self.view_groups.append(groups)
+        self._sizes = [[v.numel() for v in views] for views in self.views]
+        if grouping is None:
+            self.optimizer = optimizer_factory([v for views in self.views for v in views])
+        else:
+            self.optimizer = optimizer_factory([
+                {**settings, "params": [v for views, groups in zip(self.views, self.view_groups)
+                                        for v, g in zip(views, groups) if g == i]}
+                for i, settings in enumerate(grouping.settings)])
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError(f"the optimizer factory must return a torch.optim.Optimizer, got "
                             f"{type(self.optimizer).__name__}")
+        # each stepped view's index in the torch optimizer's state_dict (its groups' order)
+        stepped = [p for group in self.optimizer.param_groups for p in group["params"]]
+        self._index = {id(p): i for i, p in enumerate(stepped)}
         self.optimizer.register_step_pre_hook(lambda *_: self._grads_to_views())
+
+    def _state(self, view: nn.Parameter) -> dict:
+        """The optimizer's state of a view; a throwaway dict for a view it does not step."""
+        return self.optimizer.state[view] if id(view) in self._index else {}
 
     def _grads_to_views(self) -> None:
         """Each view's gradient is its slice of master.grad (None when the master has none)."""
-        for master, views in zip(self.masters, self.views):
-            grads = (
-                [None] * len(views) if master.grad is None else master.grad.tensor_split(len(views))
-            )
+        for master, views, sizes in zip(self.masters, self.views, self._sizes):
+            grads = [None] * len(views) if master.grad is None else master.grad.split(sizes)
             for v, g in zip(views, grads):
                 v.grad = g
 
@@ -119,45 +222,51 @@ class ShardOptimizer:
     def state_dict(self) -> dict:
         """The torch optimizer's state_dict with one entry per bucket (the views joined back): what
         a checkpoint saves. A state with one value per element is concatenated over a master's
-        views; any other (Adam's step, the same for every view) is the first view's."""
+        views (zeros where a view is not stepped: padding, parameters in no group); any other
+        (Adam's step, the same for every view) is the first stepped view's. param_groups: the
+        torch optimizer's, one per user group, "params" the buckets with views in it."""
         saved, state = self.optimizer.state_dict(), {}
-        for b, (first, views) in enumerate(zip(self._first_view, self.views)):
-            parts = [saved["state"].get(first + j, {}) for j in range(len(views))]
-            if parts[0]:
-                state[b] = {
-                    name: torch.cat([s[name] for s in parts])
-                    if _per_element(value, views[0])
-                    else value
-                    for name, value in parts[0].items()
-                }
-        groups = [
-            {**g, "params": [b for b, first in enumerate(self._first_view) if first in g["params"]]}
-            for g in saved["param_groups"]
-        ]
+        for b, views in enumerate(self.views):
+            parts = [saved["state"].get(self._index.get(id(v)), {}) for v in views]
+            first = next((j for j, s in enumerate(parts) if s), None)
+            if first is None:
+                continue
+            state[b] = {
+                name: torch.cat([s[name] if s else torch.zeros(v.shape, dtype=value.dtype)
+                                 for s, v in zip(parts, views)])
+                if _per_element(value, views[first])
+                else value
+                for name, value in parts[first].items()
+            }
+        bucket_of = {self._index[id(v)]: b for b, views in enumerate(self.views)
+                     for v in views if id(v) in self._index}
+        groups = [{**g, "params": sorted({bucket_of[i] for i in g["params"]})}
+                  for g in saved["param_groups"]]
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """The inverse of state_dict(): cut each bucket's per-element state into its views."""
+        """The inverse of state_dict(): cut each bucket's per-element state into its views. The
+        groups' settings are the saved ones, in order; which views each steps is this
+        optimizer's own (a resharded checkpoint cuts them elsewhere)."""
+        current = self.optimizer.state_dict()["param_groups"]
+        if len(state_dict["param_groups"]) != len(current):
+            raise ValueError(f"the optimizer state has {len(state_dict['param_groups'])} "
+                             f"parameter groups, this optimizer {len(current)}")
         state = {}
         for b, bucket_state in state_dict["state"].items():
             b = int(b)
-            for j in range(len(self.views[b])):
-                state[self._first_view[b] + j] = {
-                    name: value.tensor_split(len(self.views[b]))[j].clone()
+            for j, view in enumerate(self.views[b]):
+                if id(view) not in self._index:
+                    continue                                   # not stepped: no state
+                state[self._index[id(view)]] = {
+                    name: value.split(self._sizes[b])[j].clone()
                     if _per_element(value, self.masters[b])
                     # each view counts its own step
                     else (value.clone() if torch.is_tensor(value) else value)
                     for name, value in bucket_state.items()
                 }
-        groups = [
-            {
-                **g,
-                "params": [
-                    self._first_view[b] + j for b in g["params"] for j in range(len(self.views[b]))
-                ],
-            }
-            for g in state_dict["param_groups"]
-        ]
+        groups = [{**saved, "params": now["params"]}
+                  for saved, now in zip(state_dict["param_groups"], current)]
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
 
     def state_tensors(self) -> list[torch.Tensor]:

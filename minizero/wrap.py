@@ -49,11 +49,16 @@ def check(
 
 def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
          activation_checkpointing: bool | str = False, offload_path: str | None = None,
-         **options) -> Engine:
+         param_groups: list[dict] | None = None, **options) -> Engine:
     """Wrap `model` for ZeRO `stage` (0 = DDP).
 
     optimizer: a factory params -> torch.optim.Optimizer (it is handed the parameters this
     rank steps).
+    param_groups: None (one group: every trainable parameter) or torch's groups over the model's
+               parameters, [{"params": [...], "weight_decay": 0.0}, ...]: each group's settings
+               override the factory's; the factory is then handed one group dict per user group
+               ([Note: parameter groups] in optim.py). Trainable parameters in no group are not
+               trained (DeepSpeed's rule; one warning line).
     offload:   stages 1-3: True/"optimizer" keeps optimizer state on the host; stage 3 also
                "params"; "disk": in a file in the folder offload_path (ZeRO-Infinity, disk.py).
     activation_checkpointing: True recomputes each unit's forward in backward, "cpu" also keeps the
@@ -121,7 +126,8 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
     # before stage 3 frees the parameters
     units = list(options.get("units") or default_units(model))
     # (a transformer's blocks: what is checkpointed, and what memory_timeline's events name)
-    built = engine(model, optimizer, offload=offload, offload_path=offload_path, **options)
+    built = engine(model, optimizer, offload=offload, offload_path=offload_path,
+                   param_groups=param_groups, **options)
     if activation_checkpointing:
         activations.checkpoint(units, activation_checkpointing, built.activations)
     built.watch(units)

@@ -64,10 +64,12 @@ class Zero1(Engine):
         self.layout.point_params_into(self.flat_params)
 
     def _make_optimizer(self, parts):
+        grouping = self._grouping()              # the parameter groups' runs in my partitions
         if self.offload == "disk":
-            return DiskShardOptimizer(parts, self.optimizer_factory, self.offload_path)
+            return DiskShardOptimizer(parts, self.optimizer_factory, self.offload_path, grouping)
         cls = HostShardOptimizer if self.offload else ShardOptimizer
-        return cls(parts, self.optimizer_factory)    # <- the essential line: it sees Ψ/N parameters
+        # <- the essential line: it sees Ψ/N parameters
+        return cls(parts, self.optimizer_factory, grouping)
 
     def _my_params(self, b) -> torch.Tensor:
         """This rank's partition of bucket b's parameters: [Ψ_b / N], a view into flat_params."""

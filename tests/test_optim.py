@@ -12,12 +12,22 @@ from minizero import optim
 from minizero.lab.model import GPTConfig, make_model
 
 
-def _train(view_numel, monkeypatch, steps=3, load=None, **options):
+def _no_decay_groups(model) -> list[dict]:
+    """Hugging Face's split: weight decay on the matrices, none on biases and LayerNorms (their own
+    lr too)."""
+    plain = [p for n, p in model.named_parameters() if "bias" in n or "ln" in n]
+    return [{"params": [p for p in model.parameters() if all(p is not q for q in plain)]},
+            {"params": plain, "weight_decay": 0.0, "lr": 3e-2}]
+
+
+def _train(view_numel, monkeypatch, steps=3, load=None, grouped=False, **options):
     monkeypatch.setattr(optim, "VIEW_NUMEL", view_numel)
+    model = make_model(GPTConfig.named("tiny"))
     engine = minizero.wrap(
-        make_model(GPTConfig.named("tiny")),
+        model,
         1,
         functools.partial(torch.optim.AdamW, lr=1e-2),
+        param_groups=_no_decay_groups(model) if grouped else None,
         **options,
     )
     if load:
@@ -59,3 +69,22 @@ def test_views_step_bitwise_like_the_whole_master_and_checkpoint_per_bucket(
     reference = _train(1 << 40, monkeypatch, steps=6, **options)
     ref = reference.full_state_dict()
     assert all(torch.equal(ref[k], v) for k, v in again.full_state_dict().items())
+
+
+def test_grouped_views_are_cut_at_group_boundaries_and_step_bitwise_like_whole_runs(
+    monkeypatch, tmp_path
+):
+    """[Note: parameter groups]: with groups, each run of one group is cut into views; small views
+    step exactly as one view per run, and a checkpoint crosses between the two bit-identically."""
+    whole = _train(1 << 40, monkeypatch, grouped=True)
+    viewed = _train(300, monkeypatch, grouped=True)
+    runs = whole.optimizer.view_groups[0]
+    assert len(runs) > 2 and len(viewed.optimizer.views[0]) > len(runs)
+    assert [len(g["params"]) for g in whole.optimizer.optimizer.param_groups] == [
+        runs.count(0), runs.count(1)]                     # one torch group per user group
+    a, b = whole.full_state_dict(), viewed.full_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    viewed.save(tmp_path / "viewed")
+    resumed = _train(1 << 40, monkeypatch, steps=2, load=tmp_path / "viewed", grouped=True)
+    reference = _train(300, monkeypatch, steps=5, grouped=True).full_state_dict()
+    assert all(torch.equal(reference[k], v) for k, v in resumed.full_state_dict().items())
