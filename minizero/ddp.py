@@ -81,7 +81,7 @@ class DDP(Engine):
                 p.grad = view
         # the essential line of DDP: this bucket's average over ranks, while backward goes on
         return comm.all_reduce(self._bucket_grads(b), op="avg", async_op=True,
-                               tag=f"bucket {b.index}")
+                               group=self.shard_group, tag=f"bucket {b.index}")
 
     def _after_backward(self) -> None:
         self.reducer.finish()

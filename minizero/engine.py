@@ -22,6 +22,15 @@ Each stage (ddp.py, zero1.py, zero2.py, zero3.py) subclasses `Engine` and fills 
 and sets `self.layout` (flat.FlatLayout), `self.optimizer` (optim.ShardOptimizer) and
 `self.sharded`.
 
+[Note: the 2-D mesh] wrap(..., tensor_parallel=M) cuts the N ranks into rows of M consecutive
+ranks, each row one tensor-parallel group that splits every block (tensor_parallel.py), and columns
+of N_d = N/M ranks that hold the same split: the data-parallel group. ZeRO is data parallelism, so
+everything below that says "over the N ranks" runs over the column (`data_group`, which becomes the
+shard group): gradients are averaged, partitions cut and gathered among the N_d ranks, and each
+rank's model is its tensor-parallel part. Two things see the rows: the global gradient norm (_clip:
+a split parameter's squares are summed over the row, a replicated one counted once) and the fp16
+overflow check (every rank, as always). Without tensor parallelism both groups are None.
+
 [Note: hierarchical sharding] The paper's ZeRO partitions over all N ranks. shard_group_size=S
 (stages 1-3; FSDP2's HSDP, DeepSpeed's MiCS) partitions within groups of S consecutive ranks
 (`shard_group`, one row of comm.mesh(S)) and replicates across the N/S groups (`replicate_group`,
@@ -53,7 +62,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from minizero import activations, checkpoint, comm, construct, disk, events
+from minizero import activations, checkpoint, comm, construct, disk, events, tensor_parallel
 from minizero.loss_scale import scaler_for
 from minizero.memory import measure
 from minizero.optim import DTYPES, Grouping, group_runs, parse_param_groups
@@ -83,6 +92,7 @@ class Engine:
         hpz_group_size: int | None = None,
         offload_path: str | None = None,
         param_groups: list[dict] | None = None,
+        mesh: tuple[comm.Group, comm.Group] | None = None,
     ):
         self.check(dtype, offload, reduce_dtype, shard_group_size, hpz_group_size,
                    offload_path=offload_path)
@@ -106,10 +116,12 @@ class Engine:
         self.offload_path = offload_path              # offload="disk": its file's folder (disk.py)
         self.clip_grad_norm = clip_grad_norm
         self.rank, self.world_size, self.device = comm.rank(), comm.world_size(), comm.device()
+        # [Note: the 2-D mesh]: this rank's tensor-parallel row and data-parallel column, or None
+        self.tensor_group, self.data_group = (None, None) if mesh is None else mesh
         # [Note: hierarchical sharding]: who this rank shards with (None: all N) and replicates with
         full = shard_group_size in (None, self.world_size)
         self.shard_group, self.replicate_group = (
-            (None, None) if full else comm.mesh(shard_group_size)
+            (self.data_group, None) if full else comm.mesh(shard_group_size)
         )
         # zero3.py: hpZ
         self.hpz_group = None if hpz_group_size is None else comm.row_group(hpz_group_size)
@@ -200,10 +212,12 @@ class Engine:
     def _broadcast_from_rank0(self) -> None:
         """All replicas start from rank 0's weights and buffers, whatever each
         process initialised."""
+        src = 0 if self.data_group is None else self.data_group.ranks[0]   # [Note: the 2-D mesh]
         with torch.no_grad():
             for t in list(self.module.parameters()) + list(self.module.buffers()):
                 if construct.partition_of(t) is None:
-                    comm.broadcast(t.data, src=0, tag="rank 0's initial values")
+                    comm.broadcast(t.data, src=src, group=self.data_group,
+                                   tag="rank 0's initial values")
 
     def _grouping(self) -> Grouping | None:
         """The parameter groups as this rank's optimizer sees them: for each bucket, the runs of
@@ -273,18 +287,37 @@ class Engine:
         partition, so the squares are summed locally and then over ranks; clipping each shard
         by its own norm (a classic mistake) would give every rank a different scale. Same
         formula as torch.nn.utils.clip_grad_norm_."""
-        squares = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in grads:
-            squares += g.float().pow(2).sum()
-        if self.sharded:
-            # squares over all partitions
-            comm.all_reduce(squares, op="sum", group=self.shard_group,
-                            tag="gradient norm")
+        if self.tensor_group is not None:                      # [Note: the 2-D mesh]
+            squares = self._mesh_squares(grads)
+            comm.all_reduce(squares, op="sum", tag="gradient norm")        # over the whole mesh
+        else:
+            squares = torch.zeros((), dtype=torch.float32, device=self.device)
+            for g in grads:
+                squares += g.float().pow(2).sum()
+            if self.sharded:
+                # squares over all partitions
+                comm.all_reduce(squares, op="sum", group=self.shard_group,
+                                tag="gradient norm")
         norm = squares.sqrt()
         scale = (self.clip_grad_norm / (norm + 1e-6)).clamp(max=1.0)
         for g in grads:
             g.mul_(scale.to(g.dtype))
         return norm.item()
+
+    def _mesh_squares(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's share of ‖g‖² on the mesh: its elements of split parameters, and 1/M of
+        those of replicated ones (every rank of the row holds them alike), so that the sum over
+        all N ranks counts each element of the whole model once."""
+        squares = torch.zeros((), dtype=torch.float32, device=self.device)
+        m = self.tensor_group.size
+        for b, g in zip(self.layout.buckets, grads):
+            lo = comm.group_rank(self.shard_group) * g.numel() if self.sharded else 0
+            for p, offset in zip(b.params, b.offsets):
+                start, stop = max(offset, lo), min(offset + p.numel(), lo + g.numel())
+                if start < stop:
+                    part = g[start - lo:stop - lo].float().pow(2).sum()
+                    squares += part if tensor_parallel.is_split(p) else part / m
+        return squares
 
     @property
     def loss_scale(self) -> float:
@@ -329,6 +362,10 @@ class Engine:
         modifier_rank=r, what rank r writes to them is given to every rank when the block ends, and
         to the optimizer's master weights. Collective, between steps. Stages 0-2 hold full
         parameters already; stage 3 gathers."""
+        if modifier_rank is not None and self.tensor_group is not None:
+            raise ValueError("gathered(modifier_rank=...) with tensor parallelism: each row holds "
+                             "other parts of the model, so one rank's writes cannot reach all; "
+                             "not supported yet")
         if modifier_rank is not None and not (isinstance(modifier_rank, int) and
                                               0 <= modifier_rank < self.world_size):
             raise ValueError(f"modifier_rank must be a rank in 0..{self.world_size - 1} or None, "

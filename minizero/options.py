@@ -23,7 +23,8 @@ class Capabilities:
     options: frozenset[str]                # the options it takes beyond COMMON_OPTIONS
 
 
-COMMON_OPTIONS = frozenset({"dtype", "reduce_dtype", "loss_scale", "clip_grad_norm"})
+COMMON_OPTIONS = frozenset({"dtype", "reduce_dtype", "loss_scale", "clip_grad_norm",
+                            "tensor_parallel"})
 _QUANTIZED = frozenset({"quantized_gradients", "quantization_block"})    # ZeRO++ qgZ (quantize.py)
 _HOST = (False, True, "optimizer", "disk")    # the optimizer's state in host memory (offload.py) or
                                               # in a file (disk.py, ZeRO-Infinity's disk tier)

@@ -51,6 +51,18 @@ def check_divides(what: str, size: int, group: comm.Group) -> None:
                          f"divisible by {group.size}")
 
 
+def is_split(p: nn.Parameter) -> bool:
+    """Whether each rank of the group holds another part of `p` (a split weight), not the same
+    values (a replicated one): the global gradient norm counts a replicated parameter once."""
+    return getattr(p, "tensor_parallel_split", False)
+
+
+def _split_parameter(tensor: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+    p = nn.Parameter(tensor, requires_grad=requires_grad)
+    p.tensor_parallel_split = True
+    return p
+
+
 def _split(tensor: torch.Tensor, dim: int, group: comm.Group, pieces: int = 1) -> torch.Tensor:
     """This rank's 1/M of `tensor` along `dim`; with pieces > 1 (a fused qkv weight) each of the
     `pieces` equal parts is split on its own, so a rank gets its q, its k and its v."""
@@ -112,10 +124,10 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         check_divides("a column-parallel layer's outputs", linear.out_features // pieces, group)
         self.group = group
-        self.weight = nn.Parameter(_split(linear.weight.data, 0, group, pieces),   # [out/M, in]
-                                   requires_grad=linear.weight.requires_grad)
-        self.bias = None if linear.bias is None else nn.Parameter(
-            _split(linear.bias.data, 0, group, pieces), requires_grad=linear.bias.requires_grad)
+        self.weight = _split_parameter(_split(linear.weight.data, 0, group, pieces),  # [out/M, in]
+                                       linear.weight.requires_grad)
+        self.bias = None if linear.bias is None else _split_parameter(
+            _split(linear.bias.data, 0, group, pieces), linear.bias.requires_grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:        # x: [..., in] -> [..., out/M]
         return F.linear(copy_to_group(x, self.group), self.weight, self.bias)      # <- f
@@ -128,8 +140,8 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         check_divides("a row-parallel layer's inputs", linear.in_features, group)
         self.group = group
-        self.weight = nn.Parameter(_split(linear.weight.data, 1, group),          # [out, in/M]
-                                   requires_grad=linear.weight.requires_grad)
+        self.weight = _split_parameter(_split(linear.weight.data, 1, group),      # [out, in/M]
+                                       linear.weight.requires_grad)
         self.bias = None if linear.bias is None else nn.Parameter(
             linear.bias.data.clone(), requires_grad=linear.bias.requires_grad)   # replicated
 
@@ -148,8 +160,8 @@ class VocabParallelEmbedding(nn.Module):
         check_divides("the vocabulary", vocab, group)
         self.group, per_rank = group, vocab // group.size
         self.start, self.end = group.index * per_rank, (group.index + 1) * per_rank
-        self.weight = nn.Parameter(_split(embedding.weight.data, 0, group),       # [V/M, C]
-                                   requires_grad=embedding.weight.requires_grad)
+        self.weight = _split_parameter(_split(embedding.weight.data, 0, group),   # [V/M, C]
+                                       embedding.weight.requires_grad)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:      # ids: [B, T] -> [B, T, C]
         elsewhere = (ids < self.start) | (ids >= self.end)

@@ -1,4 +1,6 @@
-"""Tensor parallelism for Hugging Face's GPT-2 and Llama, built from their configs.
+"""Tensor parallelism for the layouts it knows: Hugging Face's GPT-2 and Llama built from their
+configs, and minizero's GPT (tensor_parallel.parallelize_gpt). `wrap(..., tensor_parallel=M)`
+splits a model here.
 
     model = GPT2LMHeadModel(GPT2Config(...))            # or LlamaForCausalLM(LlamaConfig(...))
     group = comm.row_group(M)
@@ -29,13 +31,20 @@ from minizero.tensor_parallel import (
     TiedVocabHead,
     VocabParallelEmbedding,
     check_divides,
+    is_split,
+    parallelize_gpt,
 )
 
 
 def parallelize(model: nn.Module, group: comm.Group) -> nn.Module:
-    """Split a GPT2LMHeadModel or a LlamaForCausalLM (or a model of their layout) over `group`, in
-    place; returns the model, whose logits are this rank's vocabulary slice."""
-    if hasattr(model, "transformer") and hasattr(model.transformer, "h"):
+    """Split a GPT2LMHeadModel, a LlamaForCausalLM or minizero's GPT (or a model of their layout)
+    over `group`, in place; returns the model, whose logits are this rank's vocabulary slice. A
+    model that holds split parameters already (its own parallel layers) is returned as it is."""
+    if any(is_split(p) for p in model.parameters()):
+        return model
+    if hasattr(model, "blocks") and hasattr(model, "tok_emb"):
+        parallelize_gpt(model, group)
+    elif hasattr(model, "transformer") and hasattr(model.transformer, "h"):
         _gpt2(model, group)
     elif hasattr(model, "model") and hasattr(model.model, "layers"):
         _llama(model, group)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from minizero import activations
+from minizero import activations, comm, tensor_parallel_hf
 from minizero.construct import partition_of
 from minizero.ddp import DDP
 from minizero.engine import Engine
@@ -76,7 +76,10 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
                within groups of R ranks, a node; see engine.py and zero3.py); ZeRO++ (quantize.py):
                quantized_weights (stage 3's forward all-gather in int8, qwZ), quantized_gradients
                (stages 2-3: the reduce-scatter, qgZ), quantization_block (elements per fp32 scale,
-               default quantize.BLOCK).
+               default quantize.BLOCK); tensor_parallel=M (every stage: rows of M ranks split the
+               model, Megatron's way, and ZeRO shards along the columns; [Note: the 2-D mesh] in
+               engine.py): the model is split here (tensor_parallel_hf.parallelize) and its output
+               is this rank's vocabulary slice of the logits (tensor_parallel.cross_entropy).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -118,17 +121,39 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
             raise TypeError(
                 "units must be a list of the model's submodules (e.g. list(model.blocks))"
             )
-    if activation_checkpointing not in activations.MODES:
+    mesh = _mesh(model, options.pop("tensor_parallel", 1), options)
+    if activation_checkpointing not in activations.MODES + activations.PARTITIONED:
         raise ValueError(
-            "activation_checkpointing must be False, True "
-            f"or 'cpu', got {activation_checkpointing!r}"
+            "activation_checkpointing must be False, True, 'cpu', 'partitioned' or "
+            f"'partitioned+cpu', got {activation_checkpointing!r}"
         )
     # before stage 3 frees the parameters
     units = list(options.get("units") or default_units(model))
     # (a transformer's blocks: what is checkpointed, and what memory_timeline's events name)
     built = engine(model, optimizer, offload=offload, offload_path=offload_path,
-                   param_groups=param_groups, **options)
+                   param_groups=param_groups, mesh=mesh, **options)
     if activation_checkpointing:
-        activations.checkpoint(units, activation_checkpointing, built.activations)
+        activations.checkpoint(units, activation_checkpointing, built.activations,
+                               None if mesh is None else mesh[0])
     built.watch(units)
     return built
+
+
+def _mesh(model: nn.Module, m, options: dict) -> tuple[comm.Group, comm.Group] | None:
+    """tensor_parallel=M: the 2-D mesh's groups (this rank's row, its column), the model split over
+    the row in place; None for M = 1. [Note: the 2-D mesh] in engine.py."""
+    check_positive_int("tensor_parallel", m, "number of ranks")
+    if m == 1:
+        return None
+    if comm.world_size() % m:
+        raise ValueError(f"tensor_parallel={m} must divide the world size {comm.world_size()}")
+    clashing = sorted({"shard_group_size", "hpz_group_size"} & set(options))
+    if clashing:
+        raise ValueError(f"tensor_parallel with {', '.join(clashing)}: not supported yet (both "
+                         "cut the ranks into rows)")
+    if any(partition_of(p) is not None for p in model.parameters()):
+        raise ValueError("tensor_parallel: the model was built under minizero.sharded_init; build "
+                         "it normally, tensor parallelism splits it first")
+    mesh = comm.mesh(m)
+    tensor_parallel_hf.parallelize(model, mesh[0])
+    return mesh

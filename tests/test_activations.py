@@ -52,7 +52,8 @@ def test_measured_activations_match_the_estimate(overrides, rows, mode):
 
 def test_an_unknown_checkpointing_mode_is_refused_before_anything_is_built():
     with pytest.raises(
-        ValueError, match="activation_checkpointing must be False, True or 'cpu', got 'gpu'"
+        ValueError, match="activation_checkpointing must be False, True, 'cpu', 'partitioned' or "
+                          "'partitioned\\+cpu', got 'gpu'"
     ):
         minizero.wrap(
             nn.Linear(4, 4),

@@ -1,0 +1,121 @@
+"""ZeRO on a 2-D mesh ([Note: the 2-D mesh] in minizero/engine.py): wrap(..., tensor_parallel=M)
+splits the GPT over rows of M ranks and shards it with ZeRO along the columns of N_d = N/M. Every
+stage at (N_m, N_d) = (2, 1), (2, 2), (1, 4) and (4, 1) against one process training the whole GPT
+on the global batch."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import types
+
+import pytest
+import torch
+
+import minizero
+from minizero import comm, tensor_parallel
+from minizero.lab.data import global_batch, local_batch
+from minizero.lab.model import GPTConfig, make_model
+from minizero.lab.train import IGNORE, loss_fn
+from minizero.memory import estimate_breakdown, within_padding
+
+STEPS, ROWS, LR, CLIP = 3, 8, 0.5, 0.05
+STAGES = (0, 1, 2, 3)
+
+
+def _train(stage: int, m: int, clip: float | None = None) -> dict:
+    """This rank's part of the GPT after STEPS SGD steps on the mesh, and its model-state bytes."""
+    model = make_model(GPTConfig(), seed=0)
+    options = {} if clip is None else {"clip_grad_norm": clip}
+    engine = minizero.wrap(model, stage, functools.partial(torch.optim.SGD, lr=LR),
+                           tensor_parallel=m, **options)
+    row, n_d = comm.rank() // m, comm.world_size() // m          # this rank's data-parallel index
+    for step in range(STEPS):
+        x, y = local_batch(*global_batch(step, ROWS, model.cfg.block_size), row, n_d)
+        logits = engine(x)
+        loss = (loss_fn(logits, y) if m == 1 else
+                tensor_parallel.cross_entropy(logits, y, engine.tensor_group, IGNORE))
+        engine.backward(loss)
+        engine.step()
+    psi = sum(p.numel() for p in model.parameters())             # this rank's part: Ψ_rank
+    return {"state": engine.full_state_dict(), "memory": engine.memory(), "psi": psi,
+            "norm": engine.last_grad_norm}
+
+
+def _every_stage(meshes: tuple[int, ...]) -> dict:
+    runs = {(m, stage): _train(stage, m) for m in meshes for stage in STAGES}
+    if comm.world_size() == 4:
+        runs[(2, "clip")] = _train(2, 2, clip=CLIP)              # the norm over rows and columns
+    return runs
+
+
+def _whole(clip: float | None = None) -> tuple[torch.nn.Module, float | None]:
+    """One process, the whole GPT, the global batch: where every mesh must end."""
+    model = make_model(GPTConfig(), seed=0)
+    optimizer, norm = torch.optim.SGD(model.parameters(), lr=LR), None
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss_fn(model(global_batch(step, ROWS, model.cfg.block_size)[0]),
+                global_batch(step, ROWS, model.cfg.block_size)[1]).backward()
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()
+        optimizer.step()
+    return model, norm
+
+
+def _expected(whole: torch.nn.Module, m: int, index: int) -> dict:
+    """The whole model split as rank `index` of a row of m holds it."""
+    if m == 1:
+        return whole.state_dict()
+    row = types.SimpleNamespace(size=m, index=index)           # splitting needs no collective
+    return tensor_parallel.parallelize_gpt(copy.deepcopy(whole), row).state_dict()
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {2: minizero.launch(_every_stage, 2, (2,)),
+            4: minizero.launch(_every_stage, 4, (2, 1, 4))}
+
+
+@pytest.mark.parametrize("n, m", [(2, 2), (4, 2), (4, 1), (4, 4)])
+def test_every_stage_on_the_mesh_trains_like_one_process(runs, n, m):
+    whole, _ = _whole()
+    for rank, result in enumerate(runs[n]):
+        want = _expected(whole, m, rank % m)
+        for stage in STAGES:
+            got = result[(m, stage)]["state"]
+            for name, value in got.items():
+                diff = (value.float() - want[name].float()).abs().max().item()
+                assert diff < 1e-5, f"(N_m, N_d) = ({m}, {n // m}), stage {stage}, rank {rank}: " \
+                                    f"{name} off by {diff:.2e}"
+
+
+@pytest.mark.parametrize("n, m", [(2, 2), (4, 2), (4, 4)])
+def test_memory_per_rank_is_the_formula_with_m(runs, n, m):
+    """Each rank's model is Ψ_rank (Ψ/M of the split weights, all of the replicated ones), sharded
+    over the N_d ranks of its column: estimate_breakdown(Ψ_rank, N_d) (fp32, SGD: K = 0)."""
+    for rank, result in enumerate(runs[n]):
+        for stage in STAGES:
+            r = result[(m, stage)]
+            formula = estimate_breakdown(r["psi"], n // m, stage, param_bytes=4, grad_bytes=4, k=0)
+            for category in ("params", "grads", "optimizer"):
+                assert within_padding(r["memory"][category], formula[category], n // m), (
+                    rank, stage, category, r["memory"][category], formula[category])
+
+
+def test_clipping_takes_the_norm_of_the_whole_model(runs):
+    """A split parameter's squares summed over the row, a replicated one counted once: the norm of
+    the whole model's gradient, as torch's clip_grad_norm_ computes it on one process."""
+    whole, norm = _whole(clip=CLIP)
+    for rank, result in enumerate(runs[4]):
+        r = result[(2, "clip")]
+        assert r["norm"] == pytest.approx(norm, rel=1e-5), rank
+        want = _expected(whole, 2, rank % 2)
+        for name, value in r["state"].items():
+            assert torch.allclose(value.float(), want[name].float(), atol=1e-5), (rank, name)
+
+
+def test_a_world_size_the_mesh_does_not_fit_is_one_line():
+    with pytest.raises(ValueError, match="tensor_parallel=3 must divide the world size 1"):
+        minizero.wrap(make_model(GPTConfig()), 0, functools.partial(torch.optim.SGD, lr=0.1),
+                      tensor_parallel=3)
