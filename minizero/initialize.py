@@ -22,8 +22,10 @@ gradient_accumulation_steps), and only the K-th step() is an optimizer step
 (is_gradient_accumulation_boundary()). In between, stages 0-1 accumulate locally (no_sync(): their
 gradients are whole on every rank anyway) and stages 2-3 reduce-scatter every micro-batch into the
 gradient shard (Ψ/N of gradient memory, DeepSpeed's way). The optimizer is built by minizero over
-this rank's partition: an optimizer object passed in gives its class and settings, never its
-parameters (it was built over the whole model).
+this rank's partition: an optimizer object passed in gives its class, settings and parameter groups
+(which parameters each holds), never its tensors (it was built over the whole model). Parameter
+groups (model_parameters as dicts, or the object's) keep their own lr, weight_decay, betas...:
+optim.py [Note: parameter groups].
 """
 
 from __future__ import annotations

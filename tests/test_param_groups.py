@@ -292,5 +292,6 @@ def test_initialize_ends_where_deepspeed_ends_with_the_same_groups():
                                timeout=300)
     for rank in per_rank:
         for name, case in zip(DS_CASES, rank):
-            assert case["max_param_diff"] <= 1e-5, (name, case["max_param_diff"])
+            # bitwise (measured): the same AdamW on the same elements, reduced the same way
+            assert case["max_param_diff"] == 0.0, (name, case["max_param_diff"])
             assert case["lrs"][0] == case["lrs"][1] == [LR, 3e-2, 5e-3], name
