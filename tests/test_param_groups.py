@@ -268,8 +268,9 @@ DS_CASES = {"stage 1": (1, False), "stage 2": (2, False), "stage 3": (3, False),
 
 
 def both_libraries(cases: list[tuple[int, bool]]) -> list[dict]:
-    """Worker: minizero.initialize, then deepspeed.initialize, with the same group dicts and
-    optimizer factory; the largest parameter difference and both learning rates per case."""
+    """Worker: minizero.initialize, then deepspeed.initialize, with the same group dicts (and an
+    empty one, which DeepSpeed drops) and optimizer factory; the largest parameter difference and
+    both learning rates per case."""
     deepspeed = deepspeed_peer.join()
     out = []
     for stage, offload in cases:
@@ -282,7 +283,8 @@ def both_libraries(cases: list[tuple[int, bool]]) -> list[dict]:
         for library in (minizero, deepspeed):
             model = build()
             engine, optimizer, *_ = library.initialize(
-                model=model, model_parameters=groups(model), config=config,
+                model=model, model_parameters=groups(model) + [{"params": [], "lr": 1.0}],
+                config=config,
                 optimizer=functools.partial(torch.optim.AdamW, lr=LR))
             train(engine)
             result.append((deepspeed_peer.full_state_dict(engine) if library is deepspeed
