@@ -190,7 +190,7 @@ def group_params(engine) -> list[list[str]] | None:
     if engine.param_groups is None:
         return None
     names = _names(engine.module)
-    return [[names[id(p)] for p in engine.trainable if engine._group_of.get(id(p)) == i]
+    return [[names[id(p)] for p in engine.trainable if engine.group_of.get(id(p)) == i]
             for i in range(len(engine.param_groups))]
 
 

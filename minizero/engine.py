@@ -146,11 +146,11 @@ class Engine:
         self._params = params         # the Parameter objects never change (stages move only p.data)
         self.trainable = [p for p in params if p.requires_grad]
         self.frozen = [p for p in params if not p.requires_grad]   # replicated as-is, never stepped
-        # the optimizer's groups: None (one, every trainable parameter) or (settings, group of each
-        # parameter) [Note: parameter groups] in optim.py
-        self.param_groups = self._group_of = None
+        # the optimizer's groups [Note: parameter groups] in optim.py: param_groups, each group's
+        # settings, and group_of, {id(parameter): its group}; None: one group of every trainable one
+        self.param_groups = self.group_of = None
         if param_groups is not None:
-            self.param_groups, self._group_of = parse_param_groups(
+            self.param_groups, self.group_of = parse_param_groups(
                 param_groups, list(model.named_parameters()))
         # ZeRO-R: what forward saves (activations.py)
         self.activations = activations.SavedTensorMeter(self._param_tensors)
@@ -229,7 +229,7 @@ class Engine:
         for b in self.layout.buckets:
             start = self.layout.rank * b.shard_numel if self.sharded else 0
             size = b.shard_numel if self.sharded else b.padded_numel
-            runs.append(group_runs(b, start, start + size, self._group_of))
+            runs.append(group_runs(b, start, start + size, self.group_of))
         return Grouping(self.param_groups, runs)
 
     # --- forward ----------------------------------------------------------------------------------

@@ -22,8 +22,10 @@ gradient_accumulation_steps), and only the K-th step() is an optimizer step
 (is_gradient_accumulation_boundary()). In between, stages 0-1 accumulate locally (no_sync(): their
 gradients are whole on every rank anyway) and stages 2-3 reduce-scatter every micro-batch into the
 gradient shard (Ψ/N of gradient memory, DeepSpeed's way). The optimizer is built by minizero over
-this rank's partition: an optimizer object passed in gives its class and settings, never its
-parameters (it was built over the whole model).
+this rank's partition: an optimizer object passed in gives its class, settings and parameter groups
+(which parameters each holds), never its tensors (it was built over the whole model). Parameter
+groups (model_parameters as dicts, or the object's) keep their own lr, weight_decay, betas...:
+optim.py [Note: parameter groups].
 """
 
 from __future__ import annotations
@@ -130,7 +132,8 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         parameter groups with their settings) or a factory params -> Optimizer. model_parameters:
         None (every trainable parameter), parameters (frozen ones among them are not trained, as
         in DeepSpeed) or torch's group dicts [{"params": [...], "weight_decay": 0.0}, ...]
-        ([Note: parameter groups] in optim.py); trainable parameters in none are not trained.
+        ([Note: parameter groups] in optim.py); trainable parameters in none are not trained, and
+        groups with no parameters are dropped, as DeepSpeed does both.
     lr_scheduler: None (the config's scheduler section) or a factory optimizer -> scheduler.
     training_data: a torch Dataset: each rank gets a DataLoader of its share (DistributedSampler) in
         micro-batches. The process group is joined from torchrun's environment unless it exists
@@ -184,7 +187,7 @@ def _check_parameters(model: nn.Module, model_parameters) -> list[dict] | None:
         model_parameters = [model_parameters]
     given = list(model_parameters)
     if all(isinstance(g, dict) for g in given) and given:
-        return given
+        return [_listed(g) for g in given]
     if not all(isinstance(p, torch.Tensor) for p in given):
         raise TypeError("model_parameters must be parameters or parameter-group dicts "
                         "{'params': [...], ...}, not a mix")
@@ -203,21 +206,36 @@ def _optimizer_factory(optimizer, settings: dict, groups: list[dict] | None):
         raise ConfigError("the config has an optimizer section and optimizer= was passed too: "
                           "choose one")
     if isinstance(optimizer, torch.optim.Optimizer):
-        own = [dict(g) for g in optimizer.param_groups]         # params and every setting
+        groups = [dict(g) for g in optimizer.param_groups]       # params and every setting
         # its defaults that its constructor takes (AdamW's decoupled_weight_decay it sets itself)
         accepted = inspect.signature(type(optimizer)).parameters
         defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-        return functools.partial(type(optimizer), **defaults), own
-    if optimizer is not None:
+        factory = functools.partial(type(optimizer), **defaults)
+    elif optimizer is not None:
         if not callable(optimizer):
             raise TypeError("optimizer must be a torch.optim.Optimizer or a factory params -> "
                             f"Optimizer, got {type(optimizer).__name__}")
-        return optimizer, groups
-    if "optimizer" not in settings:
+        factory = optimizer
+    elif "optimizer" not in settings:
         raise ConfigError("no optimizer: give the config an optimizer section or pass optimizer=")
-    lr = {"lr": settings["lr"]} if "lr" in settings else {}
-    params = settings.get("optimizer_params", {})
-    return functools.partial(OPTIMIZERS[settings["optimizer"]], **lr, **params), groups
+    else:
+        lr = {"lr": settings["lr"]} if "lr" in settings else {}
+        params = settings.get("optimizer_params", {})
+        factory = functools.partial(OPTIMIZERS[settings["optimizer"]], **lr, **params)
+    if groups is not None:                # DeepSpeed removes the groups with no parameters
+        groups = [g for g in groups
+                  if not (isinstance(g, dict) and isinstance(g.get("params"), list)
+                          and not g["params"])]
+    return factory, groups
+
+
+def _listed(group):
+    """A group dict with its "params" as a list (a generator is read once; one tensor is a group of
+    one); anything else as it is, for wrap to say what is wrong with it."""
+    if not isinstance(group, dict) or "params" not in group:
+        return group
+    params = group["params"]
+    return {**group, "params": [params] if isinstance(params, torch.Tensor) else list(params)}
 
 
 def _scheduler(optimizer: torch.optim.Optimizer, given, spec: dict | None):
