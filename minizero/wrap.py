@@ -21,7 +21,8 @@ from minizero.zero2 import Zero2
 from minizero.zero3 import Zero3
 
 ENGINES = dict(zip(STAGES, (DDP, Zero1, Zero2, Zero3)))
-__all__ = ["check", "check_options", "engine_class", "wrap"]    # which stage takes what: options.py
+# which stage takes what: options.py
+__all__ = ["check", "check_mesh", "check_options", "engine_class", "wrap"]
 
 
 def engine_class(stage: int) -> type[Engine]:
@@ -139,18 +140,24 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
     return built
 
 
+def check_mesh(m, world_size: int, options) -> None:
+    """Raise ValueError (one line) unless tensor_parallel=m makes a mesh of `world_size` ranks with
+    these options (names): the CLI asks before it starts processes, wrap again."""
+    check_positive_int("tensor_parallel", m, "number of ranks")
+    if world_size % m:
+        raise ValueError(f"tensor_parallel={m} must divide the world size {world_size}")
+    clashing = sorted({"shard_group_size", "hpz_group_size"} & set(options))
+    if m > 1 and clashing:
+        raise ValueError(f"tensor_parallel with {', '.join(clashing)}: not supported yet (both "
+                         "cut the ranks into rows)")
+
+
 def _mesh(model: nn.Module, m, options: dict) -> tuple[comm.Group, comm.Group] | None:
     """tensor_parallel=M: the 2-D mesh's groups (this rank's row, its column), the model split over
     the row in place; None for M = 1. [Note: the 2-D mesh] in engine.py."""
-    check_positive_int("tensor_parallel", m, "number of ranks")
+    check_mesh(m, comm.world_size(), options)
     if m == 1:
         return None
-    if comm.world_size() % m:
-        raise ValueError(f"tensor_parallel={m} must divide the world size {comm.world_size()}")
-    clashing = sorted({"shard_group_size", "hpz_group_size"} & set(options))
-    if clashing:
-        raise ValueError(f"tensor_parallel with {', '.join(clashing)}: not supported yet (both "
-                         "cut the ranks into rows)")
     if any(partition_of(p) is not None for p in model.parameters()):
         raise ValueError("tensor_parallel: the model was built under minizero.sharded_init; build "
                          "it normally, tensor parallelism splits it first")

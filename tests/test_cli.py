@@ -94,6 +94,10 @@ def test_run_under_torchrun_uses_its_process_group(tmp_path):
     (["--save", "/proc/minizero-run"], "cannot write in /proc"),
     (["--activation-checkpointing", "gpu"], "invalid choice: 'gpu' (choose from 'cpu')"),
     (["--reduce-dtype", "bf16"], "invalid choice: 'bf16' (choose from 'fp32')"),
+    (["--world-size", "4", "--tensor-parallel", "3"], "tensor_parallel=3 must divide the world "
+                                                      "size 4"),
+    (["--world-size", "4", "--tensor-parallel", "2", "--shard-group-size", "2"],
+     "tensor_parallel with shard_group_size: not supported yet"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
     assert main(args) == 2
@@ -267,3 +271,22 @@ def test_python_m_minizero_lists_and_dispatches_every_command(capsys):
     assert "stage" in capsys.readouterr().out
     for name in COMMANDS:                                      # each front end lives in cli/
         assert callable(importlib.import_module(f"minizero.cli.{name}").main)
+
+
+def test_a_run_on_a_mesh_reports_each_ranks_part_next_to_the_formula_with_m(tmp_path):
+    """--tensor-parallel 2 at N = 4: the GPT split over rows of 2, stage 3 over columns of 2. Every
+    rank's model states and bytes sent equal the theory with M (minizero/memory/mesh.py), and the
+    first loss is the unsplit run's (the same model and data, computed in pieces)."""
+    out = tmp_path / "mesh.json"
+    argv = ["--stage", "3", "--world-size", "4", "--steps", "2", "--quiet"]
+    assert main([*argv, "--tensor-parallel", "2", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["tensor_parallel"] == 2
+    th = data["theory"]
+    for r in data["ranks"]:
+        for category in ("params", "grads", "optimizer"):
+            assert within_padding(r["memory"][category], th[category], 2), (r["rank"], category)
+        assert r["comm_bytes_per_step"]["total"] == pytest.approx(th["comm_bytes_per_step"])
+    assert main([*argv, "--json", str(tmp_path / "plain.json")]) == 0
+    plain = json.loads((tmp_path / "plain.json").read_text())
+    assert data["losses"][0] == pytest.approx(plain["losses"][0], rel=1e-6)

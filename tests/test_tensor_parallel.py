@@ -16,7 +16,7 @@ from minizero import activations, comm, tensor_parallel, tensor_parallel_hf
 from minizero.lab.data import global_batch
 from minizero.lab.model import GPTConfig, make_model
 from minizero.lab.train import IGNORE, loss_fn
-from minizero.memory.mesh import tensor_parallel_bytes
+from minizero.memory.mesh import gpt_tensor_parallel_bytes, tensor_parallel_bytes
 
 
 def _gpt(seed: int = 0):
@@ -154,3 +154,5 @@ def test_what_tensor_parallelism_sends_is_the_formula():
     for mode, recompute in ((False, False), (True, True)):
         blocks = tensor_parallel_bytes(b, s, h, m, layers=layers, recompute=recompute)
         assert modes[mode]["all_reduce"] == blocks + outside + loss, mode
+        assert gpt_tensor_parallel_bytes(b, s, h, m, layers=layers, recompute=recompute) == (
+            blocks + outside + loss)

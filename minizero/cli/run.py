@@ -16,6 +16,7 @@
     python -m minizero.run --stage 3 --world-size 4 --shard-group-size 2
     # ZeRO++ hpZ: nodes of 2 ranks
     python -m minizero.run --stage 3 --world-size 4 --hpz-group-size 2
+    python -m minizero.run --stage 3 --world-size 4 --tensor-parallel 2   # a 2 x 2 mesh
     torchrun --nproc-per-node 4 -m minizero.run --stage 3        # uses torchrun's process group
 
 Ends with a per-rank table: measured parameter / gradient / optimizer / offloaded bytes next to the
@@ -40,7 +41,7 @@ from minizero.lab.train import OPTIMIZERS, TrainConfig, progress_wanted, train_w
 from minizero.launcher import launch
 from minizero.loss_scale import scaler_for
 from minizero.network import network_from_env, parse_network
-from minizero.wrap import check, check_options
+from minizero.wrap import check, check_mesh, check_options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,6 +153,16 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=None,
+        metavar="M",
+        help=(
+            "rows of M consecutive ranks split the GPT (Megatron's tensor parallelism) and the "
+            "stage shards along the columns of N/M: a 2-D mesh (docs/tensor_parallel.md)"
+        ),
+    )
+    p.add_argument(
         "--activation-checkpointing",
         nargs="?",
         const=True,
@@ -250,6 +261,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         "reduce_dtype": args.reduce_dtype,
         "shard_group_size": args.shard_group_size,
         "hpz_group_size": args.hpz_group_size,
+        "tensor_parallel": args.tensor_parallel,
     }
     for name, value in pairs.items():
         if value is not None:
@@ -391,9 +403,14 @@ def validate(cfg: TrainConfig) -> None:
         bad("--bucket-size-mb must be > 0")
     if cfg.grad_accum < 1 or cfg.batch_size < 1:
         bad("--grad-accum and --batch-size must be >= 1")
-    if cfg.batch_size % (cfg.world_size * cfg.grad_accum):
-        bad(f"--batch-size {cfg.batch_size} must be divisible by world size x grad accum = "
-            f"{cfg.world_size} x {cfg.grad_accum}")
+    try:
+        check_mesh(cfg.tensor_parallel, cfg.world_size, cfg.engine_options())
+    except ValueError as e:
+        bad(str(e))
+    n_d = cfg.world_size // cfg.tensor_parallel            # the ranks of a mesh's row share rows
+    if cfg.batch_size % (n_d * cfg.grad_accum):
+        bad(f"--batch-size {cfg.batch_size} must be divisible by data-parallel ranks x grad "
+            f"accum = {n_d} x {cfg.grad_accum}")
     if cfg.backend == "nccl":
         import torch
         if torch.cuda.device_count() < cfg.world_size and "RANK" not in os.environ:

@@ -15,6 +15,7 @@ from minizero.lab.train import TrainConfig, state_bytes
 from minizero.memory import (
     activation_bytes, comm_volume, element_bytes, estimate_breakdown, grad_bytes, optimizer_k,
 )
+from minizero.memory.mesh import gpt_tensor_parallel_bytes
 
 
 def run_k(cfg: TrainConfig) -> int:
@@ -29,12 +30,19 @@ def theory(cfg: TrainConfig, num_params: int, num_frozen: int = 0) -> dict:
     micro-batch of this rank's rows (memory.activation_bytes)."""
     elem, trainable = element_bytes(cfg.dtype), num_params - num_frozen
     grad = grad_bytes(cfg.dtype, cfg.reduce_dtype)              # 4 with reduce_dtype="fp32"
-    b = estimate_breakdown(trainable, cfg.world_size, cfg.stage, param_bytes=elem, grad_bytes=grad,
+    # on a mesh num_params is a rank's part, sharded over its column (minizero/memory/mesh.py)
+    n_d = cfg.world_size // cfg.tensor_parallel
+    b = estimate_breakdown(trainable, n_d, cfg.stage, param_bytes=elem, grad_bytes=grad,
                            k=run_k(cfg), offload=cfg.offload, frozen=num_frozen,
                            shard_group_size=cfg.shard_group_size)
     m = cfg.model_config()
-    rows = cfg.batch_size // (cfg.world_size * cfg.grad_accum)
-    activations = activation_bytes(
+    rows = cfg.batch_size // (n_d * cfg.grad_accum)
+    tensor_parallel = 0.0
+    if cfg.tensor_parallel > 1:
+        tensor_parallel = cfg.grad_accum * gpt_tensor_parallel_bytes(
+            rows, sequence_length(m.block_size), m.n_embd, cfg.tensor_parallel, layers=m.n_layer,
+            bytes_per_elem=elem, recompute=bool(cfg.activation_checkpointing))
+    activations = None if cfg.tensor_parallel > 1 else activation_bytes(     # not with M yet
         m.n_layer,
         m.n_embd,
         m.n_head,
@@ -48,9 +56,9 @@ def theory(cfg: TrainConfig, num_params: int, num_frozen: int = 0) -> dict:
         **b,
         "device_total": b["params"] + b["grads"] + b["optimizer"],
         "activations": activations,
-        "comm_bytes_per_step": comm_volume(
+        "comm_bytes_per_step": tensor_parallel + comm_volume(
             trainable,
-            cfg.world_size,
+            n_d,
             cfg.stage,
             bytes_per_elem=elem,
             grad_bytes=grad,
@@ -84,6 +92,7 @@ def summarize(cfg: TrainConfig, results: list[dict], network=None) -> dict:
         "losses": losses,
         "shard_group_size": cfg.shard_group_size,
         "hpz_group_size": cfg.hpz_group_size,
+        "tensor_parallel": cfg.tensor_parallel,
         "ranks": [
             {
                 "rank": r["rank"],
@@ -113,7 +122,7 @@ def summarize(cfg: TrainConfig, results: list[dict], network=None) -> dict:
 
 
 def format_table(summary: dict) -> str:
-    kb = lambda x: f"{x / 1e3:9.1f}"      # noqa: E731
+    kb = lambda x: f"{'n/a':>9}" if x is None else f"{x / 1e3:9.1f}"      # noqa: E731
     th = summary["theory"]
     off = f", offload={summary['offload']}" if summary["offload"] else ""
     reduce = f", gradients in {summary['reduce_dtype']}" if summary.get("reduce_dtype") else ""
@@ -121,6 +130,9 @@ def format_table(summary: dict) -> str:
         off += f", shard groups of S = {summary['shard_group_size']}"
     if summary.get("hpz_group_size"):
         off += f", hpZ groups of R = {summary['hpz_group_size']}"
+    m = summary.get("tensor_parallel", 1)
+    if m > 1:       # Ψ is then a rank's part of the model
+        off += f", tensor-parallel rows of M = {m} x N_d = {summary['world_size'] // m}"
     lines = [
         f"stage {summary['stage']}, N = {summary['world_size']}, Ψ = {summary['num_params']:,} "
         f"parameters, {summary['dtype']}{reduce}{off}, {summary['backend']} on "

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from minizero import checkpoint, comm
+from minizero import checkpoint, comm, tensor_parallel
 from minizero.config import OPTIMIZERS, build_scheduler
 from minizero.flat import DEFAULT_BUCKET_BYTES
 from minizero.lab.data import IGNORE, global_batch, local_batch
@@ -86,6 +86,7 @@ class TrainConfig:
     sharded_init: bool = False        # stage 3: build the model partitioned (minizero.sharded_init)
     # True: recompute each block in backward; "cpu": inputs on the host
     activation_checkpointing: bool | str = False
+    tensor_parallel: int = 1         # M: rows of M ranks split the GPT; ZeRO over N/M (the mesh)
     # Checkpoints (minizero/checkpoint.py). `steps` counts from step 0 of the data stream, so
     # resuming a run saved after k steps with steps=k+m trains the m steps an uninterrupted run
     # would have.
@@ -132,6 +133,8 @@ class TrainConfig:
         for name in ("shard_group_size", "hpz_group_size"):
             if getattr(self, name) is not None:
                 opts[name] = getattr(self, name)
+        if self.tensor_parallel > 1:
+            opts["tensor_parallel"] = self.tensor_parallel
         return opts
 
 
@@ -164,8 +167,13 @@ def forward_backward(
     last inside no_sync(). Returns the step's loss. (peers.py drives PyTorch's implementations
     through it.) phases, if given, receives the seconds spent in "forward" (model and loss) and
     "backward" (backward(), including the collectives it waits for), summed over micro-batches: the
-    bench's profile."""
-    rank, n, device = comm.rank(), comm.world_size(), comm.device()
+    bench's profile. On a mesh (tensor_parallel=M) the M ranks of a row share their rows of the
+    batch, and the loss is taken from their vocabulary slices of the logits."""
+    m, device = cfg.tensor_parallel, comm.device()
+    rank, n = comm.rank() // m, comm.world_size() // m          # this rank's data-parallel index
+    group = getattr(model, "tensor_group", None)
+    loss_of = (loss_fn if group is None else
+               functools.partial(tensor_parallel.cross_entropy, group=group, ignore_index=IGNORE))
     x, y = global_batch(0 if cfg.fixed_batch else step, cfg.batch_size,
                         cfg.model_config().block_size, seed=cfg.seed)
     step_loss = 0.0
@@ -175,7 +183,7 @@ def forward_backward(
         last = micro == cfg.grad_accum - 1
         with contextlib.nullcontext() if last else no_sync():
             start = clock()
-            loss = loss_fn(model(xm.to(device)), ym.to(device)) / cfg.grad_accum
+            loss = loss_of(model(xm.to(device)), ym.to(device)) / cfg.grad_accum
             middle = clock()
             backward(loss)
             times["forward"] += middle - start

@@ -63,3 +63,15 @@ def tensor_parallel_bytes(batch: int, seq: int, hidden: int, tensor_parallel: in
     per_block = 6 if recompute else 4
     activation = bytes_per_elem * batch * seq * hidden
     return layers * per_block * ring_bytes("all_reduce", activation, tensor_parallel)
+
+
+def gpt_tensor_parallel_bytes(batch: int, seq: int, hidden: int, tensor_parallel: int, *,
+                              layers: int, bytes_per_elem: int = 4,
+                              recompute: bool = False) -> float:
+    """The same for minizero's split GPT (tensor_parallel.parallelize_gpt), one micro-batch: its
+    blocks, the vocab-parallel embedding's g and the tied head's f ([b, s, h] each), and the loss's
+    three all-reduces of b·s fp32 numbers (cross_entropy)."""
+    edges = 2 * ring_bytes("all_reduce", bytes_per_elem * batch * seq * hidden, tensor_parallel)
+    loss = 3 * ring_bytes("all_reduce", 4 * batch * seq, tensor_parallel)
+    return tensor_parallel_bytes(batch, seq, hidden, tensor_parallel, layers=layers,
+                                 bytes_per_elem=bytes_per_elem, recompute=recompute) + edges + loss
