@@ -26,7 +26,7 @@ import sys
 
 import pytest
 
-from minizero.lab import stepthrough
+from minizero.lab import source, stepthrough
 from minizero.lab.reference import tolerance
 from minizero.lab.train import state_bytes
 from minizero.memory import (
@@ -318,10 +318,55 @@ def check_steps(steps: dict, notebook: int) -> None:
             phase["kind"] != "all_reduce_across"
             or phase["ranks"] != steps["phases"][k - 1]["ranks"]
         ), k
+    check_sources(steps)
     if notebook == 5:
         assert cfg["offload"] and any("(host)" in name for name in steps["phases"][-1]["ranks"][0])
     if notebook == 7:
         assert cfg["checkpointing"] and max(max(p["activations"]) for p in steps["phases"]) > 0
+
+
+# what the line a phase names must call, by the phase's kind (the collective's name in the stage's
+# call of it, a free's resize_(0) in the function shown)
+CALLS = {"all_reduce": "all_reduce(", "all_reduce_across": "all_reduce(",
+         "reduce_scatter": "reduce_scatter(", "ready": ("reduce_scatter(", "all_reduce("),
+         "all_gather": "all_gather("}
+
+
+def check_sources(steps: dict) -> None:
+    """Every phase names a line of minizero's implementation (not of lab/, events.py or comm.py's
+    plumbing) and the function the widget shows is the one that ran it: a collective's line calls
+    that collective; a free's function releases the storage (resize_(0)); the step's calls the
+    optimizer."""
+    for k, phase in enumerate(steps["phases"]):
+        where = phase["source"]
+        assert where is not None, f"phase {k} ({phase['label']}) names no line"
+        assert where["file"].startswith("minizero/") and "/lab/" not in where["file"], where
+        assert pathlib.Path(where["file"]).name not in source.PLUMBING, where
+        code = source.Code(where["file"], where["line"])
+        assert code.function == where["function"], (where, code.function)
+        ran = code.lines[where["line"] - code.first]
+        if phase["kind"] in CALLS:
+            calls = CALLS[phase["kind"]]
+            assert any(c in ran for c in ((calls,) if isinstance(calls, str) else calls)), (
+                f"phase {k} ({phase['label']}): {where['file']}:{where['line']} is {ran.strip()!r}")
+        if phase["kind"] == "free":
+            assert any("resize_(0)" in line for line in code.lines), (k, code.function)
+        if phase["kind"] == "step":
+            assert any("optimizer.step(" in line for line in code.lines), (k, code.function)
+
+
+def test_each_phase_names_the_line_that_produced_it():
+    """The recorder walks the stack of each event to minizero's line (no copy of the source): at
+    stage 3 the all-gathers are Unit.gather's, the frees Unit.free's, the reduce-scatters the
+    stage's; the ring's exchanges are ring_all_reduce's two calls, phase 1's then phase 2's."""
+    steps = stepthrough.record(stepthrough.StepConfig(stage=3, world_size=2))
+    check_sources(steps)
+    functions = {p["kind"]: p["source"]["function"] for p in steps["phases"]}
+    assert functions["all_gather"] == "Unit.gather" and functions["free"] == "Unit.free"
+    ring = stepthrough.ring(3)
+    lines = [where["line"] for where in ring["sources"]]
+    assert {w["function"] for w in ring["sources"]} == {"ring_all_reduce"}, ring["sources"]
+    assert lines[:2] == [lines[0]] * 2 and lines[2:] == [lines[2]] * 2 and lines[0] < lines[2]
 
 
 def check_ring(ring: dict) -> None:
