@@ -207,6 +207,8 @@ def unit_timeline(timelines: dict, intervals: dict):
         Patch(color="tab:red", alpha=0.75, label="gathered for backward"),
         Patch(facecolor="white", hatch="//", edgecolor="black", label="started by a prefetch")]
     axes[1].legend(handles=handles, fontsize=7, loc="lower right")
+    fig.suptitle("When each unit exists, on loopback: the steps' lengths are not prefetch's doing "
+                 "(see the text; notebook 08 models a network)", fontsize=9)
     fig.tight_layout()
     return fig
 
@@ -363,7 +365,7 @@ def lora_memory(rows: list[dict]):
     _formula_ticks(mem, xs + 0.2, [r["formula"] / KB for r in rows], 0.4, label="(Ψ + Ψ_f)·4/N")
     mem.set_xticks(xs, [f"N = {n}" for n in ns])
     mem.set(ylabel="parameter bytes per rank (kB)", title="LoRA: the frozen base is sharded too")
-    mem.legend(fontsize=7, loc="upper right")
+    _legend_above_bars(mem)
     build.bar(xs - 0.2, [r["construction_peak"]["normal"] / KB for r in rows], 0.4, color="0.6",
               label="built normally: the whole model")
     build.bar(
@@ -377,9 +379,16 @@ def lora_memory(rows: list[dict]):
     build.set(
         ylabel="parameter bytes held while building (kB)", title="Building the model, per rank"
     )
-    build.legend(fontsize=7, loc="upper right")
+    _legend_above_bars(build)
     fig.tight_layout()
     return fig
+
+
+def _legend_above_bars(ax, room: float = 1.45):
+    """The legend in headroom above the tallest bar (the y range grown by `room`), never over a
+    bar."""
+    ax.set_ylim(0, ax.get_ylim()[1] * room)
+    ax.legend(fontsize=7, loc="upper right")
 
 
 def moved_run(rec: dict):

@@ -168,22 +168,48 @@ def test_every_notebook_has_a_control_and_ends_with_what_to_try():
         assert last.source.startswith(("## What to try", "**What to try**")), path.name
 
 
+# what the stage notebook launches notebooks/ranks.py with, and what it shows of minizero's source
+STAGE_CODE = {"01_ddp": (0, "DDP._all_reduce_bucket"), "02_zero1": (1, "Zero1._grad_parts"),
+              "03_zero2": (2, "Zero2.reduce_scatter_grads"), "04_zero3": (3, "Unit.gather"),
+              "05_offload": (2, "HostShardOptimizer._grads_for_masters")}
+
+
 @pytest.mark.parametrize("name", STAGE_NOTEBOOKS)
 def test_a_stage_notebook_shows_the_mechanism_in_its_cells(name):
-    """A %%writefile cell is the worker the ranks run (wrap, backward, step, memory); another cell
-    launches it; and a cell builds the stage's buffers in this process (minizero.flat or
-    minizero.wrap)."""
+    """The ranks run the one shared worker, notebooks/ranks.py (wrap, backward, step, memory), at the
+    notebook's stage; a cell shows the stage's own lines read from minizero's files
+    (source.show), not a copy; and a cell builds the stage's buffers in this process
+    (minizero.flat or minizero.wrap)."""
     code = [c.source for c in nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4).cells
             if c.cell_type == "code"]
-    workers = [src for src in code if src.startswith("%%writefile")]
-    assert len(workers) == 1, f"{name}: {len(workers)} worker cells"
+    assert not any(src.startswith("%%writefile") for src in code), f"{name}: a worker copy"
+    worker = (NOTEBOOKS / "ranks.py").read_text()
     for call in ("minizero.wrap(", ".backward(", ".step()", ".memory()"):
-        assert call in workers[0], f"{name}: the worker does not call {call}"
-    module = workers[0].split()[1].removesuffix(".py")
-    assert any(f"minizero.launch({module}." in src for src in code), f"{name}: {module} unused"
+        assert call in worker, f"ranks.py does not call {call}"
+    stage, shown = STAGE_CODE[name]
+    assert any(re.search(rf"minizero\.launch\(ranks\.train, N, {stage}\b", src) for src in code), (
+        f"{name}: no launch of ranks.train at stage {stage}")
+    shows = [src for src in code if "source.show(" in src]
+    assert any(shown.split(".")[1] in src for src in shows), f"{name}: {shown} not shown"
     in_process = re.compile(r"FlatLayout\.build\(|minizero\.wrap\(")
     assert any(in_process.search(src) and "minizero.launch" not in src and not src.startswith("%%")
                for src in code), f"{name}: no in-process cell"
+
+
+def test_stage_notebooks_say_what_is_new_not_the_same_paragraphs():
+    """No paragraph of more than 200 characters appears in two stage notebooks: each says what its
+    stage changes and points to notebook 01 for what they share."""
+    seen: dict[str, str] = {}
+    for name in STAGE_NOTEBOOKS:
+        nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+        for cell in nb.cells:
+            if cell.cell_type != "markdown":
+                continue
+            for paragraph in cell.source.split("\n\n"):
+                text = " ".join(paragraph.split())
+                if len(text) > 200:
+                    assert text not in seen, f"{name} repeats {seen[text]}: {text[:80]}..."
+                    seen[text] = name
 
 
 EDITED_WORKER = """

@@ -32,8 +32,10 @@ PLUMBING = ("events.py", "comm.py", "quantize.py")    # frames that only carry a
 
 
 def relative(path: str | pathlib.Path) -> str:
-    """'minizero/unit.py' for a file of this package (the path a learner opens)."""
-    return pathlib.Path(path).resolve().relative_to(ROOT).as_posix()
+    """'minizero/unit.py' for a file of this repository (the path a learner opens); a file
+    elsewhere keeps its absolute path."""
+    path = pathlib.Path(path).resolve()
+    return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
 
 
 def origin(skip: tuple[str, ...] = PLUMBING, skip_functions: tuple[str, ...] = ()) -> dict | None:
