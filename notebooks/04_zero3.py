@@ -166,6 +166,13 @@ for when, nbytes in seen:
     print(f"{when:>15}: model[4].weight's storage holds {nbytes} bytes")
 
 # %% [markdown]
+# 32 bytes while the unit runs: the weight is a view of the unit's whole gathered buffer, the
+# weight's 3 × 2 and the bias's 2 fp32 elements. 4 bytes otherwise, not 0: a released parameter
+# points at one NaN element shared by every absent parameter of that dtype (`absent_like` in
+# `minizero/unit.py`), so that reading it gives NaN instead of freed memory (notebook 09, section
+# 2). Its shape stays (3 × 2 here) and so does `numel()`.
+
+# %% [markdown]
 # ## Run it
 #
 # Every world size, measured against one process training on the whole batch, as in notebooks
@@ -258,6 +265,13 @@ for r in lora:
           f"{r['construction_peak']['normal']:,} B normally, "
           f"{r['construction_peak']['sharded_init']:,} B sharded")
 plots.lora_memory(lora);
+
+# %% [markdown]
+# At N = 1 building under `sharded_init` holds a little *more* than building normally: one rank's
+# chunks are the whole model, and while a module is built its weight also exists in full until it
+# is partitioned (at the peak, one MLP weight of 32 × 128 fp32 elements: 16 kB here, against the
+# finished model's count for the normal build). From N = 2 the chunks are 1/N of the model, and
+# that saving outgrows the one module in construction.
 
 # %% [markdown]
 # ## What to try

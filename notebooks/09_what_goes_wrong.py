@@ -208,8 +208,9 @@ print([fields["tag"] for fields in gathers[:len(engine.units)]])
 # %% [markdown]
 # The tags count the units as minizero counts its gradient buckets, in the order backward completes
 # them: unit 0 is the last block, the root unit (embeddings, final LayerNorm, head) the last one,
-# so forward gathers them from the highest number down. Exercise 8 numbers its units in forward
-# order instead (`units[0]` is the root): the same units, counted from the other end.
+# so forward gathers them from the highest number down. The from-scratch stage 3 of notebook 04's
+# capstone exercise numbers them in forward order instead (`units[0]` is the root): the same units,
+# counted from the other end.
 
 # %% [markdown]
 # **What to try**

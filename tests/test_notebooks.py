@@ -176,7 +176,7 @@ STAGE_CODE = {"01_ddp": (0, "DDP._all_reduce_bucket"), "02_zero1": (1, "Zero1._g
 
 @pytest.mark.parametrize("name", STAGE_NOTEBOOKS)
 def test_a_stage_notebook_shows_the_mechanism_in_its_cells(name):
-    """The ranks run the one shared worker, notebooks/ranks.py (wrap, backward, step, memory), at the
+    """The ranks run the one shared worker, notebooks/ranks.py (wrap, backward, step, memory), at
     notebook's stage; a cell shows the stage's own lines read from minizero's files
     (source.show), not a copy; and a cell builds the stage's buffers in this process
     (minizero.flat or minizero.wrap)."""
