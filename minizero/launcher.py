@@ -91,8 +91,8 @@ def _context(start_method: str | None, fn: Callable) -> mp.context.BaseContext:
         # torch.optim's first Optimizer() imports (~1.7 s of CPU per rank); and the module of the
         # first launched function when it is minizero's. (The server starts on the first launch;
         # later launches reuse it, so later modules load per rank.) Not a module of the user's: a
-        # notebook's %%writefile worker is edited between launches, and a copy preloaded in the
-        # server would hide every edit from later ranks.
+        # notebook's worker file (notebooks/ranks.py) is edited between launches, and a copy
+        # preloaded in the server would hide every edit from later ranks.
         module = getattr(fn, "__module__", None) or ""
         mine = [module] if module.split(".")[0] == "minizero" else []
         ctx.set_forkserver_preload(["__main__", "torch", "torch._dynamo"] + mine)
