@@ -232,8 +232,8 @@ if __name__ == "__main__":
 
 def test_an_edited_worker_cell_reaches_the_ranks(tmp_path):
     """A worker file (as notebooks/ranks.py) launched first in a kernel, edited, launched again:
-    the ranks run the edit (a forkserver that preloaded the first version would hand every later rank the stale
-    module)."""
+    the ranks run the edit (a forkserver that preloaded the first version would hand every later
+    rank the stale module)."""
     (tmp_path / "kernel.py").write_text(EDITED_WORKER)
     env = {
         **os.environ,
