@@ -130,6 +130,9 @@ for r in minizero.launch(ranks.train, N, 0, MODEL, OPTIONS, backend=BACKEND):
 # %% [markdown]
 # Every rank holds the same bytes whatever N: the whole model, its gradients and Adam's two moments.
 # Only the rows differ, so each rank's own loss differs, and after the all-reduce the step does not.
+# The optimizer's bytes are 2 × 4Ψ and 4 more: AdamW's step count, a one-element fp32 tensor for
+# each tensor it steps (minizero hands it one flat buffer per bucket; here one bucket). Every
+# notebook's optimizer figure carries those few bytes.
 #
 # ### A bucket, in this process
 #

@@ -128,7 +128,8 @@ for r in minizero.launch(ranks.train, N, 3, MODEL, OPTIONS, backend=BACKEND):
 # N = 2 with 4 blocks that can exceed the whole model: half the model in the shard, plus the root
 # and two of the four blocks. Stage 3 pays off as N and the number of units grow: the shard is
 # 4Ψ/N, the gathered part stays about two units whatever N. Change `N` to 4: every category is
-# 1/N, the gathered part does not move. Set `OPTIONS = {"prefetch": False}`: one block fewer.
+# 1/N, the gathered part does not move. Set `OPTIONS = {"prefetch": False}`: one block fewer. (The
+# optimizer's few bytes over 2 × 4Ψ/N are AdamW's step counts, 4 bytes per unit: notebook 01.)
 #
 # ### A unit's storage, in this process
 #
