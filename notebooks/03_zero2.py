@@ -107,8 +107,11 @@ for r in minizero.launch(ranks.train, N, 2, MODEL, OPTIONS, backend=BACKEND):
           f"sent {r['sent']:,.0f} B in the last step")
 
 # %% [markdown]
-# Change `N`: the gradient bytes per rank are Ψ/N. Set `OPTIONS = {"bucket_size": 2e4}`: the
-# persistent bytes do not move, the peak does (fewer full gradients in flight at once).
+# The peak is what persists (parameters, gradient shard, optimizer) plus the full gradients in
+# flight: a 25 MB bucket holds this whole model, so once in backward its whole gradient exists
+# before the reduce-scatter cuts it to the shard (peak = params + grads + optimizer + 4Ψ here).
+# Change `N`: the gradient bytes per rank are 4Ψ/N. Set `OPTIONS = {"bucket_size": 2e4}`: the
+# persistent bytes do not move, the peak falls (fewer full gradients in flight at once).
 #
 # ### A bucket's gradient shard, in this process
 #

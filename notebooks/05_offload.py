@@ -124,8 +124,8 @@ for r in minizero.launch(ranks.train, N, 2, MODEL, {"offload": OFFLOAD, "dtype":
 #
 # The same accounting on one process (N = 1): `engine.memory()` after one step, with the optimizer
 # on the device and offloaded. Offloaded, the host holds the fp32 master weights, Adam's two moments
-# and the fp32 gradient partition it steps on: (K + 4)Ψ/N bytes; the device holds no optimizer
-# state.
+# and the fp32 gradient partition it steps on: (K + 4)Ψ/N bytes, plus AdamW's 4-byte step count
+# (notebook 01); the device holds no optimizer state.
 
 # %%
 import functools
