@@ -55,6 +55,8 @@ def check_training(impl: str) -> None:
                                         "summed), each parameter copied at its offset, and "
                                         "partition r reduced onto rank r?")
     except AssertionError as wrong:
+        if "x the reference's" not in str(wrong):        # not a wrong update: nothing to measure
+            raise
         # over several SGD steps a gradient c times too large does not show as c: each later step's
         # gradient is taken where the earlier, too large steps left the parameters. One step does.
         one = dataclasses.replace(CFG, steps=1)
