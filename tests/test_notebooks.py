@@ -381,6 +381,17 @@ def check_sources(steps: dict) -> None:
             assert any("optimizer.step(" in line for line in code.lines), (k, code.function)
 
 
+def test_shown_code_is_read_from_the_file_as_it_is_now(tmp_path):
+    """source.Code reads the function around a line from the file each time: an edit that moves
+    the function shows at once (no copy, no stale parse)."""
+    path = tmp_path / "edited.py"
+    path.write_text("def step():\n    return 1\n")
+    assert source.Code(str(path), 2).lines == ["def step():", "    return 1"]
+    path.write_text("import os\n\n\ndef step():\n    return 2\n")
+    code = source.Code(str(path), 5)
+    assert (code.function, code.first, code.lines[-1]) == ("step", 4, "    return 2")
+
+
 def test_each_phase_names_the_line_that_produced_it():
     """The recorder walks the stack of each event to minizero's line (no copy of the source): at
     stage 3 the all-gathers are Unit.gather's, the frees Unit.free's, the reduce-scatters the
@@ -580,6 +591,7 @@ def test_a_widget_menu_computes_again_and_its_slider_follows(monkeypatch, capsys
             raise ValueError("five is refused")
         return {"n": n}
 
+    captions = []
     box = plots.stepper(
         {"n": 2},
         compute,
@@ -587,9 +599,10 @@ def test_a_widget_menu_computes_again_and_its_slider_follows(monkeypatch, capsys
         lambda result: result["n"],
         {"n": [2, 3, 5]},
         (2,),
+        caption=lambda result, i: captions.append((result["n"], i)),
     )
     (menu,), (play, slider) = box.children[0].children, box.children[1].children
-    assert slider.max == 1 and calls == []
+    assert slider.max == 1 and calls == [] and captions == [(2, 0)]   # the code under the figure
     menu.value = 3
     assert calls == [3] and slider.max == play.max == 2
     menu.value = 2

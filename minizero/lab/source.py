@@ -60,9 +60,14 @@ def of(obj) -> dict:
             "function": obj.__qualname__}
 
 
-@functools.lru_cache(maxsize=64)
 def _functions(file: str) -> list[tuple[int, int, str]]:
-    """(first line with decorators, last line, qualified name) of every function in `file`."""
+    """(first line with decorators, last line, qualified name) of every function in `file`, as the
+    file is now (parsed again when it changed: a learner may edit it between two looks)."""
+    return _parsed(file, (ROOT / file).stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(file: str, mtime_ns: int) -> list[tuple[int, int, str]]:
     tree = ast.parse((ROOT / file).read_text())
     out = []
 
