@@ -17,6 +17,8 @@ import importlib.util
 import os
 import sys
 
+import torch
+
 import minizero
 from minizero.lab.grade import call_in
 from minizero.lab.reference import reference_train
@@ -206,6 +208,25 @@ def reference(cfg: TrainConfig) -> tuple[dict, dict]:
     return _references[key]
 
 
+def update_ratio(start: torch.Tensor, expected: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
+    """How far `got` moved from `start` along the reference's update (start -> expected), as a
+    multiple of it: 1 is right, N a gradient summed over N ranks in one plain SGD step."""
+    update = expected.double() - start.double()
+    moved = ((got.double() - start.double()) * update).sum()
+    return moved / update.pow(2).sum().clamp_min(1e-30)
+
+
+def first_step_ratio(cfg: TrainConfig, results: list[dict]) -> float:
+    """The update_ratio of one SGD step (cfg.steps == 1) farthest from 1, over ranks and tensors
+    that moved: unlike a total over several steps, a gradient c times too large shows as c here."""
+    start, expected = reference(cfg)
+    moved = [name for name, t in expected.items()
+             if t.is_floating_point() and not torch.equal(t, start[name])]
+    ratios = [update_ratio(start[name], expected[name], res["state_dict"][name]).item()
+              for res in results for name in moved]
+    return max(ratios, key=lambda r: abs(r - 1))
+
+
 def assert_matches_reference(cfg: TrainConfig, results: list[dict], atol: float = 1e-6,
                              hint: str = "") -> None:
     """Every rank ends where one process training on the whole batch ends: its optimizer's
@@ -223,9 +244,7 @@ def assert_matches_reference(cfg: TrainConfig, results: list[dict], atol: float 
                 if diff.numel() == 0 or diff.max() <= atol:
                     continue
                 i = int(diff.reshape(-1).argmax())
-                update = expected.double() - start[name].double()
-                moved = ((got - start[name].double()) * update).sum()
-                ratio = moved / update.pow(2).sum().clamp_min(1e-30)
+                ratio = update_ratio(start[name], expected, got)
                 raise AssertionError(
                     f"rank {res['rank']}, {name} ({what}) after {cfg.steps} SGD steps on N="
                     f"{cfg.world_size} ranks: element {i} expected "

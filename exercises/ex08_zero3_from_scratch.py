@@ -54,7 +54,11 @@ Hints:
     small class per unit (buffer, shard, gradient shard, the all-gather in flight) keeps the wrapper
     short.
   * A unit's parameters are views of its buffer: while it is freed they have their shapes and 0
-    bytes of storage; resizing the storage back makes the same views valid again.
+    bytes of storage; resizing the storage back makes the same views valid again. Never free a
+    buffer whose all-gather is still in flight (a prefetch nobody waited for): wait its handle
+    first, or the collective writes into released memory.
+  * Allocate every buffer where the collectives run: device=comm.device() (a GPU under NCCL, the
+    CPU under gloo) and the parameters' dtype.
   * register_post_accumulate_grad_hook(fn) calls fn(p) once p.grad holds this backward's complete
     gradient (a tied weight's two uses summed already).
   * comm.reduce_scatter(mine, staging, op="avg", async_op=True), where `mine` is your slice of

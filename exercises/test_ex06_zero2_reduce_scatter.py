@@ -4,6 +4,8 @@ A thin subclass of minizero's stage 2 calls your hook for every finished bucket 
 while three ranks train; the result is compared with one process training on the whole batch.
 """
 
+import dataclasses
+
 import pytest
 
 import _grading as g
@@ -40,17 +42,32 @@ class LearnerZero2(Zero2):
         return handle
 
 
-def worker(module_name: str) -> dict:
+def worker(module_name: str, cfg=CFG) -> dict:
     LearnerZero2.answer = g.learner(module_name)
-    return g.train_with(LearnerZero2, CFG)
+    return g.train_with(LearnerZero2, cfg)
 
 
 def check_training(impl: str) -> None:
     g.guard(impl)
-    g.assert_matches_reference(CFG, g.launch(worker, CFG.world_size, impl),
-                               hint="Is each bucket's gradient averaged over ranks (not summed), "
-                                    "each parameter copied at its offset, and partition r reduced "
-                                    "onto rank r?")
+    try:
+        g.assert_matches_reference(CFG, g.launch(worker, CFG.world_size, impl),
+                                   hint="Is each bucket's gradient averaged over ranks (not "
+                                        "summed), each parameter copied at its offset, and "
+                                        "partition r reduced onto rank r?")
+    except AssertionError as wrong:
+        if "x the reference's" not in str(wrong):        # not a wrong update: nothing to measure
+            raise
+        # over several SGD steps a gradient c times too large does not show as c: each later step's
+        # gradient is taken where the earlier, too large steps left the parameters. One step does.
+        one = dataclasses.replace(CFG, steps=1)
+        ratio = g.first_step_ratio(one, g.launch(worker, CFG.world_size, impl, one))
+        n = CFG.world_size
+        why = (f": exactly N = {n}, a sum over the ranks where their average belongs (op avg)"
+               if abs(ratio - n) < 0.01 * n else "")
+        raise AssertionError(f"{wrong} (After {CFG.steps} steps the ratio is not a clean "
+                             "multiple: each step's gradient is taken where the previous steps "
+                             f"left the parameters. One step alone: {ratio:.3g} x the reference's "
+                             f"update{why}.)") from None
 
 
 @pytest.mark.points(3)

@@ -69,15 +69,19 @@ class Meter:
         self.peak = max(self.peak, materialized(self.model))
 
     def prefetched(self, i: int, needed: float) -> None:
+        """Block i - 1's forward ended; `needed`: the all-gather bytes of the root, the blocks up to
+        it and the next one. Short of them: late, and whether the next block was still
+        materialized (kept from an earlier pass: never freed) or not gathered yet (not
+        prefetched)."""
         if self.late is None and comm.tally().get("all_gather", 0) < needed:
-            self.late = f"blocks.{i - 1}"
+            self.late = (f"blocks.{i - 1}", materialized(self.model.blocks[i]) > 0)
 
 
 def worker(module_name: str) -> dict:
     answer, rank, n = g.learner(module_name), comm.rank(), comm.world_size()
     model = make_model(CFG.model_config(), seed=CFG.seed)
     engine = g.call(answer.Zero3, model, [model, *model.blocks], CFG.lr, CFG.clip_grad_norm)
-    meter, sent, norms = Meter(model), [], []
+    meter, sent, norms, left = Meter(model), [], [], 0
     for step in range(CFG.steps):
         x, y = global_batch(step, CFG.batch_size, CFG.model_config().block_size, seed=CFG.seed)
         for micro in range(CFG.grad_accum):
@@ -85,8 +89,9 @@ def worker(module_name: str) -> dict:
             comm.reset_tally()
             engine.backward(loss_fn(engine(xm), ym) / CFG.grad_accum)
             sent.append(comm.tally())
+            left = max(left, materialized(model))       # after backward every unit is freed
         norms.append(engine.step())
-    yours = {"peak": meter.peak, "late": meter.late, "sent": sent, "norms": norms}
+    yours = {"peak": meter.peak, "late": meter.late, "sent": sent, "norms": norms, "left": left}
     return {"rank": rank, "state_dict": engine.full_state_dict(), "live": None, "yours": yours}
 
 
@@ -106,15 +111,23 @@ def minizeros() -> list[dict]:
     return g.launch_once(minizero_worker, CFG.world_size, "minizero")
 
 
+NEVER_FREED = ("a unit never freed is never all-gathered again (its storage is still there), so "
+               "after a step it keeps its old values: free each unit after its forward and after "
+               "its backward.")
+
+
 def check_training(impl: str) -> None:
     __tracebackhide__ = True
     for n in TRAINED_ON:
-        g.assert_matches_reference(dataclasses.replace(CFG, world_size=n), launched(impl, n),
-                                   atol=1e-5,
-                                   hint="Is every unit reduce-scattered with op avg, each "
-                                        "micro-batch's partition added into the gradient shard, "
-                                        "and the norm summed over every rank's shards before "
-                                        "clipping?")
+        results = launched(impl, n)
+        left = max(res["yours"]["left"] for res in results)
+        hint = (f"After backward {left} bytes of full parameters were still materialized: "
+                f"{NEVER_FREED}" if left else
+                "Is every unit reduce-scattered with op avg, each micro-batch's partition added "
+                "into the gradient shard, and the norm summed over every rank's shards before "
+                "clipping?")
+        g.assert_matches_reference(dataclasses.replace(CFG, world_size=n), results, atol=1e-5,
+                                   hint=hint)
 
 
 def check_memory(impl: str) -> None:
@@ -147,6 +160,12 @@ def check_bytes(impl: str) -> None:
               "reduce-scatters once a step (no_sync keeps the first micro-batch's full gradients: "
               f"memory for bytes); 3Ψ(N-1)/N = {least:.0f} fp32 bytes")
         for micro, sent in enumerate(res["yours"]["sent"]):
+            gathered = sent.get("all_gather", 0)
+            if gathered < 2 / 3 * least:          # fewer than two all-gathers of every unit
+                raise AssertionError(
+                    f"rank {res['rank']}, micro-batch {micro}: all-gathered {gathered:.0f} bytes, "
+                    f"expected 2Ψ(N-1)/N = {2 / 3 * least:.0f} (every unit for its forward and "
+                    f"again for its backward): {NEVER_FREED}")
             if not least <= sent["total"] <= most:
                 kinds = ", ".join(
                     f"{k} {v:.0f}"
@@ -169,7 +188,11 @@ def check_prefetch(impl: str) -> None:
     __tracebackhide__ = True
     for res in launched(impl):
         if res["yours"]["late"]:
-            late = res["yours"]["late"]
+            late, kept = res["yours"]["late"]
+            if kept:
+                raise AssertionError(f"rank {res['rank']}: when {late}'s forward ended, the next "
+                                     "block was still materialized from an earlier pass and "
+                                     f"nothing was all-gathered for it: {NEVER_FREED}")
             raise AssertionError(f"rank {res['rank']}: when {late}'s forward ended, the next "
                                  "block's all-gather had not been issued: prefetch it "
                                  f"(async_op=True) when {late}'s forward begins, so the network "

@@ -566,12 +566,10 @@ def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     The tensor is cut into N chunks. Ranks sit on a ring; each talks only to its two neighbours.
 
       Phase 1, reduce-scatter (N-1 steps): at step s, rank r sends chunk (r - s) to rank r+1 and
-      adds the
-               chunk (r - s - 1) it receives from rank r-1 into its own copy. After N-1 steps rank r
-               holds the complete sum of chunk (r + 1).
+        adds the chunk (r - s - 1) it receives from rank r-1 into its own copy. After N-1 steps
+        rank r holds the complete sum of chunk (r + 1).
       Phase 2, all-gather (N-1 steps): the same rotation, but the received chunk *replaces* the
-      local one,
-               so the finished sums travel once around the ring.
+        local one, so the finished sums travel once around the ring.
 
     Each rank sends 2(N-1) chunks of S/N bytes: 2(N-1)/N * S, independent of N for large N. That is
     why the ring is bandwidth-optimal and why the tally above uses it as the unit.

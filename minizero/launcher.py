@@ -68,6 +68,7 @@ from minizero.network import network_from_env
 
 _GRACE_S = 5.0    # after a failure, how long survivors get between SIGTERM and SIGKILL
 _SETTLE_S = 1.0   # after a first failure, how long to collect other reports before naming the cause
+_EXITED_S = 2.0   # a rank gone without a message or an EOF on its pipe after this long: died
 
 
 def _dumps(obj: Any) -> bytes:
@@ -90,8 +91,8 @@ def _context(start_method: str | None, fn: Callable) -> mp.context.BaseContext:
         # torch.optim's first Optimizer() imports (~1.7 s of CPU per rank); and the module of the
         # first launched function when it is minizero's. (The server starts on the first launch;
         # later launches reuse it, so later modules load per rank.) Not a module of the user's: a
-        # notebook's %%writefile worker is edited between launches, and a copy preloaded in the
-        # server would hide every edit from later ranks.
+        # notebook's worker file (notebooks/ranks.py) is edited between launches, and a copy
+        # preloaded in the server would hide every edit from later ranks.
         module = getattr(fn, "__module__", None) or ""
         mine = [module] if module.split(".")[0] == "minizero" else []
         ctx.set_forkserver_preload(["__main__", "torch", "torch._dynamo"] + mine)
@@ -270,6 +271,7 @@ def _collect(procs: list, conns: list, timeout: float | None, store: dist.Store)
     pending = set(range(len(procs)))
     # rank -> (order: died first, then by time; message)
     failures: dict[int, tuple[float, str]] = {}
+    exited: dict[int, float] = {}           # rank -> when it was first seen gone without a word
     settle_until = None
     while pending and (settle_until is None or time.monotonic() < settle_until):
         if deadline is not None and time.monotonic() > deadline:
@@ -284,6 +286,17 @@ def _collect(procs: list, conns: list, timeout: float | None, store: dist.Store)
                                         timeout=0.1 if failures else 0.5)
         for r in sorted(pending):
             if not conns[r].poll():
+                if procs[r].is_alive():
+                    continue
+                # Exited, and its pipe neither holds a message nor closed: another process still
+                # holds the pipe's writing end (a process the rank started outlives it), so no EOF
+                # will come. Waiting for one hung a notebook with no rank left; it died.
+                exited.setdefault(r, time.monotonic())
+                if time.monotonic() - exited[r] < _EXITED_S:
+                    continue
+                pending.discard(r)
+                failures[r] = (float("-inf"), _died(procs[r].exitcode) + " (its result pipe "
+                               "stayed open: a process it started still holds it)")
                 continue
             pending.discard(r)
             try:

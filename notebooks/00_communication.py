@@ -63,7 +63,17 @@ for kind in ("input", "all_reduce", "reduce_scatter", "all_gather", "broadcast")
 # N-1 steps of reduce-scatter every rank adds the chunk its left neighbour sends into its own copy;
 # after them rank r owns the complete sum of one chunk. N-1 steps of all-gather then pass the
 # finished chunks around. Each rank sends 2(N-1) chunks of S/N bytes: $2\frac{N-1}{N}S$, almost
-# independent of N. It must give exactly what the library's all-reduce gives:
+# independent of N. Here is the function, read from `minizero/comm.py` now (marked: the two loops'
+# exchanges, the add of phase 1 and the copy of phase 2):
+
+# %%
+from minizero import comm
+from minizero.lab import source
+
+source.show(comm.ring_all_reduce, mark=("exchange((", "+= incoming", ".copy_(incoming)"))
+
+# %% [markdown]
+# It must give exactly what the library's all-reduce gives:
 
 # %%
 for n, res in results.items():
@@ -89,7 +99,9 @@ print(plots.ring_table(ring))
 
 # %% [markdown]
 # Green: the chunk the last exchange wrote; orange frame: the chunk each rank sends next. Press play
-# or drag the slider over the 2(N-1) exchanges; the menu runs the ring on another N.
+# or drag the slider over the 2(N-1) exchanges; the menu runs the ring on another N. Below each
+# state: `ring_all_reduce` with the line that runs the next exchange marked (phase 1's loop for the
+# first N-1, phase 2's after), recorded from the call stack of each exchange.
 
 # %%
 plots.ring_widget(ring)

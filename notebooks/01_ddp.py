@@ -76,62 +76,53 @@ print(plots.step_table(steps))           # every phase: each buffer that changed
 
 # %% [markdown]
 # Press play or drag the slider through the phases. A menu records the step again with another
-# setting (one launch, about a second; each setting is kept once computed).
+# setting (one launch, about a second; each setting is kept once computed). Below each phase: the
+# function of minizero that produced it, read from its file, the line that ran marked (the table
+# above names it after each phase's `<-`).
 
 # %%
 plots.step_widget(steps, stage=[0, 1, 2, 3], world_size=[2, 3, 4])
 
 # %% [markdown]
-# ## The code every rank runs
+# ### The lines that did it
 #
-# `minizero.launch(fn, N, ...)` starts N processes, joins them into one process group and calls `fn`
-# on each; a process can import a file but not a notebook cell, so the next cell *writes* the worker
-# to `ddp_ranks.py` next to this notebook. Edit it and run both cells again: the ranks import the
-# new file. `minizero.wrap(model, 0, ...)` is DDP; `engine.backward(loss)` all-reduces each bucket
-# of gradients as soon as backward completes it; `engine.step()` takes the same step on every
-# replica.
+# DDP's whole algorithm is one call in `minizero/ddp.py`: when the reducer (`minizero/reducer.py`)
+# sees that backward has completed every gradient of a bucket, it calls `_all_reduce_bucket`, which
+# starts the all-reduce of the bucket's flat gradients with `op="avg"` and returns at once
+# (`async_op=True`): phases 2-5 above. The step (`Engine.step` in `minizero/engine.py`) then runs
+# the same optimizer on the same averaged gradients on every rank. Read from the files now:
 
 # %%
-# %%writefile ddp_ranks.py
-"""What every rank of notebooks/01_ddp.ipynb runs (that notebook writes this file)."""
-import functools
+from minizero.ddp import DDP
+from minizero.engine import Engine
+from minizero.lab import source
 
-import torch
+source.show(DDP._all_reduce_bucket, Engine.step, mark=("all_reduce(", "optimizer.step("))
 
-import minizero
-from minizero import comm
-from minizero.lab.data import global_batch, local_batch
-from minizero.lab.model import GPTConfig, make_model
-from minizero.lab.train import loss_fn
+# %% [markdown]
+# ## The code every rank runs
+#
+# `minizero.launch(fn, N, *args)` starts N processes, joins them into one process group and calls
+# `fn(*args)` on each. A process can import a file but not a notebook cell, so what the ranks run
+# is [`ranks.py`](ranks.py), next to this notebook and shared by notebooks 01-05: one training loop
+# whose stage and `minizero.wrap` options are arguments. Open it and edit it: the next launch
+# imports the file as it is then. `minizero.wrap(model, 0, ...)` is DDP; `engine.backward(loss)`
+# all-reduces each bucket of gradients as soon as backward completes it; `engine.step()` takes the
+# same step on every replica. Read from the file:
 
+# %%
+import ranks
 
-def train(model, bucket_size, steps=3, batch_size=24):
-    cfg = GPTConfig.named(model)
-    net = make_model(cfg, seed=0)                 # the same initial weights on every rank
-    engine = minizero.wrap(net, 0, functools.partial(torch.optim.AdamW, lr=1e-3),
-                           bucket_size=bucket_size)
-    losses = []
-    for step in range(steps):
-        comm.reset_tally()                        # count this step's bytes only
-        x, y = global_batch(step, batch_size, cfg.block_size)        # one global batch ...
-        x, y = local_batch(x, y, comm.rank(), comm.world_size())     # ... this rank's rows of it
-        loss = loss_fn(engine(x), y)
-        engine.backward(loss)       # each full bucket's all-reduce starts while backward goes on
-        engine.step()               # the same averaged gradients, so the same step, on every rank
-        losses.append(loss.item())
-    return {"rank": comm.rank(), "losses": losses, "memory": engine.memory(),
-            "sent": comm.tally()["total"]}
+source.show(ranks.train)
 
 # %%
 import importlib
 
 import minizero
 
-import ddp_ranks
-
-importlib.reload(ddp_ranks)          # this kernel reads the file again too
-N, BUCKET_SIZE = 2, 25e6             # bytes per gradient bucket (PyTorch DDP's 25 MB)
-for r in minizero.launch(ddp_ranks.train, N, MODEL, BUCKET_SIZE, backend=BACKEND):
+importlib.reload(ranks)              # your edits to ranks.py, in this kernel too
+N, OPTIONS = 2, {"bucket_size": 25e6}    # ranks; bytes per gradient bucket (PyTorch DDP's 25 MB)
+for r in minizero.launch(ranks.train, N, 0, MODEL, OPTIONS, backend=BACKEND):
     print(f"rank {r['rank']}: loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}, "
           f"params {r['memory']['params']:,} B, optimizer {r['memory']['optimizer']:,} B, "
           f"sent {r['sent']:,.0f} B in the last step")
@@ -139,6 +130,9 @@ for r in minizero.launch(ddp_ranks.train, N, MODEL, BUCKET_SIZE, backend=BACKEND
 # %% [markdown]
 # Every rank holds the same bytes whatever N: the whole model, its gradients and Adam's two moments.
 # Only the rows differ, so each rank's own loss differs, and after the all-reduce the step does not.
+# The optimizer's bytes are 2 × 4Ψ and 4 more: AdamW's step count, a one-element fp32 tensor for
+# each tensor it steps (minizero hands it one flat buffer per bucket; here one bucket). Every
+# notebook's optimizer figure carries those few bytes.
 #
 # ### A bucket, in this process
 #

@@ -47,16 +47,8 @@ BACKEND, WORLD_SIZES = demo.backend_and_world_sizes()   # gloo on CPU; NCCL with
 # %% [markdown]
 # ## One step, rank by rank
 #
-# A model small enough to read every number: `Linear(2, 3)`, tanh, `Linear(3, 2)`, Ψ = 17 parameters
-# (none of N = 2, 3, 4 divides 17, so the flat buffer is padded), SGD with momentum 0.9 and lr 0.1
-# (the first step is $p - 0.1\,g$), 12 rows split over the ranks. `minizero.lab.stepthrough.record`
-# wraps it with `minizero.wrap`, trains one step on N processes and records what every rank holds
-# after each phase, read from the engine's own buffers. Each buffer is a grid: a row per rank, a
-# column per element of the padded flat buffer (the parameter each element belongs to is named on
-# top). Dashed lines: partition boundaries (partition r is rank r's); solid: bucket boundaries;
-# grey: padding; blank: the rank does not hold that element; bold and framed: changed in this phase.
-# (The recorder lets one bucket communicate at a time, so each collective is its own phase; minizero
-# overlaps two.)
+# The same tiny model, recorder and grid as in notebook 01 (its "One step, rank by rank" explains
+# how to read it), now at stage 1.
 #
 # What to look for: after backward every rank holds its own full gradients. The reduce-scatter
 # averages partition r into rank r only: the rest of its gradient buffer was the collective's
@@ -74,62 +66,45 @@ stepthrough.check(steps)       # every phase against one process stepping all 12
 print(plots.step_table(steps))           # every phase: each buffer that changed, on every rank
 
 # %% [markdown]
-# Press play or drag the slider through the phases. A menu records the step again with another
-# setting (one launch, about a second; each setting is kept once computed).
+# Play or drag through the phases; below each, the function of minizero that produced it, its line
+# marked.
 
 # %%
 plots.step_widget(steps, stage=[0, 1, 2, 3], world_size=[2, 3, 4])
 
 # %% [markdown]
-# ## The code every rank runs
+# ### The lines that did it
 #
-# `minizero.launch(fn, N, *args)` starts N processes, joins them into one process group and calls
-# `fn(*args)` on each; a process can import a file but not a notebook cell, so the next cell
-# *writes* the worker to `zero1_ranks.py` next to this notebook. Edit it and run both cells again:
-# the ranks import the new file. `minizero.wrap(model, 1, ...)` is stage 1: `engine.backward(loss)`
-# leaves full gradients on every rank; `engine.step()` reduce-scatters them, steps this rank's
-# partition only (its optimizer state is 1/N of Adam's) and all-gathers the updated parameters.
+# Stage 1 changes what happens at the step (`minizero/zero1.py`): `_grad_parts` reduce-scatters each
+# bucket of the full gradients backward left, so rank r holds the average of its own partition
+# (the reduce-scatter phases above); the optimizer steps only those partitions; `_after_step`
+# all-gathers every rank's updated partition into everyone's flat parameters (the all-gather
+# phases). Read from the file now:
 
 # %%
-# %%writefile zero1_ranks.py
-"""What every rank of notebooks/02_zero1.ipynb runs (that notebook writes this file)."""
-import functools
+from minizero.lab import source
+from minizero.zero1 import Zero1
 
-import torch
+source.show(Zero1._grad_parts, Zero1._after_step, mark=("reduce_scatter(", "all_gather("))
 
-import minizero
-from minizero import comm
-from minizero.lab.data import global_batch, local_batch
-from minizero.lab.model import GPTConfig, make_model
-from minizero.lab.train import loss_fn
-
-
-def train(model, steps=3, batch_size=24):
-    cfg = GPTConfig.named(model)
-    net = make_model(cfg, seed=0)                 # the same initial weights on every rank
-    engine = minizero.wrap(net, 1, functools.partial(torch.optim.AdamW, lr=1e-3))
-    for step in range(steps):
-        comm.reset_tally()                        # count this step's bytes only
-        x, y = global_batch(step, batch_size, cfg.block_size)        # one global batch ...
-        x, y = local_batch(x, y, comm.rank(), comm.world_size())     # ... this rank's rows of it
-        loss = loss_fn(engine(x), y)
-        engine.backward(loss)       # full gradients on every rank, as in DDP
-        engine.step()               # reduce-scatter, step my partition, all-gather
-    return {"rank": comm.rank(), "loss": loss.item(), "memory": engine.memory(),
-            "sent": comm.tally()["total"]}
+# %% [markdown]
+# ## The code every rank runs
+#
+# The worker of notebook 01, [`ranks.py`](ranks.py), at stage 1: no option needed. Edit it and run
+# the cell again: the next launch imports it as it is then.
 
 # %%
 import importlib
 
 import minizero
 
-import zero1_ranks
+import ranks
 
-importlib.reload(zero1_ranks)          # this kernel reads the file again too
-N = 2                               # ranks: the optimizer bytes are 1/N of DDP's
-for r in minizero.launch(zero1_ranks.train, N, MODEL, backend=BACKEND):
+importlib.reload(ranks)               # your edits to ranks.py, in this kernel too
+N = 2                                 # ranks: the optimizer bytes are 1/N of DDP's
+for r in minizero.launch(ranks.train, N, 1, MODEL, backend=BACKEND):
     m = r["memory"]
-    print(f"rank {r['rank']}: loss {r['loss']:.4f}, params {m['params']:,} B, "
+    print(f"rank {r['rank']}: loss {r['losses'][-1]:.4f}, params {m['params']:,} B, "
           f"grads {m['grads']:,} B, optimizer {m['optimizer']:,} B, "
           f"sent {r['sent']:,.0f} B in the last step")
 
@@ -168,11 +143,8 @@ for rank in range(N):
 # %% [markdown]
 # ## Run it
 #
-# Now at every world size, measured: one `minizero.launch` per N runs
-# `minizero.lab.train.train_worker` on every rank, the loop of the worker above plus what `python -m
-# minizero.run` measures (memory by category, bytes sent, step times). Every run is compared with
-# `minizero.lab.reference.reference_train`: one process, the whole global batch, plain
-# `torch.optim`. Data parallelism must not change the result, only where the bytes live.
+# Every world size, measured against one process training on the whole batch, as in notebook 01:
+# the same parameters, now with KΨ/N optimizer bytes per rank.
 
 # %%
 runs = demo.measure_stage(1, WORLD_SIZES, DTYPE, steps=STEPS, model=MODEL, backend=BACKEND)
@@ -184,11 +156,8 @@ for n, rec in runs.items():
 # %% [markdown]
 # ## Measured memory next to the formula
 #
-# `engine.memory()` counts the bytes of every tensor rank 0 holds, by category, at the end of the
-# last backward (optimizer state exists, gradients are complete). The black ticks are
-# `minizero.lab.report.theory`, i.e. `minizero.memory.estimate_breakdown` with this run's bytes per
-# element and K. The check below is the same comparison the plot shows: measured = formula, up to
-# the padding of each bucket to a multiple of N elements.
+# As in notebook 01: rank 0's bytes by category after the last backward, the formula's ticks, the
+# check. New here: the optimizer bar is the only one that falls with N.
 
 # %%
 table = demo.memory_table(runs)          # what the plot draws, as rows

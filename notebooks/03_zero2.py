@@ -44,16 +44,8 @@ BACKEND, WORLD_SIZES = demo.backend_and_world_sizes()   # gloo on CPU; NCCL with
 # %% [markdown]
 # ## One step, rank by rank
 #
-# A model small enough to read every number: `Linear(2, 3)`, tanh, `Linear(3, 2)`, Ψ = 17 parameters
-# (none of N = 2, 3, 4 divides 17, so the flat buffer is padded), SGD with momentum 0.9 and lr 0.1
-# (the first step is $p - 0.1\,g$), 12 rows split over the ranks. `minizero.lab.stepthrough.record`
-# wraps it with `minizero.wrap`, trains one step on N processes and records what every rank holds
-# after each phase, read from the engine's own buffers. Each buffer is a grid: a row per rank, a
-# column per element of the padded flat buffer (the parameter each element belongs to is named on
-# top). Dashed lines: partition boundaries (partition r is rank r's); solid: bucket boundaries;
-# grey: padding; blank: the rank does not hold that element; bold and framed: changed in this phase.
-# (The recorder lets one bucket communicate at a time, so each collective is its own phase; minizero
-# overlaps two.)
+# The same tiny model, recorder and grid as in notebook 01 (its "One step, rank by rank" explains
+# how to read it), now at stage 2, with two buckets (8 and 9 elements).
 #
 # What to look for: gradients now live in two places. *Gradients in flight* is a bucket's full
 # gradients, from the moment they are complete until its reduce-scatter arrives; the *gradient
@@ -70,69 +62,56 @@ stepthrough.check(steps)       # every phase against one process stepping all 12
 print(plots.step_table(steps))           # every phase: each buffer that changed, on every rank
 
 # %% [markdown]
-# Press play or drag the slider through the phases. A menu records the step again with another
-# setting (one launch, about a second; each setting is kept once computed).
+# Play or drag through the phases; below each, the function of minizero that produced it, its line
+# marked.
 
 # %%
 plots.step_widget(steps, stage=[0, 1, 2, 3], world_size=[2, 3, 4])
 
 # %% [markdown]
-# ## The code every rank runs
+# ### The lines that did it
 #
-# `minizero.launch(fn, N, *args)` starts N processes, joins them into one process group and calls
-# `fn(*args)` on each; a process can import a file but not a notebook cell, so the next cell
-# *writes* the worker to `zero2_ranks.py` next to this notebook. Edit it and run both cells again:
-# the ranks import the new file. `minizero.wrap(model, 2, ...)` is stage 2: `engine.backward(loss)`
-# reduce-scatters each bucket of gradients as soon as backward completes it and keeps only this
-# rank's partition (the gradient shard); `engine.step()` steps it and all-gathers the parameters.
+# Stage 2 moves the reduce-scatter into backward (`minizero/zero2.py`): as each parameter's
+# gradient is complete, `_stage_gradient` copies it into its bucket's staging buffer and frees
+# `p.grad` (*gradients in flight* above); when the bucket is complete, `reduce_scatter_grads`
+# starts its reduce-scatter (the reduce-scatter phases); when that arrives, `_accumulate_bucket`
+# adds rank r's partition into the gradient shard and drops the staging buffer. The step and the
+# all-gather after it are stage 1's. Read from the file now:
 
 # %%
-# %%writefile zero2_ranks.py
-"""What every rank of notebooks/03_zero2.ipynb runs (that notebook writes this file)."""
-import functools
+from minizero.lab import source
+from minizero.zero2 import Zero2
 
-import torch
+source.show(Zero2._stage_gradient, Zero2.reduce_scatter_grads, Zero2._accumulate_bucket,
+            mark=("p.grad = None", "reduce_scatter(", ".add_("))
 
-import minizero
-from minizero import comm
-from minizero.lab.data import global_batch, local_batch
-from minizero.lab.model import GPTConfig, make_model
-from minizero.lab.train import loss_fn
-
-
-def train(model, bucket_size, steps=3, batch_size=24):
-    cfg = GPTConfig.named(model)
-    net = make_model(cfg, seed=0)                 # the same initial weights on every rank
-    engine = minizero.wrap(net, 2, functools.partial(torch.optim.AdamW, lr=1e-3),
-                           bucket_size=bucket_size)
-    for step in range(steps):
-        comm.reset_tally()                        # count this step's bytes only
-        x, y = global_batch(step, batch_size, cfg.block_size)        # one global batch ...
-        x, y = local_batch(x, y, comm.rank(), comm.world_size())     # ... this rank's rows of it
-        loss = loss_fn(engine(x), y)
-        engine.backward(loss)       # each full bucket reduce-scattered into my gradient shard
-        engine.step()               # step my partition, all-gather the parameters
-    return {"rank": comm.rank(), "loss": loss.item(), "memory": engine.memory(),
-            "sent": comm.tally()["total"]}
+# %% [markdown]
+# ## The code every rank runs
+#
+# The worker of notebook 01, [`ranks.py`](ranks.py), at stage 2; `bucket_size` decides how many
+# full gradients are in flight at once.
 
 # %%
 import importlib
 
 import minizero
 
-import zero2_ranks
+import ranks
 
-importlib.reload(zero2_ranks)          # this kernel reads the file again too
-N, BUCKET_SIZE = 2, 25e6             # ranks; bytes per gradient bucket
-for r in minizero.launch(zero2_ranks.train, N, MODEL, BUCKET_SIZE, backend=BACKEND):
+importlib.reload(ranks)               # your edits to ranks.py, in this kernel too
+N, OPTIONS = 2, {"bucket_size": 25e6}   # ranks; bytes per gradient bucket
+for r in minizero.launch(ranks.train, N, 2, MODEL, OPTIONS, backend=BACKEND):
     m = r["memory"]
-    print(f"rank {r['rank']}: loss {r['loss']:.4f}, params {m['params']:,} B, "
+    print(f"rank {r['rank']}: loss {r['losses'][-1]:.4f}, params {m['params']:,} B, "
           f"grads {m['grads']:,} B, optimizer {m['optimizer']:,} B, peak {m['peak']:,} B, "
           f"sent {r['sent']:,.0f} B in the last step")
 
 # %% [markdown]
-# Change `N`: the gradient bytes per rank are Ψ/N. Change `BUCKET_SIZE` to `2e4`: the persistent
-# bytes do not move, the peak does (fewer full gradients in flight at once).
+# The peak is what persists (parameters, gradient shard, optimizer) plus the full gradients in
+# flight: a 25 MB bucket holds this whole model, so once in backward its whole gradient exists
+# before the reduce-scatter cuts it to the shard (peak = params + grads + optimizer + 4Ψ here).
+# Change `N`: the gradient bytes per rank are 4Ψ/N. Set `OPTIONS = {"bucket_size": 2e4}`: the
+# persistent bytes do not move, the peak falls (fewer full gradients in flight at once).
 #
 # ### A bucket's gradient shard, in this process
 #
@@ -174,11 +153,8 @@ print(f"buckets: {[b.padded_numel for b in layouts[0].buckets]} elements, each a
 # %% [markdown]
 # ## Run it
 #
-# Now at every world size, measured: one `minizero.launch` per N runs
-# `minizero.lab.train.train_worker` on every rank, the loop of the worker above plus what `python -m
-# minizero.run` measures (memory by category, bytes sent, step times). Every run is compared with
-# `minizero.lab.reference.reference_train`: one process, the whole global batch, plain
-# `torch.optim`. Data parallelism must not change the result, only where the bytes live.
+# Every world size, measured against one process training on the whole batch, as in notebooks 01
+# and 02: the same parameters, now with (b_g + K)Ψ/N gradient and optimizer bytes per rank.
 
 # %%
 runs = demo.measure_stage(2, WORLD_SIZES, DTYPE, steps=STEPS, model=MODEL, backend=BACKEND)
@@ -190,11 +166,8 @@ for n, rec in runs.items():
 # %% [markdown]
 # ## Measured memory next to the formula
 #
-# `engine.memory()` counts the bytes of every tensor rank 0 holds, by category, at the end of the
-# last backward (optimizer state exists, gradients are complete). The black ticks are
-# `minizero.lab.report.theory`, i.e. `minizero.memory.estimate_breakdown` with this run's bytes per
-# element and K. The check below is the same comparison the plot shows: measured = formula, up to
-# the padding of each bucket to a multiple of N elements.
+# As in notebook 01: rank 0's bytes by category after the last backward, the formula's ticks, the
+# check. New here: the gradient bar falls with N too, and only the parameters stay whole.
 
 # %%
 table = demo.memory_table(runs)          # what the plot draws, as rows
@@ -214,5 +187,5 @@ plots.memory_by_category(runs, "stage 2");
 # In the step-through, switch between stage 1 and stage 2 at the same N and compare the gradient
 # rows at the end of backward: a full buffer per rank against a shard. Try N = 4: each bucket is
 # padded to a multiple of 4 on its own, so padding appears in both buckets. Above, the gradient bar
-# should be Ψ/N of the DDP one. Then do exercise 6: reduce-scatter a bucket into the shard from the
-# backward hook.
+# is 1/N of the DDP one (b_gΨ/N against b_gΨ). Then do exercise 6: reduce-scatter a bucket into
+# the shard from the backward hook.

@@ -48,19 +48,13 @@ BACKEND, WORLD_SIZES = demo.backend_and_world_sizes()   # gloo on CPU; NCCL with
 # %% [markdown]
 # ## One step, rank by rank
 #
-# A model small enough to read every number: `Linear(2, 3)`, tanh, `Linear(3, 2)`, Ψ = 17 parameters
-# (none of N = 2, 3, 4 divides 17, so the flat buffer is padded), SGD with momentum 0.9 and lr 0.1
-# (the first step is $p - 0.1\,g$), 12 rows split over the ranks. `minizero.lab.stepthrough.record`
-# wraps it with `minizero.wrap`, trains one step on N processes and records what every rank holds
-# after each phase, read from the engine's own buffers. Each buffer is a grid: a row per rank, a
-# column per element of the padded flat buffer (the parameter each element belongs to is named on
-# top). Dashed lines: partition boundaries (partition r is rank r's); solid: bucket boundaries;
-# grey: padding; blank: the rank does not hold that element; bold and framed: changed in this phase.
-# (The recorder lets one bucket communicate at a time, so each collective is its own phase; minizero
-# overlaps two.)
+# The same tiny model, recorder and grid as in notebook 01 (its "One step, rank by rank" explains
+# how to read it), now at stage 3: each Linear is a unit, and the parameters row is what is gathered
+# at that moment.
 #
-# What to look for: between uses a rank holds only its *parameter shard*; the parameters row is
-# empty except while a unit (here each Linear) is gathered. Each unit is all-gathered for its
+# What to look for: between uses a rank holds only its *parameter shard* (phase [0]: the
+# parameters row is empty, every rank holds partition r of each unit); the parameters row fills only
+# while a unit is gathered. Each unit is all-gathered for its
 # forward and freed, gathered again for its backward, its gradients reduce-scattered into the
 # gradient shard, and freed. The step updates the shard in place and nothing is gathered after it:
 # the next forward gathers what it needs. (Prefetch is off here, so each gather is its own phase;
@@ -74,69 +68,68 @@ stepthrough.check(steps)       # every phase against one process stepping all 12
 print(plots.step_table(steps))           # every phase: each buffer that changed, on every rank
 
 # %% [markdown]
-# Press play or drag the slider through the phases. A menu records the step again with another
-# setting (one launch, about a second; each setting is kept once computed).
+# Play or drag through the phases; below each, the function of minizero that produced it, its line
+# marked.
 
 # %%
 plots.step_widget(steps, stage=[0, 1, 2, 3], world_size=[2, 3, 4])
 
 # %% [markdown]
-# ## The code every rank runs
+# ### The lines that did it
 #
-# `minizero.launch(fn, N, *args)` starts N processes, joins them into one process group and calls
-# `fn(*args)` on each; a process can import a file but not a notebook cell, so the next cell
-# *writes* the worker to `zero3_ranks.py` next to this notebook. Edit it and run both cells again:
-# the ranks import the new file. `minizero.wrap(model, 3, ...)` is stage 3: `engine(x)` all-gathers
-# each unit just before it runs and frees it after; `engine.backward(loss)` gathers each unit again
-# for its backward and reduce-scatters its gradients; `engine.step()` steps this rank's shard only.
+# Stage 3's unit (`minizero/unit.py`): `gather` allocates the unit's full buffer and all-gathers
+# every rank's shard into it (the all-gather phases above), `free` gives the storage back, 0 bytes,
+# the shape kept (the free phases), and `post_backward` reduce-scatters the unit's gradients, stage
+# 2's `reduce_scatter_grads`, then frees it. The module's forward pre-hook calls `pre_forward`
+# (gather, prefetch the next), its forward hook `post_forward` (free). Read from the file now:
 
 # %%
-# %%writefile zero3_ranks.py
-"""What every rank of notebooks/04_zero3.ipynb runs (that notebook writes this file)."""
-import functools
+from minizero.lab import source
+from minizero.unit import Unit
 
-import torch
+source.show(Unit.gather, Unit.free, Unit.post_forward, Unit.post_backward,
+            mark=("all_gather(", "resize_(", "self.free()", "reduce_scatter_grads()"))
 
-import minizero
-from minizero import comm
-from minizero.lab.data import global_batch, local_batch
-from minizero.lab.model import GPTConfig, make_model
-from minizero.lab.train import loss_fn
-
-
-def train(model, prefetch, steps=3, batch_size=24):
-    cfg = GPTConfig.named(model)
-    net = make_model(cfg, seed=0)                 # the same initial weights on every rank
-    engine = minizero.wrap(net, 3, functools.partial(torch.optim.AdamW, lr=1e-3),
-                           prefetch=prefetch)
-    for step in range(steps):
-        comm.reset_tally()                        # count this step's bytes only
-        x, y = global_batch(step, batch_size, cfg.block_size)        # one global batch ...
-        x, y = local_batch(x, y, comm.rank(), comm.world_size())     # ... this rank's rows of it
-        loss = loss_fn(engine(x), y)
-        engine.backward(loss)       # each unit gathered again, its gradients reduce-scattered
-        engine.step()               # my shard only: nothing to gather after it
-    return {"rank": comm.rank(), "loss": loss.item(), "memory": engine.memory(),
-            "sent": comm.tally()["total"]}
+# %% [markdown]
+# ## The code every rank runs
+#
+# The worker of notebook 01, [`ranks.py`](ranks.py), at stage 3 with `prefetch`. Besides rank 0's
+# bytes, the cell sizes the units in this process (the model built here only to count them), to
+# say what the peak of the parameters consists of.
 
 # %%
 import importlib
 
 import minizero
+from minizero.lab.model import GPTConfig, make_model
 
-import zero3_ranks
+import ranks
 
-importlib.reload(zero3_ranks)          # this kernel reads the file again too
-N, PREFETCH = 2, True                # ranks; gather the next unit while this one computes
-for r in minizero.launch(zero3_ranks.train, N, MODEL, PREFETCH, backend=BACKEND):
+importlib.reload(ranks)               # your edits to ranks.py, in this kernel too
+N, OPTIONS = 2, {"prefetch": True}    # ranks; gather the next unit while this one computes
+net = make_model(GPTConfig.named(MODEL))                   # here only to size the units (fp32)
+block = 4 * sum(p.numel() for p in net.blocks[0].parameters())           # one block's unit
+whole = 4 * sum(p.numel() for p in net.parameters())                     # 4Ψ, the tied weight once
+root = whole - block * len(net.blocks)      # the root unit: embeddings, final LayerNorm, the head
+for r in minizero.launch(ranks.train, N, 3, MODEL, OPTIONS, backend=BACKEND):
     m = r["memory"]
-    print(f"rank {r['rank']}: loss {r['loss']:.4f}, params {m['params']:,} B, "
+    gathered = m["peak_params"] - m["params"]
+    print(f"rank {r['rank']}: loss {r['losses'][-1]:.4f}, params {m['params']:,} B (the shard), "
           f"grads {m['grads']:,} B, optimizer {m['optimizer']:,} B, "
-          f"parameters at most {m['peak_params']:,} B, sent {r['sent']:,.0f} B in the last step")
+          f"sent {r['sent']:,.0f} B in the last step\n"
+          f"    parameters at most {m['peak_params']:,} B = the shard + {gathered:,} B gathered "
+          f"at once: the root unit ({root:,} B) + {(gathered - root) / block:.2f} blocks of "
+          f"{block:,} B; the whole model is {whole:,} B")
 
 # %% [markdown]
-# Change `N`: every category is 1/N. Set `PREFETCH = False`: the parameters' peak falls by about one
-# unit.
+# The peak of the parameters is the shard plus what is gathered at once: the root unit, which stays
+# gathered through the whole forward and again through the whole backward (the model is its
+# module: its hooks fire first and last), the block computing, and with prefetch the next block. At
+# N = 2 with 4 blocks that can exceed the whole model: half the model in the shard, plus the root
+# and two of the four blocks. Stage 3 pays off as N and the number of units grow: the shard is
+# 4Ψ/N, the gathered part stays about two units whatever N. Change `N` to 4: every category is
+# 1/N, the gathered part does not move. Set `OPTIONS = {"prefetch": False}`: one block fewer. (The
+# optimizer's few bytes over 2 × 4Ψ/N are AdamW's step counts, 4 bytes per unit: notebook 01.)
 #
 # ### A unit's storage, in this process
 #
@@ -145,8 +138,7 @@ for r in minizero.launch(zero3_ranks.train, N, MODEL, PREFETCH, backend=BACKEND)
 # own on the last unit: the bytes of its weight's storage before the forward, while the unit runs
 # and after. The engine's own hooks, registered first, gather before ours and free before our
 # post-hook sees it. Change `UNITS` to `[model[0], model[2]]` (the last Linear then belongs to the
-# model's root unit, which stays gathered from the first forward to the end of backward) and run it
-# again.
+# model's root unit, which stays gathered through the whole forward) and run it again.
 
 # %%
 import functools
@@ -175,13 +167,17 @@ for when, nbytes in seen:
     print(f"{when:>15}: model[4].weight's storage holds {nbytes} bytes")
 
 # %% [markdown]
+# 32 bytes while the unit runs: the weight is a view of the unit's whole gathered buffer, the
+# weight's 3 × 2 and the bias's 2 fp32 elements. 4 bytes otherwise, not 0: a released parameter
+# points at one NaN element shared by every absent parameter of that dtype (`absent_like` in
+# `minizero/unit.py`), so that reading it gives NaN instead of freed memory (notebook 09, section
+# 2). Its shape stays (3 × 2 here) and so does `numel()`.
+
+# %% [markdown]
 # ## Run it
 #
-# Now at every world size, measured: one `minizero.launch` per N runs
-# `minizero.lab.train.train_worker` on every rank, the loop of the worker above plus what `python -m
-# minizero.run` measures (memory by category, bytes sent, step times). Every run is compared with
-# `minizero.lab.reference.reference_train`: one process, the whole global batch, plain
-# `torch.optim`. Data parallelism must not change the result, only where the bytes live.
+# Every world size, measured against one process training on the whole batch, as in notebooks
+# 01-03: the same parameters, with every model-state category now 1/N per rank.
 
 # %%
 runs = demo.measure_stage(3, WORLD_SIZES, DTYPE, steps=STEPS, model=MODEL, backend=BACKEND)
@@ -193,11 +189,8 @@ for n, rec in runs.items():
 # %% [markdown]
 # ## Measured memory next to the formula
 #
-# `engine.memory()` counts the bytes of every tensor rank 0 holds, by category, at the end of the
-# last backward (optimizer state exists, gradients are complete). The black ticks are
-# `minizero.lab.report.theory`, i.e. `minizero.memory.estimate_breakdown` with this run's bytes per
-# element and K. The check below is the same comparison the plot shows: measured = formula, up to
-# the padding of each bucket to a multiple of N elements.
+# As in notebook 01: rank 0's bytes by category after the last backward (every unit freed by
+# then), the formula's ticks, the check. New here: the parameters bar falls with N too.
 
 # %%
 table = demo.memory_table(runs)          # what the plot draws, as rows
@@ -221,6 +214,14 @@ plots.memory_by_category(runs, "stage 3");
 # full parameters exist on rank 0. Without prefetch a unit is gathered when it is needed and the
 # computation waits; with prefetch the next unit's all-gather is already in flight while the current
 # one computes (hatched bars), at the cost of one more unit in memory.
+#
+# Read the bars for *when* each unit exists, not the two panels' lengths for speed. Here the
+# network is loopback between processes on the same cores: an all-gather of a unit takes about as
+# long as the Python around it, so prefetch has little waiting to hide. The prefetch-off step is
+# also recorded first, in the same processes, and the first configuration is slower: with the order
+# swapped, prefetch on took 100 ms and off 89 ms (measured on this project's 2-core machine, N =
+# 4). Notebook 08 runs stage 3 on a modelled network (`minizero/network.py`), where an all-gather
+# takes a real link's time and prefetch's overlap shows as time saved.
 
 # %%
 timelines = demo.zero3_timelines(max(WORLD_SIZES), model=MODEL, backend=BACKEND)   # one launch
@@ -267,12 +268,20 @@ for r in lora:
 plots.lora_memory(lora);
 
 # %% [markdown]
+# At N = 1 building under `sharded_init` holds a little *more* than building normally: one rank's
+# chunks are the whole model, and while a module is built its weight also exists in full until it
+# is partitioned (at the peak, one MLP weight of 32 × 128 fp32 elements: 16 kB here, against the
+# finished model's count for the normal build). From N = 2 the chunks are 1/N of the model, and
+# that saving outgrows the one module in construction.
+
+# %% [markdown]
 # ## What to try
 #
 # In the step-through, count the collectives per unit at stage 3 (two all-gathers, one
 # reduce-scatter: the 3Ψ) against stage 2 (one reduce-scatter per bucket and one all-gather after
 # the step: 2Ψ). In the unit timeline, compare the peak parameters with prefetch on and off; in the
-# worker cell, set `PREFETCH = False` and see the same difference in `peak_params` on every rank. In
+# worker cell, set `OPTIONS = {"prefetch": False}` and see the same difference in `peak_params` on
+# every rank. In
 # the LoRA section, change the world sizes and watch the frozen parameters shrink as 1/N. Then do
 # exercise 7: the four hooks that gather, free and reduce-scatter a unit; then exercise 8,
 # the capstone.

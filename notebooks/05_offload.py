@@ -52,16 +52,9 @@ BACKEND, WORLD_SIZES = demo.backend_and_world_sizes()   # gloo on CPU; NCCL with
 # %% [markdown]
 # ## One step, rank by rank
 #
-# A model small enough to read every number: `Linear(2, 3)`, tanh, `Linear(3, 2)`, Ψ = 17 parameters
-# (none of N = 2, 3, 4 divides 17, so the flat buffer is padded), SGD with momentum 0.9 and lr 0.1
-# (the first step is $p - 0.1\,g$), 12 rows split over the ranks. `minizero.lab.stepthrough.record`
-# wraps it with `minizero.wrap`, trains one step on N processes and records what every rank holds
-# after each phase, read from the engine's own buffers. Each buffer is a grid: a row per rank, a
-# column per element of the padded flat buffer (the parameter each element belongs to is named on
-# top). Dashed lines: partition boundaries (partition r is rank r's); solid: bucket boundaries;
-# grey: padding; blank: the rank does not hold that element; bold and framed: changed in this phase.
-# (The recorder lets one bucket communicate at a time, so each collective is its own phase; minizero
-# overlaps two.)
+# The same tiny model, recorder and grid as in notebook 01 (its "One step, rank by rank" explains
+# how to read it), now at stage 2 with the optimizer offloaded: rows marked (host) live in host
+# memory.
 #
 # What to look for: with the optimizer offloaded, the master weights, the momentum and an fp32 copy
 # of the gradient partition live in host memory (the rows marked host). At the step, rank r copies
@@ -77,63 +70,48 @@ stepthrough.check(steps)       # every phase against one process stepping all 12
 print(plots.step_table(steps))           # every phase: each buffer that changed, on every rank
 
 # %% [markdown]
-# Press play or drag the slider through the phases. A menu records the step again with another
-# setting (one launch, about a second; each setting is kept once computed).
+# Play or drag through the phases; below each, the function of minizero that produced it, its line
+# marked.
 
 # %%
 plots.step_widget(steps, stage=[1, 2, 3], world_size=[2, 3, 4], offload=[True, False])
 
 # %% [markdown]
-# ## The code every rank runs
+# ### The lines that did it
 #
-# `minizero.launch(fn, N, *args)` starts N processes, joins them into one process group and calls
-# `fn(*args)` on each; a process can import a file but not a notebook cell, so the next cell
-# *writes* the worker to `offload_ranks.py` next to this notebook. Edit it and run both cells again:
-# the ranks import the new file. `minizero.wrap(model, 2, ..., offload="optimizer")` keeps the
-# optimizer on the host: `engine.step()` copies this rank's gradient partition down, steps the
-# host's fp32 master weights and copies the updated partition up.
+# Offload changes only where the optimizer's tensors live and two copies (`minizero/offload.py`,
+# `minizero/optim.py`): `HostShardOptimizer._grads_for_masters` copies this rank's averaged
+# gradient partition into host buffers (*gradients (host)*), `ShardOptimizer.step` steps the host's
+# fp32 masters and copies each updated partition back into the device parameters, which stage 2's
+# all-gather then shares. Read from the files now:
 
 # %%
-# %%writefile offload_ranks.py
-"""What every rank of notebooks/05_offload.ipynb runs (that notebook writes this file)."""
-import functools
+from minizero.lab import source
+from minizero.offload import HostShardOptimizer
+from minizero.optim import ShardOptimizer
 
-import torch
+source.show(HostShardOptimizer._grads_for_masters, ShardOptimizer.step,
+            mark=("host.copy_(", "self.optimizer.step()", "part.copy_("))
 
-import minizero
-from minizero import comm
-from minizero.lab.data import global_batch, local_batch
-from minizero.lab.model import GPTConfig, make_model
-from minizero.lab.train import loss_fn
-
-
-def train(model, offload, dtype, steps=3, batch_size=24):
-    cfg = GPTConfig.named(model)
-    net = make_model(cfg, seed=0)                 # the same initial weights on every rank
-    engine = minizero.wrap(net, 2, functools.partial(torch.optim.AdamW, lr=1e-3),
-                           offload=offload, dtype=dtype)
-    for step in range(steps):
-        comm.reset_tally()                        # count this step's bytes only
-        x, y = global_batch(step, batch_size, cfg.block_size)        # one global batch ...
-        x, y = local_batch(x, y, comm.rank(), comm.world_size())     # ... this rank's rows of it
-        loss = loss_fn(engine(x), y)
-        engine.backward(loss)       # the gradient shard, as in stage 2
-        engine.step()               # copy down, step on the host, copy up, all-gather
-    return {"rank": comm.rank(), "loss": loss.item(), "memory": engine.memory(),
-            "sent": comm.tally()["total"]}
+# %% [markdown]
+# ## The code every rank runs
+#
+# The worker of notebook 01, [`ranks.py`](ranks.py), at stage 2 with `offload="optimizer"`: the same
+# loop, the engine keeps the optimizer on the host.
 
 # %%
 import importlib
 
 import minizero
 
-import offload_ranks
+import ranks
 
-importlib.reload(offload_ranks)          # this kernel reads the file again too
+importlib.reload(ranks)               # your edits to ranks.py, in this kernel too
 N, OFFLOAD = 2, "optimizer"          # ranks; False: the optimizer stays on the device
-for r in minizero.launch(offload_ranks.train, N, MODEL, OFFLOAD, DTYPE, backend=BACKEND):
+for r in minizero.launch(ranks.train, N, 2, MODEL, {"offload": OFFLOAD, "dtype": DTYPE},
+                         backend=BACKEND):
     m = r["memory"]
-    print(f"rank {r['rank']}: loss {r['loss']:.4f}, params {m['params']:,} B, "
+    print(f"rank {r['rank']}: loss {r['losses'][-1]:.4f}, params {m['params']:,} B, "
           f"grads {m['grads']:,} B, optimizer {m['optimizer']:,} B, host {m['offloaded']:,} B, "
           f"sent {r['sent']:,.0f} B in the last step")
 
@@ -146,8 +124,8 @@ for r in minizero.launch(offload_ranks.train, N, MODEL, OFFLOAD, DTYPE, backend=
 #
 # The same accounting on one process (N = 1): `engine.memory()` after one step, with the optimizer
 # on the device and offloaded. Offloaded, the host holds the fp32 master weights, Adam's two moments
-# and the fp32 gradient partition it steps on: (K + 4)Ψ/N bytes; the device holds no optimizer
-# state.
+# and the fp32 gradient partition it steps on: (K + 4)Ψ/N bytes, plus AdamW's 4-byte step count
+# (notebook 01); the device holds no optimizer state.
 
 # %%
 import functools

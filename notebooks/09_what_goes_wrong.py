@@ -159,7 +159,7 @@ import torch
 
 from minizero.lab.model import GPTConfig, make_model
 
-model = make_model(GPTConfig.named(MODEL))
+model = make_model(GPTConfig.named(MODEL, n_layer=N_LAYER))
 engine = minizero.wrap(model, 3, functools.partial(torch.optim.SGD, lr=0.1))   # here: N = 1
 w = model.blocks[0].ln1.weight
 held = sum(unit.held_bytes() for unit in engine.units)              # every unit released
@@ -201,8 +201,16 @@ with torch.no_grad(), events.recorded("collective") as log:
     for token in range(TOKENS):                     # one "generation" forward per new token
         engine(x)
 gathers = [fields for _, _, fields in log if fields["kind"] == "all_gather" and fields["numel"]]
-print(f"{len(gathers)} all-gathers for {TOKENS} forwards of {len(engine.units)} units:",
-      [fields["tag"] for fields in gathers[:len(engine.units)]])
+print(f"{len(gathers)} all-gathers for {TOKENS} forwards of {len(engine.units)} units; "
+      "the first forward's, in the order it gathers them:")
+print([fields["tag"] for fields in gathers[:len(engine.units)]])
+
+# %% [markdown]
+# The tags count the units as minizero counts its gradient buckets, in the order backward completes
+# them: unit 0 is the last block, the root unit (embeddings, final LayerNorm, head) the last one,
+# so forward gathers them from the highest number down. The from-scratch stage 3 of notebook 04's
+# capstone exercise numbers them in forward order instead (`units[0]` is the root): the same units,
+# counted from the other end.
 
 # %% [markdown]
 # **What to try**
@@ -211,10 +219,10 @@ print(f"{len(gathers)} all-gathers for {TOKENS} forwards of {len(engine.units)} 
 #   stage and a hang at the other.
 # - `WORLD_SIZE = 3`: the verdict now names the odd rank out by majority, not against rank 0.
 # - A rank that never issues the collective: write a worker that sleeps on rank 1 before its
-#   forward (a `%%writefile` cell, as in notebooks 01-05) and launch it with `stall_timeout=5`:
-#   the watchdog names the rank that never arrived.
+#   forward (in a file of its own next to the notebook, as notebooks/ranks.py is for 01-05) and
+#   launch it with `stall_timeout=5`: the watchdog names the rank that never arrived.
 # - The same verdict from the command line: `MINIZERO_FAIL_RANK=1 MINIZERO_FAIL_STEP=1
 #   MINIZERO_FAIL_MODE=skip-block MINIZERO_FAIL_BLOCK=1 python -m minizero.run --stage 3
 #   --world-size 2 --model tiny` (the tiny model has blocks 0 and 1).
-# - Count the all-gathers of section 3 with `TOKENS = 10`, then with a model of more blocks
-#   (`make_model(GPTConfig.named(MODEL, n_layer=8))`): T·U, both ways.
+# - Count the all-gathers of section 3 with `TOKENS = 10`, then with more blocks (`N_LAYER = 8` in
+#   the first cell): T·U, both ways.

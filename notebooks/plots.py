@@ -207,6 +207,8 @@ def unit_timeline(timelines: dict, intervals: dict):
         Patch(color="tab:red", alpha=0.75, label="gathered for backward"),
         Patch(facecolor="white", hatch="//", edgecolor="black", label="started by a prefetch")]
     axes[1].legend(handles=handles, fontsize=7, loc="lower right")
+    fig.suptitle("When each unit exists, on loopback: the steps' lengths are not prefetch's doing "
+                 "(see the text; notebook 08 models a network)", fontsize=9)
     fig.tight_layout()
     return fig
 
@@ -363,7 +365,7 @@ def lora_memory(rows: list[dict]):
     _formula_ticks(mem, xs + 0.2, [r["formula"] / KB for r in rows], 0.4, label="(Ψ + Ψ_f)·4/N")
     mem.set_xticks(xs, [f"N = {n}" for n in ns])
     mem.set(ylabel="parameter bytes per rank (kB)", title="LoRA: the frozen base is sharded too")
-    mem.legend(fontsize=7, loc="upper right")
+    _legend_above_bars(mem)
     build.bar(xs - 0.2, [r["construction_peak"]["normal"] / KB for r in rows], 0.4, color="0.6",
               label="built normally: the whole model")
     build.bar(
@@ -377,9 +379,16 @@ def lora_memory(rows: list[dict]):
     build.set(
         ylabel="parameter bytes held while building (kB)", title="Building the model, per rank"
     )
-    build.legend(fontsize=7, loc="upper right")
+    _legend_above_bars(build)
     fig.tight_layout()
     return fig
+
+
+def _legend_above_bars(ax, room: float = 1.45):
+    """The legend in headroom above the tallest bar (the y range grown by `room`), never over a
+    bar."""
+    ax.set_ylim(0, ax.get_ylim()[1] * room)
+    ax.legend(fontsize=7, loc="upper right")
 
 
 def moved_run(rec: dict):
@@ -570,6 +579,18 @@ def _boundaries(steps: dict) -> list[tuple[int, str]]:
     return out
 
 
+def _ran(where: dict | None) -> str:
+    """'  <- minizero/unit.py:141 Unit.free': the line of minizero a phase came from."""
+    return "" if where is None else f"  <- {where['file']}:{where['line']} {where['function']}"
+
+
+def phase_code(where: dict | None, title: str = ""):
+    """The function of minizero that produced a phase, read from its file now, its line marked
+    (minizero.lab.source.Code; shown highlighted in a notebook)."""
+    from minizero.lab.source import Code
+    return None if where is None else Code(where["file"], where["line"], title=title)
+
+
 def step_table(steps: dict) -> str:
     """Every phase as text: each buffer that changed, one line per rank (· not held, pad: padding,
     | a partition boundary, ‖ a bucket boundary). The static view of the step-through."""
@@ -581,7 +602,7 @@ def step_table(steps: dict) -> str:
         return sep + ("     ·" if v is None else "   pad" if j in pad else f"{v:6.2f}")
 
     for k, phase in enumerate(steps["phases"]):
-        lines.append(f"[{k}] {phase['label']}")
+        lines.append(f"[{k}] {phase['label']}{_ran(phase.get('source'))}")
         for name in phase["ranks"][0]:
             rows = [rank[name] for rank in phase["ranks"]]
             if previous is not None and rows == [rank[name] for rank in previous["ranks"]]:
@@ -684,10 +705,12 @@ def step_grid(steps: dict, phase: int):
     return fig
 
 
-def stepper(first, compute, draw, count, choices: dict, key: tuple, play_ms: int = 2000):
+def stepper(first, compute, draw, count, choices: dict, key: tuple, play_ms: int = 2000,
+            caption=None):
     """An ipywidgets control, returned for the cell to show: a Dropdown per entry of `choices`
     (name -> options, `key` the setting of `first`; a new setting calls compute(**setting), cached),
-    a Play button and a slider over draw(result, i) for i < count(result)."""
+    a Play button and a slider over draw(result, i) for i < count(result); below each figure
+    caption(result, i), if given and not None (the code that produced it)."""
     import ipywidgets as w
     from IPython.display import display
     cache, current = {key: first}, {"result": first}
@@ -704,6 +727,9 @@ def stepper(first, compute, draw, count, choices: dict, key: tuple, play_ms: int
             fig = draw(current["result"], slider.value)
             display(fig)
             plt.close(fig)
+            shown = caption(current["result"], slider.value) if caption else None
+            if shown is not None:
+                display(shown)
 
     def choose(*_):
         setting = tuple(d.value for d in drops.values())
@@ -731,11 +757,18 @@ def stepper(first, compute, draw, count, choices: dict, key: tuple, play_ms: int
 def step_widget(steps: dict, **choices):
     """The step-through, interactive: Play or drag over the phases; each Dropdown (a StepConfig
     field -> its options, e.g. stage=[0, 1, 2, 3], world_size=[2, 3, 4]) records the step again with
-    that setting (one launch, ~1 s; cached)."""
+    that setting (one launch, ~1 s; cached). Below each phase: the function of minizero that
+    produced it, its line marked."""
     from minizero.lab.stepthrough import StepConfig, record
     cfg = steps["config"]
+
+    def code(s, k):
+        phase = s["phases"][k]
+        return phase_code(phase["source"], f"phase {k} ran {_ran(phase['source'])[5:]}")
+
     return stepper(steps, lambda **setting: record(StepConfig(**{**cfg, **setting})), step_grid,
-             lambda s: len(s["phases"]), choices, tuple(cfg[name] for name in choices))
+                   lambda s: len(s["phases"]), choices, tuple(cfg[name] for name in choices),
+                   caption=code)
 
 
 def ring_table(ring: dict) -> str:
@@ -826,5 +859,12 @@ def ring_widget(ring: dict, world_sizes=(2, 3, 4)):
     """The ring, interactive: Play or drag over the 2(N-1) exchanges; the Dropdown runs it on
     another N."""
     from minizero.lab.stepthrough import ring as run_ring
+
+    def code(rg, s):                # the exchange that comes next, in comm.ring_all_reduce
+        if s >= len(rg["sources"]):
+            return None
+        return phase_code(rg["sources"][s], f"exchange {s + 1} runs {_ran(rg['sources'][s])[5:]}")
+
     return stepper(ring, lambda world_size: run_ring(world_size, ring["numel"]), ring_grid,
-             lambda rg: len(rg["states"]), {"world_size": list(world_sizes)}, (ring["world_size"],))
+                   lambda rg: len(rg["states"]), {"world_size": list(world_sizes)},
+                   (ring["world_size"],), caption=code)

@@ -4,6 +4,7 @@ on sys.path)."""
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -277,3 +278,14 @@ def _injected_overflow(stage: int, stages, steps: tuple, loss_scale: dict, n_ste
         "adam_steps": adam_steps,
         "state": after,
     }
+
+
+def exit_leaving_the_pipe_open(seconds: float) -> None:
+    """Rank 0 starts a process that outlives it holding every inherited descriptor (the result
+    pipe's writing end among them) for `seconds`, then exits without a word; the others return."""
+    if comm.rank() != 0:
+        return None
+    if os.fork() == 0:
+        time.sleep(seconds)
+        os._exit(0)
+    os._exit(3)

@@ -371,7 +371,7 @@ def test_notebook_runs_in_jupyterlab_and_its_widgets_work(browser, lab, evidence
 
 
 def test_a_stage_notebook_runs_in_jupyterlab(browser, lab, evidence_dir):
-    """Its %%writefile worker is imported by the launched ranks from the folder
+    """Its worker, notebooks/ranks.py, is imported by the launched ranks from the folder
     JupyterLab serves."""
     log = {"jupyterlab.log": lab["log"]}
     with screenshots_on_failure(browser, STAGE_NOTEBOOK, evidence_dir, log):

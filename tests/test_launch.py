@@ -3,7 +3,7 @@
 import time
 
 import pytest
-from _workers import raise_on, rank_and_size
+from _workers import exit_leaving_the_pipe_open, raise_on, rank_and_size
 
 import minizero
 
@@ -32,6 +32,16 @@ def test_a_raising_rank_is_named_and_no_process_is_left(tmp_path):
     ]
     assert pids, "the workers never started"
     assert not [p for p in pids if _alive(p)], "worker processes outlived launch()"
+
+
+def test_a_rank_gone_whose_pipe_stays_open_is_named_not_waited_for():
+    """A rank exits without a result while a process it started keeps its pipe open (no EOF will
+    come): launch names it within seconds instead of waiting for that process (a notebook once sat
+    15 minutes with no rank left). Seen failing: without the check it took the whole 20 s."""
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 0 failed: process died \(exit code 3\).*pipe"):
+        minizero.launch(exit_leaving_the_pipe_open, 2, 20.0)
+    assert time.monotonic() - start < 12
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, "4"])

@@ -26,7 +26,7 @@ import sys
 
 import pytest
 
-from minizero.lab import stepthrough
+from minizero.lab import source, stepthrough
 from minizero.lab.reference import tolerance
 from minizero.lab.train import state_bytes
 from minizero.memory import (
@@ -168,22 +168,48 @@ def test_every_notebook_has_a_control_and_ends_with_what_to_try():
         assert last.source.startswith(("## What to try", "**What to try**")), path.name
 
 
+# what the stage notebook launches notebooks/ranks.py with, and what it shows of minizero's source
+STAGE_CODE = {"01_ddp": (0, "DDP._all_reduce_bucket"), "02_zero1": (1, "Zero1._grad_parts"),
+              "03_zero2": (2, "Zero2.reduce_scatter_grads"), "04_zero3": (3, "Unit.gather"),
+              "05_offload": (2, "HostShardOptimizer._grads_for_masters")}
+
+
 @pytest.mark.parametrize("name", STAGE_NOTEBOOKS)
 def test_a_stage_notebook_shows_the_mechanism_in_its_cells(name):
-    """A %%writefile cell is the worker the ranks run (wrap, backward, step, memory); another cell
-    launches it; and a cell builds the stage's buffers in this process (minizero.flat or
-    minizero.wrap)."""
+    """The ranks run the one shared worker, notebooks/ranks.py (wrap, backward, step, memory), at
+    notebook's stage; a cell shows the stage's own lines read from minizero's files
+    (source.show), not a copy; and a cell builds the stage's buffers in this process
+    (minizero.flat or minizero.wrap)."""
     code = [c.source for c in nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4).cells
             if c.cell_type == "code"]
-    workers = [src for src in code if src.startswith("%%writefile")]
-    assert len(workers) == 1, f"{name}: {len(workers)} worker cells"
+    assert not any(src.startswith("%%writefile") for src in code), f"{name}: a worker copy"
+    worker = (NOTEBOOKS / "ranks.py").read_text()
     for call in ("minizero.wrap(", ".backward(", ".step()", ".memory()"):
-        assert call in workers[0], f"{name}: the worker does not call {call}"
-    module = workers[0].split()[1].removesuffix(".py")
-    assert any(f"minizero.launch({module}." in src for src in code), f"{name}: {module} unused"
+        assert call in worker, f"ranks.py does not call {call}"
+    stage, shown = STAGE_CODE[name]
+    assert any(re.search(rf"minizero\.launch\(ranks\.train, N, {stage}\b", src) for src in code), (
+        f"{name}: no launch of ranks.train at stage {stage}")
+    shows = [src for src in code if "source.show(" in src]
+    assert any(shown.split(".")[1] in src for src in shows), f"{name}: {shown} not shown"
     in_process = re.compile(r"FlatLayout\.build\(|minizero\.wrap\(")
     assert any(in_process.search(src) and "minizero.launch" not in src and not src.startswith("%%")
                for src in code), f"{name}: no in-process cell"
+
+
+def test_stage_notebooks_say_what_is_new_not_the_same_paragraphs():
+    """No paragraph of more than 200 characters appears in two stage notebooks: each says what its
+    stage changes and points to notebook 01 for what they share."""
+    seen: dict[str, str] = {}
+    for name in STAGE_NOTEBOOKS:
+        nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+        for cell in nb.cells:
+            if cell.cell_type != "markdown":
+                continue
+            for paragraph in cell.source.split("\n\n"):
+                text = " ".join(paragraph.split())
+                if len(text) > 200:
+                    assert text not in seen, f"{name} repeats {seen[text]}: {text[:80]}..."
+                    seen[text] = name
 
 
 EDITED_WORKER = """
@@ -205,9 +231,9 @@ if __name__ == "__main__":
 
 
 def test_an_edited_worker_cell_reaches_the_ranks(tmp_path):
-    """A %%writefile worker launched first in a kernel, edited, launched again: the ranks run the
-    edit (a forkserver that preloaded the first version would hand every later rank the stale
-    module)."""
+    """A worker file (as notebooks/ranks.py) launched first in a kernel, edited, launched again:
+    the ranks run the edit (a forkserver that preloaded the first version would hand every later
+    rank the stale module)."""
     (tmp_path / "kernel.py").write_text(EDITED_WORKER)
     env = {
         **os.environ,
@@ -318,10 +344,66 @@ def check_steps(steps: dict, notebook: int) -> None:
             phase["kind"] != "all_reduce_across"
             or phase["ranks"] != steps["phases"][k - 1]["ranks"]
         ), k
+    check_sources(steps)
     if notebook == 5:
         assert cfg["offload"] and any("(host)" in name for name in steps["phases"][-1]["ranks"][0])
     if notebook == 7:
         assert cfg["checkpointing"] and max(max(p["activations"]) for p in steps["phases"]) > 0
+
+
+# what the line a phase names must call, by the phase's kind (the collective's name in the stage's
+# call of it, a free's resize_(0) in the function shown)
+CALLS = {"all_reduce": "all_reduce(", "all_reduce_across": "all_reduce(",
+         "reduce_scatter": "reduce_scatter(", "ready": ("reduce_scatter(", "all_reduce("),
+         "all_gather": "all_gather("}
+
+
+def check_sources(steps: dict) -> None:
+    """Every phase names a line of minizero's implementation (not of lab/, events.py or comm.py's
+    plumbing) and the function the widget shows is the one that ran it: a collective's line calls
+    that collective; a free's function releases the storage (resize_(0)); the step's calls the
+    optimizer."""
+    for k, phase in enumerate(steps["phases"]):
+        where = phase["source"]
+        assert where is not None, f"phase {k} ({phase['label']}) names no line"
+        assert where["file"].startswith("minizero/") and "/lab/" not in where["file"], where
+        assert pathlib.Path(where["file"]).name not in source.PLUMBING, where
+        code = source.Code(where["file"], where["line"])
+        assert code.function == where["function"], (where, code.function)
+        ran = code.lines[where["line"] - code.first]
+        if phase["kind"] in CALLS:
+            calls = CALLS[phase["kind"]]
+            assert any(c in ran for c in ((calls,) if isinstance(calls, str) else calls)), (
+                f"phase {k} ({phase['label']}): {where['file']}:{where['line']} is {ran.strip()!r}")
+        if phase["kind"] == "free":
+            assert any("resize_(0)" in line for line in code.lines), (k, code.function)
+        if phase["kind"] == "step":
+            assert any("optimizer.step(" in line for line in code.lines), (k, code.function)
+
+
+def test_shown_code_is_read_from_the_file_as_it_is_now(tmp_path):
+    """source.Code reads the function around a line from the file each time: an edit that moves
+    the function shows at once (no copy, no stale parse)."""
+    path = tmp_path / "edited.py"
+    path.write_text("def step():\n    return 1\n")
+    assert source.Code(str(path), 2).lines == ["def step():", "    return 1"]
+    path.write_text("import os\n\n\ndef step():\n    return 2\n")
+    code = source.Code(str(path), 5)
+    assert (code.function, code.first, code.lines[-1]) == ("step", 4, "    return 2")
+
+
+def test_each_phase_names_the_line_that_produced_it():
+    """The recorder walks the stack of each event to minizero's line (no copy of the source): at
+    stage 3 the all-gathers are Unit.gather's, the frees Unit.free's, the reduce-scatters the
+    stage's; the ring's exchanges are ring_all_reduce's two calls, phase 1's then phase 2's."""
+    steps = stepthrough.record(stepthrough.StepConfig(stage=3, world_size=2))
+    check_sources(steps)
+    functions = {p["kind"]: p["source"]["function"] for p in steps["phases"]}
+    assert functions["all_gather"] == "Unit.gather" and functions["free"] == "Unit.free"
+    ring = stepthrough.ring(3)
+    lines = [where["line"] for where in ring["sources"]]
+    assert {w["function"] for w in ring["sources"]} == {"ring_all_reduce"}, ring["sources"]
+    assert lines[:2] == [lines[0]] * 2 and lines[2:] == [lines[2]] * 2 and lines[0] < lines[2]
 
 
 def check_ring(ring: dict) -> None:
@@ -509,6 +591,7 @@ def test_a_widget_menu_computes_again_and_its_slider_follows(monkeypatch, capsys
             raise ValueError("five is refused")
         return {"n": n}
 
+    captions = []
     box = plots.stepper(
         {"n": 2},
         compute,
@@ -516,9 +599,10 @@ def test_a_widget_menu_computes_again_and_its_slider_follows(monkeypatch, capsys
         lambda result: result["n"],
         {"n": [2, 3, 5]},
         (2,),
+        caption=lambda result, i: captions.append((result["n"], i)),
     )
     (menu,), (play, slider) = box.children[0].children, box.children[1].children
-    assert slider.max == 1 and calls == []
+    assert slider.max == 1 and calls == [] and captions == [(2, 0)]   # the code under the figure
     menu.value = 3
     assert calls == [3] and slider.max == play.max == 2
     menu.value = 2

@@ -26,6 +26,9 @@ def gather(unit) -> None:
 
 
 def free(unit) -> None:
+    handle = _in_flight.pop(unit, None)              # never free a buffer an all-gather is writing
+    if handle is not None:
+        handle.wait()
     # 0 bytes held, shape kept (minizero then points the parameters away: unit.point_params)
     unit.full.untyped_storage().resize_(0)
 

@@ -19,7 +19,9 @@ class Unit:
         self.params = params
         numel = sum(p.numel() for p in params)
         self.size = -(-numel // n)                                  # Ψ_u / N, padding included
-        self.full = torch.zeros(self.size * n)                      # [Ψ_u padded]
+        # on the collectives' device (NCCL: this rank's GPU), in the parameters' dtype
+        self.like = {"dtype": params[0].dtype, "device": comm.device()}
+        self.full = torch.zeros(self.size * n, **self.like)         # [Ψ_u padded]
         offset = 0
         # lay out, then point p into the buffer
         for p in params:
@@ -27,7 +29,7 @@ class Unit:
             p.data = self.full[offset: offset + p.numel()].view_as(p)
             offset += p.numel()
         self.shard = self.full[r * self.size: (r + 1) * self.size].clone()    # mine, kept
-        self.grad_shard = torch.zeros(self.size)
+        self.grad_shard = torch.zeros(self.size, **self.like)
         # the all-gather in flight, if any
         self.handle = None
         # params whose gradient is complete
@@ -48,11 +50,14 @@ class Unit:
             self.handle = None
 
     def free(self) -> None:
+        if self.handle is not None:          # never free a buffer an all-gather is still writing
+            self.handle.wait()
+            self.handle = None
         self.full.untyped_storage().resize_(0)
 
     def reduce_scatter(self) -> tuple:
         """Stage the gradients end to end, free them, start averaging partition r onto rank r."""
-        staging = torch.zeros(self.full.numel())
+        staging = torch.zeros(self.full.numel(), **self.like)
         offset = 0
         for p in self.params:
             if p.grad is not None:                                  # None: unused this step, zeros

@@ -7,8 +7,8 @@ figure and the test).
     runs[4]["max_abs_diff"], runs[4]["ranks"][0]["memory"], runs[4]["theory"]
 
 Every launched rank imports the function it runs by module name, and a notebook's cells are no
-module: the workers of these longer experiments live here; the short worker each stage notebook
-shows is a `%%writefile` cell that writes a module next to the notebook.
+module: the workers of these longer experiments live here; the short worker the stage notebooks
+launch is notebooks/ranks.py, a file a learner edits.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import functools
 import os
 import statistics
 import time
+import warnings
 
 import torch
 
@@ -308,9 +309,14 @@ def lora_worker(n_embd: int = 32, n_layer: int = 4) -> dict:
                     eos_token_id=None,
                 )
             )
-            model = get_peft_model(
-                base, LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True)
-            )
+            with warnings.catch_warnings():
+                # peft reads model.is_gradient_checkpointing, which transformers 5 deprecates: a
+                # FutureWarning per call about peft's code, nothing this run can change
+                warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated",
+                                        FutureWarning)
+                model = get_peft_model(
+                    base, LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True)
+                )
         counts = {
             t: sum(p.numel() for p in model.parameters() if p.requires_grad == t)
             for t in (True, False)

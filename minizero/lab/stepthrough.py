@@ -29,6 +29,12 @@ with nothing in the engine replaced:
   * stage 3: "unit freed" (its gathers are the all-gathers above), prefetch off;
   * "optimizer step", and the end of forward and of backward.
 None of it changes a value: `check` compares every phase with one process stepping the whole batch.
+
+Each phase also names the line of minizero that produced it ("source": file, line, function), found
+by walking the call stack of the event being observed (source.origin: the subscriber runs inside
+events.emit, so the emitting frame is on the stack): for a collective the stage's call to it, for a
+free Unit.free. The recorder's own snapshots (start, end of forward, end of backward) name the
+engine method that had just run. plots.step_widget shows that function with the line marked.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import torch
 from torch import nn
 
 from minizero import comm, events
+from minizero.lab import source
 from minizero.launcher import launch
 from minizero.wrap import check as check_settings
 from minizero.wrap import wrap
@@ -126,7 +133,9 @@ class _Recorder:
         units = getattr(self.engine, "_unit_of_bucket", None)
         return f"unit {units[b.index].name}" if units else f"bucket {b.index}"
 
-    def snap(self, label: str, kind: str, bucket=None) -> None:
+    def snap(self, label: str, kind: str, bucket=None, where: dict | None = None) -> None:
+        """Record every buffer now, as the end of a phase; `where`: the line of minizero that
+        produced it (source.origin or source.of)."""
         self.phases.append(
             {
                 "label": label,
@@ -134,6 +143,7 @@ class _Recorder:
                 "bucket": None if bucket is None else bucket.index,
                 "buffers": self.state(),
                 "activations": self.engine.activations.alive,
+                "source": where,
             }
         )
 
@@ -212,7 +222,7 @@ class _Recorder:
             yield
 
     def _on_event(self, name: str, fields: dict) -> None:
-        e = self.engine
+        e, where = self.engine, source.origin()       # the line of minizero that emitted it
         if name == "collective" and fields["kind"] in KINDS and fields["numel"]:
             b = self._bucket_of(fields["tensor"])
             self.issued[fields["seq"]] = (fields["kind"], fields["group"], b)
@@ -221,21 +231,24 @@ class _Recorder:
                     f"{self._name(b)}: its gradients are complete, each rank's from its own rows",
                     "ready",
                     b,
+                    where,
                 )
         elif name == "collective done" and fields["seq"] in self.issued:
-            self._after_collective(*self.issued.pop(fields["seq"]))
+            self._after_collective(*self.issued.pop(fields["seq"]), where)
         elif name == "unit freed" and fields["engine"] is e:
             self.snap(
                 f"free unit {fields['unit'].name}: only the shard is left",
                 "free",
                 fields["unit"].bucket,
+                where,
             )
         elif name == "optimizer step" and fields["engine"] is e:
             what = "its partition" if e.sharded else "every parameter (all ranks the same)"
-            self.snap(f"optimizer step: each rank updates {what}", "step")
+            self.snap(f"optimizer step: each rank updates {what}", "step", where=where)
 
-    def _after_collective(self, kind: str, group, b) -> None:
+    def _after_collective(self, kind: str, group, b, where: dict | None) -> None:
         e, name = self.engine, self._name(b)
+        snap = functools.partial(self.snap, where=where)
         if kind == "reduce_scatter":                   # only this rank's partition is defined now
             mine = self.owned(b)
             self.workspace += [(b.start, mine), (mine + b.shard_numel, b.start + b.padded_numel)]
@@ -244,25 +257,25 @@ class _Recorder:
         # ranks; None: all N
         within = "" if group is None else f" within each group of {group.size}"
         if kind == "all_reduce" and group is not None and group is e.replicate_group:
-            self.snap(
+            snap(
                 f"all-reduce {name} across the {group.size} shard groups: partition p of every "
                 f"group holds the average over all N ranks",
                 "all_reduce_across",
                 b,
             )
         elif kind == "all_reduce":
-            self.snap(
+            snap(
                 f"all-reduce {name}: every rank holds the average of all ranks' gradients", kind, b
             )
         elif kind == "reduce_scatter" and group is not None:
-            self.snap(
+            snap(
                 f"reduce-scatter {name}{within}: each rank's partition holds its group's average "
                 f"(the rest was workspace)",
                 kind,
                 b,
             )
         elif kind == "reduce_scatter":
-            self.snap(
+            snap(
                 f"reduce-scatter {name}: rank r's partition r holds the average (the rest was "
                 f"workspace)",
                 kind,
@@ -275,11 +288,11 @@ class _Recorder:
                 if group is not None and group is e.hpz_group
                 else ""
             )
-            self.snap(
+            snap(
                 f"all-gather {name} {when}{within}{hpz}: its full parameters on every rank", kind, b
             )
         else:
-            self.snap(
+            snap(
                 f"all-gather {name}{within}: every rank's updated partition, on every rank", kind, b
             )
 
@@ -296,15 +309,20 @@ def worker(cfg: StepConfig) -> dict:
     engine = wrap(tiny_model(cfg.seed), cfg.stage, _optimizer(cfg), offload=cfg.offload,
                   activation_checkpointing=cfg.checkpointing, **options)
     x, y = (t[r * cfg.rows // n: (r + 1) * cfg.rows // n] for t in global_batch(cfg))
-    rec = _Recorder(engine)
+    rec, kind = _Recorder(engine), type(engine)
     with rec.watching():
-        rec.snap("start: every rank holds rank 0's initial parameters", "start")
+        rec.snap("start: each rank holds only its parameter shard, partition r of every unit"
+                 if cfg.stage == 3 else "start: every rank holds rank 0's initial parameters",
+                 "start", where=source.of(getattr(kind, "_init_parameters", kind.__init__)))
         loss = nn.functional.mse_loss(engine(x), y)
-        rec.snap("forward: each rank on its own rows", "forward")
+        rec.snap("end of forward: each rank has its loss on its own rows; every unit was gathered "
+                 "for it and freed again (the phases above)" if cfg.stage == 3 else
+                 "end of forward: each rank has its loss on its own rows (nothing communicated)",
+                 "forward", where=source.of(kind.__call__))
         rec.in_backward = True
         engine.backward(loss)
         rec.in_backward = False
-        rec.snap("end of backward", "backward")
+        rec.snap("end of backward", "backward", where=source.of(kind.backward))
         engine.step()
     # The last phase against the engine's own result: full_state_dict all-gathers the masters.
     final, state = rec.phases[-1]["buffers"], engine.full_state_dict()
@@ -330,7 +348,8 @@ def worker(cfg: StepConfig) -> dict:
 
 def record(cfg: StepConfig = StepConfig(), backend: str = "gloo") -> dict:
     """One launch: {"config", "buckets", "segments", "padded", "partitioned", "phases":
-    [{"label", "kind", "bucket", "ranks": [rank r's buffers], "activations": [bytes per rank]}]};
+    [{"label", "kind", "bucket", "source": {"file", "line", "function"} of the minizero line that
+    produced it, "ranks": [rank r's buffers], "activations": [bytes per rank]}]};
     the end of backward is left out where it changed nothing on any rank (DDP: the last
     all-reduce ended it)."""
     # one line, no launch
@@ -352,6 +371,7 @@ def record(cfg: StepConfig = StepConfig(), backend: str = "gloo") -> dict:
                 "label": phase["label"],
                 "kind": phase["kind"],
                 "bucket": phase["bucket"],
+                "source": phase["source"],        # rank 0's: every rank runs the same code
                 "ranks": ranks,
                 "activations": activations,
             }
@@ -535,25 +555,30 @@ def ring_worker(numel: int) -> dict:
     it sends."""
     r = comm.rank()
     tensor = 10.0 * r + torch.arange(1, numel + 1, dtype=torch.float32)
-    inputs, states, sends = tensor.tolist(), [], []
+    inputs, states, sends, lines = tensor.tolist(), [], [], []
 
     def observed(name: str, fields: dict) -> None:
         if name == "ring exchange":
             states.append(fields["buffer"].tolist())        # the ring's padded buffer, as it is now
             sends.append(fields["send"])
+            # ring_all_reduce's call of the exchange (phase 1 or phase 2), not the helper's inside
+            lines.append(source.origin(skip=("events.py",),
+                                       skip_functions=("ring_all_reduce.<locals>.exchange",)))
     with events.subscribed(observed):
         comm.ring_all_reduce(tensor)
     padding = states[-1][numel:]                               # chunk sums of zeros stay zeros
-    return {"inputs": inputs, "states": states + [tensor.tolist() + padding], "sends": sends}
+    return {"inputs": inputs, "states": states + [tensor.tolist() + padding], "sends": sends,
+            "sources": lines}
 
 
 def ring(world_size: int, numel: int = 5, backend: str = "gloo") -> dict:
     """One launch: {"world_size", "numel", "chunk", "inputs": by rank, "states": [state before
     exchange s (the last: the result), by rank], "sends": [chunk each rank sends at exchange s,
-    by rank]}."""
+    by rank], "sources": [the line of comm.ring_all_reduce that ran exchange s]}."""
     per_rank = launch(ring_worker, world_size, numel, backend=backend)
     steps = len(per_rank[0]["sends"])
     return {"world_size": world_size, "numel": numel, "chunk": -(-numel // world_size),
+            "sources": per_rank[0]["sources"],
             "inputs": [p["inputs"] for p in per_rank],
             "states": [[p["states"][s] for p in per_rank] for s in range(steps + 1)],
             "sends": [[p["sends"][s] for p in per_rank] for s in range(steps)]}
