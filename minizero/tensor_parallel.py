@@ -216,6 +216,14 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: comm.Group,
 # Applying it to a model
 # --------------------------------------------------------------------------------------------------
 
+def group_of(model: nn.Module) -> comm.Group | None:
+    """The group `model` is split over (its first tensor-parallel layer's), or None: not split."""
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+            return module.group
+    return None
+
+
 class TiedVocabHead(nn.Module):
     """The head tied to a vocab-parallel embedding: this rank's V/M logits, f(x) E_i^T."""
 

@@ -355,3 +355,16 @@ def test_under_a_memory_cap_ddp_runs_out_and_stage_3_trains():
     assert stage3["formula"] <= stage3["above_baseline"] < report["cap_bytes"], stage3
     text = rss.format_rss_table(report)
     assert "DDP: rank" in text and "out of memory" in text and "trained in" in text
+
+
+def test_stage_3_on_a_mesh_runs_next_to_pytorchs_tensor_parallelism_and_fsdp2(tmp_path):
+    """--stages 3+tp2: minizero's stage 3 with tensor-parallel rows of 2 next to PyTorch's
+    parallelize_module + fully_shard on a (dp, tp) DeviceMesh: both train the same blocks, split
+    alike, and end at the same parameters (fp32, AdamW: within 1e-4 after 2 steps)."""
+    path = tmp_path / "mesh.json"
+    assert bench_command(["--world-size", "2", "--model", "default", "--stages", "3+tp2",
+                          "--peers", "torch", "--steps", "2", "--repeats", "1", "--json",
+                          str(path)]) == 0
+    [pair] = json.loads(path.read_text())["pairs"]
+    assert (pair["variant"], pair["peer"]) == ("3+tp2", "tp_fsdp2")
+    assert pair["ratio"] > 0 and pair["max_param_diff"] < 1e-4

@@ -14,7 +14,9 @@ import torch
 from minizero.cli import OneLineParser, UsageError, add_json_flag, emit, fail, mode_of
 from minizero.cli import collectives, desync_cost, peak, scale      # the other measurements
 from minizero.lab import deepspeed_peer
-from minizero.lab.bench import BACKENDS, PEER_DTYPE, PEER_FAMILIES, VARIANTS, compare, format_table
+from minizero.lab.bench import (
+    ALL_VARIANTS, BACKENDS, PEER_DTYPE, PEER_FAMILIES, VARIANTS, compare, format_table,
+)
 from minizero.lab.model import MODEL_NAMES, SIZES
 from minizero.lab.train import progress_wanted
 
@@ -67,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         "--stages",
         nargs="+",
         default=list(VARIANTS),
-        help=f"among {' '.join(VARIANTS)} (default all)",
+        help=f"among {' '.join(ALL_VARIANTS)} (default {' '.join(VARIANTS)}; 3+tp2: stage 3 on a "
+             "mesh of tensor-parallel rows of 2, next to PyTorch's TP + FSDP2)",
     )
     ap.add_argument(
         "--peers",
@@ -155,9 +158,9 @@ def _validate(args) -> tuple[tuple[int, ...], tuple[str, ...], tuple[str, ...]]:
     known = tuple(SIZES) + MODEL_NAMES
     if not sizes or not set(sizes) <= set(known):
         raise UsageError(f"--sizes must be among {','.join(known)}, got {args.sizes!r}")
-    if not set(args.stages) <= set(VARIANTS):
+    if not set(args.stages) <= set(ALL_VARIANTS):
         raise UsageError(
-            f"--stages must be among {' '.join(VARIANTS)}, got {' '.join(args.stages)}"
+            f"--stages must be among {' '.join(ALL_VARIANTS)}, got {' '.join(args.stages)}"
         )
     peers = tuple(args.peers.split(","))
     if not peers or not set(peers) <= set(PEER_FAMILIES):

@@ -66,7 +66,7 @@ import torch
 from minizero import comm
 from minizero.lab import deepspeed_peer
 from minizero.lab.model import GPTConfig, count_params, make_model
-from minizero.lab.peers import PEER_OF_STAGE, peer_worker
+from minizero.lab.peers import PEER_OF_STAGE, TENSOR_PARALLEL_PEER, peer_worker
 from minizero.lab.reference import max_abs_diff
 from minizero.lab.rss import release_freed_memory
 from minizero.lab.throughput import peak_worker, throughput
@@ -92,6 +92,11 @@ VARIANTS = {
     "3": (3, False),
     "2+offload": (2, True),
 }
+# On request (--stages 3+tp2): stage 3 on a mesh of tensor-parallel rows of 2 ([Note: the 2-D mesh]
+# in engine.py), next to PyTorch's TP + FSDP2 (peers.TENSOR_PARALLEL_PEER). Not by default: the
+# tiny model's one head does not split.
+TENSOR_PARALLEL_VARIANTS = {"3+tp2": (3, False, 2)}
+ALL_VARIANTS = {**VARIANTS, **{v: spec[:2] for v, spec in TENSOR_PARALLEL_VARIANTS.items()}}
 PEER_FAMILIES = ("torch", "deepspeed")
 PEER_DTYPE = "fp32"                          # the one precision the peer wrappers build
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}   # --device: one process per rank, on the CPU or a GPU
@@ -117,6 +122,8 @@ def peer_comm_bytes(
     """Bytes one rank sends per step in a ring for `peer` at `stage` (fp32: 4 bytes per element)."""
     if peer == deepspeed_peer.PEER:
         return comm_volume(num_params, world_size, stage, bytes_per_elem=bytes_per_elem)
+    if peer == TENSOR_PARALLEL_PEER:
+        return float("nan")               # its blocks' all-reduces and FSDP2's: not modelled here
     full = num_params * bytes_per_elem
     return sum(comm.ring_bytes(kind, full, world_size) for kind in PEER_COLLECTIVES[peer])
 
@@ -124,6 +131,8 @@ def peer_comm_bytes(
 def peers_of(variant: str, families=PEER_FAMILIES) -> list[str]:
     """The peers a variant is compared with: PyTorch's for its stage (none for offload), DeepSpeed
     if installed."""
+    if variant in TENSOR_PARALLEL_VARIANTS:
+        return [TENSOR_PARALLEL_PEER] if "torch" in families else []
     stage, offload = VARIANTS[variant]
     out = [PEER_OF_STAGE[stage]] if "torch" in families and not offload else []
     if "deepspeed" in families and deepspeed_peer.available():
@@ -266,10 +275,11 @@ def compare(world_sizes=(2, 4), *, sizes=("default",), steps: int = 10, repeats:
         jobs = []
         for size in sizes:
             for v in variants:
-                stage, offload = VARIANTS[v]
+                stage, offload = ALL_VARIANTS[v]
                 cfg = TrainConfig(
                     stage=stage,
                     offload=offload,
+                    tensor_parallel=TENSOR_PARALLEL_VARIANTS.get(v, (0, 0, 1))[2],
                     world_size=n,
                     steps=steps,
                     model=size,

@@ -14,26 +14,35 @@ weights, data, optimizer.
 shard_group_size=S  <->  FSDP2 HSDP: fully_shard on a 2-D DeviceMesh (N/S, S) ("replicate",
                          "shard"),
     ("fsdp2_hsdp"): shards in rows of S consecutive ranks, replicates across them, as comm.mesh(S).
+stage 3, tensor_parallel=M  <->  PyTorch's tensor parallelism (parallelize_module with
+    ColwiseParallel / RowwiseParallel on each block's qkv, proj and MLP) and FSDP2 on the data-
+    parallel dimension of a 2-D DeviceMesh (N/M, M) ("dp", "tp") ("tp_fsdp2"), as torchtitan
+    combines them. Its embedding and head stay whole on each row (minizero splits them by
+    vocabulary), so the two send different bytes for them; the blocks are split alike.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import types
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
 from minizero import comm
+from minizero import tensor_parallel
 from minizero.lab.model import make_model
 from minizero.lab.train import OPTIMIZERS, TrainConfig, clock, forward_backward, timed_step
 from minizero.memory import measure
 
 PEER_OF_STAGE = {0: "ddp", 1: "zero_redundancy", 2: "fsdp2_no_reshard", 3: "fsdp2"}
+TENSOR_PARALLEL_PEER = "tp_fsdp2"         # stage 3 on a mesh (TrainConfig.tensor_parallel > 1)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -78,9 +87,49 @@ def build_peer(cfg: TrainConfig, peer: str):
                 model.set_requires_gradient_sync(True)
         optimizer = opt_cls([p for p in model.parameters() if p.requires_grad], **opt_kwargs)
         return model, optimizer, no_sync
+    if peer == TENSOR_PARALLEL_PEER:
+        m = cfg.tensor_parallel
+        mesh = init_device_mesh(device.type, (comm.world_size() // m, m),
+                                mesh_dim_names=("dp", "tp"))
+        plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+                "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
+        for block in model.blocks:
+            _interleave_qkv(block.attn.qkv, m)
+            block.attn.n_head //= m
+            parallelize_module(block, mesh["tp"], plan)
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        optimizer = opt_cls([p for p in model.parameters() if p.requires_grad], **opt_kwargs)
+        return model, optimizer, contextlib.nullcontext
     raise ValueError(
-        f"unknown peer {peer!r}; choose from {sorted(PEER_OF_STAGE.values())} or fsdp2_hsdp"
+        f"unknown peer {peer!r}; choose from {sorted(PEER_OF_STAGE.values())}, fsdp2_hsdp or "
+        f"{TENSOR_PARALLEL_PEER}"
     )
+
+
+def _qkv_order(out_features: int, m: int) -> torch.Tensor:
+    """The row order that gives rank r of m, in ColwiseParallel's contiguous split, its q, k and v
+    heads (minizero's split_pieces=3): [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]."""
+    return torch.arange(out_features).view(3, m, -1).transpose(0, 1).reshape(-1)
+
+
+def _interleave_qkv(linear: torch.nn.Linear, m: int) -> None:
+    order = _qkv_order(linear.out_features, m)
+    with torch.no_grad():
+        linear.weight.copy_(linear.weight[order])
+        linear.bias.copy_(linear.bias[order])
+
+
+def _tensor_parallel_part(state: dict, cfg: TrainConfig) -> dict:
+    """The tensor-parallel peer's whole state (qkv rows in its order) as minizero holds it on this
+    rank: qkv rows back in order, then split as tensor_parallel.parallelize_gpt splits the GPT."""
+    m = cfg.tensor_parallel
+    for name in [k for k in state if k.endswith("attn.qkv.weight") or k.endswith("attn.qkv.bias")]:
+        state[name] = state[name][torch.argsort(_qkv_order(state[name].shape[0], m))]
+    model = make_model(cfg.model_config(), seed=cfg.seed)
+    model.load_state_dict(state)
+    row = types.SimpleNamespace(size=m, index=comm.rank() % m)     # splitting needs no collective
+    return tensor_parallel.parallelize_gpt(model, row).state_dict()
 
 
 def peer_worker(cfg: TrainConfig, peer: str) -> dict:
@@ -103,6 +152,8 @@ def peer_worker(cfg: TrainConfig, peer: str) -> dict:
               "memory": memory}
     if cfg.return_state:
         result["state_dict"] = full_state_dict(module)
+        if peer == TENSOR_PARALLEL_PEER:
+            result["state_dict"] = _tensor_parallel_part(result["state_dict"], cfg)
     return result
 
 

@@ -171,7 +171,7 @@ def forward_backward(
     batch, and the loss is taken from their vocabulary slices of the logits."""
     m, device = cfg.tensor_parallel, comm.device()
     rank, n = comm.rank() // m, comm.world_size() // m          # this rank's data-parallel index
-    group = getattr(model, "tensor_group", None)
+    group = tensor_parallel.group_of(getattr(model, "module", model))    # an engine's, or a model's
     loss_of = (loss_fn if group is None else
                functools.partial(tensor_parallel.cross_entropy, group=group, ignore_index=IGNORE))
     x, y = global_batch(0 if cfg.fixed_batch else step, cfg.batch_size,
