@@ -9,7 +9,7 @@ import pytest
 
 from minizero.cli.run import build_parser, config_from_args, main
 from minizero.config import (
-    ALWAYS_ON, KEYS, NOT_IMPLEMENTED, ConfigError, load_deepspeed_config,
+    ALWAYS_ON, KEYS, NOT_IMPLEMENTED, ConfigError, build_scheduler, load_deepspeed_config,
 )
 from minizero.config_keys import markdown
 
@@ -253,9 +253,19 @@ def test_activation_checkpointing_section_turns_it_on_and_its_model_parallel_key
      "unknown key 'zero_optimisation' (did you mean 'zero_optimization'?)"),
     ({"zero_optimization": {"stagee": 2}}, "did you mean 'zero_optimization.stage'"),
     ({"train_batch": 8}, "unknown key 'train_batch'"),
-    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
-     "zero_optimization.stage 2: offload='params' needs stage 3"),
-    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "offload needs"),
+    ({"zero_optimization": {"stage": 2, "cpu_offload": True,
+                            "offload_optimizer": {"device": "cpu"}}},
+     "'zero_optimization.cpu_offload' and 'zero_optimization.offload_optimizer.device' are both"),
+    ({"optimizer": {"type": "Adam", "params": {"bias_correction": False}}},
+     "bias_correction false: torch.optim's Adam always corrects"),
+    ({"gradient_allreduce_op": "sum"}, "minizero averages gradients"),
+    ({"progressive_layer_drop": {"enabled": True}}, "'progressive_layer_drop' is refused"),
+    ({"zero_optimization": {"stage": 2, "reduce_bucket_size": 0}},
+     "reduce_bucket_size must be a number >= 1, got 0"),
+    ({"zero_optimization": {"cpu_ofload": True}},
+     "did you mean 'zero_optimization.cpu_offload'"),
+    ({"bf16": {"fp16_master_weights_and_grads": True}},       # not fp16's key: this section's
+     "did you mean 'bf16.bf16_master_weights_and_grads'"),
     ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}},
      "nvme_path is needed with device"),
     ({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}},
@@ -419,3 +429,82 @@ def test_the_disk_tier_and_the_stall_timeout_come_from_the_config(tmp_path):
     cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(tmp_path / "missing")
     with pytest.raises(ConfigError, match="is not an existing folder"):
         load_deepspeed_config(cfg, world_size=2)
+
+
+def test_deepspeeds_other_spellings_mean_what_they_mean_there():
+    """bfloat16 is bf16; cpu_offload offloads the OPTIMIZER (cpu_offload_param the parameters);
+    the stage3_ short names and gather_fp16 are the same keys; offload below the stage that uses
+    it is ignored with a warning, as DeepSpeed ignores it."""
+    read = lambda cfg: load_deepspeed_config(cfg, 2)                      # noqa: E731
+    assert read({"bfloat16": {"enabled": True}})[0]["dtype"] == "bf16"
+    assert read({"zero_optimization": {"stage": 2, "cpu_offload": True}})[0]["offload"] \
+        == "optimizer"
+    assert "offload" not in read({"zero_optimization": {"stage": 2, "cpu_offload": False}})[0]
+    assert read({"zero_optimization": {"stage": 3, "cpu_offload_param": True}})[0]["offload"] \
+        == "params"
+    assert read({"zero_optimization": {"stage": 3, "prefetch_bucket_size": 0}})[0]["prefetch"] \
+        is False
+    assert read({"zero_optimization": True})[0]["stage"] == 1             # DeepSpeed's legacy form
+    for old in ("stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save"):
+        assert read({"zero_optimization": {old: True}})[1] == [
+            "'zero_optimization.stage3_gather_16bit_weights_on_model_save' is not implemented: "
+            "use engine.full_state_dict()"]
+    overrides, warnings = read({"zero_optimization": {"stage": 2,
+                                                      "offload_param": {"device": "cpu"}}})
+    assert "offload" not in overrides and warnings == [
+        "'zero_optimization.offload_param' has no effect at stage 2, as in DeepSpeed: only stage 3 "
+        "partitions the parameters"]
+    overrides, warnings = read({"bf16": {"enabled": False}, "bfloat16": {"enabled": True}})
+    assert "dtype" in overrides and overrides["dtype"] == "fp32" and len(warnings) == 1
+    # a top-level key DeepSpeed ignores: one warning; close to a real key: an error (above)
+    assert read({"cuda_visible_devices": 0})[1] == [
+        f"'cuda_visible_devices' is not implemented: {NOT_IMPLEMENTED['cuda_visible_devices']}"]
+    assert read({"my_launcher_note": "x"})[1] == [
+        "'my_launcher_note' is not a DeepSpeed 0.19.8 key: DeepSpeed ignores it, and so does "
+        "minizero"]
+    assert read({"optimizer": {"type": "Adam", "params": {"bias_correction": True}}})[0][
+        "optimizer_params"] == {"weight_decay": 0.0}
+
+
+HF_AUTO = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+           "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+           "fp16": {"enabled": "auto"},
+           "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                     "weight_decay": "auto"}},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto",
+                                                        "warmup_max_lr": "auto",
+                                                        "warmup_num_steps": "auto"}},
+           "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto",
+                                 "stage3_prefetch_bucket_size": "auto"}}
+
+
+def test_auto_resolves_where_something_decides_it_else_one_line_naming_what_would():
+    with pytest.raises(ConfigError) as info:
+        load_deepspeed_config(HF_AUTO, 2, flags=False, hidden_size=8)
+    assert str(info.value) == (
+        "\"auto\" that nothing in minizero.initialize decides: optimizer.params.lr (the "
+        "Trainer's learning_rate; give a number, or pass optimizer= with a section of \"auto\" "
+        "only); scheduler.params.warmup_num_steps (the Trainer's warmup_steps)")
+    cfg = json.loads(json.dumps(HF_AUTO))
+    cfg["scheduler"]["params"]["warmup_num_steps"] = 5
+    overrides, warnings = load_deepspeed_config(cfg, 2, flags=False, hidden_size=8,
+                                                client_optimizer=True)
+    # optimizer= decides the all-"auto" section; h² = 64 elements of fp32; prefetch on; clipping
+    # 1.0 and fp32 (the Trainer's defaults are DeepSpeed's); the batch: the script's micro-batches
+    assert overrides == {"clip_grad_norm": 1.0, "stage": 2, "bucket_size": 256, "prefetch": True,
+                         "scheduler": {"type": "WarmupLR",
+                                       "params": {"warmup_max_lr": "auto",
+                                                  "warmup_num_steps": 5}}}
+    assert warnings == ["train_batch_size and train_micro_batch_size_per_gpu are \"auto\" or "
+                        "left out: the script's micro-batches decide them "
+                        "(engine.train_micro_batch_size_per_gpu() is None)"]
+    # warmup_max_lr "auto": the optimizer's lr, when the schedule is built
+    import torch
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.25)
+    assert build_scheduler(optimizer, overrides["scheduler"]).max_lrs == [0.25]
+    decay = {"type": "WarmupDecayLR", "params": {"warmup_max_lr": "auto", "total_num_steps": 9}}
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.25)
+    assert build_scheduler(optimizer, decay).max_lrs == [0.25]        # not its default, 0.001
+    # accumulation given, sizes "auto": accepted, accumulation kept
+    cfg["gradient_accumulation_steps"] = 3
+    assert load_deepspeed_config(cfg, 2, flags=False, client_optimizer=True)[0]["grad_accum"] == 3
