@@ -22,7 +22,7 @@ minizero's reader resolves it to in the configs it accepts) and drops zenflow (w
 optimizer there; minizero accepts it without effect, so DeepSpeed without it is what minizero
 claims to match).
 
-Run: python -m pytest tests/test_config_corpus.py -q     (DeepSpeed's side: pip install -e ".[peers]")
+Run: python -m pytest tests/test_config_corpus.py -q    (DeepSpeed: pip install -e ".[peers]")
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def test_minizero_reads_each_config_as_recorded(name):
     assert (entry["deepspeed"] == "accepts") == (verdict == "accepts") or entry.get("differs")
 
 
-# --- DeepSpeed's side: its parser, its keys, and training next to it -------------------------------
+# --- DeepSpeed's side: its parser, its keys, and training next to it ---------------------------
 
 def for_training(config: dict, deepspeed: bool) -> dict:
     """The config as the training check runs it (the module docstring says why)."""
@@ -127,7 +127,11 @@ def train_all(names: list[str], with_deepspeed: bool) -> dict:
     deepspeed = deepspeed_peer.join() if with_deepspeed else None
     for name in names:
         config = json.loads((CORPUS / name).read_text())
-        ours = script.train(minizero, for_training(config, False), STEPS)
+        try:
+            ours = script.train(minizero, for_training(config, False), STEPS)
+        except Exception as e:                            # recorded, asserted in the test
+            out[name] = {"minizero_error": f"{type(e).__name__}: {e}".splitlines()[0]}
+            continue
         result = {"losses": ours[0]}
         if deepspeed is not None:
             try:
@@ -240,6 +244,7 @@ def test_deepspeeds_parser_gives_the_recorded_verdicts(runs):
 @pytest.mark.parametrize("name", TRAINED)
 def test_each_accepted_config_trains_and_ends_where_deepspeed_ends(runs, name):
     for rank in runs:
+        assert "minizero_error" not in rank[name], rank[name]["minizero_error"]
         losses = rank[name]["losses"]
         assert len(losses) >= STEPS and all(loss == loss and loss < 1e4 for loss in losses)
     _need_deepspeed()
