@@ -508,3 +508,24 @@ def test_auto_resolves_where_something_decides_it_else_one_line_naming_what_woul
     # accumulation given, sizes "auto": accepted, accumulation kept
     cfg["gradient_accumulation_steps"] = 3
     assert load_deepspeed_config(cfg, 2, flags=False, client_optimizer=True)[0]["grad_accum"] == 3
+
+
+def test_initialize_lets_its_optimizer_decide_a_section_of_auto():
+    """Hugging Face's configs with optimizer=: the object passed decides the all-"auto" section
+    (its lr reaches the schedule's "auto" peak); a section with numbers still conflicts."""
+    import torch
+
+    import minizero
+    model = torch.nn.Linear(2, 2)
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": "auto",
+              "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto",
+                                                           "warmup_max_lr": "auto",
+                                                           "warmup_num_steps": 4}}}
+    _, optimizer, _, schedule = minizero.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.3), config=config)
+    assert isinstance(optimizer, torch.optim.SGD) and schedule.max_lrs == [0.3]
+    config["optimizer"]["params"]["lr"] = 0.1
+    with pytest.raises(ConfigError, match="choose one"):
+        minizero.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.3),
+                            config=config)
