@@ -9,7 +9,9 @@ say of it at N = 2), run through minizero and, where DeepSpeed is installed, thr
     DeepSpeedConfig looks up, recorded by a dict that notes each lookup);
   * each config minizero accepts trains the tiny GPT of examples/deepspeed_style.py for 3 steps
     with minizero.initialize at N = 2 (one launch for all), and ends where DeepSpeed ends on the
-    same data: fp32 within 1e-5, bf16/fp16 within 5e-3 (one launch runs both libraries).
+    same data, compared on the fp32 master weights (DeepSpeed's safe_get_full_fp32_param; its
+    16-bit parameters at stage 0, where it gives none): fp32 within 1e-5, bf16/fp16 within 5e-3
+    (one launch runs both libraries).
 For the training run (only) each config is adapted, the same way on both sides: the batch sizes
 become 2 rows per rank per micro-batch (the configs' own are for real models and clusters), with
 the config's accumulation when it gives one of at most 3; a config without an optimizer gets
@@ -125,6 +127,7 @@ def train_all(names: list[str], with_deepspeed: bool) -> dict:
     verdict on every corpus config and the keys it reads."""
     script, out = _example(), {}
     deepspeed = deepspeed_peer.join() if with_deepspeed else None
+    script.full_parameters = _fp32_parameters          # both sides' fp32 masters
     for name in names:
         config = json.loads((CORPUS / name).read_text())
         try:
@@ -144,6 +147,20 @@ def train_all(names: list[str], with_deepspeed: bool) -> dict:
         out["_parser"] = {name: _deepspeed_verdict(json.loads((CORPUS / name).read_text()))
                           for name in MANIFEST}
         out["_keys"] = _deepspeed_keys()
+    return out
+
+
+def _fp32_parameters(deepspeed, engine) -> dict:
+    """The fp32 master weights, by the model's names: minizero's full_state_dict holds them;
+    DeepSpeed's safe_get_full_fp32_param gathers them where its optimizer keeps them apart from
+    the module (ZeRO 1-3, bf16), else the module's parameters are its masters."""
+    if not hasattr(deepspeed, "zero"):
+        return engine.full_state_dict()
+    from deepspeed.utils import safe_get_full_fp32_param
+    out = {}
+    for name, tensor in engine.module.state_dict(keep_vars=True).items():    # tied: both names
+        master = safe_get_full_fp32_param(tensor) if tensor.requires_grad else None
+        out[name] = (tensor if master is None else master).detach().float().cpu().clone()
     return out
 
 
