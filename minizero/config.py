@@ -8,16 +8,18 @@
 
 `load_deepspeed_config(path_or_dict, world_size)` turns such a file into settings named as
 `minizero.lab.train.TrainConfig`'s fields (stage, offload, dtype, batch_size, grad_accum, optimizer,
-lr, scheduler...), plus warnings. The policy (docs/deepspeed_config.md):
-  * a key minizero implements is applied (`KEYS` below says to what);
-  * a key DeepSpeed has but minizero does not implement gives one warning naming the key and what
-    minizero does instead (`NOT_IMPLEMENTED`; `ALWAYS_ON` keys warn only when set to false);
+lr, scheduler...), plus warnings. The policy (docs/deepspeed_config.md), key by key from the one
+table in minizero/config_keys.py:
+  * a key minizero implements is applied (KEYS says to what);
+  * a key DeepSpeed reads that has no effect here gives one warning naming the key and why
+    (NOT_IMPLEMENTED; ALWAYS_ON keys warn only when set to false); DeepSpeed's other spellings
+    (ALIASES, LEGACY_OFFLOAD) mean what they mean there;
   * an unknown key, a wrong type or an impossible value is an error (ConfigError, one line): a typo
     such as "zero_optimisation" must never be silently ignored;
   * "auto" (Hugging Face Trainer / Accelerate configs) means "not set here": for the CLI minizero's
     default or the command-line flag decides; for minizero.initialize (flags=False) it is resolved
-    where DeepSpeed's batch rule or the model's hidden size decides it (Hugging Face's rules), and
-    is an error anywhere else (there is no Trainer to fill it in).
+    wherever the batch rule, the model or initialize's arguments decide it (Hugging Face's meanings,
+    `_resolve_auto`), and is one ConfigError line naming what would decide the rest.
 Batch sizes follow DeepSpeed's rule train_batch_size = micro_batch x accumulation x world size: any
 two determine the third, and three that disagree are an error.
 """
@@ -32,9 +34,22 @@ from typing import Any, ClassVar
 
 import torch
 
+from minizero.config_keys import (
+    ALIASES,
+    ALWAYS_ON,
+    KEYS,
+    LEGACY_OFFLOAD,
+    NOT_IMPLEMENTED,
+    REFUSED,
+    SECTIONS,
+    known,
+)
 from minizero.loss_scale import DYNAMIC_DEFAULTS
 from minizero.memory import element_bytes
 from minizero.wrap import check
+
+__all__ = ["ALWAYS_ON", "KEYS", "NOT_IMPLEMENTED", "ConfigError", "build_scheduler",
+           "load_deepspeed_config"]
 
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
 
@@ -43,177 +58,67 @@ class ConfigError(ValueError):
     """A config that cannot be used, in one line naming the key."""
 
 
-# Keys minizero applies, and what they become (for the docs and --help).
-KEYS = {
-    "train_batch_size": "batch_size (global rows per step)",
-    "train_micro_batch_size_per_gpu": "rows per rank per micro-batch (determines batch_size / "
-        "grad_accum)",
-    "gradient_accumulation_steps": "grad_accum",
-    "gradient_clipping": "clip_grad_norm (0 = off; absent: 1.0, DeepSpeed's default)",
-    "bf16.enabled": "dtype = bf16 (fp32 master weights)",
-    "fp16.enabled": "dtype = fp16 (fp32 master weights, loss scaling); with bf16.enabled too: an "
-        "error",
-    "fp16.loss_scale": "loss_scale: 0 = dynamic (default), > 0 = static",
-    "fp16.initial_scale_power": "dynamic loss scale starts at 2**power (default 16)",
-    "fp16.loss_scale_window": "good steps before the scale doubles (default 1000)",
-    "fp16.hysteresis": "overflows before the scale halves (default 2)",
-    "fp16.min_loss_scale": "the lowest dynamic scale (default 1)",
-    "data_types.grad_accum_dtype": "reduce_dtype: \"fp32\" reduces and accumulates bf16/fp16 "
-        "gradients in fp32; the compute dtype: as without it",
-    "zero_optimization.stage": "stage (0 = DDP)",
-    "zero_optimization.offload_optimizer.device": "offload = optimizer ('cpu'), disk ('nvme': "
-        "ZeRO-Infinity's disk tier, disk.py) or off ('none')",
-    "zero_optimization.offload_optimizer.nvme_path": "offload_path: the folder of the disk tier's "
-        "files",
-    "stall_timeout": "minizero's own: stop a run in which no collective finishes for this many "
-        "seconds while a rank waits, naming the rank out of step (desync.py; 0: off)",
-    "zero_optimization.offload_param.device": "offload = params ('cpu', stage 3 only)",
-    "zero_optimization.reduce_bucket_size": "bucket_size in bytes = elements x 2 (bf16) or 4 "
-        "(fp32); stages 0 and 2 (stage 1 has one bucket, stage 3 one per unit)",
-    "zero_optimization.stage3_prefetch_bucket_size": "prefetch (0 = off; any other size = one "
-        "unit ahead)",
-    "zero_optimization.zero_quantized_weights": "quantized_weights: ZeRO++ qwZ, stage 3's forward "
-        "all-gather in int8",
-    "zero_optimization.zero_quantized_gradients": "quantized_gradients: ZeRO++ qgZ, the gradient "
-        "reduce-scatter in int8 (stages 2-3; one hop, not ZeRO++'s 2-hop int4)",
-    "zero_optimization.mics_shard_size": "shard_group_size (MiCS / HSDP: partitions within S "
-        "ranks; -1 = off)",
-    "zero_optimization.zero_hpz_partition_size": "hpz_group_size (ZeRO++ hpZ, stage 3: backward's "
-        "all-gather within R ranks; 1 = off)",
-    "zero_optimization.offload_optimizer.pipeline_read": "accepted: the disk tier always reads the "
-        "next piece while it steps one (disk.py)",
-    "zero_optimization.offload_optimizer.pipeline_write": (
-        "accepted: the disk tier always writes the last piece while it steps one (disk.py)"
-    ),
-    "zero_optimization.offload_optimizer.pin_memory": "accepted: host buffers are pinned whenever "
-        "CUDA is used",
-    "zero_optimization.offload_param.pin_memory": "accepted: host buffers are pinned whenever "
-        "CUDA is used",
-    "optimizer.type": "optimizer: AdamW, Adam (= AdamW, as in DeepSpeed, unless adam_w_mode is "
-        "false), SGD",
-    "optimizer.params": "lr and the optimizer's keyword arguments (Adam/AdamW weight_decay "
-        "defaults to 0, as in DeepSpeed)",
-    "scheduler.type": "the learning-rate schedule, stepped with the optimizer: WarmupLR, "
-        "WarmupDecayLR, WarmupCosineLR, as DeepSpeed defines them (SCHEDULES below)",
-    "scheduler.params": "the schedule's parameters, DeepSpeed's names and defaults "
-        "(total_num_steps: the CLI's --steps when left out or \"auto\")",
-    "activation_checkpointing": "the section turns on activation_checkpointing: each block "
-        "recomputed in backward (in DeepSpeed the model calls deepspeed.checkpointing.checkpoint)",
-    "activation_checkpointing.cpu_checkpointing": "activation_checkpointing = cpu (the blocks' "
-        "inputs on the host)",
-}
-
-# Keys naming something minizero always does: true is accepted silently, false warns.
-ALWAYS_ON = {
-    "zero_optimization.overlap_comm": "gradient communication always overlaps backward in stages "
-        "0, 2 and 3",
-    "zero_optimization.contiguous_gradients": "gradients are always copied into contiguous flat "
-        "buckets",
-    "zero_optimization.reduce_scatter": "stages 1-3 always reduce-scatter gradients",
-    "zero_optimization.allgather_partitions": "stages 1-2 always all-gather the updated partitions",
-}
-
-# Keys DeepSpeed has that minizero reads but does not implement: key -> what minizero does instead.
-# A section switched off ({"enabled": false}) or a plain false needs no warning.
-NOT_IMPLEMENTED = {
-    "fp16.auto_cast": "inputs are not cast; the model's floating parameters and buffers are",
-    "fp16.consecutive_hysteresis": "hysteresis is restored only when the scale grows (DeepSpeed's "
-        "default)",
-    "fp16.fp16_master_weights_and_grads": "master weights are always fp32",
-    "amp": "no apex AMP; use bf16.enabled, fp16.enabled or fp32",
-    "steps_per_print": "progress is printed every steps/10 steps",
-    "wall_clock_breakdown": "the CLI reports the median step time",
-    "flops_profiler": "no profiler; the CLI reports memory and bytes communicated",
-    "tensorboard": "no monitor; --json writes the results",
-    "wandb": "no monitor; --json writes the results",
-    "csv_monitor": "no monitor; --json writes the results",
-    "gradient_predivide_factor": "gradients are averaged with one AVG collective",
-    "prescale_gradients": "gradients are averaged with one AVG collective",
-    "communication_data_type": "gradients are communicated in the dtype they are accumulated in "
-        "(data_types.grad_accum_dtype)",
-    "zero_allow_untested_optimizer": "any torch.optim optimizer works",
-    "zero_force_ds_cpu_optimizer": "the host optimizer is torch.optim's",
-    "zero_optimization.allgather_bucket_size": "parameters are all-gathered per reduce bucket "
-        "(stages 1-2) or per unit (stage 3)",
-    "zero_optimization.round_robin_gradients": "partitions are contiguous ranges",
-    "zero_optimization.sub_group_size": "the optimizer steps one tensor per bucket",
-    "zero_optimization.load_from_fp32_weights": "checkpoints always restore the fp32 masters",
-    "zero_optimization.elastic_checkpoint": "a checkpoint loads at its own world size; python -m "
-        "minizero.consolidate for another",
-    "zero_optimization.ignore_unused_parameters": "unused parameters get zero gradients",
-    "zero_optimization.stage3_max_live_parameters": "units in flight: the current one and one "
-        "prefetched",
-    "zero_optimization.stage3_max_reuse_distance": "units are freed right after use",
-    "zero_optimization.stage3_param_persistence_threshold": "every unit is sharded, however small",
-    "zero_optimization.memory_efficient_linear": "torch.nn.functional.linear is never replaced "
-        "(DeepSpeed's stage 3 swaps in its own, process-wide)",
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "use engine.full_state_dict()",
-    "zero_optimization.mics_hierarchical_params_gather": "parameters are all-gathered within the "
-        "shard group in one step",
-    "zero_optimization.offload_optimizer.buffer_count": "one host buffer per bucket",
-    "zero_optimization.offload_optimizer.fast_init": "the host optimizer is built the ordinary way",
-    "zero_optimization.offload_param.buffer_count": "one device buffer per gathered unit",
-    "zero_optimization.offload_param.buffer_size": "one device buffer per gathered unit",
-    "zero_optimization.offload_param.max_in_cpu": "every parameter shard stays on the host",
-    "activation_checkpointing.partition_activations": "P_a splits the checkpoints that model "
-        "parallelism replicates over its ranks; in pure data parallelism each rank's activations "
-        "are its own rows: kept whole (cpu_checkpointing applies)",
-    "activation_checkpointing.contiguous_memory_optimization": "it packs P_a's partitions into "
-        "one buffer: no partitions, checkpoints stay separate tensors",
-    "activation_checkpointing.number_checkpoints": "one checkpoint per block",
-    "activation_checkpointing.synchronize_checkpoint_boundary": "no device synchronization at "
-        "checkpoints",
-    "activation_checkpointing.profile": "no per-checkpoint timing; the CLI reports the step time",
-}
-
 # What each optimizer.type takes, and of which type ("number", "bool", "betas").
 _ADAM = {"lr": "number", "betas": "betas", "eps": "number", "weight_decay": "number",
-         "amsgrad": "bool", "adam_w_mode": "bool", "torch_adam": "bool"}
+         "amsgrad": "bool", "adam_w_mode": "bool", "torch_adam": "bool", "bias_correction": "bool"}
 OPTIMIZER_PARAMS = {
     "adam": _ADAM, "adamw": _ADAM,
     "sgd": {"lr": "number", "momentum": "number", "dampening": "number", "weight_decay": "number",
             "nesterov": "bool"},
 }
 
-_SECTIONS = {"bf16", "fp16", "data_types", "zero_optimization",
-             "zero_optimization.offload_optimizer", "zero_optimization.offload_param", "optimizer",
-             "optimizer.params", "activation_checkpointing", "scheduler", "scheduler.params"}
 AUTO = "auto"
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 # "auto" sizes Hugging Face's DeepSpeed integration derives from the model's hidden size h
-# (transformers/integrations/deepspeed.py): elements.
+# (transformers/integrations/deepspeed.py): elements. (stage3_param_persistence_threshold's 10·h
+# needs no resolving: the key has no effect here.)
 _FROM_HIDDEN_SIZE = {"zero_optimization.reduce_bucket_size": lambda h: h * h,
-                     "zero_optimization.stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
-                     "zero_optimization.stage3_param_persistence_threshold": lambda h: 10 * h}
+                     "zero_optimization.stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h)}
+# "auto" whose Hugging Face value is DeepSpeed's default when the key is left out (its Trainer's
+# defaults: max_grad_norm 1.0, fp32, adam betas (0.9, 0.999), eps 1e-8, weight_decay 0, warm-up
+# from 0).
+_AS_LEFT_OUT = ("gradient_clipping", "bf16.enabled", "fp16.enabled", "optimizer.params.betas",
+                "optimizer.params.eps", "optimizer.params.weight_decay",
+                "scheduler.params.warmup_min_lr")
+# "auto" that only a Trainer decides: what would.
+_UNDECIDED = {
+    "optimizer.params.lr": "the Trainer's learning_rate; give a number, or pass optimizer= with a "
+        "section of \"auto\" only",
+    "scheduler.params.warmup_num_steps": "the Trainer's warmup_steps",
+    "scheduler.params.total_num_steps": "the Trainer's max_steps",
+}
+# Resolved when the schedule is built: the optimizer's lr (Hugging Face: its learning_rate).
+_AT_BUILD = "scheduler.params.warmup_max_lr"
 
 
 def load_deepspeed_config(source: str | os.PathLike | dict, world_size: int, *, flags: bool = True,
-                          hidden_size: int | None = None) -> tuple[dict, list[str]]:
+                          hidden_size: int | None = None,
+                          client_optimizer: bool = False) -> tuple[dict, list[str]]:
     """(TrainConfig field overrides, warnings) for a DeepSpeed-style config file or dict.
 
     flags: "auto" values are left to the command line's flags and minizero's defaults (the CLI).
-    False (minizero.initialize): resolved by the batch rule or from `hidden_size`, else a
-    ConfigError."""
+    False (minizero.initialize): resolved by the batch rule, from `hidden_size` or by
+    `client_optimizer` (initialize got optimizer=), else a ConfigError."""
     raw = source if isinstance(source, dict) else _read(source)
     if not isinstance(raw, dict):
         raise ConfigError("the config must be a JSON object")
-    flat = _flatten(raw)
-    for key in flat:
-        if key not in KEYS and key not in ALWAYS_ON and key not in NOT_IMPLEMENTED \
-                and not key.startswith(("optimizer.params.", "scheduler.params.")):
-            raise ConfigError(f"unknown key '{key}'" + _did_you_mean(key))
-    autos = [k for k, v in flat.items() if v == AUTO]
-    flat = {k: v for k, v in flat.items() if v != AUTO}
+    warnings: list[str] = []
+    flat = _canonical(_flatten(_legacy_sections(raw, warnings)), warnings)
+    warnings[:0] = [f"'{key}' is not implemented: {NOT_IMPLEMENTED[key]}" for key in flat
+                    if key in NOT_IMPLEMENTED and not _disabled(flat[key])]
+    autos = [k for k, v in flat.items() if v == AUTO and k != _AT_BUILD]
+    flat = {k: v for k, v in flat.items() if k not in autos}
     if not flags:
-        _resolve_auto(autos, flat, hidden_size)
-    warnings = [f"'{key}' is not implemented: {NOT_IMPLEMENTED[key]}" for key in flat
-                if key in NOT_IMPLEMENTED and not _disabled(flat[key])]
+        _resolve_auto(autos, flat, hidden_size, client_optimizer, warnings)
     out: dict[str, Any] = {}
-    _batch(flat, world_size, out)
+    _batch(flat, world_size, out, sizes_auto=any(k in autos for k in _BATCH_KEYS[:2]))
     # DeepSpeed clips at 1.0 when the file says nothing (GRADIENT_CLIPPING_DEFAULT): the same file
     # must train the same way here.
     clip = _number("gradient_clipping", flat.get("gradient_clipping", 1.0), minimum=0)
     out["clip_grad_norm"] = clip or None
+    if flat.get("gradient_allreduce_op", "avg") != "avg":
+        raise ConfigError(f"gradient_allreduce_op {json.dumps(flat['gradient_allreduce_op'])}: "
+                          "minizero averages gradients (\"avg\", DeepSpeed's default) only")
     if "stall_timeout" in flat:
         out["stall_timeout"] = _number("stall_timeout", flat["stall_timeout"], minimum=0) or None
     _precision(flat, out)
@@ -228,23 +133,87 @@ def load_deepspeed_config(source: str | os.PathLike | dict, world_size: int, *, 
 
 # ------------------------------------------------------------------------------------------------
 
-def _resolve_auto(autos: list[str], flat: dict, hidden_size: int | None) -> None:
-    """minizero.initialize's "auto": a batch size the other two determine (DeepSpeed's rule, applied
-    by _batch), a size Hugging Face derives from the hidden size; anything else has no one to decide
-    it."""
-    for key in autos:
-        if key in _BATCH_KEYS:
-            if any(other not in flat for other in _BATCH_KEYS if other != key):
-                raise ConfigError(f"{key} is \"auto\": it is resolved only when the other two of "
-                                  f"{', '.join(_BATCH_KEYS)} are given")
-        elif key in _FROM_HIDDEN_SIZE:
-            if hidden_size is None:
-                raise ConfigError(f"{key} is \"auto\", which needs the model's hidden size "
-                                  "(model.config.hidden_size): give a number")
-            flat[key] = _FROM_HIDDEN_SIZE[key](hidden_size)
+def _legacy_sections(raw: dict, warnings: list[str]) -> dict:
+    """DeepSpeed's older spellings of whole sections: "bfloat16" (read only when "bf16" is absent)
+    and "zero_optimization": true / false (stage 1 / 0)."""
+    raw = dict(raw)
+    for old, new in ALIASES.items():
+        if "." in old or old not in raw:
+            continue
+        value = raw.pop(old)
+        if new in raw:
+            warnings.append(f"'{old}' is ignored: '{new}' is given (DeepSpeed reads '{old}' only "
+                            f"without '{new}')")
         else:
-            raise ConfigError(f"{key} is \"auto\": Hugging Face's Trainer fills it in; "
-                              "minizero.initialize needs a value")
+            raw[new] = value
+    if isinstance(raw.get("zero_optimization"), bool):
+        raw["zero_optimization"] = {"stage": int(raw["zero_optimization"])}
+    return raw
+
+
+def _canonical(flat: dict, warnings: list[str]) -> dict:
+    """Aliases and DeepSpeed's deprecated cpu_offload booleans read as the keys they stand for;
+    refused and unknown keys are errors; a top-level key DeepSpeed does not read warns."""
+    out = {}
+    for key, value in flat.items():
+        if key in ALIASES or key in LEGACY_OFFLOAD:
+            new = ALIASES.get(key, LEGACY_OFFLOAD.get(key))
+            if new in flat:
+                raise ConfigError(f"'{key}' and '{new}' are both given: '{key}' is DeepSpeed's "
+                                  f"other spelling of '{new}'; give one")
+            if key in LEGACY_OFFLOAD:
+                if not _bool(key, value):
+                    continue
+                value = "cpu"                       # DeepSpeed: true offloads to the host
+            key = new
+        elif key in REFUSED:
+            raise ConfigError(f"'{key}' is refused: {REFUSED[key]}")
+        elif key not in known() and not key.startswith(("optimizer.params.", "scheduler.params.")):
+            hint = _did_you_mean(key)
+            if "." in key or hint.startswith(" (did"):
+                raise ConfigError(f"unknown key '{key}'{hint}")
+            warnings.append(f"'{key}' is not a DeepSpeed 0.19.8 key: DeepSpeed ignores it, and so "
+                            "does minizero")
+            continue
+        out[key] = value
+    return out
+
+
+def _resolve_auto(autos: list[str], flat: dict, hidden_size: int | None, client_optimizer: bool,
+                  warnings: list[str]) -> None:
+    """minizero.initialize's "auto", with Hugging Face's meanings: a batch size the others decide
+    (DeepSpeed's rule, applied by _batch) or the script's micro-batches; a size from the hidden
+    size; DeepSpeed's default where it is the Trainer's default too; the optimizer= given for a
+    section of "auto" only. Keys without effect here need nothing. The rest: one ConfigError."""
+    section = [k for k in flat if k.startswith("optimizer.")]
+    if client_optimizer and all(k.startswith("optimizer.params.") for k in autos
+                                if k.startswith("optimizer.")) and section == ["optimizer.type"]:
+        del flat["optimizer.type"]                 # optimizer= decides, as the Trainer's would
+        autos = [k for k in autos if not k.startswith("optimizer.")]
+    undecided = []
+    for key in autos:
+        if key in NOT_IMPLEMENTED or key in _AS_LEFT_OUT:
+            continue
+        if key in _BATCH_KEYS:
+            sizes_left = any(k in flat for k in _BATCH_KEYS[:2])
+            if key != "gradient_accumulation_steps" and not sizes_left \
+                    and not any(w.startswith("train_batch_size") for w in warnings):
+                warnings.append("train_batch_size and train_micro_batch_size_per_gpu are \"auto\" "
+                                "or left out: the script's micro-batches decide them "
+                                "(engine.train_micro_batch_size_per_gpu() is None)")
+        elif key in _FROM_HIDDEN_SIZE:
+            if hidden_size is not None:
+                flat[key] = _FROM_HIDDEN_SIZE[key](hidden_size)
+            elif key.endswith("prefetch_bucket_size"):
+                flat[key] = 1                      # h² > 0 whatever h is: prefetch on
+            else:
+                warnings.append(f"'{key}' is \"auto\" and the model has no config.hidden_size to "
+                                "derive it from: minizero's default bucket is used")
+        else:
+            undecided.append(f"{key} ({_UNDECIDED.get(key, 'what Hugging Face Trainer fills in')})")
+    if undecided:
+        raise ConfigError(f"\"auto\" that nothing in minizero.initialize decides: "
+                          f"{'; '.join(undecided)}")
 
 
 def _read(path) -> Any:
@@ -266,7 +235,7 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     out = {}
     for key, value in d.items():
         path = f"{prefix}{key}"
-        if path in _SECTIONS:
+        if path in SECTIONS:
             if not isinstance(value, dict):
                 raise ConfigError(f"'{path}' must be an object, got {json.dumps(value)}")
             out.update(_flatten(value, path + "."))
@@ -282,8 +251,15 @@ def _disabled(value: Any) -> bool:
 
 
 def _did_you_mean(key: str) -> str:
-    known = list(KEYS) + list(ALWAYS_ON) + list(NOT_IMPLEMENTED) + sorted(_SECTIONS)
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+    """The closest known key in the same section (then anywhere): its last part is compared, so
+    'zero_optimization.cpu_ofload' finds 'zero_optimization.cpu_offload', not an fp16 key."""
+    section, _, name = key.rpartition(".")
+    names = sorted(known() | SECTIONS)
+    siblings = {k.rpartition(".")[2]: k for k in names if k.rpartition(".")[0] == section}
+    close = difflib.get_close_matches(name, list(siblings), n=1, cutoff=0.75)
+    if close:
+        return f" (did you mean '{siblings[close[0]]}'?)"
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.75)
     if close:
         return f" (did you mean '{close[0]}'?)"
     return " (see docs/deepspeed_config.md for the supported keys)"
@@ -317,13 +293,17 @@ def _device(key: str, flat: dict, allowed: tuple[str, ...] = ("cpu", "none")) ->
     return value
 
 
-def _batch(flat: dict, world_size: int, out: dict) -> None:
-    """DeepSpeed's rule: train_batch_size = micro x accumulation x world size (N)."""
+def _batch(flat: dict, world_size: int, out: dict, sizes_auto: bool = False) -> None:
+    """DeepSpeed's rule: train_batch_size = micro x accumulation x world size (N). sizes_auto: the
+    two sizes were "auto" (the script's micro-batches decide them), so accumulation alone is
+    enough."""
     total, micro, accum = (_int(key, flat[key], minimum=1) if key in flat else None
                            for key in ("train_batch_size", "train_micro_batch_size_per_gpu",
                                        "gradient_accumulation_steps"))
     if total is None and micro is None:
-        if accum is not None:
+        if accum is not None and sizes_auto:
+            out["grad_accum"] = accum
+        elif accum is not None:
             raise ConfigError("gradient_accumulation_steps needs train_batch_size or "
                               "train_micro_batch_size_per_gpu")
         return
@@ -403,8 +383,23 @@ def _zero(flat: dict, out: dict, warnings: list[str], world_size: int) -> None:
         if key not in flat:
             raise ConfigError(f"{key} is needed with device \"nvme\": the disk tier's folder")
         out["offload_path"] = flat[key]
-    if _device("zero_optimization.offload_param.device", flat) == "cpu":
+    if offload and stage == 0:
+        warnings.append("'zero_optimization.offload_optimizer' has no effect at stage 0, as in "
+                        "DeepSpeed: DDP's optimizer is not partitioned")
+        offload = False
+    key = "zero_optimization.offload_param.device"
+    if _device(key, flat, ("cpu", "nvme", "none")) != "none" and stage in (0, 1, 2):
+        warnings.append(f"'zero_optimization.offload_param' has no effect at stage {stage}, as in "
+                        "DeepSpeed: only stage 3 partitions the parameters")
+    elif _device(key, flat, ("cpu", "nvme", "none")) != "none":
         offload = "params"
+        if flat[key] == "nvme":
+            warnings.append(f"'{key}: nvme' offloads to host memory: minizero's disk tier holds "
+                            "the optimizer only")
+    key = "zero_optimization.offload_optimizer.ratio"
+    if key in flat and _number(key, flat[key], minimum=0) < 1:
+        warnings.append(f"'{key}' {flat[key]} is not implemented: minizero offloads the whole "
+                        "optimizer or none of it")
     if stage is not None:
         try:
             # wrap's own rules
@@ -417,7 +412,7 @@ def _zero(flat: dict, out: dict, warnings: list[str], world_size: int) -> None:
         out["offload"] = offload
     key = "zero_optimization.reduce_bucket_size"
     if key in flat:
-        elements = _number(key, flat[key], minimum=1)
+        elements = _number(key, flat[key], minimum=1)       # DeepSpeed refuses 0 too
         # DeepSpeed counts elements, minizero bytes
         out["bucket_size"] = elements * element_bytes(out.get("dtype", "fp32"))
         if stage in (1, 3):
@@ -492,6 +487,9 @@ def _optimizer(flat: dict, out: dict) -> None:
             name = "adamw"
         params.pop("adam_w_mode", None)
         params.pop("torch_adam", None)                 # minizero always steps with torch.optim
+        if not params.pop("bias_correction", True):
+            raise ConfigError("optimizer.params.bias_correction false: torch.optim's Adam always "
+                              "corrects the moments' bias, and minizero steps with torch.optim")
         params.setdefault("weight_decay", 0.0)
         if "betas" in params:
             params["betas"] = tuple(params["betas"])
@@ -520,7 +518,8 @@ def _scheduler(flat: dict, out: dict, required: tuple[str, ...]) -> None:
         raise ConfigError(f"scheduler.type must be one of {', '.join(SCHEDULES)} (DeepSpeed's "
                           f"warmup schedules), got {json.dumps(kind)}")
     takes = SCHEDULES[kind].PARAMS
-    _check_params("scheduler", kind, params, takes)
+    _check_params("scheduler", kind, {k: v for k, v in params.items()
+                                      if f"scheduler.params.{k}" != _AT_BUILD or v != AUTO}, takes)
     for key in required:
         if key in takes and key not in params:
             raise ConfigError(f"scheduler.params.{key} is required by {kind}")
@@ -533,6 +532,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, spec: dict,
     sets the learning rate of at once; total_num_steps: the default for schedules that need it (the
     CLI's --steps)."""
     cls, params = SCHEDULES[spec["type"]], dict(spec["params"])
+    if params.get("warmup_max_lr") == AUTO:               # Hugging Face: the optimizer's lr
+        params["warmup_max_lr"] = optimizer.param_groups[0]["lr"]
     if "total_num_steps" in cls.PARAMS:
         params.setdefault("total_num_steps", total_num_steps)
         if params["total_num_steps"] is None:

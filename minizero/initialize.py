@@ -150,7 +150,8 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         comm.init()                        # torchrun's env://, as deepspeed.init_distributed
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)   # Hugging Face models
     settings, notes = load_deepspeed_config(source, comm.world_size(), flags=False,
-                                            hidden_size=hidden)
+                                            hidden_size=hidden,
+                                            client_optimizer=optimizer is not None)
     if comm.rank() == 0:
         for note in notes:
             warnings.warn(note, stacklevel=2)
