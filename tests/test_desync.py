@@ -217,6 +217,61 @@ def test_no_false_positive_in_normal_training_and_every_collective_is_checked():
         assert all(collectives == checks > 0 for collectives, checks in counts), counts
 
 
+# --- writes that cannot take effect raise one line -----------------------------------------------
+
+def writes_that_cannot_take_effect() -> dict:
+    """Stage 3: what each way of writing a parameter where it cannot take effect raises on this
+    rank (None: nothing), and whether training goes on afterwards."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    engine = minizero.wrap(model, 3, functools.partial(torch.optim.SGD, lr=0.1),
+                           units=[model[0], model[2]])
+    weight = model[2].weight
+    ways = {"gathered(None), every rank": lambda: weight.fill_(1.0),
+            "gathered(None), rank 1 through .data":
+                lambda: comm.rank() == 1 and weight.data.mul_(2),
+            "gathered(None), rank 0 rebinds .data": lambda: comm.rank() == 0 and setattr(
+                weight, "data", torch.zeros(8, 8)),
+            "outside, in place": lambda: weight.add_(1.0),
+            "outside, fill_": lambda: weight.fill_(0.0),
+            "outside, init through .data": lambda: nn.init.zeros_(weight.data)}
+    out = {}
+    for name, write in ways.items():
+        try:
+            with torch.no_grad():
+                if name.startswith("gathered"):
+                    with engine.gathered():
+                        write()
+                else:
+                    write()
+            out[name] = None
+        except RuntimeError as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    out["absent still reads NaN"] = bool(weight.isnan().all())
+    loss = engine(torch.ones(2, 8)).sum()
+    engine.backward(loss)
+    engine.step()
+    out["trains on"] = bool(torch.isfinite(loss))
+    return out
+
+
+def test_writes_that_cannot_take_effect_raise_one_minizero_line():
+    ranks = minizero.launch(writes_that_cannot_take_effect, 2)
+    for r, out in enumerate(ranks):
+        assert out.pop("absent still reads NaN") and out.pop("trains on"), (r, out)
+        for way, writers in [("every rank", "ranks 0, 1"), ("rank 1", "rank 1"),
+                             ("rank 0", "rank 0")]:
+            line = next(v for k, v in out.items() if way in k)
+            assert line == (
+                f"ParameterWriteError: {writers} wrote to stage-3 parameters inside "
+                "engine.gathered(modifier_rank=None), where a write cannot take effect (each rank "
+                "keeps its partition from before the block): use engine.gathered(modifier_rank=r), "
+                "and rank r's values reach every rank"), (r, way, line)
+        for way in ["in place", "fill_", "init through .data"]:
+            line = out[f"outside, {way}"]
+            assert line is not None and line.startswith("ParameterWriteError: ") and \
+                "gathered(modifier_rank=" in line and "\n" not in line, (r, way, line)
+
+
 # --- the CLI and torchrun ------------------------------------------------------------------------
 
 def _fault_env(mode: str) -> dict:
