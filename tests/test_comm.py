@@ -94,13 +94,13 @@ def test_nccl_on_an_older_torch_is_one_line_before_any_group(monkeypatch):
 
 
 def agreements() -> list[bool]:
-    """comm.agree on: one value everywhere; one rank's off by one; the largest values it takes,
-    one rank's off by one (exact: no rounding); one rank's negated."""
+    """comm.agree on: one value everywhere; one rank's off by one; the largest value it takes
+    everywhere, then one rank's off by one (exact: no rounding); one rank's negated."""
     comm.open_agreement()
     r, big = comm.rank(), 2**62 - 1
-    return [comm.agree(7), comm.agree(7 + (r == 1)), comm.agree(big - (r == 2)),
+    return [comm.agree(7), comm.agree(7 + (r == 1)), comm.agree(big), comm.agree(big - (r == 2)),
             comm.agree(-5 if r == 0 else 5)]
 
 
 def test_agree_is_exact_and_the_same_answer_on_every_rank():
-    assert minizero.launch(agreements, 3) == [[True, False, False, False]] * 3
+    assert minizero.launch(agreements, 3) == [[True, False, True, False, False]] * 3
