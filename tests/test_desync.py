@@ -5,8 +5,12 @@
 The two hangs users meet most (a rank whose forward skips a block at stage 3; a rank that runs one
 micro-batch more) end with one line naming the rank and what each rank issued, through
 minizero.launch, the CLI and torchrun; a rank with a model of another size is named before the first
-collective; a rank that never issues a collective is named after the stall timeout. The verdicts'
-wording is tested on hand-written fingerprints, without processes.
+collective; a rank that never issues a collective is named after the stall timeout. Ranks that
+exchange the wrong units silently (DeepSpeed's leaf-module scenario: each rank runs another linear)
+or an all-reduce of another tag or size are named at the first collective they disagree on, and
+normal training at every stage is never stopped. Writes to stage-3 parameters that cannot take
+effect raise one line. The verdicts' wording is tested on hand-written fingerprints, without
+processes.
 """
 
 import functools
