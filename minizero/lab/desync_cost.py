@@ -4,9 +4,10 @@
     python -m minizero.bench --desync --size 8M --stages 3 --world-size 2 --steps 8 --repeats 3
 
 1. Per collective: a loop of small all-reduces, in turns with the watch off, on without checks
-   (the recorder and the watchdog only), at the default check_every, and with a check before every
-   collective. The CPU seconds this process spends per collective (time.process_time: the main
-   thread and the watchdog's, not the time spent waiting for the other rank, which a shared
+   (the recorder and the watchdog only), agreeing every 64 collectives, and agreeing before every
+   collective (the default check_every). The CPU seconds this process spends per collective
+   (time.process_time: the main thread and the watchdog's, not the time spent waiting for the
+   other rank, which a shared
    machine's load inflates), added by the watch, times the collectives of one training step, over
    that step's time: the cost as a share of a step.
 2. Whole steps: the same training steps with the watch off and on, in turns (one launch with the
@@ -27,7 +28,7 @@ from minizero.lab.train import TrainConfig, train_worker
 
 # check_every: None the watch off, 0 the recorder and watchdog only, 1 the default
 SETTINGS = {"off": None, "no checks": 0, "every 64": 64, "every 1": 1}
-CALLS = 1024         # all-reduces per turn of the loop (a multiple of the default check_every)
+CALLS = 1024         # all-reduces per turn of the loop (a multiple of every check_every above)
 
 
 def _watched(every: int | None, run):
