@@ -7,9 +7,8 @@
    (the recorder and the watchdog only), agreeing every 64 collectives, and agreeing before every
    collective (the default check_every). The CPU seconds this process spends per collective
    (time.process_time: the main thread and the watchdog's, not the time spent waiting for the
-   other rank, which a shared
-   machine's load inflates), added by the watch, times the collectives of one training step, over
-   that step's time: the cost as a share of a step.
+   other rank, which a shared machine's load inflates), added by the watch, times the collectives
+   of one training step, over that step's time: the cost as a share of a step.
 2. Whole steps: the same training steps with the watch off and on, in turns (one launch with the
    launcher's watch off; each rank turns a watch on and off itself), the slowest rank's median.
    Honest but noisy: on a loaded machine run-to-run noise is larger than the cost.
