@@ -93,10 +93,12 @@ def destroy(wait_for_peers: bool = False) -> None:
     """Leave the process group. wait_for_peers: first a barrier, so no rank closes its connections
     while another is still finishing a collective with it (gloo can abort the slower process at exit
     otherwise). Only on success: after a failure the peers may never arrive."""
+    global _agreement_group
     if dist.is_initialized():
         if wait_for_peers:
             barrier()
         dist.destroy_process_group()
+    _agreement_group = None
 
 
 def is_initialized() -> bool:
@@ -544,6 +546,40 @@ class Route:
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, tag: str = ""):
         return self.codec.reduce_scatter(output, input, self.group, tag)
+
+
+# --------------------------------------------------------------------------------------------------
+# Agreement: do all ranks hold the same number? (minizero/desync.py's check, before a collective)
+# --------------------------------------------------------------------------------------------------
+
+_agreement_group = None     # every rank, on gloo (CPU) whatever the backend; made by open_agreement
+
+
+def open_agreement() -> None:
+    """Make the process group that `agree` runs on. Collective (dist.new_group): every rank calls it
+    at the same point, once (later calls do nothing)."""
+    global _agreement_group
+    if _agreement_group is None and world_size() > 1:
+        _agreement_group = dist.new_group(backend="gloo",
+                                          timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+
+
+def agree(value: int) -> bool:
+    """Whether every rank called agree() with the same `value` (an integer, |value| < 2**62).
+
+    [Note: agreement] One all-reduce with MAX over [value, -value] (int64): every rank gets the
+    largest value and minus the smallest, and all are equal exactly when largest == smallest.
+    Integers, so nothing rounds; MAX, so every rank gets the same answer at the same call. It runs
+    on a group of its own, on the CPU with gloo whatever the backend: on the training group it
+    would queue behind every collective still in flight (and wait for them), and on NCCL reading
+    its answer would wait for the GPU. Not tallied, not an event: it is not part of ZeRO's
+    algorithm, and it is not a collective of the stream it checks. Blocks until every rank calls
+    it (open_agreement first)."""
+    if world_size() == 1:
+        return True
+    pair = torch.tensor([value, -value], dtype=torch.int64)
+    dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=_agreement_group)
+    return int(pair[0]) == value == -int(pair[1])
 
 
 def all_gather_object(obj) -> list:

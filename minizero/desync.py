@@ -16,12 +16,16 @@ nobody.
 Every piece below watches comm's event stream ("collective" as one is issued, "collective done"
 when it has completed: events.py), so comm itself knows nothing of it.
 
-1. Fingerprints. A collective's fingerprint is (kind, group size, element count, dtype, tag) at
-   its sequence number `seq` (comm counts them; every rank issues the same sequence). Before
-   collective #1 and every `check_every`-th runs, each rank puts the fingerprints it issued since
-   the last check on the process group's store and reads everyone else's: a difference stops every
-   rank with one line (DesyncError) naming the ranks and what each issued. #1 is checked so that a
-   rank whose model has another size is named before anything moves.
+1. Fingerprints, checked before each collective runs. A collective's fingerprint is (kind,
+   group size, element count, dtype, tag) at its sequence number `seq` (comm counts them; every
+   rank issues the same sequence). The tag says which unit or bucket it is for, so two units of
+   the same size exchanged in each other's place differ. Before collective #1 and every
+   `check_every`-th (default: every one) runs, the ranks agree on a hash of the fingerprints each
+   issued since the last check: one all-reduce of two integers ([Note: agreement] in comm.py).
+   When they differ, every rank learns it at that same collective, before its data moves: each
+   puts its fingerprints on the process group's store, reads everyone's, and raises one line
+   (DesyncError) naming the first collective they disagree on, the rank(s) out of step and what
+   each issued. [Note: checking before, not on arrival] says why not in the collective's bytes.
 2. The flight recorder: each rank's last RECORDED collectives, with when each was issued and
    finished. A watchdog thread puts them on the store every TICK_S, so that after any failure the
    launcher can print them (`report`), a killed rank's included.
@@ -32,17 +36,28 @@ when it has completed: events.py), so comm itself knows nothing of it.
    it (it then stops every rank and reports); elsewhere (torchrun) rank 0 prints it and exits, as
    NCCL's watchdog takes its process down, and torchrun stops the others.
 
-Cost: a record per collective (microseconds) and, every `check_every` collectives, a few store
-round trips that wait for the slowest rank to reach the same collective (measured on training
-steps by python -m minizero.bench --desync). Threads: the main thread records and, at a
-check, uses a store connection of its own; the watchdog has another (a TCPStore connection serves
-one request at a time, and a check may wait on it for long).
+Cost: a record and a hash per collective (microseconds) and, every `check_every` collectives, the
+agreement: a two-integer all-reduce that waits for the slowest rank to reach the same collective
+(measured on training steps by python -m minizero.bench --desync; docs/performance.md). The store
+is read only when the ranks disagree. Threads: the main thread records and checks, with a store
+connection of its own; the watchdog has another (a TCPStore connection serves one request at a
+time, and a check may wait on it for long).
+
+[Note: checking before, not on arrival] The fingerprint could instead travel inside each
+collective, a few bytes appended to the payload and compared on arrival. That needs every caller's
+buffer to grow (or a copy of the payload per collective), cannot be exact in a bf16 sum or an int8
+codec (quantize.py), and still lets the wrong data move: when the sizes differ it moves into the
+wrong places, or hangs. A separate agreement of a 62-bit hash just before the collective is
+exact, needs no change to any buffer or codec, and stops a mismatch before anything is exchanged.
+Its price is one small round trip per collective, and ranks meet there in step (an early rank
+waits at the check instead of inside the collective).
 """
 
 from __future__ import annotations
 
 import collections
 import datetime
+import hashlib
 import json
 import os
 import sys
@@ -54,7 +69,7 @@ import torch.distributed as dist
 from minizero import comm, events
 
 DEFAULT_STALL_TIMEOUT_S = float(os.environ.get("MINIZERO_STALL_TIMEOUT_S", "20"))
-DEFAULT_CHECK_EVERY = 64
+DEFAULT_CHECK_EVERY = 1       # agree before every collective: a mismatch is named at the first
 RECORDED = 20       # collectives per rank in the flight recorder
 TICK_S = 0.25       # how often the watchdog publishes this rank's record (and rank 0 judges)
 SUSPECT_S = 1.0     # nothing issued or finished anywhere for this long: compare what is unchecked
@@ -87,6 +102,10 @@ def _key(fp: dict) -> tuple:
     """What must be equal on every rank. A group by its size only: with HSDP, rank 0's shard group
     is ranks 0-1 while rank 2's is ranks 2-3, and that is the same collective."""
     return fp["kind"], fp["ranks"] and len(fp["ranks"]), fp["numel"], fp["dtype"], fp["tag"]
+
+
+def _digest() -> "hashlib.blake2b":
+    return hashlib.blake2b(digest_size=8)
 
 
 def describe(fp: dict) -> str:
@@ -182,9 +201,10 @@ class Watch:
         self.unchecked: collections.deque = collections.deque(maxlen=max(check_every, RECORDED))
         self.pending: dict[int, dict] = {}              # seq -> its record: issued, not finished
         self.issued, self.finished, self.moved_at = 0, 0, time.time()
-        self.last_check: int | None = None
+        self.digest = _digest()                         # of the keys issued since the last check
         self.lock = threading.Lock()
         self.stopped = threading.Event()
+        comm.open_agreement()
         self.unsubscribe = events.subscribe(self.on_event)
         self.thread = threading.Thread(target=self.run, name="minizero-desync", daemon=True)
         self.thread.start()
@@ -199,6 +219,7 @@ class Watch:
                 self.unchecked.append(fp)
                 self.pending[fp["seq"]] = record
                 self.issued, self.moved_at = fp["seq"], record["issued"]
+            self.digest.update(repr(_key(fp)).encode())
             if self.check_every and (fp["seq"] == 1 or fp["seq"] % self.check_every == 0):
                 self.check(fp["seq"])
         elif name == "collective done":
@@ -209,22 +230,30 @@ class Watch:
                     self.finished = max(self.finished, fields["seq"])
 
     def check(self, seq: int) -> None:
-        """Compare the fingerprints since the last check with every rank's, before collective #seq
-        runs. Waits for every rank to reach #seq: one that never does is the watchdog's to name."""
+        """Agree with every rank on the fingerprints since the last check, before collective #seq
+        runs; when they differ, name the first difference (on every rank) and raise. Waits for
+        every rank to reach #seq: one that never does is the watchdog's to name."""
+        value = int.from_bytes(self.digest.digest(), "big") >> 2        # 62 bits: see comm.agree
+        self.digest = _digest()
         with self.lock:
             window = list(self.unchecked)
+        agreed = comm.agree(value)
+        with self.lock:
+            self.unchecked.clear()
+        if agreed:
+            return
+        # Every rank is here, at the same collective (the agreement's answer is the same on all):
+        # the store says what each issued, for one line that names them
+        self.store.set(_state_key(self.rank), json.dumps(self.state()))   # for the report, now
         self.store.set(_check_key(seq, self.rank), json.dumps(window))
         keys = [_check_key(seq, r) for r in range(self.n)]
         self.store.wait(keys, datetime.timedelta(seconds=comm.DEFAULT_TIMEOUT_S))
         verdict = mismatch([json.loads(v) for v in self.store.multi_get(keys)])
-        if self.last_check is not None:     # every rank has read it: each wrote this round's key
-            self.store.delete_key(_check_key(self.last_check, self.rank))
-        self.last_check = seq
-        with self.lock:
-            self.unchecked.clear()
-        if verdict is not None:
-            self.store.compare_set(VERDICT, "", verdict)          # the first verdict stands
-            raise DesyncError(f"ranks out of step: {verdict}")
+        if verdict is None:                      # a hash collision, the other way: cannot happen
+            verdict = f"the ranks disagree on collectives #{window[0]['seq']}-#{seq}"
+        self.store.compare_set(VERDICT, "", verdict)              # the first verdict stands
+        self.on_verdict(verdict)
+        raise DesyncError(f"ranks out of step: {verdict}")
 
     # --- the watchdog thread -----------------------------------------------------------------
     def state(self) -> dict:
@@ -269,11 +298,11 @@ def watch(store: dist.Store | None = None,
     """Watch this rank's collectives (after comm.init; None with one rank).
     store: the process group's (default: the default group's, as under torchrun).
     stall_timeout: seconds without progress before the watchdog stops the run (None: never; a
-      mismatch is still named). check_every: compare fingerprints on every rank before every k-th
-      collective (0: only when the run stalls).
-    on_verdict(line): what rank 0's watchdog does with a verdict; default: print it with the flight
-      recorder and exit, for torchrun to stop the others (minizero.launch's parent reports them).
-    """
+      mismatch is still named). check_every: agree on the fingerprints on every rank before #1 and
+      every k-th collective (default 1: every one; 0: only when the run stalls).
+    on_verdict(line): what rank 0's watchdog, and every rank's check, does with a verdict before
+      the check raises DesyncError; default: print it (rank 0 with the flight recorder) and exit,
+      for torchrun to stop the others (minizero.launch's parent reports them, from the store)."""
     if comm.world_size() == 1:
         return None
     store = store or dist.distributed_c10d._get_default_store()
@@ -282,8 +311,9 @@ def watch(store: dist.Store | None = None,
 
 def _exit_with(store: dist.Store):
     def leave(verdict: str) -> None:
-        print(f"minizero: ranks out of step: {verdict}{report(store, comm.world_size())}",
-              file=sys.stderr, flush=True)
+        # every rank that finds the mismatch leaves; rank 0 also prints the flight recorder
+        recorder = report(store, comm.world_size()) if comm.rank() == 0 else ""
+        print(f"minizero: ranks out of step: {verdict}{recorder}", file=sys.stderr, flush=True)
         os._exit(1)
     return leave
 

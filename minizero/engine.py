@@ -361,7 +361,9 @@ class Engine:
         on every rank: DeepSpeed's GatheredParameters, FSDP's summon_full_params. With
         modifier_rank=r, what rank r writes to them is given to every rank when the block ends, and
         to the optimizer's master weights. Collective, between steps. Stages 0-2 hold full
-        parameters already; stage 3 gathers."""
+        parameters already; stage 3 gathers. At stage 3 a write with modifier_rank=None could not
+        take effect (each rank keeps the partition it had): every rank raises
+        unit.ParameterWriteError at the end of the block, as DeepSpeed's GatheredParameters does."""
         if modifier_rank is not None and self.tensor_group is not None:
             raise ValueError("gathered(modifier_rank=...) with tensor parallelism: each row holds "
                              "other parts of the model, so one rank's writes cannot reach all; "
@@ -371,8 +373,18 @@ class Engine:
             raise ValueError(f"modifier_rank must be a rank in 0..{self.world_size - 1} or None, "
                              f"got {modifier_rank!r}")
         modules = [self.module] if modules is None else list(modules)
-        with self.gathering([p for m in modules for p in m.parameters()], modifier_rank):
+        params = [p for m in modules for p in m.parameters()]
+        with self.gathering(params, modifier_rank):
+            marks = None if modifier_rank is not None else self._write_marks(params)
             yield
+            if marks is not None:
+                self._refuse_dropped_writes(params, marks)
+
+    def _write_marks(self, params: list[nn.Parameter]):
+        return None          # stages 0-2: the parameters are this rank's own; a write stays here
+
+    def _refuse_dropped_writes(self, params: list[nn.Parameter], marks) -> None:
+        pass
 
     @contextlib.contextmanager
     def gathering(self, params: list[nn.Parameter], modifier_rank: int | None = None):

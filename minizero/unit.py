@@ -30,11 +30,80 @@ def absent_like(p: torch.Tensor, dtype: torch.dtype | None = None,
     are not on any one rank (each holds 1/N of them). Left a view of the freed `full`, it would
     point at 0 bytes, and reading it (print(model.lm_head.weight)) would read freed memory: a
     crash. So the unit points it at this instead: shape, dtype and numel() stay true (a learner's
-    count of parameters still works), what it reads is NaN (no value here), and writing to it
-    raises (its elements share one memory location). DeepSpeed makes it torch.empty(0) instead,
-    FSDP2 a DTensor of the shard. To see the values: `with engine.gathered(params):`, or
-    engine.full_state_dict()."""
+    count of parameters still works), what it reads is NaN (no value here), and a write to it
+    raises ParameterWriteError (`refuse_writes`: torch alone would refuse some writes with a
+    message about memory locations and let fill_ and zero_ through, into the one shared value).
+    DeepSpeed makes it torch.empty(0) instead, FSDP2 a DTensor of the shard. To see the values:
+    `with engine.gathered(params):`, or engine.full_state_dict()."""
     return _one_absent_value(dtype or p.dtype, device or p.device).expand(p.shape)
+
+
+class ParameterWriteError(RuntimeError):
+    """A write to a stage-3 parameter that could not take effect: one line saying where to write
+    instead (engine.gathered(modifier_rank=...))."""
+
+
+_IN_PLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__",
+                     "__ifloordiv__", "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__"}
+_NOT_WRITES = {"requires_grad_", "share_memory_", "retain_grad"}     # in-place on flags, not values
+
+
+def _refuse_if_written(func, args, kwargs) -> None:
+    """Raise when `func` writes into an absent tensor: an in-place method or function (name ending
+    in _: add_, fill_, nn.init.normal_) or operator on one, or one given as out=."""
+    name = getattr(func, "__name__", "")
+    in_place = name in _IN_PLACE_DUNDERS or (name.endswith("_") and not name.startswith("__")
+                                             and name not in _NOT_WRITES)
+    out = kwargs.get("out")
+    targets = (out if isinstance(out, (tuple, list)) else (out,)) if out is not None else ()
+    if in_place and args:
+        targets += (args[0],)
+    if any(isinstance(t, (_Absent, AbsentValues)) for t in targets):
+        raise ParameterWriteError(
+            f"{name}() writes to a stage-3 parameter outside engine.gathered(), "
+            "whose values are partitioned over the ranks (its own reads NaN), so the write could "
+            "not take effect: write inside `with engine.gathered(modifier_rank=r):` (rank r's "
+            "values reach every rank)")
+
+
+def _reads_only(func, args, kwargs):
+    _refuse_if_written(func, args, kwargs)
+    with torch._C.DisableTorchFunctionSubclass():                  # results are plain tensors
+        return func(*args, **kwargs)
+
+
+class AbsentValues(torch.Tensor):
+    """What `p.data` of an absent parameter is: absent_like's values, refusing writes."""
+    __torch_function__ = classmethod(lambda cls, func, types, args=(), kwargs=None:
+                                     _reads_only(func, args, kwargs or {}))
+
+
+_DATA = torch._C.TensorBase.data                                  # the descriptor behind p.data
+
+
+class _Absent:
+    """Mixed into an absent parameter's class while its unit is free (refuse_writes)."""
+    __torch_function__ = AbsentValues.__torch_function__
+
+    @property
+    def data(self):
+        return _DATA.__get__(self).as_subclass(AbsentValues)
+
+    @data.setter
+    def data(self, value):
+        _DATA.__set__(self, value)
+
+
+@functools.cache
+def _absent_class(cls: type) -> type:
+    return type(f"Absent{cls.__name__}", (_Absent, cls), {"own_class": cls})
+
+
+def refuse_writes(p: torch.Tensor, refuse: bool) -> None:
+    """Make p's class refuse writes (an absent parameter), or give it its own class back: the one
+    way to catch a write through p or p.data with a minizero line. Costs nothing while gathered."""
+    own = type(p).own_class if isinstance(p, _Absent) else type(p)
+    p.__class__ = _absent_class(own) if refuse else own
 
 
 @functools.cache
@@ -115,6 +184,7 @@ class Unit:
         them), absent otherwise ([Note: absent parameters])."""
         for p, view, absent in zip(self.params, self.views, self.absent):
             p.data = view if gathered else absent
+            refuse_writes(p, not gathered)
 
     def _route(self, forward: bool) -> tuple[comm.Route, list[torch.Tensor]]:
         """Backward's all-gather runs within the node from the secondaries when hpZ kept them."""

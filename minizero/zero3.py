@@ -36,9 +36,12 @@ from torch.utils._pytree import tree_flatten
 
 from minizero import comm, construct
 from minizero.flat import Bucket, FlatLayout, partition
-from minizero.unit import IDLE, PRE_BACKWARD, Unit, UnitRoutes
+from minizero.unit import IDLE, PRE_BACKWARD, ParameterWriteError, Unit, UnitRoutes
 from minizero.units import assign_units, default_units
 from minizero.zero2 import Zero2
+
+
+_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}   # by bytes
 
 
 class Zero3(Zero2):
@@ -176,6 +179,29 @@ class Zero3(Zero2):
             for full, shard in unit.buffers():
                 shard.copy_(partition(full, self.layout.rank, self.layout.world_size))
         super()._after_user_write(params)              # the masters follow the shards
+
+    def _write_marks(self, params) -> tuple[torch.Tensor, list[int]]:
+        """What shows a write to the gathered parameters: a checksum of each full buffer (its
+        elements' bits, summed as integers: exact, and changed by any one element written) and
+        where each parameter's values live (`p.data = ...` moves them)."""
+        sums = [full.view(_SAME_SIZE_INT[full.element_size()]).sum(dtype=torch.int64)
+                for unit in self._units_of(params) for full, _ in unit.buffers()]
+        return torch.stack(sums) if sums else torch.zeros(0), [p.data_ptr() for p in params]
+
+    def _refuse_dropped_writes(self, params, marks) -> None:
+        """gathered(modifier_rank=None) at its end: if any rank wrote, every rank raises (one
+        all-reduce of a flag per rank, so that no rank goes on alone and all name the writers)."""
+        sums, places = self._write_marks(params)
+        wrote = torch.zeros(self.world_size, device=self.device)
+        wrote[comm.rank()] = float(places != marks[1] or not torch.equal(sums, marks[0]))
+        comm.all_reduce(wrote, op="sum", tag="gathered(modifier_rank=None): a write?")
+        writers = [r for r, w in enumerate(wrote.tolist()) if w]
+        if writers:
+            raise ParameterWriteError(
+                f"rank{'s' if len(writers) > 1 else ''} {', '.join(map(str, writers))} wrote to "
+                "stage-3 parameters inside engine.gathered(modifier_rank=None), where a write "
+                "cannot take effect (each rank keeps its partition from before the block): use "
+                "engine.gathered(modifier_rank=r), and rank r's values reach every rank")
 
     def _release_for_user(self, params) -> None:
         for unit in self._gathered_for_user.pop():

@@ -1,5 +1,5 @@
 """The communication layer: collectives are right, the ring all-reduce equals all_reduce, tallies
-are ring bytes."""
+are ring bytes, and agree() tells every rank alike whether all ranks hold the same number."""
 
 import pytest
 import torch
@@ -91,3 +91,16 @@ def test_nccl_on_an_older_torch_is_one_line_before_any_group(monkeypatch):
     with pytest.raises(RuntimeError, match=r"needs torch >= 2\.13 for NCCL with 2 ranks"):
         comm.init(0, 2, backend="nccl")
     assert not torch.distributed.is_initialized()
+
+
+def agreements() -> list[bool]:
+    """comm.agree on: one value everywhere; one rank's off by one; the largest value it takes
+    everywhere, then one rank's off by one (exact: no rounding); one rank's negated."""
+    comm.open_agreement()
+    r, big = comm.rank(), 2**62 - 1
+    return [comm.agree(7), comm.agree(7 + (r == 1)), comm.agree(big), comm.agree(big - (r == 2)),
+            comm.agree(-5 if r == 0 else 5)]
+
+
+def test_agree_is_exact_and_the_same_answer_on_every_rank():
+    assert minizero.launch(agreements, 3) == [[True, False, True, False, False]] * 3

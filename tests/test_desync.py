@@ -5,19 +5,27 @@
 The two hangs users meet most (a rank whose forward skips a block at stage 3; a rank that runs one
 micro-batch more) end with one line naming the rank and what each rank issued, through
 minizero.launch, the CLI and torchrun; a rank with a model of another size is named before the first
-collective; a rank that never issues a collective is named after the stall timeout. The verdicts'
-wording is tested on hand-written fingerprints, without processes.
+collective; a rank that never issues a collective is named after the stall timeout. Ranks that
+exchange the wrong units silently (DeepSpeed's leaf-module scenario: each rank runs another linear)
+or an all-reduce of another tag or size are named at the first collective they disagree on, and
+normal training at every stage is never stopped. Writes to stage-3 parameters that cannot take
+effect raise one line. The verdicts' wording is tested on hand-written fingerprints, without
+processes.
 """
 
+import functools
 import os
+import re
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
+from torch import nn
 
 import minizero
-from minizero import desync
+from minizero import comm, desync, events
 from minizero.cli.run import main as run_main
 from minizero.lab.faults import Fault, never_issue_on, train_another_model_on
 from minizero.lab.train import TrainConfig, train_worker
@@ -120,6 +128,152 @@ def test_a_rank_that_never_issues_is_named_after_the_stall_timeout():
 def test_bad_stall_timeout_is_refused(bad):
     with pytest.raises(ValueError, match="stall_timeout must be a positive number of seconds"):
         minizero.launch(never_issue_on, 2, 1, 0.0, stall_timeout=bad)
+
+
+# --- named at the first collective the ranks disagree on ----------------------------------------
+
+class ChooseByRank(nn.Module):
+    """DeepSpeed's leaf-module scenario (tests/unit/runtime/zero/test_zero_leaf_module.py's
+    ChooseModuleByRankModel, in our own code): each rank runs one of two linears of the same size.
+    At stage 3 with each linear its own unit, rank 0 gathers one unit while rank 1 gathers the
+    other: the all-gathers have the same size, so the backend pairs them and each rank computes
+    with a mix of both weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.linears = nn.ModuleList([nn.Linear(8, 8, bias=False) for _ in range(2)])
+
+    def forward(self, x):
+        return torch.relu(self.linears[comm.rank() % 2](x))
+
+
+def choose_by_rank(steps: int) -> dict:
+    """Train ChooseByRank at stage 3; this rank's collectives and how far its last output is from
+    what its own linear computes."""
+    torch.manual_seed(0)
+    model = ChooseByRank()
+    weights = [linear.weight.detach().clone() for linear in model.linears]
+    engine = minizero.wrap(model, 3, functools.partial(torch.optim.SGD, lr=0.0),
+                           units=list(model.linears))
+    x = torch.randn(4, 8)
+    with events.recorded("collective") as log:
+        for _ in range(steps):
+            y = engine(x)
+            engine.backward(y.sum())
+            engine.step()
+    error = (y - torch.relu(x @ weights[comm.rank() % 2].t())).abs().max().item()
+    return {"issued": [(f["seq"], f["kind"], f["tag"], f["numel"]) for _, _, f in log],
+            "error": error}
+
+
+def test_rank_dependent_units_at_stage_3_are_named_at_the_first_mismatched_collective():
+    # with the checks off (stall_timeout=None, check_every=0) the run ends "successfully", wrong
+    silent = minizero.launch(choose_by_rank, 2, 2, stall_timeout=None, check_every=0)
+    assert min(r["error"] for r in silent) > 0.1
+    first = next(a[0] for a, b in zip(silent[0]["issued"], silent[1]["issued"]) if a != b)
+    with pytest.raises(RuntimeError, match=(
+            rf"^ranks out of step: rank 1 issued all_gather of 64 float32 elements for unit \d "
+            rf"\(linears\.1\) as collective #{first}, where rank 0 issued all_gather of 64 "
+            rf"float32 elements for unit \d \(linears\.0\); {re.escape(desync.LIKELY_PATH)}")):
+        minizero.launch(choose_by_rank, 2, 2)
+
+
+def another_all_reduce_on_rank_1(what: str) -> None:
+    """Three all-reduces on every rank; rank 1's second differs in `what` ("tag" or "size")."""
+    for i in range(3):
+        odd = i == 1 and comm.rank() == 1
+        x = torch.ones(5 if odd and what == "size" else 4)
+        comm.all_reduce(x, op="sum", tag="odd" if odd and what == "tag" else f"step {i}")
+
+
+@pytest.mark.parametrize("what, theirs", [("tag", "4 float32 elements for odd"),
+                                          ("size", "5 float32 elements for step 1")])
+def test_an_all_reduce_of_another_tag_or_size_on_one_rank_is_named_at_once(what, theirs):
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=(
+            rf"^ranks out of step: rank 1 issued all_reduce of {theirs} as collective #2, where "
+            r"rank 0 issued all_reduce of 4 float32 elements for step 1;")):
+        minizero.launch(another_all_reduce_on_rank_1, 2, what, stall_timeout=None)
+    assert time.monotonic() - start < FAST
+
+
+def train_every_way_counting_checks() -> list[tuple[int, int]]:
+    """Stages 0-3 and offload, trained with the check on: (collectives, agreements) of each."""
+    agree, counts = comm.agree, []
+
+    def counted(value):
+        counted.calls += 1
+        return agree(value)
+    comm.agree = counted
+    ways = [(0, False), (1, False), (2, False), (3, False), (2, True), (3, "params")]
+    for stage, offload in ways:
+        counted.calls = 0
+        with events.recorded("collective") as log:
+            train_worker(TrainConfig(stage=stage, offload=offload, steps=2, model="tiny",
+                                     batch_size=8))
+        counts.append((len(log), counted.calls))
+    comm.agree = agree
+    return counts
+
+
+def test_no_false_positive_in_normal_training_and_every_collective_is_checked():
+    for counts in minizero.launch(train_every_way_counting_checks, 2):
+        assert all(collectives == checks > 0 for collectives, checks in counts), counts
+
+
+# --- writes that cannot take effect raise one line -----------------------------------------------
+
+def writes_that_cannot_take_effect() -> dict:
+    """Stage 3: what each way of writing a parameter where it cannot take effect raises on this
+    rank (None: nothing), and whether training goes on afterwards."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    engine = minizero.wrap(model, 3, functools.partial(torch.optim.SGD, lr=0.1),
+                           units=[model[0], model[2]])
+    weight = model[2].weight
+    ways = {"gathered(None), every rank": lambda: weight.fill_(1.0),
+            "gathered(None), rank 1 through .data":
+                lambda: comm.rank() == 1 and weight.data.mul_(2),
+            "gathered(None), rank 0 rebinds .data": lambda: comm.rank() == 0 and setattr(
+                weight, "data", torch.zeros(8, 8)),
+            "outside, in place": lambda: weight.add_(1.0),
+            "outside, fill_": lambda: weight.fill_(0.0),
+            "outside, init through .data": lambda: nn.init.zeros_(weight.data)}
+    out = {}
+    for name, write in ways.items():
+        try:
+            with torch.no_grad():
+                if name.startswith("gathered"):
+                    with engine.gathered():
+                        write()
+                else:
+                    write()
+            out[name] = None
+        except RuntimeError as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    out["absent still reads NaN"] = bool(weight.isnan().all())
+    loss = engine(torch.ones(2, 8)).sum()
+    engine.backward(loss)
+    engine.step()
+    out["trains on"] = bool(torch.isfinite(loss))
+    return out
+
+
+def test_writes_that_cannot_take_effect_raise_one_minizero_line():
+    ranks = minizero.launch(writes_that_cannot_take_effect, 2)
+    for r, out in enumerate(ranks):
+        assert out.pop("absent still reads NaN") and out.pop("trains on"), (r, out)
+        for way, writers in [("every rank", "ranks 0, 1"), ("rank 1", "rank 1"),
+                             ("rank 0", "rank 0")]:
+            line = next(v for k, v in out.items() if way in k)
+            assert line == (
+                f"ParameterWriteError: {writers} wrote to stage-3 parameters inside "
+                "engine.gathered(modifier_rank=None), where a write cannot take effect (each rank "
+                "keeps its partition from before the block): use engine.gathered(modifier_rank=r), "
+                "and rank r's values reach every rank"), (r, way, line)
+        for way in ["in place", "fill_", "init through .data"]:
+            line = out[f"outside, {way}"]
+            assert line is not None and line.startswith("ParameterWriteError: ") and \
+                "gathered(modifier_rank=" in line and "\n" not in line, (r, way, line)
 
 
 # --- the CLI and torchrun ------------------------------------------------------------------------

@@ -4,11 +4,11 @@
     python -m minizero.bench --desync --size 8M --stages 3 --world-size 2 --steps 8 --repeats 3
 
 1. Per collective: a loop of small all-reduces, in turns with the watch off, on without checks
-   (the recorder and the watchdog only), at the default check_every, and with a check before every
-   collective. The CPU seconds this process spends per collective (time.process_time: the main
-   thread and the watchdog's, not the time spent waiting for the other rank, which a shared
-   machine's load inflates), added by the watch, times the collectives of one training step, over
-   that step's time: the cost as a share of a step.
+   (the recorder and the watchdog only), agreeing every 64 collectives, and agreeing before every
+   collective (the default check_every). The CPU seconds this process spends per collective
+   (time.process_time: the main thread and the watchdog's, not the time spent waiting for the
+   other rank, which a shared machine's load inflates), added by the watch, times the collectives
+   of one training step, over that step's time: the cost as a share of a step.
 2. Whole steps: the same training steps with the watch off and on, in turns (one launch with the
    launcher's watch off; each rank turns a watch on and off itself), the slowest rank's median.
    Honest but noisy: on a loaded machine run-to-run noise is larger than the cost.
@@ -25,9 +25,9 @@ import torch
 from minizero import comm, desync, events
 from minizero.lab.train import TrainConfig, train_worker
 
-SETTINGS = {"off": None, "no checks": 0,
-            f"every {desync.DEFAULT_CHECK_EVERY}": desync.DEFAULT_CHECK_EVERY, "every 1": 1}
-CALLS = 1024         # all-reduces per turn of the loop (a multiple of the default check_every)
+# check_every: None the watch off, 0 the recorder and watchdog only, 1 the default
+SETTINGS = {"off": None, "no checks": 0, "every 64": 64, "every 1": 1}
+CALLS = 1024         # all-reduces per turn of the loop (a multiple of every check_every above)
 
 
 def _watched(every: int | None, run):
@@ -51,10 +51,13 @@ def cost_worker(cfgs: list[TrainConfig], repeats: int) -> dict:
         return (time.process_time() - start) / CALLS
 
     out: dict = {"collectives": {}}
-    for cfg in cfgs:
-        with events.recorded("collective") as log:
-            train_worker(replace(cfg, steps=1))
-        out["collectives"][cfg.stage] = len(log)
+    for cfg in cfgs:        # a step's: two steps' less one's (set-up broadcasts every parameter)
+        counts = []
+        for steps in (1, 2):
+            with events.recorded("collective") as log:
+                train_worker(replace(cfg, steps=steps))
+            counts.append(len(log))
+        out["collectives"][cfg.stage] = counts[1] - counts[0]
     for _ in range(repeats):
         for name, every in SETTINGS.items():
             out.setdefault(f"call, {name}", []).append(_watched(every, loop))
