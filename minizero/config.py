@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from minizero import adam
 from minizero.config_keys import (
     ALIASES,
     ALWAYS_ON,
@@ -51,7 +52,8 @@ from minizero.wrap import check
 __all__ = ["ALWAYS_ON", "KEYS", "NOT_IMPLEMENTED", "ConfigError", "build_scheduler",
            "load_deepspeed_config"]
 
-OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+# torch's, with DeepSpeed's bias_correction switch on Adam's two (minizero/adam.py)
+OPTIMIZERS = {"adamw": adam.AdamW, "adam": adam.Adam, "sgd": torch.optim.SGD}
 
 
 class ConfigError(ValueError):
@@ -487,9 +489,8 @@ def _optimizer(flat: dict, out: dict) -> None:
             name = "adamw"
         params.pop("adam_w_mode", None)
         params.pop("torch_adam", None)                 # minizero always steps with torch.optim
-        if not params.pop("bias_correction", True):
-            raise ConfigError("optimizer.params.bias_correction false: torch.optim's Adam always "
-                              "corrects the moments' bias, and minizero steps with torch.optim")
+        if params.get("bias_correction") is True:
+            del params["bias_correction"]                # torch's own Adam step (adam.py)
         params.setdefault("weight_decay", 0.0)
         if "betas" in params:
             params["betas"] = tuple(params["betas"])

@@ -73,8 +73,8 @@ KEYS = {
     "optimizer.type": "optimizer: AdamW, Adam (= AdamW, as in DeepSpeed, unless adam_w_mode is "
         "false), SGD; DeepSpeed's own (Lamb, OneBitAdam, Lion...): an error",
     "optimizer.params": "lr and the optimizer's keyword arguments (Adam/AdamW weight_decay "
-        "defaults to 0, as in DeepSpeed; bias_correction true is torch's Adam, false an error: "
-        "torch.optim has no uncorrected Adam)",
+        "defaults to 0, as in DeepSpeed; bias_correction true is torch's Adam, false DeepSpeed's "
+        "uncorrected step: minizero/adam.py)",
     "scheduler.type": "the learning-rate schedule, stepped with the optimizer: WarmupLR, "
         "WarmupDecayLR, WarmupCosineLR, as DeepSpeed defines them (config.py's SCHEDULES); "
         "OneCycle, LRRangeTest: an error",

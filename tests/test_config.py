@@ -256,8 +256,6 @@ def test_activation_checkpointing_section_turns_it_on_and_its_model_parallel_key
     ({"zero_optimization": {"stage": 2, "cpu_offload": True,
                             "offload_optimizer": {"device": "cpu"}}},
      "'zero_optimization.cpu_offload' and 'zero_optimization.offload_optimizer.device' are both"),
-    ({"optimizer": {"type": "Adam", "params": {"bias_correction": False}}},
-     "bias_correction false: torch.optim's Adam always corrects"),
     ({"gradient_allreduce_op": "sum"}, "minizero averages gradients"),
     ({"progressive_layer_drop": {"enabled": True}}, "'progressive_layer_drop' is refused"),
     ({"zero_optimization": {"stage": 2, "reduce_bucket_size": 0}},
@@ -464,6 +462,8 @@ def test_deepspeeds_other_spellings_mean_what_they_mean_there():
         "minizero"]
     assert read({"optimizer": {"type": "Adam", "params": {"bias_correction": True}}})[0][
         "optimizer_params"] == {"weight_decay": 0.0}
+    assert read({"optimizer": {"type": "Adam", "params": {"bias_correction": False}}})[0][
+        "optimizer_params"] == {"bias_correction": False, "weight_decay": 0.0}     # adam.py
 
 
 HF_AUTO = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",

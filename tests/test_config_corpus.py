@@ -19,7 +19,9 @@ AdamW(lr 1e-3). DeepSpeed's side also gets what makes it step with torch's AdamW
 compiling its fused ops (torch_adam, zero_allow_untested_optimizer, zero_force_ds_cpu_optimizer
 false, and weight_decay 0 when the config gives none: FusedAdam's default, which torch's AdamW
 would make 0.01), keeps torch's own linear at stage 3 (memory_efficient_linear false; its own
-rounds differently, tests/test_deepspeed.py), leaves "auto" out (DeepSpeed's default: what
+rounds differently, tests/test_deepspeed.py); an Adam with bias_correction false is given to it as
+a client optimizer, minizero/adam.py's uncorrected step (DeepSpeed's own needs its compiled ops on
+a CPU; its ZeRO partitioning, reduction and step order are still its own), leaves "auto" out (DeepSpeed's default: what
 minizero's reader resolves it to in the configs it accepts) and drops zenflow (which steps its own
 optimizer there; minizero accepts it without effect, so DeepSpeed without it is what minizero
 claims to match).
@@ -38,6 +40,7 @@ from pathlib import Path
 import pytest
 
 import minizero
+from minizero import adam
 from minizero.config import ConfigError, load_deepspeed_config
 from minizero.config_keys import SECTIONS, known
 from minizero.lab import deepspeed_peer
@@ -104,6 +107,28 @@ def for_training(config: dict, deepspeed: bool) -> dict:
     return config
 
 
+def _uncorrected(config: dict) -> bool:
+    return config.get("optimizer", {}).get("params", {}).get("bias_correction") is False
+
+
+class _ClientAdam:
+    """deepspeed, handed the config's uncorrected Adam as a client optimizer object."""
+
+    def __init__(self, deepspeed, section: dict):
+        self._deepspeed, self._section = deepspeed, section
+
+    def initialize(self, model, model_parameters, config):
+        params = dict(self._section.get("params", {}))
+        decoupled = self._section["type"].lower() == "adamw" or params.pop("adam_w_mode", True)
+        params.pop("torch_adam", None)
+        optimizer = (adam.AdamW if decoupled else adam.Adam)(model_parameters, **params)
+        config = {k: v for k, v in config.items() if k != "optimizer"}
+        return self._deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+
+    def __getattr__(self, name):
+        return getattr(self._deepspeed, name)
+
+
 def _without_auto(section: dict) -> dict:
     """DeepSpeed's side: "auto" left out (its default), as minizero's reader resolves the "auto"
     in the configs it accepts."""
@@ -138,7 +163,10 @@ def train_all(names: list[str], with_deepspeed: bool) -> dict:
         result = {"losses": ours[0]}
         if deepspeed is not None:
             try:
-                theirs = script.train(deepspeed, for_training(config, True), STEPS)
+                theirs_config = for_training(config, True)
+                peer = (_ClientAdam(deepspeed, theirs_config["optimizer"]) if _uncorrected(config)
+                        else deepspeed)
+                theirs = script.train(peer, theirs_config, STEPS)
                 result["max_param_diff"] = max_abs_diff(ours[1], theirs[1])
             except Exception as e:                        # recorded, asserted in the test
                 result["deepspeed_error"] = f"{type(e).__name__}: {e}".splitlines()[0]

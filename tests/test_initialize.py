@@ -157,8 +157,6 @@ def test_an_optimizer_object_a_scheduler_factory_and_training_data():
     ({"optimizer": {"type": "AdamW", "params": {"lr": 1.0}},
       "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}},
      "scheduler.params.warmup_num_steps (the Trainer's warmup_steps)"),
-    ({"optimizer": {"type": "Adam", "params": {"bias_correction": False}}},
-     "bias_correction false"),
     ({"train_batch_size": 6, "train_micro_batch_size_per_gpu": 4},
      "train_batch_size 6 is not divisible"),
     ({}, "no optimizer: give the config an optimizer section or pass optimizer="),
