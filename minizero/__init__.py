@@ -6,6 +6,7 @@
     model = minizero.FullyShardedDataParallel(model)     # FairScale's: you build the optimizer
     results = minizero.launch(worker_fn, world_size=4)   # run a function on 4 ranks
     with minizero.sharded_init(): model = MyModel()      # stage 3: built partitioned, never whole
+    minizero.set_z3_leaf_modules(model, [MoEBlock])      # stage 3: gathered whole (DeepSpeed's)
 
 This folder is the ZeRO implementation, read in this order (2,544 lines, docstrings included):
     comm.py (618) -> events.py (108) -> flat.py (190) -> reducer.py (120) -> optim.py (188)
@@ -25,6 +26,16 @@ from minizero.construct import sharded_init
 from minizero.fsdp import FullyShardedDataParallel
 from minizero.initialize import initialize
 from minizero.launcher import launch
+from minizero.units import (
+    get_z3_leaf_modules,
+    set_z3_leaf_modules,
+    set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+)
 from minizero.wrap import wrap
 
-__all__ = ["FullyShardedDataParallel", "initialize", "launch", "sharded_init", "wrap"]
+__all__ = ["FullyShardedDataParallel", "get_z3_leaf_modules", "initialize", "launch",
+           "set_z3_leaf_modules", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix",
+           "sharded_init", "unset_z3_leaf_modules", "wrap", "z3_leaf_module"]

@@ -80,6 +80,12 @@ KEYS = {
         "ranks; -1 = off)",
     "zero_optimization.zero_hpz_partition_size": "hpz_group_size (ZeRO++ hpZ, stage 3: backward's "
         "all-gather within R ranks; 1 = off)",
+    "zero_optimization.leaf_module.classes": "stage 3: modules of these classes (a name or "
+        "module.qualname) are leaf modules, each gathered whole as one unit (units.py; default: "
+        "DeepSpeed's, Mixtral's and Qwen's sparse MoE blocks)",
+    "zero_optimization.leaf_module.names": "stage 3: the modules so named are leaf modules",
+    "zero_optimization.leaf_module.name_suffixes": "stage 3: modules whose names end so are leaf "
+        "modules",
     "zero_optimization.offload_optimizer.pipeline_read": "accepted: the disk tier always reads the "
         "next piece while it steps one (disk.py)",
     "zero_optimization.offload_optimizer.pipeline_write": (
@@ -175,7 +181,7 @@ OPTIMIZER_PARAMS = {
             "nesterov": "bool"},
 }
 
-_SECTIONS = {"bf16", "fp16", "data_types", "zero_optimization",
+_SECTIONS = {"bf16", "fp16", "data_types", "zero_optimization", "zero_optimization.leaf_module",
              "zero_optimization.offload_optimizer", "zero_optimization.offload_param", "optimizer",
              "optimizer.params", "activation_checkpointing", "scheduler", "scheduler.params"}
 AUTO = "auto"
@@ -433,6 +439,16 @@ def _zero(flat: dict, out: dict, warnings: list[str], world_size: int) -> None:
         if key in flat:
             out[option] = _bool(key, flat[key])
     _groups(flat, out, world_size)
+    leaves = {}
+    for field in ("classes", "names", "name_suffixes"):     # a string is a list of one: DeepSpeed
+        key = f"zero_optimization.leaf_module.{field}"
+        if key in flat:
+            value = [flat[key]] if isinstance(flat[key], str) else flat[key]
+            if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+                raise ConfigError(f"{key} must be a list of strings, got {json.dumps(value)}")
+            leaves[field] = value
+    if leaves:
+        out["leaf_module"] = leaves
     for key, instead in ALWAYS_ON.items():
         if key in flat and not _bool(key, flat[key]):
             warnings.append(f"'{key}: false' is not implemented: {instead}")
