@@ -101,7 +101,8 @@ def assign_units(model: nn.Module, units: list[nn.Module], chosen: bool = False
     sizes = {id(u): sum(p.numel() for p in owned[id(u)]) for u in kept}
     largest = max(kept, key=lambda u: sizes[id(u)])
     share = sizes[id(largest)] / sum(sizes.values())
-    if chosen and share > 0.5:               # gathered whole, it is most of the model: little saved
+    # gathered whole, it is most of the model: little saved (a leaf module is whole by choice)
+    if chosen and share > 0.5 and not z3_leaf_module(largest):
         name = next(n for n, m in model.named_modules() if m is largest) or "<root>"
         warnings.warn(
             f"stage 3: unit {name!r} holds {share:.0%} of the parameters; pass units= with "
