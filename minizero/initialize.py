@@ -70,6 +70,7 @@ class DeepSpeedStyleEngine:
         self.lr_scheduler = lr_scheduler
         self._accumulation, self._micro_batch = gradient_accumulation_steps, micro_batch
         self.micro_steps = 0            # backward/step pairs so far
+        self._micro_in_step = 0         # ... since the last optimizer step (a resume may change K)
         self.global_steps = 0           # optimizer steps so far (skipped fp16 ones too: DeepSpeed)
         self._step_applied = False      # whether the last step() updated the parameters
 
@@ -94,7 +95,7 @@ class DeepSpeedStyleEngine:
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-batch is the last of an optimizer step."""
-        return (self.micro_steps + 1) % self._accumulation == 0
+        return self._micro_in_step + 1 == self._accumulation
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward of loss / K; gradients accumulate over the step's micro-batches. Returns the
@@ -110,7 +111,8 @@ class DeepSpeedStyleEngine:
         step (not after a skipped fp16 step, as DeepSpeed). Between boundaries: nothing but
         counting."""
         self._step_applied = False
-        if self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             skipped = self.engine.skipped_steps
             self.engine.step()
             self._step_applied = self.engine.skipped_steps == skipped
@@ -118,6 +120,7 @@ class DeepSpeedStyleEngine:
                 self.lr_scheduler.step()
             self.global_steps += 1
         self.micro_steps += 1
+        self._micro_in_step = 0 if boundary else self._micro_in_step + 1
 
     # --- checkpoints: tags, `latest`, client_state (deepspeed_checkpoint.py) --------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,

@@ -261,11 +261,14 @@ def reference(name: str, steps: int = STEPS) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("scenarios"))
-    per_rank = minizero.launch(both_libraries, N, folder, deepspeed_peer.available(),
-                               backend="gloo", timeout=600)
-    return per_rank
+def folder(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("scenarios"))
+
+
+@pytest.fixture(scope="module")
+def runs(folder):
+    return minizero.launch(both_libraries, N, folder, deepspeed_peer.available(), backend="gloo",
+                           timeout=600)
 
 
 def _deepspeed(runs):
@@ -298,6 +301,32 @@ def test_load_checkpoint_resumes_bit_identically(runs, stage):
         assert run["client_state"] == {"epoch": 5, "seen": [1, 2]}
     consolidated = runs[0]["minizero", "checkpoint", stage]["consolidated"]
     assert max_abs_diff(consolidated, runs[0]["minizero", "checkpoint", stage]["saved"]) == 0.0
+
+
+@pytest.mark.parametrize("stage", CHECKPOINT_STAGES)
+def test_a_saved_folder_resumes_resharded_on_one_rank(runs, folder, stage):
+    """N = 2 -> 1: load_checkpoint reshards, and one rank taking both ranks' micro-batches (4 a
+    step) goes where the two ranks went."""
+    run = runs[0]["minizero", "checkpoint", stage]
+    cfg = {**config(stage, scheduler=True), "gradient_accumulation_steps": N * ACCUMULATION}
+    model = build("frozen and unused parameters")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, *_ = minizero.initialize(
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+            config=cfg)
+    engine.load_checkpoint(f"{folder}/minizero{stage}")
+    assert engine.global_steps == STEPS
+    assert max_abs_diff(engine.full_state_dict(), run["saved"]) == 0.0
+    lrs = []
+    for step in range(STEPS, 2 * STEPS):
+        lrs.append(engine.get_lr()[0])
+        for micro in range(ACCUMULATION):
+            for rank in range(N):
+                engine.backward(engine(*batch(step, micro, rank)))
+                engine.step()
+    assert lrs == run["lrs"] and engine.global_steps == 2 * STEPS
+    assert max_abs_diff(engine.full_state_dict(), run["params"]) <= 1e-6
 
 
 @pytest.mark.parametrize("stage", CHECKPOINT_STAGES)
