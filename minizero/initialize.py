@@ -175,6 +175,14 @@ class DeepSpeedStyleEngine:
     def eval(self):
         return self.train(False)
 
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's (stage 3 frees the parameters it kept gathered): minizero's units are freed
+        after every use, so nothing is held between steps."""
+
+    def destroy(self) -> None:
+        """DeepSpeed's (removes its hooks): minizero's engine needs no teardown; the model keeps
+        its hooks, as the engine is the model's for good."""
+
     def zero_optimization_stage(self) -> int:
         return self.engine.stage
 
