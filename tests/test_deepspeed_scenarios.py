@@ -1,15 +1,16 @@
 """DeepSpeed's own ZeRO test scenarios, ported (our code, DeepSpeed 0.19.8's tests as the
-source: tests/unit/v1/zero/test_zero.py, tests/unit/runtime/zero/test_zero_leaf_module.py,
-tests/unit/checkpoint/*.py), each run with minizero.initialize against a one-process reference
-and, where DeepSpeed is installed, with deepspeed.initialize on the same data (N = 2, fp32, the
-parameters within 1e-5).
+source: tests/unit/v1/zero/test_zero.py, tests/unit/runtime/zero/test_zero_leaf_module.py and
+test_zero_context_return.py, tests/unit/checkpoint/*.py), each run with minizero.initialize
+against a one-process reference and, where DeepSpeed is installed, with deepspeed.initialize on
+the same data (N = 2, fp32, the parameters within 1e-5).
 
     python -m pytest tests/test_deepspeed_scenarios.py -q
 
 Each scenario is one training script written once, for `ds` = minizero or deepspeed (DeepSpeed's
 loop: forward(x, y) returns the loss, backward and step per micro-batch, 2 micro-batches per
 step): tied weights, frozen and unused parameters, a layer run three times per forward, leaf
-modules with rank- and data-dependent control flow at stage 3, save_checkpoint/load_checkpoint
+modules with rank- and data-dependent control flow at stage 3, a module that returns its own
+parameter for its caller to use (test_zero_context_return), save_checkpoint/load_checkpoint
 with client_state and WarmupLR resumed in a fresh engine, and the zero_to_fp32 consolidation of
 the saved folder. One launch runs them all on both libraries (DeepSpeed inside minizero.launch's
 process group, as minizero/lab/deepspeed_peer.py runs it); without DeepSpeed (the README's venv
@@ -131,6 +132,34 @@ class MoE(nn.Module):
         return nn.functional.cross_entropy(self.out(self.moe(self.inp(x))), y)
 
 
+class ReturnsItsBias(nn.Linear):
+    """Returns its own bias for the caller to use (test_zero_context_return's DanglingBias)."""
+
+    def forward(self, x):
+        return super().forward(x), self.bias
+
+
+class PassesItOn(nn.Linear):
+    def __init__(self):
+        super().__init__(H, H)
+        self.inner = ReturnsItsBias(H, H)
+
+    def forward(self, x):
+        return self.inner(super().forward(x))          # the inner bias, handed on outwards
+
+
+class ReturnedParameter(nn.Module):
+    """The bias is read two modules above its own, after both have finished their forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.dangler = nn.Linear(H, H), PassesItOn()
+
+    def forward(self, x, y):
+        out, bias = self.dangler(self.first(x))
+        return nn.functional.cross_entropy(out + bias, y)
+
+
 # name: (model class, stages, leaf module classes)
 SCENARIOS = {
     "tied weights": (Tied, (1, 2, 3), None),
@@ -138,6 +167,7 @@ SCENARIOS = {
     "repeated forward": (RepeatedForward, (3,), None),
     "leaf module, a layer per rank": (ChooseByRank, (3,), ChooseByRank),
     "leaf module, MoE routing": (MoE, (3,), Experts),
+    "a module returns its parameter": (ReturnedParameter, (3,), None),
 }
 CASES = [(name, stage) for name, (_, stages, _) in SCENARIOS.items() for stage in stages]
 CHECKPOINT_STAGES = (2, 3)
