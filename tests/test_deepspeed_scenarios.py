@@ -10,7 +10,8 @@ Each scenario is one training script written once, for `ds` = minizero or deepsp
 loop: forward(x, y) returns the loss, backward and step per micro-batch, 2 micro-batches per
 step): tied weights, frozen and unused parameters, a layer run three times per forward, leaf
 modules with rank- and data-dependent control flow at stage 3, a module that returns its own
-parameter for its caller to use (test_zero_context_return), save_checkpoint/load_checkpoint
+parameter for its caller to use (test_zero_context_return), models built partitioned
+(sharded_init / zero.Init, test_zero_context), save_checkpoint/load_checkpoint
 with client_state and WarmupLR resumed in a fresh engine, and the zero_to_fp32 consolidation of
 the saved folder. One launch runs them all on both libraries (DeepSpeed inside minizero.launch's
 process group, as minizero/lab/deepspeed_peer.py runs it); without DeepSpeed (the README's venv
@@ -171,6 +172,7 @@ SCENARIOS = {
 }
 CASES = [(name, stage) for name, (_, stages, _) in SCENARIOS.items() for stage in stages]
 CHECKPOINT_STAGES = (2, 3)
+PARTITIONED = ("tied weights", "frozen and unused parameters")    # built partitioned, stage 3
 
 
 def build(name: str) -> nn.Module:
@@ -192,8 +194,15 @@ def _leaf_api(ds):
     return ds.set_z3_leaf_modules if ds is minizero else ds.utils.set_z3_leaf_modules
 
 
-def engine_for(ds, name: str, stage: int, scheduler: bool = False):
-    model = build(name)
+def engine_for(ds, name: str, stage: int, scheduler: bool = False, partitioned: bool = False):
+    """partitioned: built inside minizero.sharded_init() / deepspeed.zero.Init(), so that it is
+    never whole on any rank (test_zero_context's construction)."""
+    if not partitioned:
+        model = build(name)
+    else:
+        with minizero.sharded_init() if ds is minizero else ds.zero.Init(
+                config_dict_or_path=config(stage)):
+            model = build(name)
     model.which = comm.rank()
     leaf = SCENARIOS[name][2]
     if leaf is not None:
@@ -225,8 +234,8 @@ def parameters(ds, engine) -> dict[str, torch.Tensor]:
     return deepspeed_peer.full_state_dict(engine)
 
 
-def scenario_run(ds, name: str, stage: int) -> dict:
-    engine = engine_for(ds, name, stage)
+def scenario_run(ds, name: str, stage: int, partitioned: bool = False) -> dict:
+    engine = engine_for(ds, name, stage, partitioned=partitioned)
     train(engine, range(STEPS))
     return {"params": parameters(ds, engine)}
 
@@ -271,6 +280,8 @@ def both_libraries(folder: str, with_deepspeed: bool) -> dict:
     for lib, ds in libraries.items():
         for name, stage in CASES:
             out[lib, name, stage] = scenario_run(ds, name, stage)
+        for name in PARTITIONED:
+            out[lib, "partitioned", name] = scenario_run(ds, name, 3, partitioned=True)
         for stage in CHECKPOINT_STAGES:
             out[lib, "checkpoint", stage] = checkpoint_run(ds, stage, f"{folder}/{lib}{stage}")
     return out
@@ -324,6 +335,17 @@ def test_scenario_matches_deepspeed(runs, name, stage):
     for rank in runs:
         ours, theirs = rank["minizero", name, stage], rank["deepspeed", name, stage]
         assert max_abs_diff(ours["params"], theirs["params"]) <= 1e-5, (name, stage)
+
+
+@pytest.mark.parametrize("name", PARTITIONED)
+def test_a_model_built_partitioned_trains_as_one_process_and_deepspeed(runs, name):
+    expected = reference(name)
+    for rank in runs:
+        assert max_abs_diff(rank["minizero", "partitioned", name]["params"], expected) <= 1e-5
+    if ("deepspeed", "partitioned", name) in runs[0]:
+        for rank in runs:
+            assert max_abs_diff(rank["minizero", "partitioned", name]["params"],
+                                rank["deepspeed", "partitioned", name]["params"]) <= 1e-5
 
 
 @pytest.mark.parametrize("stage", CHECKPOINT_STAGES)
