@@ -21,11 +21,15 @@ As DeepSpeed 0.19.8: the default tag is global_step{global_steps}; `latest` (a f
 tag) is written after the tag's commit unless save_latest=False; load_checkpoint without a tag
 reads `latest`, and without that file warns once and returns (None, None), loading nothing.
 load_optimizer_states=False or load_module_only=True load the weights only (the optimizer state
-stays the engine's; its masters follow the weights, DeepSpeed's _restore_from_bit16_weights);
-load_module_only also leaves the counters and the schedule alone. Unlike DeepSpeed, the
+stays the engine's; its masters follow the weights, DeepSpeed's _restore_from_bit16_weights; with
+load_module_strict=False a partial state_dict); load_module_only also leaves the counters and the
+schedule alone. A full resume needs the model it was saved from (CheckpointError otherwise).
+
+Unlike DeepSpeed: the path returned is the tag's folder (DeepSpeed's: a file in it); the
 client_state returned is exactly the dict the script saved (DeepSpeed's also holds its own
-bookkeeping: ds_config, param_shapes...), and a tag that is not there is a CheckpointError (one
-line) instead of an assertion.
+bookkeeping: ds_config, param_shapes...); a tag that is not there is a CheckpointError (one line)
+instead of an assertion; after load_optimizer_states=False the first step runs at the restored
+schedule's lr (DeepSpeed's WarmupLR leaves the optimizer's lr as built until its next step).
 """
 
 from __future__ import annotations
