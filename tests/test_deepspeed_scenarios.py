@@ -111,7 +111,8 @@ class ChooseByRank(nn.Module):
 
 class Experts(nn.Module):
     """An MoE-like layer: the gate's vote on the micro-batch picks one expert, so each rank's data
-    picks its own (test_zero_leaf_module's MoE blocks); the leaf module of MoE."""
+    picks its own; it returns the router's logits too, which the loss uses (test_zero_leaf_module's
+    MoE blocks, MultiOutputMoEBlock); the leaf module of MoE."""
 
     def __init__(self, experts: int = 4):
         super().__init__()
@@ -119,9 +120,10 @@ class Experts(nn.Module):
         self.experts = nn.ModuleList(nn.Linear(H, H) for _ in range(experts))
 
     def forward(self, x):
-        weights = torch.softmax(self.gate(x), dim=-1)
+        logits = self.gate(x)
+        weights = torch.softmax(logits, dim=-1)
         choice = int(weights.detach().sum(0).argmax())
-        return x + self.experts[choice](x) * weights[:, choice:choice + 1]
+        return x + self.experts[choice](x) * weights[:, choice:choice + 1], logits
 
 
 class MoE(nn.Module):
@@ -130,7 +132,8 @@ class MoE(nn.Module):
         self.inp, self.moe, self.out = nn.Linear(H, H), Experts(), nn.Linear(H, H)
 
     def forward(self, x, y):
-        return nn.functional.cross_entropy(self.out(self.moe(self.inp(x))), y)
+        hidden, router_logits = self.moe(self.inp(x))
+        return nn.functional.cross_entropy(self.out(hidden), y) + 0.01 * router_logits.mean()
 
 
 class ReturnsItsBias(nn.Linear):
