@@ -6,15 +6,17 @@
     model = minizero.FullyShardedDataParallel(model)     # FairScale's: you build the optimizer
     results = minizero.launch(worker_fn, world_size=4)   # run a function on 4 ranks
     with minizero.sharded_init(): model = MyModel()      # stage 3: built partitioned, never whole
+    minizero.set_z3_leaf_modules(model, [MoEBlock])      # stage 3: gathered whole (DeepSpeed's)
 
 This folder is the ZeRO implementation, read in this order (2,544 lines, docstrings included):
     comm.py (618) -> events.py (108) -> flat.py (190) -> reducer.py (120) -> optim.py (188)
     -> engine.py (466) -> ddp.py (100) -> zero1.py (109) -> zero2.py (145) -> zero3.py (190, with
-    unit.py 160 and units.py 92) -> offload.py (58).
+    unit.py 160 and units.py 222, leaf modules included) -> offload.py (58).
 Then options.py (which stage takes what), wrap.py, launcher.py, construct.py, initialize.py and
 fsdp.py (the public API), memory/ (the paper's formulas and the byte counter), activations.py
-(ZeRO-R), checkpoint.py, quantize.py (ZeRO++), network.py (a modelled cluster), disk.py
-(ZeRO-Infinity's disk tier), desync.py (ranks out of step, named) and config.py (DeepSpeed JSON).
+(ZeRO-R), checkpoint.py (deepspeed_checkpoint.py: DeepSpeed's tags and `latest` over it),
+quantize.py (ZeRO++), network.py (a modelled cluster), disk.py (ZeRO-Infinity's disk tier),
+desync.py (ranks out of step, named) and config.py (DeepSpeed JSON).
 Beside it, never imported by it (tests/test_layout.py checks): lab/ (the small GPT, the data, the
 training loop, the single-process reference, PyTorch's and DeepSpeed's peers, the experiments
 behind the notebooks, the benchmark) and cli/ (every command: python -m minizero <command>; the
@@ -25,6 +27,16 @@ from minizero.construct import sharded_init
 from minizero.fsdp import FullyShardedDataParallel
 from minizero.initialize import initialize
 from minizero.launcher import launch
+from minizero.units import (
+    get_z3_leaf_modules,
+    set_z3_leaf_modules,
+    set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+)
 from minizero.wrap import wrap
 
-__all__ = ["FullyShardedDataParallel", "initialize", "launch", "sharded_init", "wrap"]
+__all__ = ["FullyShardedDataParallel", "get_z3_leaf_modules", "initialize", "launch",
+           "set_z3_leaf_modules", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix",
+           "sharded_init", "unset_z3_leaf_modules", "wrap", "z3_leaf_module"]

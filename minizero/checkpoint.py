@@ -31,6 +31,8 @@ Format (format_version 1), one directory:
     ckpt/v3/replicated.pt   what every rank holds identically and never steps, written by
                               rank 0: {name: tensor} of the frozen parameters and buffers, in
                               the model's dtype
+    ckpt/v3/extra.pt        only if save() was given one: a front end's own state (initialize's
+                              counters, schedule and client_state), written by rank 0
 
 manifest.json: "format", "format_version", "version" (the v3 directory), "step", "stage",
 "world_size" (N, or S with shard_group_size: the rank files), "dtype", "offload", "optimizer" (class
@@ -45,6 +47,11 @@ A run directory (save_numbered, latest; the CLI's --save-every) holds one such c
 
     run/step-000100/        a checkpoint directory as above, saved after 100 steps
     run/step-000200/        the newest with a manifest is the one --resume continues from (latest())
+
+and DeepSpeed's save folder (engine.save_checkpoint, deepspeed_checkpoint.py) one per tag:
+
+    save/global_step50/     a checkpoint directory as above, with extra.pt
+    save/latest             the newest tag's name ("global_step50"), written after its commit
 
 Why a crash never leaves a checkpoint that loads as valid, nor destroys the previous one:
   1. every file is written under a temporary name, fsync'ed, then renamed (atomic on POSIX);
@@ -105,6 +112,8 @@ FORMAT = "minizero-checkpoint"
 FORMAT_VERSION = 1
 UNIVERSAL = "minizero-universal"        # the whole-model form, universal()
 MANIFEST = "manifest.json"
+EXTRA = "extra.pt"                      # a front end's state beside the engine's (save's extra)
+LATEST = "latest"                       # DeepSpeed's save folder: the newest tag's name, in a file
 _VERSION_DIR = re.compile(r"v\d+")
 _STEP_DIR = re.compile(r"step-(\d+)")
 _MANIFEST_KEYS = (
@@ -129,9 +138,11 @@ def _between_steps(engine, verb: str, why: str) -> None:
 # Save
 # --------------------------------------------------------------------------------------------------
 
-def save(engine, directory: str) -> None:
+def save(engine, directory: str, extra: dict | None = None) -> None:
     """engine.save: every rank writes its shard into a new version directory, then
-    rank 0 commits."""
+    rank 0 commits. extra: what a front end keeps beside the engine (initialize's counters, its
+    schedule and the script's client_state: deepspeed_checkpoint.py), rank 0's, written as
+    extra.pt in the same commit (read_extra)."""
     _between_steps(engine, "save", "a checkpoint holds no gradients, so those since the last "
                    "step would be lost")
     directory = os.fspath(directory)
@@ -148,6 +159,8 @@ def save(engine, directory: str) -> None:
     replicated = _replicated_state(engine)           # collective: stage 3 gathers frozen parameters
     if engine.rank == 0:
         files["replicated.pt"] = _write_torch(os.path.join(vdir, "replicated.pt"), replicated)
+        if extra is not None:
+            files[EXTRA] = _write_torch(os.path.join(vdir, EXTRA), extra)
     everyone = comm.all_gather_object(files)                  # returns once every shard is on disk
     if engine.rank == 0:
         manifest = {**describe(engine), "version": version, "step": engine.step_count,
@@ -291,18 +304,31 @@ def latest(run_dir: str) -> str | None:
 
 def find(directory: str) -> str:
     """The checkpoint to read from `directory`: the directory itself when it is one (it has a
-    manifest), else the newest complete step-NNNNNN of a run directory (--save DIR --save-every K),
-    as DeepSpeed's zero_to_fp32 follows a save folder's `latest`. CheckpointError (one line) for a
-    run directory whose saves all failed to commit; anything else is returned as it is, for
-    read_manifest to say what it lacks."""
+    manifest), else the tag its `latest` file names (engine.save_checkpoint's folder, as DeepSpeed's
+    zero_to_fp32 follows it), else the newest complete step-NNNNNN of a run directory (--save DIR
+    --save-every K). CheckpointError (one line) for a run directory whose saves all failed to
+    commit; anything else is returned as it is, for read_manifest to say what it lacks."""
     directory = os.fspath(directory)
     if os.path.exists(os.path.join(directory, MANIFEST)) or not os.path.isdir(directory):
         return directory
+    tag = read_latest(directory)
+    if tag is not None:                       # engine.save_checkpoint's folder: its `latest` tag
+        return os.path.join(directory, tag)
     newest = latest(directory)
     if newest is None and any(map(_STEP_DIR.fullmatch, os.listdir(directory))):
         raise CheckpointError(f"{directory} has step-NNNNNN folders but no complete checkpoint "
                               f"(none has its {MANIFEST}: every save was interrupted)")
     return newest or directory
+
+
+def read_latest(save_dir: str) -> str | None:
+    """The tag a DeepSpeed-style save folder's `latest` file names (save_checkpoint writes it), or
+    None without one."""
+    try:
+        with open(os.path.join(os.fspath(save_dir), LATEST)) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return None
 
 
 def _complete(run_dir: str) -> list[str]:
@@ -361,6 +387,17 @@ def read_file(directory: str, manifest: dict, name: str) -> dict:
     """One file of the checkpoint, after checking its size and sha256 against the manifest."""
     return torch.load(io.BytesIO(_checked_bytes(directory, manifest, name)), map_location="cpu",
                       weights_only=True)
+
+
+def read_extra(directory: str) -> dict | None:
+    """save's `extra` (checked like every file), or None when that save had none. Unpickled in
+    full (weights_only=False): it holds the script's own objects (client_state), which DeepSpeed's
+    load_checkpoint unpickles too; load only checkpoints you trust."""
+    manifest = read_manifest(directory)
+    if EXTRA not in manifest["files"]:
+        return None
+    return torch.load(io.BytesIO(_checked_bytes(directory, manifest, EXTRA)), map_location="cpu",
+                      weights_only=False)
 
 
 def verify(directory: str) -> dict:

@@ -430,6 +430,16 @@ def _zero(flat: dict, out: dict, warnings: list[str], world_size: int) -> None:
         if key in flat:
             out[option] = _bool(key, flat[key])
     _groups(flat, out, world_size)
+    leaves = {}
+    for field in ("classes", "names", "name_suffixes"):     # a string is a list of one: DeepSpeed
+        key = f"zero_optimization.leaf_module.{field}"
+        if key in flat:
+            value = [flat[key]] if isinstance(flat[key], str) else flat[key]
+            if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+                raise ConfigError(f"{key} must be a list of strings, got {json.dumps(value)}")
+            leaves[field] = value
+    if leaves:
+        out["leaf_module"] = leaves
     for key, instead in ALWAYS_ON.items():
         if key in flat and not _bool(key, flat[key]):
             warnings.append(f"'{key}: false' is not implemented: {instead}")

@@ -60,6 +60,12 @@ KEYS = {
         "ranks; -1 = off)",
     "zero_optimization.zero_hpz_partition_size": "hpz_group_size (ZeRO++ hpZ, stage 3: backward's "
         "all-gather within R ranks; 1 = off)",
+    "zero_optimization.leaf_module.classes": "stage 3: modules of these classes (a name or "
+        "module.qualname) are leaf modules, each gathered whole as one unit (units.py; default: "
+        "DeepSpeed's, Mixtral's and Qwen's sparse MoE blocks)",
+    "zero_optimization.leaf_module.names": "stage 3: the modules so named are leaf modules",
+    "zero_optimization.leaf_module.name_suffixes": "stage 3: modules whose names end so are leaf "
+        "modules",
     "zero_optimization.offload_optimizer.pipeline_read": "accepted: the disk tier always reads the "
         "next piece while it steps one (disk.py)",
     "zero_optimization.offload_optimizer.pipeline_write": "accepted: the disk tier always writes "
@@ -262,7 +268,7 @@ LEGACY_OFFLOAD = {
 }
 
 # Sections opened key by key (any other section is one value: its key decides).
-SECTIONS = {"bf16", "fp16", "data_types", "zero_optimization",
+SECTIONS = {"bf16", "fp16", "data_types", "zero_optimization", "zero_optimization.leaf_module",
             "zero_optimization.offload_optimizer", "zero_optimization.offload_param", "optimizer",
             "optimizer.params", "activation_checkpointing", "scheduler", "scheduler.params"}
 

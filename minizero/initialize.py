@@ -39,7 +39,7 @@ import warnings
 import torch
 from torch import nn
 
-from minizero import comm
+from minizero import comm, deepspeed_checkpoint
 from minizero.config import (
     OPTIMIZERS,
     ConfigError,
@@ -47,6 +47,7 @@ from minizero.config import (
     load_deepspeed_config,
 )
 from minizero.engine import Engine
+from minizero.units import apply_leaf_module_config
 from minizero.wrap import check_options, wrap
 
 # What the config reader gives (TrainConfig's names) that wrap takes as options.
@@ -61,8 +62,8 @@ SIZE_OPTIONS = ("bucket_size", "prefetch")
 class DeepSpeedStyleEngine:
     """DeepSpeed's engine interface over a minizero engine (`self.engine`, what wrap builds).
 
-    Anything else (memory(), full_state_dict(), gathered(), save(), load()) is the minizero
-    engine's."""
+    Anything else (memory(), full_state_dict(), gathered(), save(), load(), skipped_steps,
+    loss_scale) is the minizero engine's."""
 
     def __init__(self, engine: Engine, gradient_accumulation_steps: int, micro_batch: int | None,
                  lr_scheduler=None):
@@ -72,7 +73,9 @@ class DeepSpeedStyleEngine:
         self.lr_scheduler = lr_scheduler
         self._accumulation, self._micro_batch = gradient_accumulation_steps, micro_batch
         self.micro_steps = 0            # backward/step pairs so far
+        self._micro_in_step = 0         # ... since the last optimizer step (a resume may change K)
         self.global_steps = 0           # optimizer steps so far (skipped fp16 ones too: DeepSpeed)
+        self._step_applied = False      # whether the last step() updated the parameters
 
     def __call__(self, *inputs, **kwargs):
         return self.engine(*inputs, **kwargs)
@@ -95,7 +98,7 @@ class DeepSpeedStyleEngine:
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-batch is the last of an optimizer step."""
-        return (self.micro_steps + 1) % self._accumulation == 0
+        return self._micro_in_step + 1 == self._accumulation
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward of loss / K; gradients accumulate over the step's micro-batches. Returns the
@@ -110,21 +113,115 @@ class DeepSpeedStyleEngine:
         """At the boundary: the optimizer step (clipping, fp16 overflow check) and the schedule's
         step (not after a skipped fp16 step, as DeepSpeed). Between boundaries: nothing but
         counting."""
-        if self.is_gradient_accumulation_boundary():
+        self._step_applied = False
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             skipped = self.engine.skipped_steps
             self.engine.step()
-            if self.lr_scheduler is not None and self.engine.skipped_steps == skipped:
+            self._step_applied = self.engine.skipped_steps == skipped
+            if self.lr_scheduler is not None and self._step_applied:
                 self.lr_scheduler.step()
             self.global_steps += 1
         self.micro_steps += 1
+        self._micro_in_step = 0 if boundary else self._micro_in_step + 1
 
+    # --- checkpoints: tags, `latest`, client_state (deepspeed_checkpoint.py) --------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> bool:
+        """Collective, between steps: save_dir/tag (default global_step{global_steps}), then
+        save_dir/latest. exclude_frozen_parameters: an error (the checkpoint's frozen parameters
+        are what a resumed run needs: minizero saves them once, in replicated.pt)."""
+        if exclude_frozen_parameters:
+            raise ValueError("save_checkpoint: exclude_frozen_parameters=True is not supported "
+                             "(minizero saves the frozen parameters once, from rank 0)")
+        return deepspeed_checkpoint.save_checkpoint(self, save_dir, tag, client_state,
+                                                    save_latest)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn=None):
+        """Collective, between steps: (path, client_state), or (None, None) without a tag and
+        without load_dir/latest (one warning), as DeepSpeed."""
+        return deepspeed_checkpoint.load_checkpoint(
+            self, load_dir, tag, load_module_strict, load_optimizer_states,
+            load_lr_scheduler_states, load_module_only, custom_load_fn)
+
+    # --- what DeepSpeed scripts ask their engine -------------------------------------------------
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_mom(self) -> list:
+        """Each group's betas (Adam) or momentum (SGD), as DeepSpeed's get_mom."""
+        return [group["betas"] if "betas" in group else group.get("momentum")
+                for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm of the last optimizer step: computed for clipping, so None
+        with gradient_clipping 0 (DeepSpeed computes it at every step)."""
+        return self.engine.last_grad_norm
+
+    def was_step_applied(self) -> bool:
+        """Whether the last step() updated the parameters (False between boundaries and on a
+        skipped fp16 step)."""
+        return self._step_applied
+
+    def zero_grad(self) -> None:
+        """DeepSpeed's: every parameter's .grad = None (the engine's own gradient buffers are
+        zeroed by step())."""
+        for p in self.module.parameters():
+            p.grad = None
+
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's (stage 3 frees the parameters it kept gathered): minizero's units are freed
+        after every use, so nothing is held between steps."""
+
+    def destroy(self) -> None:
+        """DeepSpeed's (removes its hooks): minizero's engine needs no teardown; the model keeps
+        its hooks, as the engine is the model's for good."""
+
+    def zero_optimization_stage(self) -> int:
+        return self.engine.stage
+
+    def zero_optimization(self) -> bool:
+        return self.engine.stage > 0
+
+    def fp16_enabled(self) -> bool:
+        return self.engine.dtype == torch.float16
+
+    def bfloat16_enabled(self) -> bool:
+        return self.engine.dtype == torch.bfloat16
+
+    def gradient_clipping(self) -> float:
+        return self.engine.clip_grad_norm or 0.0
+
+    @property
+    def global_samples(self) -> int | None:
+        batch = self.train_batch_size()
+        return None if batch is None else self.global_steps * batch
+
+    @property
+    def global_rank(self) -> int:
+        return comm.rank()
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", comm.rank()))   # launch: one node, rank = local
+
+    @property
+    def world_size(self) -> int:
+        return comm.world_size()
 
 
 def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_parameters=None,
                training_data=None, lr_scheduler=None, config=None, config_params=None,
-               dist_init_required: bool | None = None):
+               dist_init_required: bool | None = None, units: list[nn.Module] | None = None):
     """(engine, optimizer, training_dataloader, lr_scheduler), as deepspeed.initialize returns them.
 
     config (or config_params, or args.deepspeed_config): a DeepSpeed JSON path or dict.
@@ -135,6 +232,10 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         ([Note: parameter groups] in optim.py); trainable parameters in none are not trained, and
         groups with no parameters are dropped, as DeepSpeed does both.
     lr_scheduler: None (the config's scheduler section) or a factory optimizer -> scheduler.
+    units: minizero's own (wrap's units=), stage 3's units, e.g. list(model.blocks). Leaf modules
+        (units.py's [Note: leaf modules]) are flagged as deepspeed.initialize flags them: the
+        config's zero_optimization.leaf_module, else DeepSpeed's default MoE block classes, and
+        any set_z3_leaf_modules() the script called before.
     training_data: a torch Dataset: each rank gets a DataLoader of its share (DistributedSampler) in
         micro-batches. The process group is joined from torchrun's environment unless it exists
         (dist_init_required=False: never). Bad values: ValueError / TypeError / ConfigError, one
@@ -165,6 +266,9 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
                 check_options(stage, {name})
             except TypeError:
                 del options[name]
+    apply_leaf_module_config(model, **settings.get("leaf_module", {}))
+    if units is not None:
+        options["units"] = units
     engine = wrap(model, stage, factory, offload=settings.get("offload", False),
                   activation_checkpointing=settings.get("activation_checkpointing", False),
                   param_groups=groups, **options)

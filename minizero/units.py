@@ -5,9 +5,21 @@
 
 Run its tests:  python -m pytest tests/test_zero3_units.py
 
+    minizero.set_z3_leaf_modules(model, [MoEBlock])     # DeepSpeed's: each one gathered whole
+
 A unit is the granularity of stage 3 (zero3.py): the largest unit, not the model, bounds the
 parameter memory in flight. FSDP users choose units with a wrap policy (a transformer's blocks, or
 by size); DeepSpeed fetches module by module.
+
+[Note: leaf modules] Every rank must gather the same units in the same order: a unit's all-gather
+is a collective. A module whose forward takes a path that depends on the rank or the data (an MoE
+layer routing to some experts, `self.experts[rank]`) would have each rank gather other units, and
+the ranks would exchange the wrong partitions. DeepSpeed's answer, kept here with its names and its
+flag (the `_z3_leaf` attribute, so a model flagged by deepspeed.utils works as it is): a *leaf
+module* is one unit, gathered whole before its forward whatever path runs inside it; no module
+inside it is a unit. More memory in flight (the whole leaf), the same collectives on every rank.
+minizero.initialize flags DeepSpeed's defaults (Mixtral's and Qwen's sparse MoE blocks) and the
+config's zero_optimization.leaf_module, as deepspeed.initialize does.
 """
 
 from __future__ import annotations
@@ -17,6 +29,13 @@ import warnings
 from torch import nn
 
 UNIT_SHARE = 1 / 8  # default units without transformer blocks hold at most Ψ/8 each (default_units)
+LEAF = "_z3_leaf"   # DeepSpeed's flag on a leaf module ([Note: leaf modules])
+# What deepspeed.initialize flags when the config says nothing (zero/leaf_module_config.py, 0.19.8)
+DEFAULT_LEAF_CLASSES = (
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+)
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
@@ -57,14 +76,15 @@ def default_units(model: nn.Module) -> list[nn.Module]:
 def assign_units(model: nn.Module, units: list[nn.Module], chosen: bool = False
                  ) -> tuple[list[nn.Module], list[list[nn.Parameter]], list[list[nn.Parameter]]]:
     """(unit modules, the trainable and the frozen parameters each owns), in bucket order; the model
-    is always a unit. chosen: the user chose the units (wrap's units=); warn if one holds most of Ψ.
+    is always a unit, and so is each leaf module ([Note: leaf modules]). chosen: the user chose the
+    units (wrap's units=); warn if one holds most of Ψ.
 
     A parameter belongs to the innermost unit containing every module that holds it, so a weight
     tied across units (the GPT's embedding and head) is gathered whenever either use needs it. Units
     owning nothing are dropped. Bucket order is reverse registration order: the order in which
     backward completes units (the model last: the tied embedding's gradient is finished only at the
     very end)."""
-    units = list({id(u): u for u in [model, *units]}.values())
+    units = list({id(u): u for u in [model, *with_leaves(model, units, chosen)]}.values())
     members = {id(u): {id(m) for m in u.modules()} for u in units}
     holders: dict[int, set[int]] = {}                   # parameter -> modules that hold it directly
     for m in model.modules():
@@ -81,7 +101,8 @@ def assign_units(model: nn.Module, units: list[nn.Module], chosen: bool = False
     sizes = {id(u): sum(p.numel() for p in owned[id(u)]) for u in kept}
     largest = max(kept, key=lambda u: sizes[id(u)])
     share = sizes[id(largest)] / sum(sizes.values())
-    if chosen and share > 0.5:               # gathered whole, it is most of the model: little saved
+    # gathered whole, it is most of the model: little saved (a leaf module is whole by choice)
+    if chosen and share > 0.5 and not z3_leaf_module(largest):
         name = next(n for n, m in model.named_modules() if m is largest) or "<root>"
         warnings.warn(
             f"stage 3: unit {name!r} holds {share:.0%} of the parameters; pass units= with "
@@ -90,3 +111,112 @@ def assign_units(model: nn.Module, units: list[nn.Module], chosen: bool = False
         )
     return (kept, [[p for p in owned[id(u)] if p.requires_grad] for u in kept],
             [[p for p in owned[id(u)] if not p.requires_grad] for u in kept])
+
+
+# --------------------------------------------------------------------------------------------------
+# Leaf modules: DeepSpeed's API (deepspeed.utils.set_z3_leaf_modules and friends, 0.19.8)
+# --------------------------------------------------------------------------------------------------
+
+def with_leaves(model: nn.Module, units: list[nn.Module], chosen: bool = False) -> list[nn.Module]:
+    """The units with every outermost leaf module made one unit and the units inside it dropped
+    (a leaf inside a leaf is part of the outer one), in the model's module order."""
+    leaves, inside = [], set()
+    for m in model.modules():
+        if id(m) not in inside and z3_leaf_module(m):
+            leaves.append(m)
+            inside.update(id(d) for d in m.modules() if d is not m)
+    if not leaves:
+        return list(units)
+    dropped = [u for u in units if id(u) in inside]
+    if chosen and dropped:
+        warnings.warn(f"stage 3: {len(dropped)} of the units given lie inside a leaf module and "
+                      "are gathered with it (a leaf module is one unit)", stacklevel=5)
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    kept = {id(u): u for u in [*units, *leaves] if id(u) not in inside}
+    return sorted(kept.values(), key=lambda u: order[id(u)])
+
+
+def z3_leaf_module(module: nn.Module) -> bool:
+    """Whether `module` is flagged as a leaf module."""
+    return bool(getattr(module, LEAF, False))
+
+
+def get_z3_leaf_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of `model` flagged as leaf modules."""
+    return [m for m in model.modules() if z3_leaf_module(m)]
+
+
+def set_z3_leaf_modules(model: nn.Module, leaf_module_classes: list,
+                        raise_if_not_found: bool = True) -> list[nn.Module]:
+    """Flag every module of these classes (classes, or names: the class's own or
+    module.qualname) as a leaf module; returns them. ValueError if none matches (unless
+    raise_if_not_found=False)."""
+    return _flag_classes(model, leaf_module_classes, True, raise_if_not_found)
+
+
+def unset_z3_leaf_modules(model: nn.Module, leaf_module_classes: list,
+                          raise_if_not_found: bool = True) -> list[nn.Module]:
+    """Clear the flag of every module of these classes; returns them."""
+    return _flag_classes(model, leaf_module_classes, False, raise_if_not_found)
+
+
+def set_z3_leaf_modules_by_name(model: nn.Module, module_names: list[str], flag: bool = True,
+                                raise_if_not_found: bool = True
+                                ) -> tuple[list[nn.Module], list[str]]:
+    """Flag the modules named (as in model.named_modules()); returns (matched, missing names)."""
+    by_name = dict(model.named_modules())
+    matched = [by_name[n] for n in module_names if n in by_name]
+    missing = [n for n in module_names if n not in by_name]
+    return _flag(model, matched, missing, flag, raise_if_not_found, "named")
+
+
+def set_z3_leaf_modules_by_suffix(model: nn.Module, module_name_suffixes: list[str],
+                                  flag: bool = True, raise_if_not_found: bool = True
+                                  ) -> tuple[list[nn.Module], list[str]]:
+    """Flag the modules whose name ends with one of the suffixes; returns (matched, unmatched
+    suffixes)."""
+    named = list(model.named_modules())
+    matched = list({id(m): m for s in module_name_suffixes for n, m in named
+                    if n.endswith(s)}.values())
+    missing = [s for s in module_name_suffixes if not any(n.endswith(s) for n, _ in named)]
+    return _flag(model, matched, missing, flag, raise_if_not_found, "matching the suffixes")
+
+
+def apply_leaf_module_config(model: nn.Module, classes=DEFAULT_LEAF_CLASSES, names=(),
+                             name_suffixes=()) -> list[nn.Module]:
+    """zero_optimization.leaf_module ({"classes", "names", "name_suffixes"}, DeepSpeed's defaults
+    for those left out), as deepspeed.initialize applies it: flags what matches; a name or suffix
+    that matches nothing is one warning line. Returns the modules flagged."""
+    found = set_z3_leaf_modules(model, list(classes), raise_if_not_found=False)
+    for how, values in (("names", names), ("name suffixes", name_suffixes)):
+        setter = set_z3_leaf_modules_by_name if how == "names" else set_z3_leaf_modules_by_suffix
+        matched, missing = setter(model, list(values), raise_if_not_found=False)
+        found += matched
+        if missing:
+            warnings.warn(f"zero_optimization.leaf_module: no module matches the {how} {missing}",
+                          stacklevel=3)
+    return list({id(m): m for m in found}.values())
+
+
+def _flag_classes(model: nn.Module, classes: list, flag: bool, raise_if_not_found: bool
+                  ) -> list[nn.Module]:
+    if not all(isinstance(c, (type, str)) for c in classes):
+        raise TypeError(f"leaf_module_classes must be classes or class names, got {classes!r}")
+
+    def matches(m: nn.Module, c) -> bool:
+        if isinstance(c, type):
+            return isinstance(m, c)
+        cls = type(m)
+        return c in (cls.__name__, f"{cls.__module__}.{cls.__qualname__}")
+    matched = [m for m in model.modules() if any(matches(m, c) for c in classes)]
+    return _flag(model, matched, [] if matched else list(classes), flag, raise_if_not_found,
+                 "of the classes")[0]
+
+
+def _flag(model: nn.Module, matched: list[nn.Module], missing: list, flag: bool,
+          raise_if_not_found: bool, how: str) -> tuple[list[nn.Module], list]:
+    if missing and raise_if_not_found:
+        raise ValueError(f"no module {how} {missing} in {type(model).__name__}")
+    for m in matched:
+        setattr(m, LEAF, flag)
+    return matched, missing

@@ -60,10 +60,14 @@ class Zero3(Zero2):
         self._gathered_for_user: list[list[Unit]] = []     # by engine.gathered(), innermost last
         self.forward_order: list[Unit] = []     # pre-forward order, recorded on the first step
         self.backward_order: list[Unit] = []    # reverse post-forward order: backward's order
+        self._in_forward: list[Unit] = []       # units whose forward runs, innermost last
+        self._returned: dict[int, list[Unit]] = {}  # [Note: returned parameters]
         super().__init__(model, optimizer, **kwargs)       # stage 2, with one bucket per unit
+        self._unit_of_param = {id(p): u for u in self.units for p in u.params}
         for unit in self.units:
             unit.module.register_forward_pre_hook(partial(self._on_pre_forward, unit))
             unit.module.register_forward_hook(partial(self._on_post_forward, unit))
+        model.register_forward_hook(self._on_model_forward_end)   # [Note: returned parameters]
 
     def _param_groups(self):
         return [group for group in self._unit_params if group]     # one bucket per unit that trains
@@ -117,16 +121,49 @@ class Zero3(Zero2):
     def _on_pre_forward(self, unit: Unit, module, args) -> None:
         if unit not in self.forward_order:
             self.forward_order.append(unit)
+        self._in_forward.append(unit)
         unit.pre_forward()
 
     def _on_post_forward(self, unit: Unit, module, args, output) -> None:
         if unit not in self.backward_order:
             self.backward_order.insert(0, unit)
+        outputs = tree_flatten(output)[0]              # tensors in tuples, dicts, ModelOutputs
+        if self._in_forward and self._in_forward[-1] is unit:
+            self._in_forward.pop()
+        kept = self._keep_returned(outputs)
+        held, unit.held = unit.held, unit.held or unit in kept    # kept: post_forward won't free
         unit.post_forward()
+        unit.held = held
+        self._free_returned(id(unit), kept)            # what units inside it returned: used now
         if torch.is_grad_enabled():                    # backward will need the parameters again
-            for t in tree_flatten(output)[0]:          # tensors in tuples, dicts, ModelOutputs
-                if torch.is_tensor(t) and t.requires_grad:
+            for t in outputs:                          # (not a returned parameter: its hook would
+                if torch.is_tensor(t) and t.requires_grad and t.grad_fn is not None:   # stay)
                     t.register_hook(lambda grad: unit.pre_backward())
+
+    def _keep_returned(self, outputs) -> list[Unit]:
+        """[Note: returned parameters] A module may return a parameter itself (a bias the caller
+        adds, DeepSpeed's test_zero_context_return): its unit stays gathered until the unit around
+        the caller finishes its forward, since the caller reads it after the module's post-forward
+        (freed, it would read NaN: [Note: absent parameters]). Returns the units kept now."""
+        owners = {id(self._unit_of_param[id(t)]): self._unit_of_param[id(t)] for t in outputs
+                  if isinstance(t, nn.Parameter) and id(t) in self._unit_of_param}
+        if not owners:
+            return []
+        for waiting in self._returned.values():        # handed on outwards, not freed twice
+            waiting[:] = [u for u in waiting if id(u) not in owners]
+        # no unit around the caller: the model's forward is, and its end frees them
+        around = self._in_forward[-1] if self._in_forward else self.module
+        self._returned.setdefault(id(around), []).extend(owners.values())
+        return list(owners.values())
+
+    def _free_returned(self, around: int, kept: list[Unit]) -> None:
+        for unit in self._returned.pop(around, []):
+            if unit not in kept and not unit.held and unit.training_state != PRE_BACKWARD:
+                unit.free()
+
+    def _on_model_forward_end(self, module, args, output) -> None:
+        self._in_forward.clear()
+        self._free_returned(id(self.module), [])
 
     def prefetch_after(self, unit: Unit, forward: bool) -> None:
         """Start gathering the unit after `unit` (in forward's order, or backward's), so that its
