@@ -21,10 +21,10 @@ false, and weight_decay 0 when the config gives none: FusedAdam's default, which
 would make 0.01), keeps torch's own linear at stage 3 (memory_efficient_linear false; its own
 rounds differently, tests/test_deepspeed.py); an Adam with bias_correction false is given to it as
 a client optimizer, minizero/adam.py's uncorrected step (DeepSpeed's own needs its compiled ops on
-a CPU; its ZeRO partitioning, reduction and step order are still its own), leaves "auto" out (DeepSpeed's default: what
-minizero's reader resolves it to in the configs it accepts) and drops zenflow (which steps its own
-optimizer there; minizero accepts it without effect, so DeepSpeed without it is what minizero
-claims to match).
+a CPU; its ZeRO partitioning, reduction and step order are still its own); it leaves "auto" out
+(DeepSpeed's default: what minizero's reader resolves it to in the configs it accepts) and drops
+zenflow (which steps its own optimizer there; minizero accepts it without effect, so DeepSpeed
+without it is what minizero claims to match).
 
 Run: python -m pytest tests/test_config_corpus.py -q    (DeepSpeed: pip install -e ".[peers]")
 """

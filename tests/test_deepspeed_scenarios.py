@@ -411,8 +411,6 @@ def test_checkpoint_round_trip_matches_deepspeed(runs, stage):
     assert ours.keys() == theirs.keys() and max_abs_diff(ours, theirs) <= 1e-5
 
 
-@pytest.mark.skip(reason="TODO(lead): enable after merging branch 'groups' (model_parameters "
-                         "with frozen parameters, as DeepSpeed's scenarios pass them)")
 def test_model_parameters_with_frozen_ones_as_deepspeed_passes_them():
     model = build("frozen and unused parameters")
     engine, *_ = minizero.initialize(model=model, model_parameters=model.parameters(),
