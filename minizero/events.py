@@ -17,15 +17,20 @@ this process (one rank). What is emitted, and by whom:
                       here and raises DesyncError instead of letting a mismatched one run
     collective done   comm.py, when that collective has completed (its handle waited): seq,
                       kind, tag
-    unit gather       zero3.py, a unit's all-gather issued (prefetch: True when nobody waits for
-                      it yet)
-    unit gathered     zero3.py, its full parameters are there; `nbytes` they took
-    unit freed        zero3.py, its full parameters released; `nbytes` they gave back
-    secondary         zero3.py, hpZ's node-local copy kept (+nbytes) or dropped (-nbytes)
+    ring exchange     comm.py's ring_all_reduce, before each exchange: buffer (the padded
+                      tensor), send (the index of the chunk this rank sends)
+    unit gather       unit.py, a unit's all-gather issued (prefetch: True when nobody waits for
+                      it yet); `nbytes` its full parameters take
+    unit gathered     unit.py, its full parameters are there
+    unit freed        unit.py, its full parameters released; `nbytes` they gave back (negative)
+    secondary         unit.py, hpZ's node-local copy kept (+nbytes) or dropped (-nbytes)
+    bucket ready      zero2.py, every gradient of a bucket is in its staging buffer
     bucket launched   reducer.py, a gradient bucket's collective issued (`in_backward`:
                       during backward)
     bucket arrived    reducer.py, its reduced gradients are in place
     staging           zero2.py, a bucket's staging buffer allocated (+nbytes) or released (-nbytes)
+    checkpoint commit checkpoint.py, every rank's shard of a checkpoint is on disk and the
+                      manifest not yet written: `directory`
     unit forward      engine.py, a unit's forward has ended (index)
     unit backward     engine.py, a unit's backward starts (index)
     backward done     engine.py, the end of engine.backward()

@@ -73,3 +73,45 @@ def test_a_profiler_trace_shows_zero_s_phases():
     labels = {e.key for e in prof.key_averages()}
     assert {"minizero/unit gathered", "minizero/unit freed", "minizero/bucket launched",
             "minizero/collective", "minizero/step"} <= labels, sorted(labels)[:20]
+
+
+def _emitted() -> dict[str, set[str]]:
+    """Every events.emit in minizero/: its name and the fields it passes (read from the source)."""
+    import ast
+    from pathlib import Path
+    found: dict[str, set[str]] = {}
+    for path in Path(events.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "emit" and node.args
+                    and isinstance(node.args[0], ast.Constant)):
+                found.setdefault(node.args[0].value, set()).update(
+                    k.arg for k in node.keywords if k.arg)
+    return found
+
+
+def _catalogue() -> dict[str, str]:
+    """events.py's docstring: each event's name and the text that describes it."""
+    import re
+    entries, name = {}, None
+    for line in events.__doc__.splitlines():
+        head = re.match(r"    (\S.{0,17}?)\s{1,}(\S+\.py\b.*)$", line)
+        if head and not line.startswith("     "):
+            name = head.group(1).strip()
+            entries[name] = head.group(2)
+        elif name and line.startswith(" " * 22):
+            entries[name] += " " + line.strip()
+        else:
+            name = None
+    return entries
+
+
+def test_every_event_emitted_is_in_the_catalogue_with_its_fields():
+    """events.py's list is the stream's documentation: every name minizero emits is there, nothing
+    else is, and each field an emit passes is named in its entry (engine, unit and bucket: in the
+    sentence after the list)."""
+    emitted, catalogue = _emitted(), _catalogue()
+    assert set(emitted) == set(catalogue), set(emitted) ^ set(catalogue)
+    for name, fields in emitted.items():
+        missing = {f for f in fields - {"engine", "unit", "bucket"} if f not in catalogue[name]}
+        assert not missing, f"{name!r}: the catalogue does not name {sorted(missing)}"
