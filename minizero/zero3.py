@@ -58,9 +58,11 @@ class Zero3(Zero2):
         self.forward_order: list[Unit] = []     # pre-forward order, recorded on the first step
         self.backward_order: list[Unit] = []    # reverse post-forward order: backward's order
         super().__init__(model, optimizer, **kwargs)       # stage 2, with one bucket per unit
+        self.hooks = []                         # their handles: fsdp.py hands a model over
         for unit in self.units:
-            unit.module.register_forward_pre_hook(partial(self._on_pre_forward, unit))
-            unit.module.register_forward_hook(partial(self._on_post_forward, unit))
+            self.hooks += [
+                unit.module.register_forward_pre_hook(partial(self._on_pre_forward, unit)),
+                unit.module.register_forward_hook(partial(self._on_post_forward, unit))]
 
     def _param_groups(self):
         return [group for group in self._unit_params if group]     # one bucket per unit that trains

@@ -1,0 +1,443 @@
+"""FairScale's FSDP test scenarios (tests/nn/data_parallel/test_fsdp*.py and tests/nn/wrap, 0.4.13),
+ported in minizero's own code onto minizero.FullyShardedDataParallel: FairScale's FSDP needs CUDA,
+so its tests' expectations are the reference. Each scenario trains on N = 2 ranks and compares with
+one process training the unwrapped model on the whole batch (what DDP computes), fp32 within 1e-5.
+One launch runs every scenario; a scenario that raises is reported, not fatal, so the tally of
+scenarios passed can be taken on any version:
+    PYTHONPATH=<checkout>:tests python tests/test_fairscale_scenarios.py
+Run: python -m pytest tests/test_fairscale_scenarios.py -q"""
+
+from __future__ import annotations
+
+import copy
+import math
+import traceback
+import warnings
+from functools import partial
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import minizero
+from minizero import comm
+
+FSDP = minizero.FullyShardedDataParallel
+N = 2
+STEPS = 3
+FP32 = 1e-5
+
+
+def identity(module: nn.Module) -> nn.Module:
+    return module
+
+
+class Nested(nn.Module):
+    """FairScale's NestedWrappedModule: FSDP instances two deep inside the model."""
+
+    def __init__(self, wrapped=identity):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(
+            nn.Linear(8, 4),
+            wrapped(nn.Sequential(wrapped(nn.Linear(4, 16)), nn.Linear(16, 16))),
+            wrapped(nn.Linear(16, 4)),
+            nn.Linear(4, 8),
+        )
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+class SharedTransformer(nn.Module):
+    """FairScale's TransformerWithSharedParams in small: the embedding tied to the output layer, a
+    buffer, transformer layers (wrapped or not)."""
+    VOCAB, WIDTH = 13, 8
+
+    def __init__(self, wrapped=identity):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(self.VOCAB, self.WIDTH)
+        self.blocks = nn.ModuleList([wrapped(nn.TransformerEncoderLayer(
+            self.WIDTH, 2, 16, dropout=0.0, batch_first=True)) for _ in range(2)])
+        self.head = nn.Linear(self.WIDTH, self.VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("vocab_bias", torch.linspace(0, 1, self.VOCAB))
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h) + self.vocab_bias
+
+
+def sequential() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 8))
+
+
+# --- data, one step, and the one-process reference ------------------------------------------------
+def float_batches(steps: int = STEPS, rows: int = 4):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(rows, 8, generator=g), torch.randn(rows, 8, generator=g))
+            for _ in range(steps)]
+
+
+def token_batches(steps: int = STEPS, rows: int = 4):
+    g = torch.Generator().manual_seed(1)
+    v = SharedTransformer.VOCAB
+    return [(torch.randint(v, (rows, 5), generator=g), torch.randint(v, (rows, 5), generator=g))
+            for _ in range(steps)]
+
+
+def loss_of(model, x, y):
+    out = model(x)
+    if y.dtype == torch.long:
+        return F.cross_entropy(out.float().reshape(-1, out.shape[-1]), y.reshape(-1))
+    return F.mse_loss(out.float(), y)
+
+
+def mine(t: torch.Tensor) -> torch.Tensor:
+    return t.chunk(comm.world_size())[comm.rank()]          # this rank's rows of the batch
+
+
+def train(model, optimizer, batches, local: bool, after_backward=None) -> list[float]:
+    losses = []
+    for step, (x, y) in enumerate(batches):
+        if local:
+            x, y = mine(x), mine(y)
+        loss = loss_of(model, x, y)
+        loss.backward()
+        if after_backward is not None:
+            after_backward(step)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def diff(a: dict, b: dict) -> float:
+    """Largest difference between two state dicts (inf if their keys differ)."""
+    if a.keys() != b.keys():
+        return math.inf
+    return max((a[k].double() - b[k].double().to(a[k].device)).abs().max().item() for k in a)
+
+
+def compare(build, wrap, batches, optimizer=torch.optim.SGD, lr=0.1, **wrap_kwargs) -> dict:
+    """Train wrap(build(FSDP)) on this rank's rows and build() on the whole batch: final diff."""
+    model = FSDP(build(wrap), **wrap_kwargs) if wrap is not None else FSDP(build(), **wrap_kwargs)
+    reference = build()
+    train(model, optimizer(model.parameters(), lr=lr), batches, local=True)
+    train(reference, optimizer(reference.parameters(), lr=lr), batches, local=False)
+    return {"diff": diff(model.state_dict(), reference.state_dict()), "model": model}
+
+
+def nested_fsdp(module):
+    return FSDP(module)
+
+
+# --- the scenarios --------------------------------------------------------------------------------
+def root_without_parameters() -> dict:
+    """test_fsdp.py's FSDP(nn.Sequential): the root owns no parameter, its children do."""
+    model = FSDP(sequential())
+    loss_of(model, *float_batches(1)[0]).backward()
+    grads = [p.grad is not None for p in model.parameters()]
+    return {"every flat parameter has a gradient": all(grads),
+            "matches one process": compare(sequential, None, float_batches())["diff"] <= FP32}
+
+
+def nested() -> dict:
+    """test_fsdp.py's NestedWrappedModule: inner FSDPs are units; state_dict has every parameter
+    under the unwrapped model's names."""
+    run = compare(lambda wrapped=identity: Nested(wrapped), nested_fsdp, float_batches(),
+                  optimizer=torch.optim.Adam, lr=0.01)
+    model = run["model"]
+    return {"matches one process": run["diff"] <= FP32,
+            "one flat parameter per instance that trains": len(list(model.parameters())) == 4,
+            "inner instances are FSDP": isinstance(model.module.layers[2], FSDP)}
+
+
+def transformer_shared_params() -> dict:
+    """test_fsdp.py's TransformerWithSharedParams: tied embedding and head, a buffer, each layer an
+    inner FSDP; SGD with momentum, as FairScale's (Adam would amplify rounding noise: the key
+    projection's bias has a gradient of exactly zero, softmax being blind to it)."""
+    run = compare(lambda wrapped=identity: SharedTransformer(wrapped), nested_fsdp,
+                  token_batches(), optimizer=partial(torch.optim.SGD, momentum=0.9), lr=0.1)
+    return {"matches one process": run["diff"] <= FP32}
+
+
+def wrap_helpers() -> dict:
+    """tests/nn/wrap: wrap() only inside enable_wrap(); auto_wrap by size; the root adopts them."""
+    from minizero.fsdp_wrap import auto_wrap, default_auto_wrap_policy, enable_wrap, wrap
+    plain = nn.Linear(5, 5)
+    checks = {"wrap outside enable_wrap is the module": wrap(plain) is plain}
+    policy = partial(default_auto_wrap_policy, min_num_params=200)
+
+    def build(wrapped=None):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Sequential(nn.Linear(32, 32),
+                                                                          nn.ReLU()),
+                              nn.Linear(32, 8))
+        if wrapped is None:
+            return model
+        with enable_wrap(wrapper_cls=FSDP):
+            checks["wrap inside is FSDP"] = isinstance(wrap(nn.Linear(2, 2)), FSDP)
+            model = auto_wrap(model, auto_wrap_policy=policy)
+        checks["auto_wrap picked the big leaves"] = [
+            isinstance(m, FSDP) for m in (model[0], model[2], model[2][0], model[3])] == [
+            True, False, True, True]
+        return model
+
+    checks["matches one process"] = compare(build, True, float_batches())["diff"] <= FP32
+    return checks
+
+
+def accumulation(no_sync: bool) -> dict:
+    """test_fsdp_no_sync.py / test_fsdp_grad_acc.py: two micro-batches per step, the first inside
+    no_sync() (or not): the step sees their sum, as one process does."""
+    model, reference = FSDP(Nested(nested_fsdp)), Nested()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x, y in float_batches():
+        halves = list(zip(x.chunk(2), y.chunk(2)))
+        with model.no_sync() if no_sync else contextlib_null():
+            loss_of(model, mine(halves[0][0]), mine(halves[0][1])).backward()
+        loss_of(model, mine(halves[1][0]), mine(halves[1][1])).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        for hx, hy in halves:
+            loss_of(reference, hx, hy).backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+    return {"matches one process": diff(model.state_dict(), reference.state_dict()) <= FP32}
+
+
+def contextlib_null():
+    import contextlib
+    return contextlib.nullcontext()
+
+
+def clip_grad_norm() -> dict:
+    """test_fsdp.py's clipping: clip_grad_norm_(max_norm, norm_type) for 2, 1, 3 and inf returns the
+    whole model's norm and clips as torch.nn.utils.clip_grad_norm_ does on one process."""
+    norm_types = [2.0, 1.0, 3.0, math.inf]
+    model, reference = FSDP(Nested(nested_fsdp)), Nested()
+    norms, ref_norms = [], []
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1), float_batches(4), local=True,
+          after_backward=lambda s: norms.append(model.clip_grad_norm_(0.05, norm_types[s])))
+    train(reference, torch.optim.SGD(reference.parameters(), lr=0.1), float_batches(4),
+          local=False, after_backward=lambda s: ref_norms.append(
+              nn.utils.clip_grad_norm_(reference.parameters(), 0.05, norm_types[s])))
+    return {"norms match": all(abs(float(a) - float(b)) <= FP32 for a, b in zip(norms, ref_norms)),
+            "matches one process": diff(model.state_dict(), reference.state_dict()) <= FP32}
+
+
+def summon_full_params() -> dict:
+    """test_fsdp_summon_full_params.py: inside, full parameters under their own names; writes
+    persist (volatile=False); recurse=False gathers only the instance's own."""
+    model, reference = FSDP(Nested(nested_fsdp)), Nested()
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1), float_batches(1), local=True)
+    train(reference, torch.optim.SGD(reference.parameters(), lr=0.1), float_batches(1),
+          local=False)
+    with model.summon_full_params():
+        named = dict(model.named_parameters())
+        checks = {"original names": list(named) == [n for n, _ in reference.named_parameters()],
+                  "full values": max((named[n] - p).abs().max().item()
+                                     for n, p in reference.named_parameters()) <= FP32}
+        with torch.no_grad():
+            named["layers.2.weight"].mul_(0.5)
+    with torch.no_grad():
+        reference.layers[2].weight.mul_(0.5)
+    checks["a write persists"] = diff(model.state_dict(), reference.state_dict()) <= FP32
+    with model.summon_full_params(recurse=False):
+        checks["recurse=False: the root's own"] = (
+            not model.module.layers[0].weight.isnan().any().item()
+            and model.module.layers[2].weight.isnan().all().item())
+    with model.summon_full_params(volatile=True):
+        pass
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1), float_batches(), local=True)
+    train(reference, torch.optim.SGD(reference.parameters(), lr=0.1), float_batches(),
+          local=False)
+    checks["trains on from the write"] = diff(model.state_dict(), reference.state_dict()) <= FP32
+    return checks
+
+
+def state_dicts() -> dict:
+    """test_fsdp_state_dict.py: full state dict with the unwrapped names (buffers too), loaded into
+    a model built from other weights; rank 0 only; local state dict round trip."""
+    model = FSDP(SharedTransformer(nested_fsdp))
+    train(model, torch.optim.Adam(model.parameters(), lr=0.01), token_batches(), local=True)
+    full = model.state_dict()
+    torch.manual_seed(5)
+    other = FSDP(SharedTransformer(nested_fsdp))
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    other.load_state_dict(full)
+    checks = {"unwrapped names": list(full) == list(SharedTransformer().state_dict()),
+              "loaded": diff(other.state_dict(), full) == 0.0}
+    rank0 = FSDP(Nested(), state_dict_on_rank_0_only=True).state_dict()
+    checks["rank 0 only"] = (len(rank0) > 0) == (comm.rank() == 0)
+    local = model.local_state_dict()
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1), token_batches(1), local=True)
+    model.load_local_state_dict(local)
+    checks["local round trip"] = diff(model.state_dict(), full) == 0.0
+    return checks
+
+
+def optimizer_state() -> dict:
+    """test_fsdp_optimizer_utils.py: gather_full_optim_state_dict is what the unwrapped model's Adam
+    holds; get_shard_from_optim_state_dict resumes it exactly."""
+    model, reference = FSDP(Nested(nested_fsdp)), Nested()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    ref_optimizer = torch.optim.Adam(reference.parameters(), lr=0.01)
+    batches = float_batches(STEPS + 1)
+    train(model, optimizer, batches[:STEPS], local=True)
+    train(reference, ref_optimizer, batches[:STEPS], local=False)
+    full = model.gather_full_optim_state_dict(optimizer)
+    expected = ref_optimizer.state_dict()
+    checks = {"rank 0 only": (full is None) == (comm.rank() != 0)}
+    box = [full]
+    dist.broadcast_object_list(box, src=0)
+    full = box[0]
+    checks["same entries"] = full["state"].keys() == expected["state"].keys()
+    checks["same values"] = all(
+        (torch.as_tensor(full["state"][i][k]).double()
+         - torch.as_tensor(v).double()).abs().max().item() <= FP32
+        for i, s in expected["state"].items() for k, v in s.items())
+    resumed = FSDP(Nested(nested_fsdp))
+    resumed.load_state_dict(model.state_dict())
+    resumed_optimizer = torch.optim.Adam(resumed.parameters(), lr=0.01)
+    resumed_optimizer.load_state_dict(resumed.get_shard_from_optim_state_dict(copy.deepcopy(full)))
+    train(resumed, resumed_optimizer, batches[STEPS:], local=True)
+    train(reference, ref_optimizer, batches[STEPS:], local=False)
+    checks["resumes exactly"] = diff(resumed.state_dict(), reference.state_dict()) <= FP32
+    return checks
+
+
+def uneven_and_shared() -> dict:
+    """test_fsdp_uneven.py and test_fsdp_shared_weights.py: parameters smaller than N or not
+    divisible by it; one weight used by two layers in different inner FSDPs."""
+    def tiny(wrapped=identity):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 1), wrapped(nn.Linear(1, 3)), nn.Linear(3, 8))
+
+    def shared(wrapped=identity):
+        torch.manual_seed(0)
+        first, second = nn.Linear(8, 8), nn.Linear(8, 8)
+        second.weight = first.weight
+        return nn.Sequential(wrapped(first), nn.Tanh(), wrapped(second))
+
+    return {"uneven": compare(tiny, nested_fsdp, float_batches())["diff"] <= FP32,
+            "shared across inner FSDPs": compare(shared, nested_fsdp, float_batches(),
+                                                 optimizer=torch.optim.Adam, lr=0.01)["diff"]
+            <= FP32}
+
+
+def multiple_forward() -> dict:
+    """test_fsdp_multiple_forward.py: two forwards, one backward."""
+    model, reference = FSDP(Nested(nested_fsdp)), Nested()
+    for m in (model, reference):
+        (x, y), = float_batches(1)
+        if m is model:
+            x, y = mine(x), mine(y)
+        (loss_of(m, x, y) + loss_of(m, x * 2, y)).backward()
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
+    return {"matches one process": diff(model.state_dict(), reference.state_dict()) <= FP32}
+
+
+def mixed_precision() -> dict:
+    """test_fsdp.py's mixed_precision=True: fp16 compute, fp32 masters taken from the fp32 model,
+    float inputs cast; fp32_reduce_scatter; bfloat16 compute. Tracks fp32 within 16-bit rounding."""
+    checks = {}
+    for name, kwargs in {"fp16": {}, "fp16, fp32 reduce": {"fp32_reduce_scatter": True},
+                         "bf16": {"compute_dtype": torch.bfloat16}}.items():
+        def inner(module, kwargs=kwargs):
+            return FSDP(module, mixed_precision=True, **kwargs)
+        model = FSDP(Nested(inner), mixed_precision=True, **kwargs)
+        out = model(torch.randn(2, 8))
+        checks[f"{name}: computes in 16 bits"] = out.dtype != torch.float32
+        checks[f"{name}: fp32 masters"] = all(p.dtype == torch.float32
+                                              for p in model.parameters())
+        checks[f"{name}: masters start exact"] = diff(model.state_dict(),
+                                                      Nested().state_dict()) == 0.0
+        run = compare(lambda wrapped=identity: Nested(wrapped), inner, float_batches(),
+                      mixed_precision=True, **kwargs)
+        checks[f"{name}: tracks fp32"] = run["diff"] <= 2e-2
+    return checks
+
+
+def constructor_keywords() -> dict:
+    """FairScale's constructor: the process group positionally, every keyword implemented or one
+    line."""
+    checks = {"process group positional": compare(
+        sequential, None, float_batches(), process_group=dist.group.WORLD)["diff"] <= FP32}
+    accepted = dict(flatten_parameters=True, move_params_to_cpu=True, cpu_offload=True,
+                    move_grads_to_cpu=True, compute_dtype=torch.float32,
+                    buffer_dtype=torch.float32, reshard_after_forward=False,
+                    disable_reshard_on_root=False, compute_device="cpu",
+                    force_input_to_fp32=True, verbose=True, state_dict_device="cpu")
+    run = compare(sequential, None, float_batches(), **accepted)
+    checks["accepted keywords train"] = run["diff"] <= FP32
+    checks["verbose repr"] = "compute_dtype=fp32" in repr(run["model"])
+    refused = dict(flatten_parameters=False, fp32_reduce_scatter=True,
+                   no_broadcast_optim_state=True, allow_reset_parameters=True,
+                   compute_dtype=torch.float16, buffer_dtype=torch.float16)
+    for key, value in refused.items():
+        try:
+            FSDP(sequential(), **{key: value})
+            checks[f"{key}={value} refused"] = False
+        except (ValueError, TypeError) as e:
+            checks[f"{key}={value} refused in one line"] = "\n" not in str(e)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        FSDP(sequential(), bucket_cap_mb=10)
+    checks["bucket_cap_mb: one warning"] = [str(w.message).count("\n") for w in caught] == [0]
+    model = FSDP(sequential(), force_input_to_fp32=True)
+    checks["force_input_to_fp32"] = model(torch.randn(2, 8).half()).dtype == torch.float32
+    return checks
+
+
+SCENARIOS = [root_without_parameters, nested, transformer_shared_params, wrap_helpers,
+             lambda: accumulation(no_sync=True), lambda: accumulation(no_sync=False),
+             clip_grad_norm, summon_full_params, state_dicts, optimizer_state, uneven_and_shared,
+             multiple_forward, mixed_precision, constructor_keywords]
+NAMES = ["root_without_parameters", "nested", "transformer_shared_params", "wrap_helpers",
+         "no_sync", "grad_accumulation", "clip_grad_norm", "summon_full_params", "state_dicts",
+         "optimizer_state", "uneven_and_shared", "multiple_forward", "mixed_precision",
+         "constructor_keywords"]
+
+
+def worker() -> dict:
+    """Every scenario on this rank: name -> its checks, or the error it raised (one line)."""
+    out = {}
+    for name, scenario in zip(NAMES, SCENARIOS):
+        try:
+            out[name] = {k: bool(v) for k, v in scenario().items()}
+        except Exception as e:                     # noqa: BLE001 - reported per scenario
+            out[name] = {"raised": False, "error": f"{type(e).__name__}: {e}".splitlines()[0],
+                         "where": traceback.format_exc().splitlines()[-3].strip()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return minizero.launch(worker, N, timeout=300)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_scenario(results, name):
+    for rank, r in enumerate(results):
+        failed = {k: v for k, v in r[name].items() if v is not True}
+        assert not failed, (rank, name, failed)
+
+
+if __name__ == "__main__":                            # the tally, on whichever minizero is imported
+    per_rank = minizero.launch(worker, N, timeout=300)
+    passed = [n for n in NAMES if all(all(v is True for v in r[n].values()) for r in per_rank)]
+    for n in NAMES:
+        print(("pass " if n in passed else "FAIL ") + n,
+              {k: v for k, v in per_rank[0][n].items() if v is not True})
+    print(f"{len(passed)} of {len(NAMES)} scenarios pass")
