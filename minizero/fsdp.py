@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from functools import partial
 import warnings
 import weakref
 
@@ -65,9 +66,10 @@ class FlatParameters:
     with the partitions (no copy); with 16-bit partitions they are fp32 masters of them, copied into
     the partitions by refresh(). The optimizer's state is the user's."""
 
-    def __init__(self, parts: list[torch.Tensor]):
-        self.param_parts = parts
-        self.params = [nn.Parameter(part if part.dtype == torch.float32 else part.float())
+    def __init__(self, parts: list[torch.Tensor], masters: bool = True):
+        self.param_parts = parts          # masters=False: FairScale's pure 16-bit mode, no copies
+        self.params = [nn.Parameter(part if part.dtype == torch.float32 or not masters
+                                    else part.float())
                        for part in parts]            # fp32: views of param_shard; else [Ψ_u/N] fp32
 
     def _masters(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
@@ -118,17 +120,19 @@ class FSDPEngine(Zero3):
     top)."""
     unit_class = KeptUnit
 
-    def __init__(self, module: nn.Module, kept: dict[int, bool], keep_others: bool, **options):
+    def __init__(self, module: nn.Module, kept: dict[int, bool], keep_others: bool,
+                 masters: bool, **options):
         # id(unit module) -> it stays gathered from forward to backward (inner FSDPs, the root);
         # the other units (default_units, units=): keep_others
         self.kept, self.keep_others = kept, keep_others
         self._in_backward = False
         fp32 = {}                       # mixed precision: rank 0's fp32 values, for the masters
-        if options["dtype"] != "fp32":
+        if masters and options["dtype"] != "fp32":
             fp32 = {id(p): p.data for p in module.parameters() if p.requires_grad}
             for value in fp32.values():
                 comm.broadcast(value, src=0, tag="rank 0's fp32 values")
-        super().__init__(module, FlatParameters, **options)   # the "optimizer" the engine builds
+        # the "optimizer" the engine builds
+        super().__init__(module, partial(FlatParameters, masters=masters), **options)
         if fp32:
             self._take_masters(fp32)
         self.retired = False
@@ -256,6 +260,8 @@ class FullyShardedDataParallel(StateMixin, nn.Module):
         options = {k: v for k, v in locals().items() if k not in ("self", "module", "units",
                                                                     "prefetch", "__class__")}
         self.settings = resolve(**options)            # fsdp_options.Settings: checked, one line
+        self.settings.check_pure(module)
+        handed_over = _take_over(module, self.settings)
         for fsdp in _instances(module):          # the outermost inner ones: each adopted its own
             fsdp._become_unit(self.settings)
         inner = _instances(module)                      # now those at every depth
@@ -265,9 +271,11 @@ class FullyShardedDataParallel(StateMixin, nn.Module):
         with warnings.catch_warnings(), _borrowed(module):
             if inner and units is None:       # nesting chose the units: FairScale's, not advice's
                 warnings.filterwarnings("ignore", message="stage 3: unit")
-            self.engine = FSDPEngine(module, kept, not reshard_after_forward, units=chosen,
-                                     prefetch=prefetch, **self.settings.engine_options)
-        for fsdp in inner:
+            self.engine = FSDPEngine(module, kept, not reshard_after_forward,
+                                     self.settings.masters, units=chosen, prefetch=prefetch,
+                                     **self.settings.engine_options)
+        self.engine.wrapper = weakref.ref(self)
+        for fsdp in inner + handed_over:
             fsdp._outer_engine = self.engine            # what runs it (fsdp_state.py)
         self._summoned = False                          # inside summon_full_params()
         # all that parameters() yields
@@ -316,6 +324,28 @@ class FullyShardedDataParallel(StateMixin, nn.Module):
             return self._fsdp_wrapped_module(*inputs, **kwargs)   # the outer engine's unit hooks
         return self.engine(*inputs, **kwargs)
 
+    def apply(self, fn):
+        """FairScale's: fn on every module (the wrapped model's too) with the full parameters
+        summoned, so an initialisation written inside persists. Collective."""
+        with self.summon_full_params():
+            if self.engine is not None:
+                self.module.apply(fn)                  # the root's model: not a registered child
+            super().apply(fn)
+        return self
+
+    def _apply(self, fn, recurse: bool = True):
+        """model.to() / .half() / .cuda() after wrapping: a no-op where nothing changes; a cast or a
+        move would cut the FlatParameters from the shards the engine reads, so it is refused."""
+        if self.engine is None:                        # adopted: the outer engine casts its module
+            return super()._apply(fn, recurse)
+        for p in self.flat_params:
+            moved = fn(p.data)
+            if (moved.dtype, moved.device) != (p.dtype, p.device):
+                raise ValueError("move or cast the model before wrapping it: "
+                                 "FullyShardedDataParallel computes on this rank's device in its "
+                                 "compute_dtype")
+        return self
+
     def train(self, mode: bool = True):
         if self.engine is not None:
             self.module.train(mode)
@@ -353,6 +383,19 @@ class FullyShardedDataParallel(StateMixin, nn.Module):
 
     def extra_repr(self) -> str:
         return self.settings.describe() if self.settings.verbose else ""
+
+
+def _take_over(module: nn.Module, settings) -> list[FullyShardedDataParallel]:
+    """FairScale's wrapping again (a model wrapped, trained, then wrapped anew for inference): the
+    FSDP that had the module (or one inside it) hands it over, as an inner one does
+    (_become_unit); that wrapper then runs through this one's engine."""
+    owners = {p._fsdp_owner() for p in module.parameters() if hasattr(p, "_fsdp_owner")}
+    handed_over = [owner.wrapper() for owner in owners
+                   if owner is not None and not owner.retired
+                   and any(m is owner.module for m in module.modules())]
+    for wrapper in handed_over:
+        wrapper._become_unit(settings)
+    return handed_over
 
 
 @contextlib.contextmanager

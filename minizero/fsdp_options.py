@@ -4,7 +4,8 @@ in one line where it cannot apply.
 
     python -m pytest tests/test_fairscale_scenarios.py
 
-Implemented: reshard_after_forward, disable_reshard_on_root, mixed_precision, compute_dtype,
+Implemented: reshard_after_forward, disable_reshard_on_root, mixed_precision, compute_dtype (without
+mixed_precision: FairScale's pure 16-bit mode, the model converted beforehand),
 buffer_dtype (= compute_dtype), fp32_reduce_scatter, force_input_to_fp32, state_dict_on_rank_0_only,
 verbose, flatten_parameters=True, and process_group when it is every rank (minizero shards over all
 N; hybrid sharding is minizero.wrap's shard_group_size). On a CPU, move_params_to_cpu / cpu_offload
@@ -30,6 +31,7 @@ class Settings:
     """What the wrapper keeps of FairScale's keywords."""
     dtype: str                        # the engine's compute dtype ("fp32", "fp16", "bf16")
     reduce_dtype: str | None          # None: reduced in dtype; "fp32": fp32_reduce_scatter
+    masters: bool                     # mixed precision: fp32 masters of 16-bit partitions
     reshard_after_forward: bool
     force_input_to_fp32: bool
     state_dict_on_rank_0_only: bool
@@ -42,9 +44,22 @@ class Settings:
     def input_dtype(self, root: bool) -> torch.dtype | None:
         """What floating inputs are cast to (FairScale's forward): the compute dtype at the root of
         a mixed-precision model, fp32 anywhere with force_input_to_fp32; else None."""
-        if self.dtype != "fp32":
-            return {v: k for k, v in COMPUTE_DTYPES.items()}[self.dtype] if root else None
+        if self.masters:
+            return self.torch_dtype if root else None
         return torch.float32 if self.force_input_to_fp32 else None
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return {v: k for k, v in COMPUTE_DTYPES.items()}[self.dtype]
+
+    def check_pure(self, module) -> None:
+        """FairScale's pure 16-bit mode (a 16-bit compute_dtype without mixed_precision): the model
+        is in that dtype already, and so are the FlatParameters (no fp32 masters)."""
+        if self.dtype != "fp32" and not self.masters and any(
+                p.dtype != self.torch_dtype for p in module.parameters()):
+            raise ValueError(f"compute_dtype={self.torch_dtype} without mixed_precision is pure "
+                             f"16-bit mode: convert the model first (model.to({self.torch_dtype}))"
+                             ", or pass mixed_precision=True")
 
     def describe(self) -> str:                         # verbose=True: the module's repr says
         return (f"compute_dtype={self.dtype}, reduce_dtype={self.reduce_dtype or self.dtype}, "
@@ -90,10 +105,6 @@ def resolve(process_group, process_group_reduce_scatter, reshard_after_forward,
         raise ValueError(f"compute_dtype must be torch.float32, float16 or bfloat16, got "
                          f"{compute_dtype!r}")
     dtype = COMPUTE_DTYPES[compute_dtype or (torch.float16 if mixed_precision else torch.float32)]
-    if dtype != "fp32" and not mixed_precision:
-        raise ValueError(f"compute_dtype={compute_dtype} needs mixed_precision=True (FairScale's "
-                         "pure 16-bit mode, 16-bit parameters without fp32 masters, is not "
-                         "supported)")
     if mixed_precision and dtype == "fp32":
         raise ValueError("mixed_precision=True needs a 16-bit compute_dtype (default float16)")
     if buffer_dtype is not None and COMPUTE_DTYPES.get(buffer_dtype) != dtype:
@@ -126,5 +137,6 @@ def resolve(process_group, process_group_reduce_scatter, reshard_after_forward,
         _speed_only("clear_autocast_cache", "minizero's mixed precision does not use autocast")
     if state_dict_device is not None and torch.device(state_dict_device).type != "cpu":
         _speed_only("state_dict_device", "state_dict() returns CPU tensors")
-    return Settings(dtype, "fp32" if fp32_reduce_scatter else None, reshard_after_forward,
+    return Settings(dtype, "fp32" if fp32_reduce_scatter else None, mixed_precision,
+                    reshard_after_forward,
                     force_input_to_fp32, state_dict_on_rank_0_only, verbose)

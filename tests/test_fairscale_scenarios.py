@@ -400,14 +400,143 @@ def constructor_keywords() -> dict:
     return checks
 
 
+def inputs_and_passes() -> dict:
+    """test_fsdp_input.py (a list or a dict as input, mixed precision too),
+    test_fsdp_fwd_fwd_bwd_bwd.py (three forwards, then their backwards, the first two in no_sync:
+    pure fp16, the model converted first) and an eval forward without autograd."""
+    class Boxed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.layer = nn.Linear(8, 8)
+
+        def forward(self, box):
+            return self.layer(box[0] if isinstance(box, list) else box["in"])
+
+    checks = {}
+    for mixed in (False, True):
+        model, reference = FSDP(Boxed(), mixed_precision=mixed), Boxed()
+        for m in (model, reference):
+            optimizer = torch.optim.SGD(m.parameters(), lr=0.1)
+            for i, (x, y) in enumerate(float_batches()):
+                x, y = (mine(x), mine(y)) if m is model else (x, y)
+                loss_of(m, [x] if i % 2 else {"in": x}, y).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        checks[f"list and dict inputs, mixed={mixed}"] = diff(
+            model.state_dict(), reference.state_dict()) <= (2e-2 if mixed else FP32)
+    half = FSDP(sequential().half(), compute_dtype=torch.float16)
+    reference = sequential().half()
+    batches = [mine(x).half() for x, _ in float_batches()]
+    losses = [half(x).float().sum() for x in batches]
+    with half.no_sync():
+        losses[0].backward()
+        losses[1].backward()
+    losses[2].backward()
+    sum(reference(x).float().sum() for x in batches).backward()
+    grads = torch.cat([p.grad.float() for p in half.parameters()])
+    checks["fwd fwd fwd, bwd bwd bwd, pure fp16"] = grads.dtype == torch.float32 and all(
+        p.dtype == torch.float16 for p in half.parameters())
+    model = FSDP(Nested(nested_fsdp))
+    model.eval()
+    with torch.no_grad():
+        out = model(torch.ones(2, 8))
+    checks["eval without autograd frees every unit"] = all(
+        u.state == "free" for u in model.engine.units)
+    checks["eval output"] = (out - Nested().eval()(torch.ones(2, 8))).abs().max().item() <= FP32
+    return checks
+
+
+def wrapping_again_and_apply() -> dict:
+    """test_fsdp_multiple_wrapping.py (a trained model wrapped again for inference) and
+    test_fsdp_apply.py (model.apply(init) on the wrapped model writes every module's parameters).
+    """
+    inner_model = Nested(nested_fsdp)
+    model = FSDP(inner_model)
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1), float_batches(), local=True)
+    x = torch.ones(2, 8)
+    with torch.no_grad():
+        before = model(x)
+        again = FSDP(inner_model)
+        checks = {"same output wrapped again": torch.allclose(before, again(x), atol=FP32),
+                  "the first wrapper still runs": torch.allclose(before, model(x), atol=FP32)}
+
+    def init(module):
+        if isinstance(module, nn.Linear):
+            with torch.no_grad():
+                module.weight.fill_(0.01)
+                module.bias.zero_()
+
+    model, reference = FSDP(Nested(nested_fsdp)), Nested()
+    checks["apply returns the wrapper"] = model.apply(init) is model
+    reference.apply(init)
+    checks["apply wrote every parameter"] = diff(model.state_dict(), reference.state_dict()) == 0
+    try:
+        model.half()
+        checks["half() after wrapping refused"] = False
+    except ValueError as e:
+        checks["half() after wrapping refused in one line"] = "\n" not in str(e)
+    return checks
+
+
+def frozen_and_checkpointed() -> dict:
+    """test_fsdp_freezing_weights.py (the root's own head frozen, the trunk an inner FSDP) and
+    test_fsdp_with_checkpoint_wrapper.py (activation checkpointing inside a unit and around one,
+    with torch.utils.checkpoint and FairScale's checkpoint_wrapper)."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Frozen(nn.Module):
+        def __init__(self, wrapped=identity):
+            super().__init__()
+            torch.manual_seed(0)
+            self.trunk = wrapped(nn.Sequential(nn.Linear(8, 16), nn.ReLU()))
+            self.head = nn.Linear(16, 8)
+            self.head.requires_grad_(False)
+
+        def forward(self, x):
+            return self.head(self.trunk(x))
+
+    class Recomputed(nn.Module):
+        def __init__(self, inside, reentrant):
+            super().__init__()
+            self.inside, self.reentrant = inside, reentrant
+
+        def forward(self, x):
+            return checkpoint(self.inside, x, use_reentrant=self.reentrant)
+
+    checks = {"frozen head": compare(Frozen, nested_fsdp, float_batches(),
+                                     optimizer=partial(torch.optim.SGD, momentum=0.9))["diff"]
+              <= FP32}
+    for reentrant in (False, True):
+        def around(module, reentrant=reentrant):
+            return Recomputed(FSDP(module), reentrant)         # checkpoint(FSDP(...))
+
+        def inside(module, reentrant=reentrant):
+            return FSDP(Recomputed(module, reentrant))         # FSDP(checkpoint(...))
+        plain = partial(Recomputed, reentrant=reentrant)         # the reference's, same names
+        for name, wrapped in (("around", around), ("inside", inside)):
+            checks[f"checkpoint {name} a unit, reentrant={reentrant}"] = compare(
+                lambda w=plain: Nested(w), wrapped, float_batches())["diff"] <= FP32
+    try:
+        from fairscale.nn.checkpoint import checkpoint_wrapper
+    except ImportError:                        # FairScale absent: its wrapper is not tried
+        return checks
+    checks["fairscale checkpoint_wrapper"] = compare(
+        lambda w=identity: Nested(w), lambda m: FSDP(checkpoint_wrapper(m)),
+        float_batches())["diff"] <= FP32
+    return checks
+
+
 SCENARIOS = [root_without_parameters, nested, transformer_shared_params, wrap_helpers,
              lambda: accumulation(no_sync=True), lambda: accumulation(no_sync=False),
              clip_grad_norm, summon_full_params, state_dicts, optimizer_state, uneven_and_shared,
-             multiple_forward, mixed_precision, constructor_keywords]
+             multiple_forward, mixed_precision, constructor_keywords, inputs_and_passes,
+             wrapping_again_and_apply, frozen_and_checkpointed]
 NAMES = ["root_without_parameters", "nested", "transformer_shared_params", "wrap_helpers",
          "no_sync", "grad_accumulation", "clip_grad_norm", "summon_full_params", "state_dicts",
          "optimizer_state", "uneven_and_shared", "multiple_forward", "mixed_precision",
-         "constructor_keywords"]
+         "constructor_keywords", "inputs_and_passes", "wrapping_again_and_apply",
+         "frozen_and_checkpointed"]
 
 
 def worker() -> dict:
