@@ -35,9 +35,11 @@ import warnings
 import weakref
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from minizero import comm
 from minizero.fsdp_engine import FSDPEngine
 from minizero.fsdp_options import resolve
 from minizero.fsdp_state import StateMixin, clean
@@ -81,14 +83,21 @@ class FullyShardedDataParallel(StateMixin, nn.Module):
             if inner and units is None:       # nesting chose the units: FairScale's, not advice's
                 warnings.filterwarnings("ignore", message="stage 3: unit")
             self.engine = FSDPEngine(module, kept, not reshard_after_forward,
-                                     self.settings.masters, units=chosen, prefetch=prefetch,
+                                     self.settings.masters, self.settings.fp32_buffers,
+                                     units=chosen, prefetch=prefetch,
                                      **self.settings.engine_options)
         self.engine.wrapper = weakref.ref(self)
         for fsdp in inner + handed_over:
             fsdp._outer_engine = self.engine            # what runs it (fsdp_state.py)
         self._summoned = False                          # inside summon_full_params()
-        # all that parameters() yields
-        self.flat_params = nn.ParameterList(self.engine.optimizer.params)
+        for i, p in enumerate(self.engine.optimizer.params):      # all that parameters() yields
+            self.register_parameter(f"flat_param_{i}", p)           # FairScale's names
+        # FairScale's attributes, as its users read them
+        self.mixed_precision, self.compute_dtype = mixed_precision, self.settings.torch_dtype
+        self.reshard_after_forward = reshard_after_forward
+        self.flatten_parameters, self.allow_reset_parameters = True, allow_reset_parameters
+        self.rank, self.world_size = comm.rank(), comm.world_size()
+        self.process_group = process_group or dist.group.WORLD
 
     def _become_unit(self, outer) -> None:
         """An outer FSDP adopts this one: its full parameters come back into its module (fp32, from
@@ -104,8 +113,14 @@ class FullyShardedDataParallel(StateMixin, nn.Module):
         with torch.no_grad():
             for name, t in [*module.named_parameters(), *module.named_buffers()]:
                 t.data = state[name].to(t.device)
-        self.engine, self.flat_params = None, nn.ParameterList()
+        self.engine = None
+        self._parameters.clear()                        # its FlatParameters: the outer's now
         self._fsdp_wrapped_module = module
+
+    @property
+    def flat_params(self) -> list[nn.Parameter]:
+        """The FlatParameters, flat_param_i: this rank's partition of each unit that trains."""
+        return list(self._parameters.values())
 
     @property
     def module(self) -> nn.Module:
@@ -162,7 +177,7 @@ class FullyShardedDataParallel(StateMixin, nn.Module):
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True):
-        """Outside summon_full_params(): flat_params.i, the FlatParameters. Inside it (and for an
+        """Outside summon_full_params(): flat_param_i, the FlatParameters. Inside it (and for an
         adopted instance): the model's parameters under their own names."""
         if self._summoned and self.engine is not None:       # the root's module: not a child
             named = self.module.named_parameters(prefix, recurse, remove_duplicate)
@@ -189,6 +204,24 @@ class FullyShardedDataParallel(StateMixin, nn.Module):
         if not float(norm_type) > 0:
             raise ValueError(f"norm_type must be > 0 or inf, got {norm_type!r}")
         return self.engine.clip_grad_norm_(float(max_norm), norm_type)
+
+    def reset_parameters(self) -> None:
+        """FairScale's allow_reset_parameters=True: the module's reset_parameters(), on its full
+        parameters (summoned; what it writes persists). Collective."""
+        if not self.allow_reset_parameters:
+            raise RuntimeError("reset_parameters() needs FullyShardedDataParallel(..., "
+                               "allow_reset_parameters=True)")
+        with self.summon_full_params():
+            self.module.reset_parameters()
+
+    def assert_state(self, state) -> None:
+        """FairScale's check between steps: state (or a list of them) names IDLE, as FairScale's
+        TrainingState.IDLE does, when no backward and no summon_full_params() is under way."""
+        names = {getattr(s, "name", s) for s in (state if isinstance(state, list) else [state])}
+        engine = self._engine_of()
+        now = ("SUMMON_FULL_PARAMS" if self._summoned else
+               "BACKWARD_PRE" if engine._in_backward else "IDLE")
+        assert now in names, f"FullyShardedDataParallel is {now}, not {sorted(names)}"
 
     def extra_repr(self) -> str:
         return self.settings.describe() if self.settings.verbose else ""

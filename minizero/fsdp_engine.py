@@ -101,7 +101,7 @@ class FSDPEngine(Zero3):
     unit_class = KeptUnit
 
     def __init__(self, module: nn.Module, kept: dict[int, bool], keep_others: bool,
-                 masters: bool, **options):
+                 masters: bool, fp32_buffers: bool = False, **options):
         # id(unit module) -> it stays gathered from forward to backward (inner FSDPs, the root);
         # the other units (default_units, units=): keep_others
         self.kept, self.keep_others = kept, keep_others
@@ -109,12 +109,16 @@ class FSDPEngine(Zero3):
         fp32 = {}                       # mixed precision: rank 0's fp32 values, for the masters
         if masters and options["dtype"] != "fp32":
             fp32 = {id(p): p.data for p in module.parameters() if p.requires_grad}
-            for value in fp32.values():
-                comm.broadcast(value, src=0, tag="rank 0's fp32 values")
+        buffers = [(name, b.data) for name, b in module.named_buffers() if b.is_floating_point()] \
+            if fp32_buffers else []                      # buffer_dtype=torch.float32: kept so
+        for value in [*fp32.values(), *(value for _, value in buffers)]:
+            comm.broadcast(value, src=0, tag="rank 0's fp32 values")
         # the "optimizer" the engine builds
         super().__init__(module, partial(FlatParameters, masters=masters), **options)
         if fp32:
             self._take_masters(fp32)
+        for name, value in buffers:            # model.to() replaced the buffers: found by name
+            module.get_buffer(name).data = value
         self.retired = False
         for p in module.parameters():
             p._fsdp_owner = weakref.ref(self)      # the FSDP engine holding it (_borrowed)

@@ -5,8 +5,9 @@ in one line where it cannot apply.
     python -m pytest tests/test_fairscale_scenarios.py
 
 Implemented: reshard_after_forward, disable_reshard_on_root, mixed_precision, compute_dtype (without
-mixed_precision: FairScale's pure 16-bit mode, the model converted beforehand),
-buffer_dtype (= compute_dtype), fp32_reduce_scatter, force_input_to_fp32, state_dict_on_rank_0_only,
+mixed_precision: FairScale's pure 16-bit mode, the model converted beforehand; torch.float32 with
+it: fp32 compute, inputs cast to fp16 for autocast), buffer_dtype (the compute dtype or fp32),
+fp32_reduce_scatter, allow_reset_parameters, force_input_to_fp32, state_dict_on_rank_0_only,
 verbose, flatten_parameters=True, and process_group when it is every rank (minizero shards over all
 N; hybrid sharding is minizero.wrap's shard_group_size). On a CPU, move_params_to_cpu / cpu_offload
 / move_grads_to_cpu hold already. Speed only (warned): process_group_reduce_scatter, bucket_cap_mb,
@@ -32,6 +33,8 @@ class Settings:
     dtype: str                        # the engine's compute dtype ("fp32", "fp16", "bf16")
     reduce_dtype: str | None          # None: reduced in dtype; "fp32": fp32_reduce_scatter
     masters: bool                     # mixed precision: fp32 masters of 16-bit partitions
+    mixed_precision: bool             # the root casts floating inputs to 16 bits
+    fp32_buffers: bool                # buffer_dtype=torch.float32 under 16-bit compute
     reshard_after_forward: bool
     force_input_to_fp32: bool
     state_dict_on_rank_0_only: bool
@@ -44,8 +47,8 @@ class Settings:
     def input_dtype(self, root: bool) -> torch.dtype | None:
         """What floating inputs are cast to (FairScale's forward): the compute dtype at the root of
         a mixed-precision model, fp32 anywhere with force_input_to_fp32; else None."""
-        if self.masters:
-            return self.torch_dtype if root else None
+        if self.mixed_precision:          # FairScale's: to fp16 (here: the 16-bit compute dtype)
+            return (torch.float16 if self.dtype == "fp32" else self.torch_dtype) if root else None
         return torch.float32 if self.force_input_to_fp32 else None
 
     @property
@@ -55,7 +58,7 @@ class Settings:
     def check_pure(self, module) -> None:
         """FairScale's pure 16-bit mode (a 16-bit compute_dtype without mixed_precision): the model
         is in that dtype already, and so are the FlatParameters (no fp32 masters)."""
-        if self.dtype != "fp32" and not self.masters and any(
+        if self.dtype != "fp32" and not self.mixed_precision and any(
                 p.dtype != self.torch_dtype for p in module.parameters()):
             raise ValueError(f"compute_dtype={self.torch_dtype} without mixed_precision is pure "
                              f"16-bit mode: convert the model first (model.to({self.torch_dtype}))"
@@ -105,11 +108,9 @@ def resolve(process_group, process_group_reduce_scatter, reshard_after_forward,
         raise ValueError(f"compute_dtype must be torch.float32, float16 or bfloat16, got "
                          f"{compute_dtype!r}")
     dtype = COMPUTE_DTYPES[compute_dtype or (torch.float16 if mixed_precision else torch.float32)]
-    if mixed_precision and dtype == "fp32":
-        raise ValueError("mixed_precision=True needs a 16-bit compute_dtype (default float16)")
-    if buffer_dtype is not None and COMPUTE_DTYPES.get(buffer_dtype) != dtype:
-        raise ValueError(f"buffer_dtype must be the compute dtype ({dtype}): buffers compute with "
-                         "the parameters here")
+    if buffer_dtype is not None and COMPUTE_DTYPES.get(buffer_dtype) not in (dtype, "fp32"):
+        raise ValueError(f"buffer_dtype must be the compute dtype ({dtype}) or torch.float32, got "
+                         f"{buffer_dtype!r}")
     if fp32_reduce_scatter and not mixed_precision:
         raise ValueError("fp32_reduce_scatter requires mixed_precision=True")      # as FairScale
     on_cpu = comm.device().type == "cpu"
@@ -123,9 +124,6 @@ def resolve(process_group, process_group_reduce_scatter, reshard_after_forward,
     if no_broadcast_optim_state:
         raise ValueError("no_broadcast_optim_state=True is for FSDP instances with their own "
                          "process group (mixture of experts), which minizero does not have")
-    if allow_reset_parameters:
-        raise ValueError("allow_reset_parameters=True is not supported: reset the module before "
-                         "wrapping it")
     if process_group_reduce_scatter is not None:
         _speed_only("process_group_reduce_scatter", "gradients are reduce-scattered on the "
                     "process group, overlapped with backward by async collectives")
@@ -137,6 +135,7 @@ def resolve(process_group, process_group_reduce_scatter, reshard_after_forward,
         _speed_only("clear_autocast_cache", "minizero's mixed precision does not use autocast")
     if state_dict_device is not None and torch.device(state_dict_device).type != "cpu":
         _speed_only("state_dict_device", "state_dict() returns CPU tensors")
-    return Settings(dtype, "fp32" if fp32_reduce_scatter else None, mixed_precision,
-                    reshard_after_forward,
+    return Settings(dtype, "fp32" if fp32_reduce_scatter else None,
+                    mixed_precision and dtype != "fp32", mixed_precision,
+                    dtype != "fp32" and buffer_dtype == torch.float32, reshard_after_forward,
                     force_input_to_fp32, state_dict_on_rank_0_only, verbose)

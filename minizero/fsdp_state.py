@@ -106,9 +106,9 @@ class StateMixin:
                             [clean(k) for k in result.unexpected_keys])
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's FlatParameters (flat_params.i) and the model's buffers: loadable only into
+        """This rank's FlatParameters (flat_param_i) and the model's buffers: loadable only into
         the same model wrapped at the same world size."""
-        out = {f"flat_params.{i}": p.detach().clone() for i, p in enumerate(self.flat_params)}
+        out = {f"flat_param_{i}": p.detach().clone() for i, p in enumerate(self.flat_params)}
         out.update({clean(n): b.detach().clone() for n, b in self.module.named_buffers()})
         return out
 
@@ -121,7 +121,7 @@ class StateMixin:
                              f"{sorted(state_dict.keys() - expected)}")
         with torch.no_grad():
             for i, p in enumerate(self.flat_params):
-                p.copy_(state_dict[f"flat_params.{i}"])
+                p.copy_(state_dict[f"flat_param_{i}"])
             for n, b in self.module.named_buffers():
                 b.copy_(state_dict[clean(n)])
         self.engine.optimizer.refresh()               # 16-bit partitions from the loaded masters

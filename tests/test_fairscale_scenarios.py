@@ -383,7 +383,7 @@ def constructor_keywords() -> dict:
     checks["accepted keywords train"] = run["diff"] <= FP32
     checks["verbose repr"] = "compute_dtype=fp32" in repr(run["model"])
     refused = dict(flatten_parameters=False, fp32_reduce_scatter=True,
-                   no_broadcast_optim_state=True, allow_reset_parameters=True,
+                   no_broadcast_optim_state=True,
                    compute_dtype=torch.float16, buffer_dtype=torch.float16)
     for key, value in refused.items():
         try:
@@ -527,16 +527,84 @@ def frozen_and_checkpointed() -> dict:
     return checks
 
 
+class DtypeRecorder(nn.Module):
+    """FairScale's DeviceAndTypeCheckModule in small: records the dtypes its forward sees."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(8, 8)
+        self.register_buffer("offset", torch.full((8,), 0.5))
+        self.seen = {}
+
+    def forward(self, x):
+        self.seen = {"input": x.dtype, "param": self.linear.weight.dtype,
+                     "buffer": self.offset.dtype}
+        return self.linear(x) + self.offset
+
+
+def module_properties() -> dict:
+    """test_fsdp.py's TestModuleProperties, TestParamInit, TestNoGrad, TestResetParameters and
+    TestMixedPrecision: FlatParameter names, original names and shapes inside summon_full_params, a
+    FlatParameter changed after wrapping reaches the next forward, eval with and without autograd
+    agree, reset_parameters, and the dtypes each configuration computes with."""
+    model = FSDP(SharedTransformer(nested_fsdp))
+    checks = {"flat_param_0": "flat_param_0" in next(iter(model.named_parameters()))[0],
+              "FairScale's attributes": (model.mixed_precision, model.world_size) == (False, N)}
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1), token_batches(1), local=True)
+    model.assert_state("IDLE")
+    with model.summon_full_params():
+        checks["names and shapes inside summon"] = [
+            (n, p.shape) for n, p in model.named_parameters()] == [
+            (n, p.shape) for n, p in SharedTransformer().named_parameters()]
+    model.eval()
+    tokens = token_batches(1)[0][0]
+    with_grad = model(tokens)
+    with torch.no_grad():
+        checks["eval: no_grad output equal"] = torch.allclose(with_grad, model(tokens), atol=FP32)
+    mixed = FSDP(Nested(), mixed_precision=True)
+    before = mixed(torch.ones(2, 8))
+    with torch.no_grad():
+        nn.init.normal_(next(mixed.parameters()).data)
+    after = mixed(torch.ones(2, 8))
+    checks["a FlatParameter changed after wrapping"] = not torch.equal(before, after)
+    resettable = FSDP(nn.Linear(8, 8), allow_reset_parameters=True)
+    reference = nn.Linear(8, 8)
+    torch.manual_seed(3)
+    resettable.reset_parameters()
+    torch.manual_seed(3)
+    reference.reset_parameters()
+    checks["reset_parameters"] = diff(resettable.state_dict(), reference.state_dict()) == 0.0
+    expected = {  # config -> (input, param, buffer) dtypes the module computes with
+        "fp32": ({}, (torch.float32,) * 3),
+        "mixed": ({"mixed_precision": True}, (torch.float16,) * 3),
+        "mixed, fp32 buffers": ({"mixed_precision": True, "buffer_dtype": torch.float32},
+                                (torch.float16, torch.float16, torch.float32)),
+        "mixed, fp32 compute": ({"mixed_precision": True, "compute_dtype": torch.float32},
+                                (torch.float16, torch.float32, torch.float32))}
+    for name, (config, dtypes) in expected.items():
+        recorder = DtypeRecorder()
+        wrapped = FSDP(recorder, **config)
+        with torch.autocast("cpu", dtype=torch.float16, enabled=name == "mixed, fp32 compute"):
+            loss = wrapped(torch.rand(2, 8)).float().sum()
+        loss.backward()
+        seen = recorder.seen
+        checks[f"dtypes: {name}"] = (seen["input"], seen["param"], seen["buffer"]) == dtypes
+        checks[f"fp32 state_dict: {name}"] = all(
+            v.dtype == torch.float32 for v in wrapped.state_dict().values())
+    return checks
+
+
 SCENARIOS = [root_without_parameters, nested, transformer_shared_params, wrap_helpers,
              lambda: accumulation(no_sync=True), lambda: accumulation(no_sync=False),
              clip_grad_norm, summon_full_params, state_dicts, optimizer_state, uneven_and_shared,
              multiple_forward, mixed_precision, constructor_keywords, inputs_and_passes,
-             wrapping_again_and_apply, frozen_and_checkpointed]
+             wrapping_again_and_apply, frozen_and_checkpointed, module_properties]
 NAMES = ["root_without_parameters", "nested", "transformer_shared_params", "wrap_helpers",
          "no_sync", "grad_accumulation", "clip_grad_norm", "summon_full_params", "state_dicts",
          "optimizer_state", "uneven_and_shared", "multiple_forward", "mixed_precision",
          "constructor_keywords", "inputs_and_passes", "wrapping_again_and_apply",
-         "frozen_and_checkpointed"]
+         "frozen_and_checkpointed", "module_properties"]
 
 
 def worker() -> dict:
