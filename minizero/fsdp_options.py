@@ -8,10 +8,11 @@ Implemented: reshard_after_forward, disable_reshard_on_root, mixed_precision, co
 mixed_precision: FairScale's pure 16-bit mode, the model converted beforehand; torch.float32 with
 it: fp32 compute, inputs cast to fp16 for autocast), buffer_dtype (the compute dtype or fp32),
 fp32_reduce_scatter, allow_reset_parameters, force_input_to_fp32, state_dict_on_rank_0_only,
-verbose, flatten_parameters=True, and process_group when it is every rank (minizero shards over all
-N; hybrid sharding is minizero.wrap's shard_group_size). On a CPU, move_params_to_cpu / cpu_offload
-/ move_grads_to_cpu hold already. Speed only (warned): process_group_reduce_scatter, bucket_cap_mb,
-gradient_predivide_factor, clear_autocast_cache, state_dict_device other than the CPU.
+verbose, and process_group when it is every rank (minizero shards over all N; hybrid sharding is
+minizero.wrap's shard_group_size). On a CPU, move_params_to_cpu / cpu_offload / move_grads_to_cpu
+hold already. Speed only (warned): flatten_parameters=False, process_group_reduce_scatter,
+bucket_cap_mb, gradient_predivide_factor, clear_autocast_cache, state_dict_device other than the
+CPU.
 """
 
 from __future__ import annotations
@@ -102,8 +103,8 @@ def resolve(process_group, process_group_reduce_scatter, reshard_after_forward,
                  "allow_reset_parameters"):
         _flag(name, locals()[name])
     if not flatten_parameters:
-        raise ValueError("flatten_parameters=False is not supported: each unit is one flat bucket "
-                         "(flat.py)")
+        _speed_only("flatten_parameters=False", "each unit is one flat bucket (flat.py), one "
+                    "FlatParameter; the training is the same")
     if compute_dtype is not None and compute_dtype not in COMPUTE_DTYPES:
         raise ValueError(f"compute_dtype must be torch.float32, float16 or bfloat16, got "
                          f"{compute_dtype!r}")

@@ -18,6 +18,7 @@ as model.parameters() numbers them: what torch.optim would hold for the unwrappe
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import OrderedDict
 
 import torch
@@ -105,11 +106,54 @@ class StateMixin:
         return type(result)([clean(k) for k in result.missing_keys],
                             [clean(k) for k in result.unexpected_keys])
 
+    def _pieces(self) -> dict[str, tuple[torch.Tensor, list]]:
+        """This rank's partitions by local name: flat_param_i (a FlatParameter) and frozen_param_u
+        (a unit's frozen parameters), each with its parameters' (names, shape) in bucket order."""
+        engine = self.engine
+        names: dict[int, list[str]] = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(clean(name))
+
+        def layout(bucket) -> list:
+            return [(names[id(p)], tuple(p.shape)) for p in bucket.params]
+        pieces = {f"flat_param_{i}": (p, layout(b)) for i, (p, b) in
+                  enumerate(zip(engine.optimizer.params, engine.layout.buckets))}
+        pieces.update({f"frozen_param_{u.index}": (u.frozen_shard, layout(u.frozen_bucket))
+                       for u in engine.units if u.frozen_bucket is not None})
+        return pieces
+
     def local_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's FlatParameters (flat_param_i) and the model's buffers: loadable only into
-        the same model wrapped at the same world size."""
-        out = {f"flat_param_{i}": p.detach().clone() for i, p in enumerate(self.flat_params)}
+        """This rank's partitions (flat_param_i, frozen_param_u) and the model's buffers: loadable
+        into the same model wrapped at the same world size, or consolidated with the other ranks'
+        (consolidate_shard_weights)."""
+        out = {key: t.detach().clone() for key, (t, _) in self._pieces().items()}
         out.update({clean(n): b.detach().clone() for n, b in self.module.named_buffers()})
+        return out
+
+    def local_metadata_dict(self) -> dict:
+        """What consolidate_shard_weights needs besides the weights: each partition's parameters
+        (their names and shapes, in order) and the buffers' names."""
+        return {"world_size": comm.world_size(),
+                "pieces": {key: params for key, (_, params) in self._pieces().items()},
+                "buffers": [clean(n) for n, _ in self.module.named_buffers()]}
+
+    @staticmethod
+    def consolidate_shard_weights(shard_weights: list[dict], shard_metadata: list[dict]) -> dict:
+        """Every rank's local_state_dict() and local_metadata_dict() (in rank order) -> the full
+        state dict, the unwrapped model's names; no process group needed."""
+        meta = shard_metadata[0]
+        if len(shard_weights) != meta["world_size"]:
+            raise ValueError(f"consolidate_shard_weights needs all {meta['world_size']} ranks' "
+                             f"weights, got {len(shard_weights)}")
+        out = {}
+        for key, params in meta["pieces"].items():
+            full, offset = torch.cat([w[key] for w in shard_weights]), 0   # ranks' partitions
+            for names, shape in params:
+                numel = math.prod(shape)
+                value = full[offset: offset + numel].view(shape).float().clone()
+                out.update({name: value for name in names})
+                offset += numel
+        out.update({name: shard_weights[0][name] for name in meta["buffers"]})
         return out
 
     def load_local_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -120,8 +164,8 @@ class StateMixin:
                              f"{sorted(expected - state_dict.keys())}, unexpected "
                              f"{sorted(state_dict.keys() - expected)}")
         with torch.no_grad():
-            for i, p in enumerate(self.flat_params):
-                p.copy_(state_dict[f"flat_param_{i}"])
+            for key, (t, _) in self._pieces().items():
+                t.copy_(state_dict[key])
             for n, b in self.module.named_buffers():
                 b.copy_(state_dict[clean(n)])
         self.engine.optimizer.refresh()               # 16-bit partitions from the loaded masters

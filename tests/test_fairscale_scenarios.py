@@ -30,7 +30,7 @@ STEPS = 3
 FP32 = 1e-5
 
 
-def identity(module: nn.Module) -> nn.Module:
+def identity(module: nn.Module, **fsdp_kwargs) -> nn.Module:
     return module
 
 
@@ -382,7 +382,7 @@ def constructor_keywords() -> dict:
     run = compare(sequential, None, float_batches(), **accepted)
     checks["accepted keywords train"] = run["diff"] <= FP32
     checks["verbose repr"] = "compute_dtype=fp32" in repr(run["model"])
-    refused = dict(flatten_parameters=False, fp32_reduce_scatter=True,
+    refused = dict(fp32_reduce_scatter=True,
                    no_broadcast_optim_state=True,
                    compute_dtype=torch.float16, buffer_dtype=torch.float16)
     for key, value in refused.items():
@@ -393,8 +393,9 @@ def constructor_keywords() -> dict:
             checks[f"{key}={value} refused in one line"] = "\n" not in str(e)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        FSDP(sequential(), bucket_cap_mb=10)
-    checks["bucket_cap_mb: one warning"] = [str(w.message).count("\n") for w in caught] == [0]
+        FSDP(sequential(), bucket_cap_mb=10, flatten_parameters=False)
+    checks["bucket_cap_mb, flatten_parameters=False: a warning line each"] = [
+        str(w.message).count("\n") for w in caught] == [0, 0]
     model = FSDP(sequential(), force_input_to_fp32=True)
     checks["force_input_to_fp32"] = model(torch.randn(2, 8).half()).dtype == torch.float32
     return checks
@@ -595,16 +596,70 @@ def module_properties() -> dict:
     return checks
 
 
+class Convolutional(nn.Module):
+    """test_fsdp_metadata.py's ConvolutionalModel in small: batch norms, inner FSDPs (two with
+    flatten_parameters=False), a frozen layer."""
+
+    def __init__(self, wrapped=identity):
+        super().__init__()
+        torch.manual_seed(0)
+
+        def block(cin, cout):
+            return nn.Sequential(nn.Conv2d(cin, cout, 3), nn.BatchNorm2d(cout), nn.ReLU())
+        self.conv1, self.conv2 = block(3, 4), wrapped(block(4, 2))
+        self.conv3 = wrapped(block(2, 4), flatten_parameters=False)
+        self.fc1, self.fc2 = wrapped(nn.Linear(4, 6)), nn.Linear(6, 5)
+        self.fc3 = wrapped(nn.Linear(5, 4), flatten_parameters=False)
+        self.fc2.requires_grad_(False)
+
+    def forward(self, x):
+        x = self.conv3(self.conv2(self.conv1(x))).mean(dim=(2, 3))
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def metadata() -> dict:
+    """test_fsdp_metadata.py: every rank's local_state_dict() and local_metadata_dict() consolidate
+    into the full state dict without a process group, loadable into a wrapped model."""
+    def wrapped(module, **kwargs):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")            # flatten_parameters=False: speed only
+            return FSDP(module, **kwargs)
+    model = FSDP(Convolutional(wrapped))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(2):
+        x, y = torch.randn(4, 3, 8, 8, generator=g), torch.zeros(4, 4)
+        loss_of(model, mine(x), mine(y)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    mine_ = {"weights": model.local_state_dict(), "meta": model.local_metadata_dict()}
+    everyone = [None] * comm.world_size()
+    dist.all_gather_object(everyone, mine_)
+    full = FSDP.consolidate_shard_weights([c["weights"] for c in everyone],
+                                          [c["meta"] for c in everyone])
+    expected = model.state_dict()
+    plain = Convolutional().state_dict()
+    loaded = FSDP(Convolutional(wrapped))
+    loaded.load_state_dict(full)
+    params = [n for n, _ in Convolutional().named_parameters(remove_duplicate=False)]
+    return {"the unwrapped model's keys and shapes": {k: v.shape for k, v in full.items()} == {
+                k: v.shape for k, v in plain.items()},
+            # parameters: the model's; buffers (batch-norm statistics, not synchronised): rank 0's
+            "the model's parameters": diff({k: full[k] for k in params},
+                                           {k: expected[k] for k in params}) == 0.0,
+            "loads into a wrapped model": diff(loaded.state_dict(), full) == 0.0}
+
+
 SCENARIOS = [root_without_parameters, nested, transformer_shared_params, wrap_helpers,
              lambda: accumulation(no_sync=True), lambda: accumulation(no_sync=False),
              clip_grad_norm, summon_full_params, state_dicts, optimizer_state, uneven_and_shared,
              multiple_forward, mixed_precision, constructor_keywords, inputs_and_passes,
-             wrapping_again_and_apply, frozen_and_checkpointed, module_properties]
+             wrapping_again_and_apply, frozen_and_checkpointed, module_properties, metadata]
 NAMES = ["root_without_parameters", "nested", "transformer_shared_params", "wrap_helpers",
          "no_sync", "grad_accumulation", "clip_grad_norm", "summon_full_params", "state_dicts",
          "optimizer_state", "uneven_and_shared", "multiple_forward", "mixed_precision",
          "constructor_keywords", "inputs_and_passes", "wrapping_again_and_apply",
-         "frozen_and_checkpointed", "module_properties"]
+         "frozen_and_checkpointed", "module_properties", "metadata"]
 
 
 def worker() -> dict:
