@@ -52,10 +52,9 @@ class StateMixin:
     @contextlib.contextmanager
     def summon_full_params(self, recurse: bool = True, volatile: bool = False):
         """FairScale's: inside, the module's full parameters (recurse=False: this instance's own)
-        are readable on every rank under their own names (named_parameters()); what a rank writes
-        to them persists in its partition (volatile=True: not kept). Collective, between steps.
-        They are in the compute dtype (FairScale: fp32); the fp32 masters keep every element not
-        written."""
+        are readable on every rank under their own names (named_parameters()), in full precision
+        (with mixed precision: the fp32 masters gathered); what a rank writes to them persists in
+        its partition (volatile=True: not kept). Collective, between steps."""
         engine, params = self._engine_of(), self._own_params(recurse)
         instances = [m for m in self.module.modules() if isinstance(m, StateMixin)] if recurse \
             else []
@@ -63,10 +62,14 @@ class StateMixin:
             m._summoned = True
         try:
             with engine.gathering(params):
+                masters = _masters_in_full(engine, params)     # 16-bit units: fp32 views instead
                 yield
                 if not volatile:
                     with torch.no_grad():
                         engine._after_user_write(params)   # each rank's partition of its writes
+                        for master, full, b in masters:
+                            master.copy_(engine.layout.my_partition(full, b))
+                    engine.optimizer.refresh()          # the 16-bit partitions follow
         finally:
             for m in [self, *instances]:
                 m._summoned = False
@@ -226,3 +229,22 @@ class StateMixin:
                  if k != "params"}
         return {"state": state,
                 "param_groups": [{**group, "params": list(range(len(engine.layout.buckets)))}]}
+
+
+def _masters_in_full(engine, params: list) -> list[tuple[torch.Tensor, torch.Tensor, object]]:
+    """Mixed precision, inside summon_full_params: the fp32 masters of the units holding `params`,
+    all-gathered, the parameters pointed at them (FairScale gathers in full precision); (master,
+    its full buffer, bucket) for each. Unit.free() points the parameters back when released."""
+    wanted = {id(p) for p in params}
+    out = []
+    for master, b in zip(engine.optimizer.params, engine.layout.buckets):
+        part = engine.layout.shard(engine.param_shard, b)
+        if master.data_ptr() == part.data_ptr() or not any(id(p) in wanted for p in b.params):
+            continue                                   # fp32: the gathered parameters are full
+        full = torch.empty(b.padded_numel, dtype=torch.float32, device=engine.device)
+        comm.all_gather(full, master.detach().contiguous(), tag="summon_full_params masters")
+        for p, view in b.views(full):
+            p.data = view
+        out.append((master, full, b))
+    return out
+

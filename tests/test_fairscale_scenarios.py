@@ -363,6 +363,14 @@ def mixed_precision() -> dict:
                                               for p in model.parameters())
         checks[f"{name}: masters start exact"] = diff(model.state_dict(),
                                                       Nested().state_dict()) == 0.0
+        with model.summon_full_params():               # FairScale's: in full precision
+            checks[f"{name}: summoned in fp32"] = all(
+                p.dtype == torch.float32 for p in model.module.parameters())
+            with torch.no_grad():
+                model.module.layers[0].weight.add_(1e-4)  # below fp16's step near 1: fp32 keeps it
+        expected = Nested().state_dict()
+        expected["layers.0.weight"] += 1e-4
+        checks[f"{name}: an fp32 write persists"] = diff(model.state_dict(), expected) <= 1e-7
         run = compare(lambda wrapped=identity: Nested(wrapped), inner, float_batches(),
                       mixed_precision=True, **kwargs)
         checks[f"{name}: tracks fp32"] = run["diff"] <= 2e-2
