@@ -9,6 +9,7 @@ Run: python -m pytest tests/test_fairscale_scenarios.py -q"""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import traceback
@@ -202,7 +203,7 @@ def accumulation(no_sync: bool) -> dict:
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     for x, y in float_batches():
         halves = list(zip(x.chunk(2), y.chunk(2)))
-        with model.no_sync() if no_sync else contextlib_null():
+        with model.no_sync() if no_sync else contextlib.nullcontext():
             loss_of(model, mine(halves[0][0]), mine(halves[0][1])).backward()
         loss_of(model, mine(halves[1][0]), mine(halves[1][1])).backward()
         optimizer.step()
@@ -211,12 +212,19 @@ def accumulation(no_sync: bool) -> dict:
             loss_of(reference, hx, hy).backward()
         ref_optimizer.step()
         ref_optimizer.zero_grad()
-    return {"matches one process": diff(model.state_dict(), reference.state_dict()) <= FP32}
-
-
-def contextlib_null():
-    import contextlib
-    return contextlib.nullcontext()
+    checks = {"matches one process": diff(model.state_dict(), reference.state_dict()) <= FP32}
+    (x, y), = float_batches(1, rows=8)         # test_fsdp_grad_acc: model.zero_grad(), then the
+    model.zero_grad()                          # gradients of both halves at once ...
+    loss_of(model, mine(x), mine(y)).backward()
+    at_once = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()                          # ... equal their sum, accumulated (halves' losses)
+    halves = [(mine(x)[i::2], mine(y)[i::2]) for i in range(2)]
+    with model.no_sync() if no_sync else contextlib.nullcontext():
+        (loss_of(model, *halves[0]) / 2).backward()
+    (loss_of(model, *halves[1]) / 2).backward()
+    checks["zero_grad, then the same gradients"] = all(
+        torch.allclose(a, p.grad, atol=1e-6) for a, p in zip(at_once, model.parameters()))
+    return checks
 
 
 def clip_grad_norm() -> dict:
@@ -255,8 +263,10 @@ def summon_full_params() -> dict:
         checks["recurse=False: the root's own"] = (
             not model.module.layers[0].weight.isnan().any().item()
             and model.module.layers[2].weight.isnan().all().item())
+    outside = model.state_dict()
     with model.summon_full_params(volatile=True):
-        pass
+        checks["state_dict inside it"] = diff(model.state_dict(), outside) == 0.0
+    checks["every unit freed after it"] = all(u.state == "free" for u in model.engine.units)
     train(model, torch.optim.SGD(model.parameters(), lr=0.1), float_batches(), local=True)
     train(reference, torch.optim.SGD(reference.parameters(), lr=0.1), float_batches(),
           local=False)
