@@ -203,12 +203,14 @@ class StateMixin:
             return None
         group = {k: v for k, v in sd["param_groups"][0].items() if k != "params"}
         return {"state": dict(sorted(state.items())),
-                "param_groups": [{**group, "params": list(number.values())}]}
+                "param_groups": [{**group, "params": list(number.values())}],
+                "uncollected_local_ids": []}      # FairScale's key: no instance keeps its own
 
     def get_shard_from_optim_state_dict(self, full_optim_state_dict: dict) -> dict:
         """A full optimizer state (gather_full_optim_state_dict's, or the unwrapped model's) ->
         what this rank's optimizer over model.parameters() loads: each tensor flattened into its
-        unit's bucket and cut to this rank's partition."""
+        unit's bucket and cut to this rank's partition. As FairScale's, it consumes its argument
+        (its "state" becomes the shard's): pass a copy to keep it."""
         engine, number = self.engine, self._numbering()
         full_state = full_optim_state_dict["state"]
         state = {}
@@ -227,6 +229,7 @@ class StateMixin:
                 state[i][key] = value.clone() if torch.is_tensor(value) else value
         group = {k: v for k, v in full_optim_state_dict["param_groups"][0].items()
                  if k != "params"}
+        full_optim_state_dict["state"] = state        # FairScale's: the input is consumed in place
         return {"state": state,
                 "param_groups": [{**group, "params": list(range(len(engine.layout.buckets)))}]}
 

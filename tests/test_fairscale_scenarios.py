@@ -297,6 +297,23 @@ def state_dicts() -> dict:
     return checks
 
 
+class WithUnused(nn.Module):
+    """test_fsdp_optimizer_utils.py's ModelWithUnusedParams: a frozen inner FSDP used without
+    autograd, optionally a wrapped layer after it."""
+
+    def __init__(self, wrap_last: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(4, 4)
+        self.not_trained = FSDP(nn.Linear(4, 4).requires_grad_(False))
+        self.last = FSDP(nn.Linear(4, 4)) if wrap_last else nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            y = self.not_trained(x)
+        return self.last(self.first(x)) - y
+
+
 def optimizer_state() -> dict:
     """test_fsdp_optimizer_utils.py: gather_full_optim_state_dict is what the unwrapped model's Adam
     holds; get_shard_from_optim_state_dict resumes it exactly."""
@@ -320,7 +337,25 @@ def optimizer_state() -> dict:
     resumed = FSDP(Nested(nested_fsdp))
     resumed.load_state_dict(model.state_dict())
     resumed_optimizer = torch.optim.Adam(resumed.parameters(), lr=0.01)
-    resumed_optimizer.load_state_dict(resumed.get_shard_from_optim_state_dict(copy.deepcopy(full)))
+    shard = resumed.get_shard_from_optim_state_dict(copy.deepcopy(full))
+    own = optimizer.state_dict()
+    checks["the shard is what the optimizer holds"] = shard.keys() == own.keys() and list(
+        shard["param_groups"][0].items()) == list(own["param_groups"][0].items()) and all(
+        torch.equal(torch.as_tensor(shard["state"][i][k]), torch.as_tensor(v))
+        for i, s in own["state"].items() for k, v in s.items())
+    resumed_optimizer.load_state_dict(shard)
+    for wrap_last in (False, True):            # test_model_with_unused_params
+        unused = FSDP(WithUnused(wrap_last))
+        sgd = torch.optim.SGD(unused.parameters(), lr=0.1, momentum=0.9)
+        unused(torch.rand(4)).sum().backward()
+        sgd.step()
+        unused.zero_grad(set_to_none=True)
+        gathered = unused.gather_full_optim_state_dict(sgd)
+        if comm.rank() == 0:
+            shard, own = unused.get_shard_from_optim_state_dict(gathered), sgd.state_dict()
+            checks[f"unused parameters, last wrapped={wrap_last}"] = shard.keys() == own.keys() \
+                and all(torch.equal(shard["state"][i]["momentum_buffer"], s["momentum_buffer"])
+                        for i, s in own["state"].items())
     train(resumed, resumed_optimizer, batches[STEPS:], local=True)
     train(reference, ref_optimizer, batches[STEPS:], local=False)
     checks["resumes exactly"] = diff(resumed.state_dict(), reference.state_dict()) <= FP32
