@@ -279,6 +279,18 @@ is given. So FairScale's wrapper hands out the partitions themselves as paramete
 end of backward on its own (there is no `engine.backward` to call) to leave each shard's averaged
 gradient in its `.grad`. tests/test_fsdp.py and tests/test_initialize.py check that each ends where
 one process (and DeepSpeed) ends.
+
+FairScale's FSDP as its users write it: FSDP instances nested in the model (or
+`minizero.fsdp_wrap`'s `enable_wrap` / `wrap` / `auto_wrap`) are the units; `no_sync()`,
+`clip_grad_norm_(max_norm, norm_type)`, `summon_full_params(recurse, volatile)`, `state_dict`,
+`local_state_dict` with `consolidate_shard_weights`, and `gather_full_optim_state_dict` with
+`get_shard_from_optim_state_dict` do what FairScale's do (tests/test_fairscale_scenarios.py ports
+FairScale's own test scenarios). Its constructor keywords (minizero/fsdp_options.py) are implemented
+with FairScale's meaning, accepted with one warning line where they change only speed
+(`flatten_parameters=False`, `bucket_cap_mb`, `process_group_reduce_scatter`,
+`gradient_predivide_factor`, `clear_autocast_cache`), or refused in one line where they cannot
+apply: a process group that is not every rank and `no_broadcast_optim_state` (mixture of experts:
+one engine shards over all N), `move_params_to_cpu` on a GPU (minizero.wrap's `offload` does it).
 """
 
 
