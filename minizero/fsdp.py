@@ -109,11 +109,7 @@ class FullyShardedDataParallel(StateMixin, nn.Module):
             warnings.warn("FullyShardedDataParallel: an inner instance's mixed_precision / "
                           "compute_dtype / fp32_reduce_scatter give way to the outer one's (one "
                           "engine runs them all)", stacklevel=3)
-        module, state = self.engine.module, self.engine.retire()
-        with torch.no_grad():
-            for name, t in [*module.named_parameters(), *module.named_buffers()]:
-                t.data = state[name].to(t.device)
-        self.engine = None
+        module, self.engine = _hand_back(self.engine), None
         self._parameters.clear()                        # its FlatParameters: the outer's now
         self._fsdp_wrapped_module = module
 
@@ -232,12 +228,27 @@ def _take_over(module: nn.Module, settings) -> list[FullyShardedDataParallel]:
     FSDP that had the module (or one inside it) hands it over, as an inner one does
     (_become_unit); that wrapper then runs through this one's engine."""
     owners = {p._fsdp_owner() for p in module.parameters() if hasattr(p, "_fsdp_owner")}
-    handed_over = [owner.wrapper() for owner in owners
-                   if owner is not None and not owner.retired
-                   and any(m is owner.module for m in module.modules())]
-    for wrapper in handed_over:
-        wrapper._become_unit(settings)
+    handed_over = []
+    for owner in owners:
+        if owner is None or owner.retired or not any(m is owner.module for m in module.modules()):
+            continue
+        wrapper = owner.wrapper()
+        if wrapper is None:                   # nobody holds the old wrapper: only its engine goes
+            _hand_back(owner)
+        else:
+            wrapper._become_unit(settings)
+            handed_over.append(wrapper)
     return handed_over
+
+
+def _hand_back(engine: FSDPEngine) -> nn.Module:
+    """Retire an engine: its module's parameters and buffers take their full values back (fp32,
+    from the masters) and its hooks go; the module. Collective."""
+    module, state = engine.module, engine.retire()
+    with torch.no_grad():
+        for name, t in [*module.named_parameters(), *module.named_buffers()]:
+            t.data = state[name].to(t.device)
+    return module
 
 
 @contextlib.contextmanager

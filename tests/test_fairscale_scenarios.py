@@ -521,6 +521,8 @@ def wrapping_again_and_apply() -> dict:
         again = FSDP(inner_model)
         checks = {"same output wrapped again": torch.allclose(before, again(x), atol=FP32),
                   "the first wrapper still runs": torch.allclose(before, model(x), atol=FP32)}
+        del model, again                           # a wrapper nobody holds: its engine hands over
+        checks["wrapped a third time"] = torch.allclose(before, FSDP(inner_model)(x), atol=FP32)
 
     def init(module):
         if isinstance(module, nn.Linear):
