@@ -132,6 +132,15 @@ class FullyShardedDataParallel(StateMixin, nn.Module):
                 raise
             return getattr(self.module, name)
 
+    def modules(self):
+        """FairScale's: the wrapper, then the wrapped model's modules, inner FSDP instances among
+        them (the root's model is not a registered child; named_modules() stays the wrapper's)."""
+        if self.engine is None:
+            yield from super().modules()
+        else:
+            yield self
+            yield from self.module.modules()
+
     def __getitem__(self, key):
         return self.module[key]                        # FairScale: an nn.Sequential's indexing
 

@@ -163,7 +163,8 @@ def nested() -> dict:
     model = run["model"]
     return {"matches one process": run["diff"] <= FP32,
             "one flat parameter per instance that trains": len(list(model.parameters())) == 4,
-            "inner instances are FSDP": isinstance(model.module.layers[2], FSDP)}
+            "inner instances are FSDP": isinstance(model.module.layers[2], FSDP),
+            "modules() reaches them": sum(isinstance(m, FSDP) for m in model.modules()) == 4}
 
 
 def transformer_shared_params() -> dict:
