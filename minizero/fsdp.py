@@ -236,7 +236,9 @@ def _take_over(module: nn.Module, settings) -> list[FullyShardedDataParallel]:
     """FairScale's wrapping again (a model wrapped, trained, then wrapped anew for inference): the
     FSDP that had the module (or one inside it) hands it over, as an inner one does
     (_become_unit); that wrapper then runs through this one's engine."""
-    owners = {p._fsdp_owner() for p in module.parameters() if hasattr(p, "_fsdp_owner")}
+    # in the parameters' order, the same on every rank (their collectives must line up)
+    owners = dict.fromkeys(p._fsdp_owner() for p in module.parameters()
+                           if hasattr(p, "_fsdp_owner"))
     handed_over = []
     for owner in owners:
         if owner is None or owner.retired or not any(m is owner.module for m in module.modules()):
