@@ -715,16 +715,54 @@ def metadata() -> dict:
             "loads into a wrapped model": diff(loaded.state_dict(), full) == 0.0}
 
 
+def docstring_loops() -> dict:
+    """FairScale's FSDP docstring, scaled down: the plain loop (keyword inputs), and enable_wrap
+    with mixed precision: wrap() gives an FSDP, auto_wrap(nn.Transformer) wraps its encoder and
+    decoder, each then a root of its own that trains."""
+    from minizero.fsdp_wrap import auto_wrap, default_auto_wrap_policy, enable_wrap, wrap
+
+    class Keywords(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.layer = nn.Linear(8, 8)
+
+        def forward(self, x, y=0, z=None):
+            return self.layer(x) * y + z
+
+    model, reference = FSDP(Keywords()), Keywords()
+    for m in (model, reference):
+        optimizer = torch.optim.Adam(m.parameters(), lr=0.01)
+        x = torch.ones(2 * comm.world_size(), 8)
+        m(mine(x) if m is model else x, y=3, z=torch.Tensor([1])).sum().backward()
+        optimizer.step()
+    checks = {"the plain loop": diff(model.state_dict(), reference.state_dict()) <= FP32}
+    with enable_wrap(wrapper_cls=FSDP, mixed_precision=True, flatten_parameters=True):
+        checks["wrap() is FSDP"] = isinstance(wrap(nn.Linear(5, 5)), FSDP)
+        torch.manual_seed(0)
+        big = nn.Transformer(d_model=8, nhead=2, num_encoder_layers=2, num_decoder_layers=2,
+                             dim_feedforward=16, dropout=0.0)
+        half = sum(p.numel() for p in big.parameters()) // 3
+        big = auto_wrap(big, partial(default_auto_wrap_policy, min_num_params=half))
+    checks["encoder and decoder wrapped"] = isinstance(big.encoder, FSDP) and isinstance(
+        big.decoder, FSDP) and "FullyShardedDataParallel" in repr(big)
+    big(torch.rand(5, 2, 8), torch.rand(4, 2, 8)).float().sum().backward()
+    checks["both roots have gradients"] = all(
+        p.grad is not None for p in [*big.encoder.parameters(), *big.decoder.parameters()])
+    return checks
+
+
 SCENARIOS = [root_without_parameters, nested, transformer_shared_params, wrap_helpers,
              lambda: accumulation(no_sync=True), lambda: accumulation(no_sync=False),
              clip_grad_norm, summon_full_params, state_dicts, optimizer_state, uneven_and_shared,
              multiple_forward, mixed_precision, constructor_keywords, inputs_and_passes,
-             wrapping_again_and_apply, frozen_and_checkpointed, module_properties, metadata]
+             wrapping_again_and_apply, frozen_and_checkpointed, module_properties, metadata,
+             docstring_loops]
 NAMES = ["root_without_parameters", "nested", "transformer_shared_params", "wrap_helpers",
          "no_sync", "grad_accumulation", "clip_grad_norm", "summon_full_params", "state_dicts",
          "optimizer_state", "uneven_and_shared", "multiple_forward", "mixed_precision",
          "constructor_keywords", "inputs_and_passes", "wrapping_again_and_apply",
-         "frozen_and_checkpointed", "module_properties", "metadata"]
+         "frozen_and_checkpointed", "module_properties", "metadata", "docstring_loops"]
 
 
 def worker() -> dict:
