@@ -63,9 +63,8 @@ class GradBuckets:
         # keep its model states for good (the bench's ranks grew run after run, until the kernel's
         # OOM killer stopped them at 50M parameters, N = 4).
         hook = _weakly(self._on_grad_ready)
-        for b in buckets:
-            for p in b.params:
-                p.register_post_accumulate_grad_hook(hook)
+        self.hooks = [p.register_post_accumulate_grad_hook(hook)      # handles: removable
+                      for b in buckets for p in b.params]
 
     def _reset(self) -> None:
         # gradients not yet produced, per bucket

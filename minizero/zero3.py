@@ -64,10 +64,13 @@ class Zero3(Zero2):
         self._returned: dict[int, list[Unit]] = {}  # [Note: returned parameters]
         super().__init__(model, optimizer, **kwargs)       # stage 2, with one bucket per unit
         self._unit_of_param = {id(p): u for u in self.units for p in u.params}
+        self.hooks = []                         # their handles: fsdp.py hands a model over
         for unit in self.units:
-            unit.module.register_forward_pre_hook(partial(self._on_pre_forward, unit))
-            unit.module.register_forward_hook(partial(self._on_post_forward, unit))
-        model.register_forward_hook(self._on_model_forward_end)   # [Note: returned parameters]
+            self.hooks += [
+                unit.module.register_forward_pre_hook(partial(self._on_pre_forward, unit)),
+                unit.module.register_forward_hook(partial(self._on_post_forward, unit))]
+        # [Note: returned parameters]
+        self.hooks.append(model.register_forward_hook(self._on_model_forward_end))
 
     def _param_groups(self):
         return [group for group in self._unit_params if group]     # one bucket per unit that trains

@@ -37,7 +37,9 @@ def fairscale_loop(cfg: TrainConfig, reshard_after_forward: bool = True) -> dict
     zero_grad()."""
     model = minizero.FullyShardedDataParallel(make_model(cfg.model_config(), seed=cfg.seed),
                                               reshard_after_forward=reshard_after_forward,
-                                              mixed_precision=cfg.dtype == "bf16")
+                                              mixed_precision=cfg.dtype == "bf16",
+                                              compute_dtype=torch.bfloat16 if cfg.dtype == "bf16"
+                                              else None, fp32_reduce_scatter=cfg.dtype == "bf16")
     optimizer = cfg.optimizer_factory()(model.parameters())
     losses = []
     for step in range(cfg.steps):
@@ -207,4 +209,7 @@ def test_bad_arguments_are_one_line():
         minizero.FullyShardedDataParallel("model")
     with pytest.raises(TypeError, match="reshard_after_forward must be True or False"):
         minizero.FullyShardedDataParallel(make_model(TrainConfig(model="tiny").model_config()),
-                                          "yes")
+                                          reshard_after_forward="yes")
+    with pytest.raises(TypeError, match="second argument is FairScale's process_group"):
+        minizero.FullyShardedDataParallel(make_model(TrainConfig(model="tiny").model_config()),
+                                          False)

@@ -102,6 +102,13 @@ CONCEPTS = [
     ("FairScale", "FullyShardedDataParallel (FlatParameter, user's optimizer)",
      "minizero.fsdp.FullyShardedDataParallel",
      "stage 3's engine; model.parameters() are this rank's flat shards, one per unit"),
+    ("FairScale", "nested FSDP, enable_wrap + wrap, auto_wrap", "minizero.fsdp_wrap.auto_wrap",
+     "each FSDP instance is a unit; the outermost adopts the inner ones (one engine)"),
+    ("FairScale", "FSDP summon_full_params", "minizero.fsdp_state.StateMixin.summon_full_params",
+     "every unit gathered, original names; each rank's writes persist in its partition"),
+    ("FairScale", "FSDP gather_full_optim_state_dict",
+     "minizero.fsdp_state.StateMixin.gather_full_optim_state_dict",
+     "the unwrapped model's optimizer state on rank 0; get_shard_from_optim_state_dict cuts it"),
     ("FairScale", "OSS (optimizer state sharding)", "minizero.zero1.Zero1",
      "OSS gives whole parameters to ranks; minizero splits one flat buffer evenly"),
     ("FairScale", "ShardedDDP", "minizero.zero2.Zero2", "gradients reduced to their owner only"),
@@ -272,6 +279,18 @@ is given. So FairScale's wrapper hands out the partitions themselves as paramete
 end of backward on its own (there is no `engine.backward` to call) to leave each shard's averaged
 gradient in its `.grad`. tests/test_fsdp.py and tests/test_initialize.py check that each ends where
 one process (and DeepSpeed) ends.
+
+FairScale's FSDP as its users write it: FSDP instances nested in the model (or
+`minizero.fsdp_wrap`'s `enable_wrap` / `wrap` / `auto_wrap`) are the units; `no_sync()`,
+`clip_grad_norm_(max_norm, norm_type)`, `summon_full_params(recurse, volatile)`, `state_dict`,
+`local_state_dict` with `consolidate_shard_weights`, and `gather_full_optim_state_dict` with
+`get_shard_from_optim_state_dict` do what FairScale's do (tests/test_fairscale_scenarios.py ports
+FairScale's own test scenarios). Its constructor keywords (minizero/fsdp_options.py) are implemented
+with FairScale's meaning, accepted with one warning line where they change only speed
+(`flatten_parameters=False`, `bucket_cap_mb`, `process_group_reduce_scatter`,
+`gradient_predivide_factor`, `clear_autocast_cache`), or refused in one line where they cannot
+apply: a process group that is not every rank and `no_broadcast_optim_state` (mixture of experts:
+one engine shards over all N), `move_params_to_cpu` on a GPU (minizero.wrap's `offload` does it).
 """
 
 
