@@ -231,6 +231,15 @@ class FullyShardedDataParallel(StateMixin, nn.Module):
     def extra_repr(self) -> str:
         return self.settings.describe() if self.settings.verbose else ""
 
+    def __repr__(self) -> str:
+        """print(model) shows the wrapped model (FairScale's way to see the wrapping): the root's
+        is not a registered child, so nn.Module's repr would leave it out."""
+        if self.engine is None:
+            return super().__repr__()
+        lines = [self.extra_repr()] if self.extra_repr() else []
+        lines.append("(module): " + repr(self.module).replace("\n", "\n  "))
+        return f"{type(self).__name__}(\n  " + "\n  ".join(lines) + "\n)"
+
 
 def _take_over(module: nn.Module, settings) -> list[FullyShardedDataParallel]:
     """FairScale's wrapping again (a model wrapped, trained, then wrapped anew for inference): the

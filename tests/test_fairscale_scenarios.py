@@ -164,7 +164,8 @@ def nested() -> dict:
     return {"matches one process": run["diff"] <= FP32,
             "one flat parameter per instance that trains": len(list(model.parameters())) == 4,
             "inner instances are FSDP": isinstance(model.module.layers[2], FSDP),
-            "modules() reaches them": sum(isinstance(m, FSDP) for m in model.modules()) == 4}
+            "modules() reaches them": sum(isinstance(m, FSDP) for m in model.modules()) == 4,
+            "print(model) shows the wrapping": repr(model).count("FullyShardedDataParallel") == 4}
 
 
 def transformer_shared_params() -> dict:
