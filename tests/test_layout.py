@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
+
+import minizero
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "minizero"
 TOOLING = ("minizero.lab", "minizero.cli")
@@ -202,3 +205,17 @@ def test_the_rule_catches_each_kind_of_patch():
         "setattr(comm, 'reduce_scatter', f)\ndel unit.free\ne.reducer.max_in_flight += 1\n"
         "stepthrough.x = 1\nself.y = 2\np.grad = None\nslider.value = 3\n")
     assert sorted(int(p.split(":")[0]) for p in patches) == [4, 5, 6, 7, 8, 9], patches
+
+
+def test_the_reading_orders_line_counts_are_the_files():
+    """minizero/__init__.py tells a reader how long each file of the reading order is, and the
+    total: those numbers are the files' (wc -l), so they cannot go stale unseen."""
+    package = pathlib.Path(minizero.__file__).parent
+    doc = minizero.__doc__
+    order = doc[doc.index("read in this order"):doc.index("Then ")]
+    counts = {name: int(n) for name, n in re.findall(r"(\w+\.py) \((\d+)", order)}
+    counts |= {name: int(n) for name, n in re.findall(r"(\w+\.py) (\d+)", order)}
+    actual = {name: len((package / name).read_text().splitlines()) for name in counts}
+    assert counts == actual
+    total = int(re.search(r"\(([\d,]+) lines", order).group(1).replace(",", ""))
+    assert total == sum(actual.values())

@@ -122,8 +122,8 @@ def _code_refs() -> list[tuple[str, str, list[str]]]:
                 continue
             head, _, methods = match.group(2).partition(":")
             names = [n.strip() for n in head.split(",")]
-            if not all(IDENTIFIER.match(n) for n in names):
-                continue                                  # prose in parentheses, not names
+            if not all(IDENTIFIER.match(n) and not n.endswith(".py") for n in names):
+                continue                                  # prose or files in parentheses
             methods = [m.strip() for m in methods.split(",") if IDENTIFIER.match(m.strip())]
             names += [f"{names[-1]}.{m}" for m in methods]
             line = text.count("\n", 0, match.start()) + 1
