@@ -155,7 +155,9 @@ NOT_IMPLEMENTED = {
     "sparse_gradients": "embedding gradients are dense",
     "sparse_attention": "no sparse attention kernels: the model's own attention runs",
     "pipeline": _NOT_DP + " (no pipeline stages)",
-    "tensor_parallel": _NOT_DP + " (no tensor parallelism)",
+    "tensor_parallel": "DeepSpeed's AutoTP is not read by initialize: minizero's tensor "
+        "parallelism is wrap(..., tensor_parallel=M) and --tensor-parallel, whose model gives "
+        "vocabulary-split logits where an AutoTP script computes its loss on whole ones",
     "expert_parallel": _NOT_DP + " (no expert parallelism)",
     "sequence_parallel_size": _NOT_DP + " (no sequence parallelism)",
     "use_data_before_expert_parallelism": _NOT_DP + " (no expert parallelism)",
