@@ -275,8 +275,8 @@ def test_python_m_minizero_lists_and_dispatches_every_command(capsys):
 
 def test_a_run_on_a_mesh_reports_each_ranks_part_next_to_the_formula_with_m(tmp_path):
     """--tensor-parallel 2 at N = 4: the GPT split over rows of 2, stage 3 over columns of 2. Every
-    rank's model states and bytes sent equal the theory with M (minizero/memory/mesh.py), and the
-    first loss is the unsplit run's (the same model and data, computed in pieces)."""
+    rank's model states, bytes sent and activations equal the theory with M (memory/mesh.py), and
+    the first loss is the unsplit run's (the same model and data, computed in pieces)."""
     out = tmp_path / "mesh.json"
     argv = ["--stage", "3", "--world-size", "4", "--steps", "2", "--quiet"]
     assert main([*argv, "--tensor-parallel", "2", "--json", str(out)]) == 0
@@ -287,6 +287,7 @@ def test_a_run_on_a_mesh_reports_each_ranks_part_next_to_the_formula_with_m(tmp_
         for category in ("params", "grads", "optimizer"):
             assert within_padding(r["memory"][category], th[category], 2), (r["rank"], category)
         assert r["comm_bytes_per_step"]["total"] == pytest.approx(th["comm_bytes_per_step"])
+        assert r["memory"]["activations"] == th["activations"]       # activation_bytes with M
     assert main([*argv, "--json", str(tmp_path / "plain.json")]) == 0
     plain = json.loads((tmp_path / "plain.json").read_text())
     assert data["losses"][0] == pytest.approx(plain["losses"][0], rel=1e-6)

@@ -16,6 +16,7 @@ from minizero import activations, comm, tensor_parallel, tensor_parallel_hf
 from minizero.lab.data import global_batch
 from minizero.lab.model import GPTConfig, make_model
 from minizero.lab.train import IGNORE, loss_fn
+from minizero.memory import activation_bytes
 from minizero.memory.mesh import gpt_tensor_parallel_bytes, tensor_parallel_bytes
 
 
@@ -156,3 +157,13 @@ def test_what_tensor_parallelism_sends_is_the_formula():
         assert modes[mode]["all_reduce"] == blocks + outside + loss, mode
         assert gpt_tensor_parallel_bytes(b, s, h, m, layers=layers, recompute=recompute) == (
             blocks + outside + loss)
+
+
+def test_activations_of_a_split_gpt_are_the_estimate_with_m():
+    """The activation meter on one rank of the split GPT (b = 4 rows, s = 16) equals
+    memory.activation_bytes(..., tensor_parallel=2) for every checkpointing mode: the blocks'
+    column- and row-parallel tensors and scores 1/M, LayerNorm inputs whole, P_a's inputs 1/M."""
+    modes = minizero.launch(_checkpoint_modes, 2)[0]
+    for mode in (False, True, "partitioned", "partitioned+cpu"):
+        estimate = activation_bytes(4, 64, 4, 16, 4, checkpointing=mode, tensor_parallel=2)
+        assert modes[mode]["peak"] == estimate, (mode, modes[mode]["peak"], estimate)

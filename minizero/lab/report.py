@@ -42,7 +42,7 @@ def theory(cfg: TrainConfig, num_params: int, num_frozen: int = 0) -> dict:
         tensor_parallel = cfg.grad_accum * gpt_tensor_parallel_bytes(
             rows, sequence_length(m.block_size), m.n_embd, cfg.tensor_parallel, layers=m.n_layer,
             bytes_per_elem=elem, recompute=bool(cfg.activation_checkpointing))
-    activations = None if cfg.tensor_parallel > 1 else activation_bytes(     # not with M yet
+    activations = activation_bytes(
         m.n_layer,
         m.n_embd,
         m.n_head,
@@ -51,6 +51,7 @@ def theory(cfg: TrainConfig, num_params: int, num_frozen: int = 0) -> dict:
         bytes_per_elem=elem,
         mlp_ratio=m.mlp_ratio,
         checkpointing=cfg.activation_checkpointing,
+        tensor_parallel=cfg.tensor_parallel,
     )
     return {
         **b,
@@ -122,7 +123,7 @@ def summarize(cfg: TrainConfig, results: list[dict], network=None) -> dict:
 
 
 def format_table(summary: dict) -> str:
-    kb = lambda x: f"{'n/a':>9}" if x is None else f"{x / 1e3:9.1f}"      # noqa: E731
+    kb = lambda x: f"{x / 1e3:9.1f}"      # noqa: E731
     th = summary["theory"]
     off = f", offload={summary['offload']}" if summary["offload"] else ""
     reduce = f", gradients in {summary['reduce_dtype']}" if summary.get("reduce_dtype") else ""

@@ -344,6 +344,7 @@ def activation_bytes(
     bytes_per_elem: int = 4,
     mlp_ratio: int = 4,
     checkpointing: bool | str = False,
+    tensor_parallel: int = 1,
 ) -> float:
     """Peak bytes saved for backward by one forward of minizero's GPT (lab/model.py) on a
     micro-batch of `batch` rows of `seq` tokens: what engine.memory()["activations"]
@@ -366,14 +367,25 @@ def activation_bytes(
     (all inputs + what is outside the blocks) and the last block's recompute (all inputs + that
     block + the ids). "cpu" keeps the inputs in host memory: the device holds the larger of the two
     without them.
+
+    tensor_parallel=M (one rank of a tensor-parallel row, minizero/tensor_parallel.py): of the
+    (8 + 2r)·h, what the column-parallel layers produce and the row-parallel ones take is split, q,
+    k, v, the attention's output and the MLP's two r·h, (4 + 2r)·h/M; the scores a·s/M (a/M heads);
+    the LayerNorms' inputs and the column-parallel layers' input, 4h, stay whole on every rank (the
+    replica P_a partitions). The vocab-parallel embedding adds its mask, s·b bytes. "partitioned"
+    (P_a) keeps 1/M of each block's input, and its recompute holds the all-gathered input as a new
+    tensor; "partitioned+cpu" keeps that 1/M on the host.
     """
-    s, b, h, e = seq, batch, hidden, bytes_per_elem
-    block = e * s * b * ((8 + 2 * mlp_ratio) * h + heads * s + 4) + s * s
-    ids = 8 * (s * b + s)
+    s, b, h, e, m = seq, batch, hidden, bytes_per_elem, tensor_parallel
+    split = (4 + 2 * mlp_ratio) * h // m + heads * s // m
+    block = e * s * b * (4 * h + split + 4) + s * s
+    ids = 8 * (s * b + s) + (s * b if m > 1 else 0)
     outside = e * s * b * (2 * h + 2) + ids
     if not checkpointing:
         return layers * block + outside
-    inputs = layers * e * s * b * h if checkpointing != "cpu" else 0
-    # its input is among `inputs`
-    recompute = block + ids - (e * s * b * h if checkpointing != "cpu" else 0)
+    on_host = checkpointing in ("cpu", "partitioned+cpu")
+    share = m if checkpointing == "partitioned" else 1                     # P_a: 1/M of each input
+    inputs = 0 if on_host else layers * e * s * b * h // share
+    # with True the recomputed block's input is that checkpoint (counted in `inputs` already)
+    recompute = block + ids - (e * s * b * h if checkpointing is True else 0)
     return inputs + max(outside, recompute)
