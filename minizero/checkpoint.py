@@ -154,11 +154,13 @@ def save(engine, directory: str, extra: dict | None = None) -> None:
     # shard_group_size=S < N: the N/S groups hold the same partitions; the first group's S files are
     # the checkpoint, as if saved by S ranks ([Note: hierarchical sharding], engine.py)
     if engine.replicate_group is None or engine.replicate_group.index == 0:
-        mine = f"rank{engine.layout.rank}.pt"
+        mine = _shard_file(engine)
         files[mine] = _write_torch(os.path.join(vdir, mine), _shard_state(engine))
     replicated = _replicated_state(engine)           # collective: stage 3 gathers frozen parameters
+    if engine.data_group is None or engine.data_group.index == 0:     # one per tensor-parallel part
+        name = _replicated_file(engine)
+        files[name] = _write_torch(os.path.join(vdir, name), replicated)
     if engine.rank == 0:
-        files["replicated.pt"] = _write_torch(os.path.join(vdir, "replicated.pt"), replicated)
         if extra is not None:
             files[EXTRA] = _write_torch(os.path.join(vdir, EXTRA), extra)
     everyone = comm.all_gather_object(files)                  # returns once every shard is on disk
@@ -172,6 +174,22 @@ def save(engine, directory: str, extra: dict | None = None) -> None:
             if _VERSION_DIR.fullmatch(name) and name != version:
                 shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
     comm.barrier()                                            # nobody returns before the commit
+
+
+def _tensor_parallel(engine) -> int:
+    return 1 if engine.tensor_group is None else engine.tensor_group.size
+
+
+def _shard_file(engine) -> str:
+    """rank{r}.pt; on a 2-D mesh each tensor-parallel part has its own column of shards
+    ([Note: the 2-D mesh] in engine.py): tp{i}-rank{r}.pt."""
+    mine = f"rank{engine.layout.rank}.pt"
+    return mine if engine.tensor_group is None else f"tp{engine.tensor_group.index}-{mine}"
+
+
+def _replicated_file(engine) -> str:
+    name = "replicated.pt"
+    return name if engine.tensor_group is None else f"tp{engine.tensor_group.index}-{name}"
 
 
 def describe(engine) -> dict:
@@ -193,6 +211,7 @@ def describe(engine) -> dict:
         "buckets": buckets,
         "state_dict": state_dict_entries(engine.module),
         "group_params": group_params(engine),
+        "tensor_parallel": _tensor_parallel(engine),
     }
 
 
@@ -436,6 +455,11 @@ def check_compatible(saved: dict, engine, where: str) -> None:
     """The same model and optimizer class (a manifest, or a universal state's header); stage, world
     size, dtype and offload may differ."""
     here = describe(engine)
+    if saved.get("tensor_parallel", 1) != here["tensor_parallel"]:       # absent: saved before TP
+        raise CheckpointError(
+            f"{where} was saved on tensor-parallel rows of {saved.get('tensor_parallel', 1)}, this "
+            f"engine's rows are of {here['tensor_parallel']}: resharding across meshes is not "
+            "supported yet (the same mesh resumes)")
     if saved["optimizer"] != here["optimizer"]:
         raise CheckpointError(
             f"{where} was saved with optimizer {saved['optimizer']}, this engine has "
@@ -498,8 +522,8 @@ def load(engine, path: str) -> None:
             and saved["buckets"] == describe(engine)["buckets"]
         ):
             # same layout: my file is my shard
-            shard = read_file(path, saved, f"rank{engine.layout.rank}.pt")
-            replicated = read_file(path, saved, "replicated.pt")
+            shard = read_file(path, saved, _shard_file(engine))
+            replicated = read_file(path, saved, _replicated_file(engine))
             frozen = {
                 e["key"]: replicated[e["source"]] for e in saved["state_dict"] if not e["trainable"]
             }
@@ -687,6 +711,10 @@ class _Shards:
     hold together."""
 
     def __init__(self, directory: str, manifest: dict):
+        if manifest.get("tensor_parallel", 1) > 1:
+            raise CheckpointError(
+                f"{directory} was saved on tensor-parallel rows of {manifest['tensor_parallel']}: "
+                "merging tensor-parallel parts into one model is not supported yet")
         self.directory, self.manifest, self.files = directory, manifest, {}
 
     def get(self, r: int) -> dict:
