@@ -355,6 +355,7 @@ def _issue(kind: str, full: torch.Tensor, group: Group | None, tag: str, async_o
     modeled = _book(kind, kind, sent, n, group)
     _seq += 1
     events.emit("collective", kind=kind, tag=tag, group=group, numel=full.numel(), dtype=full.dtype,
+                blocking=not async_op or _blocking,
                 sent=sent, tensor=full, seq=_seq, modeled=modeled)
     if n == 1:
         if local is not None:

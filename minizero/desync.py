@@ -19,13 +19,15 @@ when it has completed: events.py), so comm itself knows nothing of it.
 1. Fingerprints, checked before each collective runs. A collective's fingerprint is (kind,
    group size, element count, dtype, tag) at its sequence number `seq` (comm counts them; every
    rank issues the same sequence). The tag says which unit or bucket it is for, so two units of
-   the same size exchanged in each other's place differ. Before collective #1 and every
-   `check_every`-th (default: every one) runs, the ranks agree on a hash of the fingerprints each
-   issued since the last check: one all-reduce of two integers ([Note: agreement] in comm.py).
-   When they differ, every rank learns it at that same collective, before its data moves: each
-   puts its fingerprints on the process group's store, reads everyone's, and raises one line
-   (DesyncError) naming the first collective they disagree on, the rank(s) out of step and what
-   each issued. [Note: checking before, not on arrival] says why not in the collective's bytes.
+   the same size exchanged in each other's place differ. The ranks agree on a hash of the
+   fingerprints each issued since the last check (one all-reduce of two integers, [Note:
+   agreement] in comm.py) at the points where they wait for each other anyway ([Note: where to
+   agree]): before collective #1, before every blocking collective, and at the end of each
+   backward and step; with check_every=k instead, before every k-th collective. When they differ,
+   every rank learns it at that same check: each puts its fingerprints on the process group's
+   store, reads everyone's, and raises one line (DesyncError) naming the first collective they
+   disagree on, the rank(s) out of step and what each issued. [Note: checking before, not on
+   arrival] says why not in the collective's bytes.
 2. The flight recorder: each rank's last RECORDED collectives, with when each was issued and
    finished. A watchdog thread puts them on the store every TICK_S, so that after any failure the
    launcher can print them (`report`), a killed rank's included.
@@ -36,9 +38,9 @@ when it has completed: events.py), so comm itself knows nothing of it.
    it (it then stops every rank and reports); elsewhere (torchrun) rank 0 prints it and exits, as
    NCCL's watchdog takes its process down, and torchrun stops the others.
 
-Cost: a record and a hash per collective (microseconds) and, every `check_every` collectives, the
-agreement: a two-integer all-reduce that waits for the slowest rank to reach the same collective
-(measured on training steps by python -m minizero.bench --desync; docs/performance.md). The store
+Cost: a record and a hash per collective (microseconds) and, at each check, the agreement: a
+two-integer all-reduce that waits for the slowest rank to reach the same point (measured on
+training steps by python -m minizero.bench --desync; docs/performance.md). The store
 is read only when the ranks disagree. Threads: the main thread records and checks, with a store
 connection of its own; the watchdog has another (a TCPStore connection serves one request at a
 time, and a check may wait on it for long).
@@ -49,8 +51,19 @@ buffer to grow (or a copy of the payload per collective), cannot be exact in a b
 codec (quantize.py), and still lets the wrong data move: when the sizes differ it moves into the
 wrong places, or hangs. A separate agreement of a 62-bit hash just before the collective is
 exact, needs no change to any buffer or codec, and stops a mismatch before anything is exchanged.
-Its price is one small round trip per collective, and ranks meet there in step (an early rank
-waits at the check instead of inside the collective).
+Its price is one small round trip per check, and ranks meet there in step (an early rank waits
+at the check instead of inside the collective).
+
+[Note: where to agree] Agreeing before every collective meets the ranks in lockstep at each: at
+stage 3 (27 collectives a step for the 8M GPT) that made whole steps about a quarter slower, most
+of it waiting, because an asynchronous collective (a prefetched unit, a gradient bucket) lets a
+rank run ahead while it is in flight, and a check before it takes that away. A blocking collective
+waits for every rank anyway, and so do the end of backward and of the step: agreeing there costs a
+round trip, not the overlap. Before collective #1 it stops a model of another size before anything
+moves; before a blocking one, a different size before gloo sees it. The asynchronous collectives in
+between are in the next check's hash, so the first one that differs is still the one named; what
+is given up is that their data may have moved (same-size units exchanged in each other's place),
+for at most the rest of a backward or step, never past it.
 """
 
 from __future__ import annotations
@@ -69,8 +82,10 @@ import torch.distributed as dist
 from minizero import comm, events
 
 DEFAULT_STALL_TIMEOUT_S = float(os.environ.get("MINIZERO_STALL_TIMEOUT_S", "20"))
-DEFAULT_CHECK_EVERY = 1       # agree before every collective: a mismatch is named at the first
+DEFAULT_CHECK_EVERY = 1       # agree where ranks wait anyway ([Note: where to agree]); k: k-th
 RECORDED = 20       # collectives per rank in the flight recorder
+UNCHECKED = 4096    # at most this many fingerprints wait for a check (one backward's, usually)
+PUBLISHED = 256     # of them, the last this many are on the store for the watchdog
 TICK_S = 0.25       # how often the watchdog publishes this rank's record (and rank 0 judges)
 SUSPECT_S = 1.0     # nothing issued or finished anywhere for this long: compare what is unchecked
 PREFIX = "minizero/desync/"
@@ -183,8 +198,8 @@ def _state_key(rank: int) -> str:
     return f"{PREFIX}state/{rank}"
 
 
-def _check_key(seq: int, rank: int) -> str:
-    return f"{PREFIX}check/{seq}/{rank}"
+def _check_key(check: int, rank: int) -> str:
+    return f"{PREFIX}check/{check}/{rank}"
 
 
 class Watch:
@@ -198,10 +213,12 @@ class Watch:
         self.on_verdict = on_verdict
         self.store, self.thread_store = store.clone(), store.clone()     # see "Threads" above
         self.recent: collections.deque = collections.deque(maxlen=RECORDED)
-        self.unchecked: collections.deque = collections.deque(maxlen=max(check_every, RECORDED))
+        # since the last check: a backward's collectives, with checks where ranks wait anyway
+        self.unchecked: collections.deque = collections.deque(maxlen=max(check_every, UNCHECKED))
         self.pending: dict[int, dict] = {}              # seq -> its record: issued, not finished
         self.issued, self.finished, self.moved_at = 0, 0, time.time()
         self.digest = _digest()                         # of the keys issued since the last check
+        self.checks = 0                                 # agreements so far: the same on every rank
         self.lock = threading.Lock()
         self.stopped = threading.Event()
         comm.open_agreement()
@@ -220,8 +237,14 @@ class Watch:
                 self.pending[fp["seq"]] = record
                 self.issued, self.moved_at = fp["seq"], record["issued"]
             self.digest.update(repr(_key(fp)).encode())
-            if self.check_every and (fp["seq"] == 1 or fp["seq"] % self.check_every == 0):
+            if self.check_every == 1:                          # [Note: where to agree]
+                due = fp["seq"] == 1 or fields["blocking"]
+            else:
+                due = self.check_every and (fp["seq"] == 1 or fp["seq"] % self.check_every == 0)
+            if due:
                 self.check(fp["seq"])
+        elif name in ("backward done", "step") and self.check_every == 1:
+            self.check(self.issued)
         elif name == "collective done":
             with self.lock:
                 record = self.pending.pop(fields["seq"], None)
@@ -235,6 +258,7 @@ class Watch:
         every rank to reach #seq: one that never does is the watchdog's to name."""
         value = int.from_bytes(self.digest.digest(), "big") >> 2        # 62 bits: see comm.agree
         self.digest = _digest()
+        self.checks += 1
         with self.lock:
             window = list(self.unchecked)
         agreed = comm.agree(value)
@@ -245,12 +269,13 @@ class Watch:
         # Every rank is here, at the same collective (the agreement's answer is the same on all):
         # the store says what each issued, for one line that names them
         self.store.set(_state_key(self.rank), json.dumps(self.state()))   # for the report, now
-        self.store.set(_check_key(seq, self.rank), json.dumps(window))
-        keys = [_check_key(seq, r) for r in range(self.n)]
+        self.store.set(_check_key(self.checks, self.rank), json.dumps(window))
+        keys = [_check_key(self.checks, r) for r in range(self.n)]
         self.store.wait(keys, datetime.timedelta(seconds=comm.DEFAULT_TIMEOUT_S))
         verdict = mismatch([json.loads(v) for v in self.store.multi_get(keys)])
         if verdict is None:                      # a hash collision, the other way: cannot happen
-            verdict = f"the ranks disagree on collectives #{window[0]['seq']}-#{seq}"
+            verdict = (f"the ranks disagree on the collectives since their last check (rank "
+                       f"{self.rank}: up to #{seq})")
         self.store.compare_set(VERDICT, "", verdict)              # the first verdict stands
         self.on_verdict(verdict)
         raise DesyncError(f"ranks out of step: {verdict}")
@@ -260,7 +285,8 @@ class Watch:
         with self.lock:
             return {"issued": self.issued, "finished": self.finished,
                     "pending": sorted(self.pending), "moved_at": self.moved_at,
-                    "recent": [dict(r) for r in self.recent], "unchecked": list(self.unchecked)}
+                    "recent": [dict(r) for r in self.recent],
+                    "unchecked": list(self.unchecked)[-PUBLISHED:]}   # the watchdog compares these
 
     def run(self) -> None:
         while True:           # publish at once, then every TICK_S: a rank killed early is on record

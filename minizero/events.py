@@ -12,6 +12,7 @@ this process (one rank). What is emitted, and by whom:
     collective        comm.py, as a collective is issued: kind, tag (what it is for: "unit 3
                       (blocks.3)", "bucket 0"), group, numel, dtype, sent (ring bytes this rank
                       sends), tensor (the full buffer), seq (this rank's count of collectives),
+                      blocking (the caller waits for it at once: not async_op),
                       modeled ((start, end) on the network model's link, or None). Emitted
                       before the collective runs: desync.py's watch agrees with the other ranks
                       here and raises DesyncError instead of letting a mismatched one run

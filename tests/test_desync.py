@@ -216,9 +216,14 @@ def train_every_way_counting_checks() -> list[tuple[int, int]]:
     return counts
 
 
-def test_no_false_positive_in_normal_training_and_every_collective_is_checked():
+def test_no_false_positive_in_normal_training_and_checks_where_ranks_wait_anyway():
+    """[Note: where to agree]: no check fails in stages 0-3 and offload; at stage 3, whose units
+    and buckets are asynchronous, there are fewer checks than collectives (one before each was
+    what made whole steps a quarter slower)."""
     for counts in minizero.launch(train_every_way_counting_checks, 2):
-        assert all(collectives == checks > 0 for collectives, checks in counts), counts
+        assert all(checks > 0 for _, checks in counts), counts
+        stage_3 = [counts[3], counts[5]]                    # (3, False), (3, "params")
+        assert all(checks < collectives for collectives, checks in stage_3), counts
 
 
 # --- writes that cannot take effect raise one line -----------------------------------------------

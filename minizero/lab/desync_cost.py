@@ -3,12 +3,14 @@
     python -m minizero.bench --desync                          # 8M, stages 2 and 3, N = 2
     python -m minizero.bench --desync --size 8M --stages 3 --world-size 2 --steps 8 --repeats 3
 
-1. Per collective: a loop of small all-reduces, in turns with the watch off, on without checks
-   (the recorder and the watchdog only), agreeing every 64 collectives, and agreeing before every
-   collective (the default check_every). The CPU seconds this process spends per collective
-   (time.process_time: the main thread and the watchdog's, not the time spent waiting for the
-   other rank, which a shared machine's load inflates), added by the watch, times the collectives
-   of one training step, over that step's time: the cost as a share of a step.
+1. Per collective: a loop of small blocking all-reduces, in turns with the watch off, on without
+   checks (the recorder and the watchdog only), agreeing every 64 collectives, and with the default
+   check_every, which agrees before every blocking collective (all of the loop's). The CPU seconds
+   this process spends per collective (time.process_time: the main thread and the watchdog's, not
+   the time spent waiting for the other rank, which a shared machine's load inflates), added by the
+   watch, times the collectives of one training step, over that step's time: for the default an
+   upper bound, as a step's asynchronous collectives are not agreed on one by one ([Note: where to
+   agree] in desync.py).
 2. Whole steps: the same training steps with the watch off and on, in turns (one launch with the
    launcher's watch off; each rank turns a watch on and off itself), the slowest rank's median.
    Honest but noisy: on a loaded machine run-to-run noise is larger than the cost.
