@@ -23,7 +23,7 @@ when it has completed: events.py), so comm itself knows nothing of it.
    fingerprints each issued since the last check (one all-reduce of two integers, [Note:
    agreement] in comm.py) at the points where they wait for each other anyway ([Note: where to
    agree]): before collective #1, before every blocking collective, and at the end of each
-   backward and step; with check_every=k instead, before every k-th collective. When they differ,
+   backward; with check_every=k instead, before every k-th collective. When they differ,
    every rank learns it at that same check: each puts its fingerprints on the process group's
    store, reads everyone's, and raises one line (DesyncError) naming the first collective they
    disagree on, the rank(s) out of step and what each issued. [Note: checking before, not on
@@ -58,12 +58,14 @@ at the check instead of inside the collective).
 stage 3 (27 collectives a step for the 8M GPT) that made whole steps about a quarter slower, most
 of it waiting, because an asynchronous collective (a prefetched unit, a gradient bucket) lets a
 rank run ahead while it is in flight, and a check before it takes that away. A blocking collective
-waits for every rank anyway, and so do the end of backward and of the step: agreeing there costs a
-round trip, not the overlap. Before collective #1 it stops a model of another size before anything
-moves; before a blocking one, a different size before gloo sees it. The asynchronous collectives in
-between are in the next check's hash, so the first one that differs is still the one named; what
-is given up is that their data may have moved (same-size units exchanged in each other's place),
-for at most the rest of a backward or step, never past it.
+waits for every rank anyway, and so does the end of backward: agreeing there costs a round trip,
+not the overlap. (Not the end of the step: an fp16 step skipped on overflow emits no "step", so
+the ranks would not meet there the same number of times if one skipped alone.) Before collective
+#1 it stops a model of another size before anything moves; before a blocking one, a different size
+before gloo sees it. The asynchronous collectives in between are in the next check's hash, so
+the first one that differs is still the one named; what is given up is that their data may have
+moved (same-size units exchanged in each other's place), until the next blocking collective or the
+end of the backward.
 """
 
 from __future__ import annotations
@@ -243,7 +245,7 @@ class Watch:
                 due = self.check_every and (fp["seq"] == 1 or fp["seq"] % self.check_every == 0)
             if due:
                 self.check(fp["seq"])
-        elif name in ("backward done", "step") and self.check_every == 1:
+        elif name == "backward done" and self.check_every == 1:
             self.check(self.issued)
         elif name == "collective done":
             with self.lock:
