@@ -8,9 +8,9 @@
     with minizero.sharded_init(): model = MyModel()      # stage 3: built partitioned, never whole
     minizero.set_z3_leaf_modules(model, [MoEBlock])      # stage 3: gathered whole (DeepSpeed's)
 
-This folder is the ZeRO implementation, read in this order (3,094 lines, docstrings included):
+This folder is the ZeRO implementation, read in this order (3,093 lines, docstrings included):
     comm.py (653) -> events.py (116) -> flat.py (190) -> reducer.py (121) -> optim.py (297)
-    -> engine.py (553) -> ddp.py (100) -> zero1.py (111) -> zero2.py (145) -> zero3.py (261, with
+    -> engine.py (552) -> ddp.py (100) -> zero1.py (111) -> zero2.py (145) -> zero3.py (261, with
     unit.py 266 and units.py 222, leaf modules included) -> offload.py (59).
 Then options.py (which stage takes what), wrap.py, launcher.py, construct.py, initialize.py and
 fsdp.py (the public API), memory/ (the paper's formulas and the byte counter), activations.py

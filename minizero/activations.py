@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from minizero import comm
+from minizero.flat import padded_size, partition
 
 MODES = (False, True, "cpu")       # wrap(activation_checkpointing=...) checks these
 # The paper's P_a: the checkpoints partitioned over a tensor-parallel group (its ranks hold the same
@@ -157,9 +158,9 @@ class _Checkpoint(torch.autograd.Function):
 def _my_part(x: torch.Tensor, group) -> torch.Tensor:
     """P_a's line: of a checkpoint every rank of the group holds alike, keep 1/M (flat, padded)."""
     flat = x.detach().reshape(-1)
-    per_rank = -(-flat.numel() // group.size)
-    padded = torch.nn.functional.pad(flat, (0, per_rank * group.size - flat.numel()))
-    return padded[group.index * per_rank:(group.index + 1) * per_rank].clone()   # [numel/M]
+    padding = padded_size(flat.numel(), group.size) - flat.numel()
+    padded = torch.nn.functional.pad(flat, (0, padding))
+    return partition(padded, group.index, group.size).clone()                       # [numel/M]
 
 
 def _whole(part: torch.Tensor, shape: torch.Size, group) -> torch.Tensor:

@@ -309,14 +309,13 @@ class Engine:
         those of replicated ones (every rank of the row holds them alike), so that the sum over
         all N ranks counts each element of the whole model once."""
         squares = torch.zeros((), dtype=torch.float32, device=self.device)
-        m = self.tensor_group.size
+        weight = (1.0, 1.0 / self.tensor_group.size)          # split, replicated; padding: None
         for b, g in zip(self.layout.buckets, grads):
-            lo = comm.group_rank(self.shard_group) * g.numel() if self.sharded else 0
-            for p, offset in zip(b.params, b.offsets):
-                start, stop = max(offset, lo), min(offset + p.numel(), lo + g.numel())
-                if start < stop:
-                    part = g[start - lo:stop - lo].float().pow(2).sum()
-                    squares += part if tensor_parallel.is_split(p) else part / m
+            start = comm.group_rank(self.shard_group) * g.numel() if self.sharded else 0
+            kind = {id(p): int(not tensor_parallel.is_split(p)) for p in b.params}
+            for lo, hi, k in group_runs(b, start, start + g.numel(), kind):  # this rank's runs
+                if k is not None:
+                    squares += g[lo:hi].float().pow(2).sum() * weight[k]
         return squares
 
     @property
