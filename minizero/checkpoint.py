@@ -157,7 +157,7 @@ def save(engine, directory: str, extra: dict | None = None) -> None:
         mine = _shard_file(engine)
         files[mine] = _write_torch(os.path.join(vdir, mine), _shard_state(engine))
     replicated = _replicated_state(engine)           # collective: stage 3 gathers frozen parameters
-    if engine.data_group is None or engine.data_group.index == 0:     # one per tensor-parallel part
+    if comm.group_rank(engine.data_group) == 0:    # rank 0; on a mesh, one per tensor-parallel part
         name = _replicated_file(engine)
         files[name] = _write_torch(os.path.join(vdir, name), replicated)
     if engine.rank == 0:
