@@ -2,10 +2,10 @@
 
     Grade it:    pytest exercises -k ex06            (or: python -m minizero.grade -k ex06)
     Notebook:    notebooks/03_zero2.ipynb
-    Compare:     minizero/zero2.py (reduce_scatter_grads, _accumulate_bucket), minizero/reducer.py
-                 (minizero goes one step further: _stage_gradient copies each gradient into the
-                 bucket the moment it is complete, so a bucket's full gradients never all exist
-                 at once)
+    Compare:     minizero/zero2.py (GradientShard: reduce, arrived), minizero/reducer.py
+                 (minizero goes one step further: GradientShard.stage copies each gradient into
+                 the bucket the moment it is complete, so a bucket's full gradients never all
+                 exist at once)
 
 Stage 2 (P_os+g) adds gradient partitioning to stage 1: a rank only ever *uses* the averaged
 gradient of its own partition, so it need not keep the others: 2Ψ + (2 + K)Ψ/N bytes. Parameters are

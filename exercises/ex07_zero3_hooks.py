@@ -3,7 +3,7 @@ backward, reduce-scatter and free after backward.
 
     Grade it:    pytest exercises -k ex07            (or: python -m minizero.grade -k ex07)
     Notebook:    notebooks/04_zero3.ipynb
-    Compare:     minizero/unit.py (Unit: gather, free, pre_forward, post_forward, pre_backward,
+    Compare:     minizero/zero3.py (Unit: gather, free, pre_forward, post_forward, pre_backward,
                  post_backward)
 
 Stage 3 (P_os+g+p) partitions the parameters too: (2 + 2 + K)Ψ/N bytes per rank, plus the few
@@ -11,8 +11,8 @@ Stage 3 (P_os+g+p) partitions the parameters too: (2 + 2 + K)Ψ/N bytes per rank
 materialized at any moment. A unit's parameters live in one flat buffer `unit.full` [Ψ_u padded];
 while it is materialized the model's parameters are views into it (minizero points them there after
 your pre_ hooks, and at NaN placeholders after your post_ hooks: [Note: absent parameters] in
-minizero/unit.py). Between uses its storage is released (0 bytes, shape kept), and all that persists
-is this rank's partition `unit.shard` [Ψ_u / N], which the optimizer updates in place.
+minizero/absent.py). Between uses its storage is released (0 bytes, shape kept), and all that
+persists is this rank's partition `unit.shard` [Ψ_u / N], which the optimizer updates in place.
 
 minizero calls your four hooks for every unit (they replace the lifecycle methods of zero3.Unit),
 with the unit itself, which has:

@@ -2,8 +2,8 @@
 
     Grade it:    pytest exercises -k ex08 -s         (-s: your peak and bytes next to minizero's)
     Notebook:    notebooks/04_zero3.ipynb
-    Compare:     minizero/unit.py (Unit), minizero/zero3.py (Zero3), minizero/flat.py,
-                 minizero/zero2.py (reduce_scatter_grads), minizero/reducer.py,
+    Compare:     minizero/zero3.py (Unit, ShardedUnits), minizero/flat.py,
+                 minizero/zero2.py (GradientShard.reduce), minizero/reducer.py,
                  minizero/engine.py (step, _clip)
 
 Exercises 4 to 7 each wrote one piece inside minizero's engines. Here you write the whole of stage 3

@@ -5,7 +5,7 @@ choose the bucket size for the link, and prefetch stage 3's units in the order t
     Notebook:    notebooks/08_beyond.ipynb (the network model: overlap and prefetch)
     Compare:     minizero/reducer.py (GradBuckets: _on_grad_ready, _launch_ready, _wait_oldest,
                  finish), minizero/network.py (the model that times each collective),
-                 minizero/zero3.py (prefetch_after) and minizero/unit.py (pre_forward, post_forward)
+                 minizero/zero3.py (following; Unit.pre_forward, Unit.post_forward)
 
 A data-parallel backward produces its gradients bucket by bucket. Each bucket's collective can start
 as soon as its gradients exist, so the network works while autograd computes the next buckets: a

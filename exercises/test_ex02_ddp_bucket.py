@@ -7,13 +7,16 @@ backward, asynchronously: the hook returns a handle, and its bytes were sent (co
 hook ran.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
 
 import _grading as g
 from minizero import comm
-from minizero.ddp import DDP
+from minizero.ddp import AllReducedGradients
+from minizero.stages import DDP
 from minizero.flat import split_into_buckets
 
 CFG = g.config(stage=0, world_size=2)             # bucket_size 3000 bytes: several buckets
@@ -25,16 +28,17 @@ BUCKET_CASES = [([5, 3, 8, 1, 7], torch.float32, 32), ([2, 2, 2], torch.float32,
                 ([4, 9, 2], torch.float32, 1)]
 
 
-class LearnerDDP(DDP):
-    """minizero's DDP with the learner's hook in place of its all-reduce of a finished bucket."""
+class LearnerGradients(AllReducedGradients):
+    """minizero's DDP gradients with the learner's hook in place of their all-reduce of a finished
+    bucket."""
     answer = None                                   # the learner's module, set by the worker
 
-    def _all_reduce_bucket(self, b):
-        if not self._sync:
+    def reduce(self, b, tag=None):
+        if not self.engine.sync:
             return None                             # inside no_sync(): gradients only accumulate
         before = comm.tally()["total"]
-        handle = self.answer.all_reduce_bucket(self._bucket_grads(b))
-        where = f"rank {self.rank}, bucket {b.index}: all_reduce_bucket"
+        handle = self.answer.all_reduce_bucket(self.bucket(b))
+        where = f"rank {comm.rank()}, bucket {b.index}: all_reduce_bucket"
         if handle is None:
             raise AssertionError(f"{where} returned None: a blocking all-reduce holds backward up "
                                  "until the bucket has crossed the network; start it "
@@ -46,8 +50,12 @@ class LearnerDDP(DDP):
         return handle
 
 
+class LearnerDDP(DDP):
+    row = replace(DDP.row, gradients=LearnerGradients)   # DDP's row of the table, the learner's P_g
+
+
 def worker(module_name: str) -> dict:
-    LearnerDDP.answer = g.learner(module_name)
+    LearnerGradients.answer = g.learner(module_name)
     return g.train_with(LearnerDDP, CFG)
 
 

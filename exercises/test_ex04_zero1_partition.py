@@ -5,11 +5,16 @@ minizero's stage 1 lets your partition choose what each rank's optimizer steps a
 share it, while three ranks train and are compared with one process training on the whole batch.
 """
 
+from dataclasses import replace
+
 import pytest
 
 import _grading as g
+from minizero import comm
 from minizero.flat import padded_size
-from minizero.zero1 import Zero1
+from minizero.ddp import ReplicatedParameters
+from minizero.stages import Zero1
+from minizero.zero1 import GradientsReducedAtStep
 
 CFG = g.config(stage=1, world_size=3)            # the tiny GPT's Ψ is not a multiple of 3: padding
 
@@ -19,34 +24,46 @@ NUMELS = [1, 2, 7, 15, 16, 4703]
 WORLD_SIZES = [1, 2, 3, 4, 8]
 
 
-class LearnerZero1(Zero1):
-    """minizero's stage 1 with the learner's partition (what this rank steps) and all-gather."""
+class Learner:
     answer = None                                 # the learner's module, set by the worker
 
-    def _mine(self, flat, b):
-        start, end = self.answer.partition(b.numel, self.world_size, self.rank)
-        if end - start != b.shard_numel:
-            raise AssertionError(
-                f"rank {self.rank}: partition({b.numel}, {self.world_size}, {self.rank}) = ({start}"
-                f", {end}) is {end - start} elements; every rank owns padded_numel / N = "
-                f"{b.shard_numel}")
-        return self.layout.full(flat, b)[start:end]
 
-    def _my_params(self, b):
-        return self._mine(self.flat_params, b)
+def mine(layout, flat, b):
+    """The learner's partition of bucket b of a flat buffer: what this rank owns."""
+    n, rank = comm.world_size(), comm.rank()
+    start, end = Learner.answer.partition(b.numel, n, rank)
+    if end - start != b.shard_numel:
+        raise AssertionError(
+            f"rank {rank}: partition({b.numel}, {n}, {rank}) = ({start}, {end}) is {end - start} "
+            f"elements; every rank owns padded_numel / N = {b.shard_numel}")
+    return layout.full(flat, b)[start:end]
 
-    def _grad_parts(self):
-        # minizero's reduce-scatter: partition r gets the average
-        super()._grad_parts()
-        return [self._mine(self.flat_grads, b) for b in self.layout.buckets]
 
-    def _after_step(self):
+class LearnerParameters(ReplicatedParameters):
+    """Stage 1's parameters with the learner's partition (what this rank steps) and all-gather."""
+
+    def optimizer_parts(self):
+        return [mine(self.layout, self.flat, b) for b in self.layout.buckets]
+
+    def after_step(self):
         for b in self.layout.buckets:
-            self.answer.all_gather_params(self.layout.full(self.flat_params, b))
+            Learner.answer.all_gather_params(self.layout.full(self.flat, b))
+
+
+class LearnerGradients(GradientsReducedAtStep):
+    def parts(self):
+        # minizero's reduce-scatter: partition r gets the average; the learner's partition of it
+        super().parts()
+        return [mine(self.layout, self.flat, b) for b in self.layout.buckets]
+
+
+class LearnerZero1(Zero1):
+    """minizero's stage 1, its row of the table with the learner's partitions."""
+    row = replace(Zero1.row, parameters=LearnerParameters, gradients=LearnerGradients)
 
 
 def worker(module_name: str) -> dict:
-    LearnerZero1.answer = g.learner(module_name)
+    Learner.answer = g.learner(module_name)
     return g.train_with(LearnerZero1, CFG)
 
 

@@ -9,25 +9,27 @@ import dataclasses
 import pytest
 
 import _grading as g
-from minizero.zero2 import Zero2
+from minizero import comm
+from minizero.stages import Zero2
+from minizero.zero2 import GradientShard
 
 # bucket_size 3000 bytes: several buckets, each padded
 CFG = g.config(stage=2, world_size=3)
 
 
-class LearnerZero2(Zero2):
-    """minizero's stage 2 with the learner's hook in place of Zero2.reduce_scatter_grads."""
+class LearnerGradients(GradientShard):
+    """minizero's stage 2 gradients with the learner's hook in place of GradientShard.reduce."""
     answer = None                                 # the learner's module, set by the worker
     # p.grad stays until the hook: it stages the whole bucket
     contiguous_gradients = False
 
-    def reduce_scatter_grads(self, b):
-        if not self._sync:
+    def reduce(self, b, tag=None):
+        if not self.engine.sync:
             return None                           # inside no_sync(): p.grad keeps accumulating
         staging, handle = self.answer.reduce_scatter_bucket(list(b.params), b.padded_numel)
-        where = (f"rank {self.rank}, bucket {b.index} ({b.numel} elements, padded to "
+        where = (f"rank {comm.rank()}, bucket {b.index} ({b.numel} elements, padded to "
                  f"{b.padded_numel})")
-        names = {id(p): n for n, p in self.module.named_parameters()}
+        names = {id(p): n for n, p in self.engine.module.named_parameters()}
         kept = [names[id(p)] for p in b.params if p.grad is not None]
         if kept:
             raise AssertionError(f"{where}: p.grad of {kept[0]} is still set after your hook: free "
@@ -42,8 +44,12 @@ class LearnerZero2(Zero2):
         return handle
 
 
+class LearnerZero2(Zero2):
+    row = dataclasses.replace(Zero2.row, gradients=LearnerGradients)  # stage 2, the learner's P_g
+
+
 def worker(module_name: str, cfg=CFG) -> dict:
-    LearnerZero2.answer = g.learner(module_name)
+    LearnerGradients.answer = g.learner(module_name)
     return g.train_with(LearnerZero2, cfg)
 
 

@@ -6,10 +6,15 @@ released, and that your hooks never call minizero's own unit.gather() / unit.fre
 train and are compared with one process training on the whole batch.
 """
 
+import dataclasses
+
 import pytest
 
 import _grading as g
-from minizero.zero3 import Unit, Zero3
+from minizero import comm, events
+from minizero.stages import Zero3
+from minizero.zero3 import Unit
+from minizero.zero3 import ShardedUnits
 
 # No frozen parameter here: minizero keeps a unit's frozen parameters in a second buffer
 # (unit.frozen_full) that this exercise leaves out; the unused parameter and the odd sizes stay.
@@ -18,25 +23,32 @@ _inside: list[str] = []            # the learner hook running now (the grader's 
 
 
 class LearnerUnit(Unit):
-    """minizero's unit with the learner's four hooks as its lifecycle (Zero3 still wires them to the
-    model's forward hooks and to autograd); checks around each one that the unit was prefetched and
-    is
-    gathered or freed, and that the learner's hooks leave minizero's gather() and free() alone."""
+    """minizero's unit with the learner's four hooks as its lifecycle (zero3.ShardedUnits still
+    wires them to the model's forward hooks and to autograd); checks around each one that the unit
+    was prefetched and is gathered or freed, and that the learner's hooks leave minizero's gather()
+    and free() alone."""
     answer = None                                 # the learner's module, set by the worker
+    units = None                                  # the engine's ShardedUnits: the recorded orders
+    steps = 0                                     # steps taken (the event stream's "step")
 
     def pre_forward(self):
         # the order is recorded during the first step's forward; from the second step on it is known
-        order = self.engine.forward_order if self.engine.step_count else []
+        order = self.units.forward_order if self.steps else []
         self._graded("pre_forward", gathered=True, order=order)
 
-    def post_forward(self):
+    def post_forward(self, keep=False):
         self._graded("post_forward", gathered=False)
 
     def pre_backward(self):
-        self._graded("pre_backward", gathered=True, order=self.engine.backward_order)
+        self._graded("pre_backward", gathered=True, order=self.units.backward_order)
 
-    def post_backward(self):
+    def post_backward(self, reduce_scatter):
+        self._reduce_scatter = reduce_scatter     # what reduce_scatter_grads() below calls
         return self._graded("post_backward", gathered=False)
+
+    def reduce_scatter_grads(self):
+        """Stage 2's reduce-scatter of this unit's gradients (GradientShard.reduce); the handle."""
+        return self._reduce_scatter(self.bucket, self.tag)
 
     def gather(self, *args, **kwargs):
         self._refuse("gather")
@@ -48,12 +60,12 @@ class LearnerUnit(Unit):
 
     def _refuse(self, method: str) -> None:
         if _inside:
-            raise AssertionError(f"rank {self.engine.rank}, {_inside[-1]}: your hook called unit."
+            raise AssertionError(f"rank {comm.rank()}, {_inside[-1]}: your hook called unit."
                                  f"{method}(), minizero's own answer: resize the storage and call "
                                  "comm.all_gather yourself")
 
     def _graded(self, hook: str, gathered: bool, order: list | None = None):
-        where = f"rank {self.engine.rank}, unit {self.name!r}, {hook}"
+        where = f"rank {comm.rank()}, unit {self.name!r}, {hook}"
         size = self.full.numel() * self.full.element_size()
         args = (self,)
         # a pre_ hook: which unit comes next, prefetched by it
@@ -82,13 +94,26 @@ class LearnerUnit(Unit):
         return result
 
 
-class LearnerZero3(Zero3):
+class LearnerUnits(ShardedUnits):
     unit_class = LearnerUnit
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        LearnerUnit.units = self
+
+
+class LearnerZero3(Zero3):
+    row = dataclasses.replace(Zero3.row, parameters=LearnerUnits)  # stage 3's row, learner's units
+
+
+def count_steps(name: str, fields: dict) -> None:
+    LearnerUnit.steps += name == "step"
 
 
 def worker(module_name: str) -> dict:
     LearnerUnit.answer = g.learner(module_name)
-    return g.train_with(LearnerZero3, CFG)
+    with events.subscribed(count_steps):
+        return g.train_with(LearnerZero3, CFG)
 
 
 def check_training(impl: str) -> None:

@@ -568,7 +568,7 @@ def _restore(
             master.copy_(value)
             if master.data_ptr() != part.data_ptr():
                 part.copy_(master)          # the model's parameters = round(master), as step() does
-        engine._after_step()                # share them as step() does (stages 1-2 all-gather)
+        engine.params.after_step()          # share them as step() does (stages 1-2 all-gather)
         state = engine.module.state_dict(keep_vars=True)
         with engine.gathering(engine.frozen, modifier_rank=0):    # every rank read the same values
             for key, value in frozen.items():

@@ -21,7 +21,7 @@ How, for the parameters of each module (buffers are small and stay as they are):
      flattened, padded to a multiple of N, and rank r keeps chunk r [⌈numel/N⌉]; the parameter's
      storage is released (0 bytes, shape kept), as stage 3 releases a unit. What is never attached
      (the root) is partitioned when the context closes; then every partitioned parameter becomes
-     absent, as a free unit's are (unit.py's [Note: absent parameters]: read between here and
+     absent, as a free unit's are (absent.py's [Note: absent parameters]: read between here and
      wrap, it shows NaN rather than freed memory).
   3. Constructors often write their children's parameters after building them (a GPT's
      `self.apply(_init_weights)`, Hugging Face's `post_init`). While the context is open a torch
@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_flatten
 
 from minizero import comm
 from minizero.flat import padded_size
-from minizero.unit import absent_like
+from minizero.absent import absent_like
 
 # Calls that only read a tensor's metadata (never its values): no gather needed. Attribute reads
 # (`p.shape`, `p.data`: a `__get__`) are metadata too; `p.data` is a view and stays partitioned.

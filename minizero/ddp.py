@@ -10,13 +10,17 @@ the global batch (the mean of N equal-sized means is the global mean).
 
 Communication per step: one all-reduce of the gradients, 2Ψ·(N-1)/N elements in a ring.
 
+DDP is the first row of the table (stages.py): both families at their baseline, defined here and
+reused by the rows below it. ReplicatedParameters (stages 0-2) keeps every parameter on every rank;
+AllReducedGradients averages every gradient everywhere.
+
 How (PyTorch DDP's design, reduced to its essentials):
-  1. at construction, rank 0's weights are broadcast (Engine) so all replicas start equal;
+  1. at construction, rank 0's weights are broadcast (engine.py) so all replicas start equal;
   2. parameters and gradients are laid out in flat buffers, split into buckets in *reverse*
      parameter order, roughly the order in which backward produces gradients;
   3. autograd writes gradients straight into the flat gradient buffer (p.grad is a view of it);
   4. as soon as a bucket's gradients are all written, its all-reduce starts asynchronously
-     (reducer.GradBuckets), overlapping the rest of backward;
+     (reducer.GradBuckets, built by the engine), overlapping the rest of backward;
   5. step: every rank runs the same optimizer step on the same averaged gradients, so replicas
      stay equal.
 Inside `engine.no_sync()` backward only accumulates into the buffer; the next synced backward
@@ -29,72 +33,97 @@ from __future__ import annotations
 import torch
 
 from minizero import comm
-from minizero.engine import Engine
-from minizero.flat import DEFAULT_BUCKET_BYTES, FlatLayout, split_into_buckets
-from minizero.optim import ShardOptimizer
-from minizero.reducer import GradBuckets
+from minizero.flat import Bucket, FlatLayout
 
 
-class DDP(Engine):
-    stage = 0
-    sharded = False                 # every rank steps all parameters
+class ReplicatedParameters:
+    """P_p off (stages 0-2): every rank holds every parameter, end to end in one flat buffer (the
+    model's parameters are views of it). The optimizer steps all of it (DDP) or this rank's
+    partition (P_os, stages 1-2); then every rank needs every updated parameter, so the partitions
+    are all-gathered."""
 
-    def __init__(
-        self,
-        model,
-        optimizer,
-        *,
-        bucket_size: float = DEFAULT_BUCKET_BYTES,
-        overlap: bool = True,
-        buckets_in_flight: int = 2,
-        **kwargs,
-    ):
-        super().__init__(model, optimizer, **kwargs)
-        groups = split_into_buckets(list(reversed(self.trainable)), bucket_size)
-        # Nothing is partitioned, so buckets need no padding: the tally is exactly 2(N-1)/N·Ψ.
-        self.layout = FlatLayout.build(groups, self.world_size, self.rank, pad=False)
-        self.flat_params = self.layout.flatten(self.dtype, self.device)    # [Ψ]
-        self.layout.point_params_into(self.flat_params)
+    def __init__(self, engine, groups: list[list], options=None):
+        # N partitions, or S with shard_group_size: [Note: hierarchical sharding] in engine.py.
+        # DDP partitions nothing, so its buckets need no padding: its tally is exactly 2(N-1)/N·Ψ.
+        self.layout = FlatLayout.build(groups, comm.group_size(engine.shard_group),
+                                       comm.group_rank(engine.shard_group), pad=engine.sharded)
+        self.partitioned, self.group = engine.sharded, engine.shard_group
+        self.flat = self.layout.flatten(engine.dtype, engine.device)  # [Ψ padded to N·⌈Ψ/N⌉]
+        self.layout.point_params_into(self.flat)
+        self.model_params = engine.model_params
+        self.for_user = None             # engine.gathered(): the parameters are there, a write is
+        #                                  this rank's own (stage 3: absent.HeldForUser)
+
+    def bucket(self, b: Bucket) -> torch.Tensor:
+        return self.layout.full(self.flat, b)                                       # [Ψ_b]
+
+    def optimizer_parts(self) -> list[torch.Tensor]:
+        """What the optimizer steps, per bucket: all of it, or this rank's partition [Ψ_b / N]
+        (views into the flat buffer: the step updates the parameters in place)."""
+        if not self.partitioned:
+            return [self.bucket(b) for b in self.layout.buckets]
+        return [self.layout.my_partition(self.bucket(b), b) for b in self.layout.buckets]
+
+    def bucket_ready(self, b: Bucket, reduce):
+        return reduce(b)                  # inside backward: nothing happens to the parameters
+
+    def after_step(self) -> None:
+        """Stages 1-2: every rank updated its partition; every rank needs all of them."""
+        if not self.partitioned:
+            return                                 # DDP: replicas took identical steps
+        for b in self.layout.buckets:
+            full = self.bucket(b)
+            comm.all_gather(full, self.layout.my_partition(full, b), group=self.group,
+                            tag=f"bucket {b.index}")                       # in place: mine is input
+
+    # --- nothing else happens to replicated parameters -------------------------------------------
+    def before_backward(self) -> None:
+        pass
+
+    def after_backward(self) -> None:
+        pass
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        return self.model_params
+
+    def tensors(self, category: str) -> list[torch.Tensor]:
+        return []                                # the model's parameters are counted already
+
+
+class AllReducedGradients:
+    """P_g off, DDP's way: every rank keeps every gradient, and each bucket is all-reduced (the
+    average over ranks) during backward, as soon as it is complete."""
+    in_backward = True                     # the engine's reducer calls reduce() inside backward
+    on_grad = arrived = None
+
+    def __init__(self, engine, layout: FlatLayout, options=None):
+        self.engine, self.layout = engine, layout
         # [Ψ] in reduce_dtype; p.grad are views of it, or added into it (fp32 reduce:
         # flat.point_grads_into)
-        self.flat_grads = torch.zeros_like(self.flat_params, dtype=self.grad_dtype)
-        self.layout.point_grads_into(self.flat_grads)
-        self.reducer = GradBuckets(self.layout.buckets, launch=self._all_reduce_bucket, owner=self,
-                                   max_in_flight=buckets_in_flight, overlap=overlap)
-        self.optimizer = ShardOptimizer([self._bucket_params(b) for b in self.layout.buckets],
-                                        self.optimizer_factory, self._grouping())
+        self.flat = torch.zeros(layout.padded_numel, dtype=engine.grad_dtype, device=engine.device)
+        layout.point_grads_into(self.flat)
 
-    def _bucket_params(self, b):
-        return self.layout.full(self.flat_params, b)
+    def bucket(self, b: Bucket) -> torch.Tensor:
+        return self.layout.full(self.flat, b)                                       # [Ψ_b]
 
-    def _bucket_grads(self, b):
-        return self.layout.full(self.flat_grads, b)
-
-    # --- backward: runs inside autograd, once per bucket ------------------------------------------
-    def _all_reduce_bucket(self, b):
-        if not self._sync:
+    def reduce(self, b: Bucket, tag: str | None = None):
+        """Bucket b's gradients are complete: start averaging them over the ranks; the handle."""
+        if not self.engine.sync:
             return None                                  # no_sync(): keep accumulating locally
-        for p, view in b.views(self._bucket_grads(b)):
+        for p, view in b.views(self.bucket(b)):
             # autograd replaced p.grad:
             if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
                 view.copy_(p.grad)                       # put it back into the bucket
                 p.grad = view
         # the essential line of DDP: this bucket's average over ranks, while backward goes on
-        return comm.all_reduce(self._bucket_grads(b), op="avg", async_op=True,
-                               group=self.shard_group, tag=f"bucket {b.index}")
+        return comm.all_reduce(self.bucket(b), op="avg", async_op=True,
+                               group=self.engine.shard_group, tag=tag or f"bucket {b.index}")
 
-    def _after_backward(self) -> None:
-        self.reducer.finish()
+    def parts(self) -> list[torch.Tensor]:
+        return [self.bucket(b) for b in self.layout.buckets]
 
-    # --- step -------------------------------------------------------------------------------------
-    def _grad_parts(self):
-        return [self._bucket_grads(b) for b in self.layout.buckets]
+    def zero(self) -> None:
+        self.flat.zero_()
 
-    def _after_step(self) -> None:
-        pass                                       # replicas took identical steps: nothing to share
-
-    def _zero_grad(self) -> None:
-        self.flat_grads.zero_()
-
-    def _extra_tensors(self, category):
-        return [self.flat_grads] if category == "grads" else []
+    def tensors(self, category: str) -> list[torch.Tensor]:
+        return [self.flat] if category == "grads" else []

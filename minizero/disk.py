@@ -169,14 +169,16 @@ class DiskShardOptimizer(ShardOptimizer):
     piece_numel = PIECE_NUMEL
 
     def __init__(self, param_parts: list[torch.Tensor], optimizer_factory: OptimizerFactory,
-                 folder, grouping: Grouping | None = None):
+                 grouping: Grouping | None = None, *, folder):
         self.names = per_element_state(optimizer_factory, grouping)
         # fp32 parameters in host memory are their own master (optim.py): then only the state goes
         # to disk. A GPU's are not: the host steps a master of its own (test_cuda's disk runs)
         part = param_parts[0]
         self.own_master = part.dtype != torch.float32 or part.device.type != "cpu"
         self.resident = False           # the whole state is in memory (a checkpoint loaded)
-        super().__init__(param_parts, optimizer_factory, grouping)
+        masters = ([nn.Parameter(placeholder(p.numel())) for p in param_parts]  # values: below
+                   if self.own_master else None)
+        super().__init__(param_parts, optimizer_factory, grouping, masters)
         self.pieces = self._cut_pieces()
         self.file = ScratchFile(folder, sum(p["bytes"] for p in self.pieces))
         self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minizero-disk")
@@ -185,11 +187,6 @@ class DiskShardOptimizer(ShardOptimizer):
             slot.zero_()
             if self.own_master:
                 self._field(piece, slot, 0).copy_(self._part(piece))
-
-    def _make_master(self, part: torch.Tensor) -> nn.Parameter:
-        if not self.own_master:
-            return super()._make_master(part)
-        return nn.Parameter(placeholder(part.numel()))     # __init__ writes its values to disk
 
     @property
     def fields(self) -> int:

@@ -1,26 +1,29 @@
-"""What every stage shares: the user-facing engine, mixed precision, gradient clipping, measurement.
+"""The engine every stage shares: backward, step, no_sync, gathered, memory.
 
     engine = minizero.wrap(model, stage, functools.partial(torch.optim.AdamW, lr=1e-3))
     loss = loss_fn(engine(x), y)     # forward
     engine.backward(loss)            # backward + gradient communication
     engine.step()                    # clip, optimizer step on what this rank owns, share the result
 
-dtype: "fp32", "bf16" or "fp16" (the model computes in it; the optimizer keeps fp32 masters,
-optim.py). fp16 also scales the loss (loss_scale.py): loss_scale=None (dynamic), a number (static)
-or a dict. reduce_dtype: None (the gradients are reduced and accumulated in dtype) or "fp32"
-(bf16/fp16 runs: in fp32, FSDP2's MixedPrecisionPolicy.reduce_dtype, DeepSpeed's
+An engine is built from one row of the ZeRO paper's table (stages.py): a *parameters* family
+(P_p: ddp.ReplicatedParameters or zero3.ShardedUnits), a *gradients* family (P_g:
+ddp.AllReducedGradients, zero1.GradientsReducedAtStep or zero2.GradientShard), and whether the
+optimizer is given this rank's partition (P_os) or everything. __init__ builds them in that order,
+top to bottom; backward() and step() call each family at its moment:
+
+    backward   params.before_backward -> loss.backward() [reducer: params.bucket_ready(b,
+               grads.reduce) per complete bucket] -> reducer.finish -> params.after_backward
+    step       grads.parts() -> (HSDP, fp16, clip) -> optimizer.step -> params.after_step ->
+               grads.zero()
+
+Mixed precision: dtype "fp32", "bf16" or "fp16" (the model computes in it; the optimizer keeps fp32
+masters, optim.py). fp16 also scales the loss (loss_scale.py): loss_scale=None (dynamic), a number
+(static) or a dict. reduce_dtype: None (the gradients are reduced and accumulated in dtype) or
+"fp32" (bf16/fp16 runs: in fp32, FSDP2's MixedPrecisionPolicy.reduce_dtype, DeepSpeed's
 data_types.grad_accum_dtype). Autograd still produces each p.grad in dtype;
 flat.FlatLayout.point_grads_into adds it into the fp32 buffers that are reduced. The paper's
 2 + 2 + K bytes per parameter become 2 + 4 + K, and the gradient collectives move 4 bytes an element
 instead of 2 (memory.grad_bytes, memory.comm_volume). For fp32 it is the default.
-
-Each stage (ddp.py, zero1.py, zero2.py, zero3.py) subclasses `Engine` and fills in four steps:
-    _after_backward()   communicate gradients (unless inside no_sync())
-    _grad_parts()       the averaged gradients of what this rank steps, one tensor per bucket
-    _after_step()       share updated parameters (stages 1-2 all-gather them)
-    _zero_grad()        clear gradients for the next step
-and sets `self.layout` (flat.FlatLayout), `self.optimizer` (optim.ShardOptimizer) and
-`self.sharded`.
 
 [Note: the 2-D mesh] wrap(..., tensor_parallel=M) cuts the N ranks into rows of M consecutive
 ranks, each row one tensor-parallel group that splits every block (tensor_parallel.py), and columns
@@ -41,32 +44,34 @@ over its S ranks) and, at step(), this rank's partition is all-reduced across th
 (the average over the N/S groups): the average over all N. Parameters are all-gathered within the
 shard group. With S a node's size every collective but that small all-reduce (2(N/S-1)/(N/S)·Ψ/S)
 stays inside the node. S = N (the default, None) is the paper's ZeRO: shard_group and
-replicate_group are None and nothing here changes a byte. The marked lines in zero1/zero2/zero3 pass
-group=self.shard_group; ZeRO++'s hpZ (hpz_group_size, zero3.py) adds a third group, a node's R
+replicate_group are None and nothing here changes a byte. The marked lines of the families pass
+the shard group; ZeRO++'s hpZ (hpz_group_size, zero3.py) adds a third group, a node's R
 ranks, for stage 3's backward all-gather.
 
 Measurement: memory() gives this rank's model-state bytes and the activations' peak
 (activations.py); `with engine.memory_timeline() as timeline:` records one (time, event, bytes by
-category) per event of the event stream (events.py): the end of each unit's forward, the start of
-its backward, each gradient bucket launched and arrived, the end of backward, the step. Bytes in
-flight (stage 2-3 staging buffers) count as grads, as in memory().
+category) per event of the event stream (events.py). Both are memory/meter.py, which subscribes to
+the events; the engine only emits them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 import weakref
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from minizero import activations, checkpoint, comm, construct, disk, events, tensor_parallel
+from minizero import activations, checkpoint, comm, construct, disk, events, quantize
+from minizero import tensor_parallel
+from minizero.absent import refuse_dropped_writes
 from minizero.loss_scale import scaler_for
-from minizero.memory import measure
+from minizero.memory.meter import ModelStateMeter
+from minizero.offload import optimizer_home
 from minizero.optim import DTYPES, Grouping, group_runs, parse_param_groups
-from minizero.options import check_offload, is_positive_int, takes
+from minizero.options import StageOptions, check_offload, check_options, is_positive_int, takes
+from minizero.reducer import GradBuckets
 
 # Every model an engine has taken: a second wrap would add a second engine's hooks beside the
 # first's, both handling every gradient (tests/test_engine.py's test_a_model_is_wrapped_once says
@@ -75,8 +80,9 @@ _WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 class Engine:
-    stage: int = -1
-    sharded: bool = True    # stages 1-3: the optimizer steps a partition, gradients are partitioned
+    """Built from `row`, a stages.Stage: each stage's engine class (stages.py) sets it."""
+    row = None
+    int8_codec = quantize.Int8Blocks   # ZeRO++'s codec (quantize.py); a subclass may bring its own
 
     def __init__(
         self,
@@ -93,9 +99,11 @@ class Engine:
         offload_path: str | None = None,
         param_groups: list[dict] | None = None,
         mesh: tuple[comm.Group, comm.Group] | None = None,
+        **stage_options,
     ):
         self.check(dtype, offload, reduce_dtype, shard_group_size, hpz_group_size,
                    offload_path=offload_path)
+        check_options(self.stage, stage_options)         # TypeError: not an option of this stage
         if model in _WRAPPED:
             raise ValueError("the model is wrapped already: its hooks call that engine and its "
                              "parameters are that engine's views; build the model again and wrap "
@@ -109,6 +117,7 @@ class Engine:
                             "e.g. functools.partial(torch.optim.AdamW, lr=1e-3)")
         self.module = model
         self.optimizer_factory = optimizer
+        self.options = StageOptions(**stage_options)
         self.dtype = DTYPES[dtype]
         # what gradients are reduced and accumulated in
         self.grad_dtype = DTYPES[reduce_dtype or dtype]
@@ -125,11 +134,8 @@ class Engine:
         )
         # zero3.py: hpZ
         self.hpz_group = None if hpz_group_size is None else comm.row_group(hpz_group_size)
-        self._sync = True
-        self._peak = {"peak": 0, "peak_params": 0}
-        # bytes by category, counted on [Note: counted peaks]
-        self._now: dict[str, int] | None = None
-        self._accumulating = False                    # a no_sync() backward ran since the last step
+        self.sync = True                              # False inside no_sync()
+        self.accumulating = False                     # a no_sync() backward ran since the last step
         self.mid_step = False          # a backward() ran, its step() not yet: checkpoints refuse
         self.last_grad_norm: float | None = None
         self.step_count = 0            # steps taken, skipped ones included; a checkpoint saves it
@@ -142,19 +148,48 @@ class Engine:
         construct.cast_partitions(model, self.device, self.dtype)
         model.to(device=self.device, dtype=self.dtype)
         self._broadcast_from_rank0()
-        params = list(model.parameters())                     # distinct: a tied weight appears once
-        self._params = params         # the Parameter objects never change (stages move only p.data)
-        self.trainable = [p for p in params if p.requires_grad]
-        self.frozen = [p for p in params if not p.requires_grad]   # replicated as-is, never stepped
+        # distinct: a tied weight appears once; the Parameter objects never change (the families
+        # move only p.data)
+        self.model_params = list(model.parameters())
+        self.trainable = [p for p in self.model_params if p.requires_grad]
+        # frozen ones are replicated as-is (stage 3: partitioned), never stepped
+        self.frozen = [p for p in self.model_params if not p.requires_grad]
         # the optimizer's groups [Note: parameter groups] in optim.py: param_groups, each group's
         # settings, and group_of, {id(parameter): its group}; None: one group of every trainable one
         self.param_groups = self.group_of = None
         if param_groups is not None:
             self.param_groups, self.group_of = parse_param_groups(
                 param_groups, list(model.named_parameters()))
-        # ZeRO-R: what forward saves (activations.py)
-        self.activations = activations.SavedTensorMeter(self._param_tensors)
-        events.subscribe_weakly(self._count)                       # [Note: counted peaks]
+
+        # The stage's row of the table (stages.py), family by family.
+        # P_p: where the parameters live, and the flat layout of their buckets (flat.py)
+        groups = self.row.buckets(self.trainable, self.options.bucket_size) \
+            if self.row.buckets else None                   # stage 3: each unit is a bucket
+        self.params = self.row.parameters(self, groups, self.options)
+        self.layout = self.params.layout
+        # P_g: where the gradients live, and how a complete bucket is reduced
+        self.grads = self.row.gradients(self, self.layout, self.options)
+        self.reducer = GradBuckets(
+            self.layout.buckets, launch=self._bucket_ready, done=self.grads.arrived,
+            on_grad=self.grads.on_grad, max_in_flight=self.options.buckets_in_flight,
+            overlap=self.options.overlap, owner=self) if self.grads.in_backward else None
+        # P_os: the optimizer gets what this rank steps: Ψ/N (stages 1-3) or Ψ (DDP)
+        home = self.row.optimizer or optimizer_home(offload, offload_path)
+        # <- the essential line of P_os: it is handed Ψ/N parameters
+        self.optimizer = home(self.params.optimizer_parts(), optimizer, self._grouping())
+
+        # ZeRO-R: what forward saves (activations.py); model states: memory/meter.py
+        self.activations = activations.SavedTensorMeter(self.params.param_tensors)
+        self.meter = ModelStateMeter(self, self._memory_groups)
+
+    @property
+    def stage(self) -> int:
+        return self.row.number
+
+    @property
+    def sharded(self) -> bool:
+        """Stages 1-3: the optimizer steps a partition, gradients are partitioned."""
+        return self.row.partitioned
 
     @classmethod
     def check(
@@ -172,11 +207,11 @@ class Engine:
         built (or any process started; world_size: the N to check against, default this process
         group's). Which stage takes what: options.py."""
         n = comm.world_size() if world_size is None else world_size
-        if shard_group_size is not None and not takes(cls.stage, "shard_group_size"):
+        if shard_group_size is not None and not takes(cls.row.number, "shard_group_size"):
             raise ValueError("shard_group_size needs ZeRO stage 1, 2 or 3 (DDP partitions nothing)")
-        if hpz_group_size is not None and not takes(cls.stage, "hpz_group_size"):
+        if hpz_group_size is not None and not takes(cls.row.number, "hpz_group_size"):
             raise ValueError(
-                f"hpz_group_size needs stage 3 (stage {cls.stage} does not gather parameters "
+                f"hpz_group_size needs stage 3 (stage {cls.row.number} does not gather parameters "
                 "in backward)"
             )
         if shard_group_size is not None and not (
@@ -203,7 +238,7 @@ class Engine:
                 "reduce_dtype must be None, 'fp32' or the "
                 f"compute dtype {dtype!r}, got {reduce_dtype!r}"
             )
-        check_offload(cls.stage, offload)
+        check_offload(cls.row.number, offload)
         if offload_path is not None and offload != "disk":
             raise ValueError("offload_path is the disk tier's folder: it needs offload='disk'")
         if offload == "disk":
@@ -232,6 +267,11 @@ class Engine:
             runs.append(group_runs(b, start, start + size, self.group_of))
         return Grouping(self.param_groups, runs)
 
+    def keeps_gathered(self, unit) -> bool:
+        """Whether a stage-3 unit stays gathered after its forward (FSDP's
+        reshard_after_forward=False: fsdp_engine.py); here never."""
+        return False
+
     # --- forward ----------------------------------------------------------------------------------
     def __call__(self, *inputs, **kwargs):
         with self.activations.recording():
@@ -241,27 +281,39 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         if self.scaler is not None:
             loss = self.scaler.scale_loss(loss)         # every gradient S times larger (chain rule)
-        self._accumulating |= not self._sync              # p.grad holds what no_sync() accumulated
+        self.accumulating |= not self.sync              # p.grad holds what no_sync() accumulated
         self.mid_step = True
+        self.params.before_backward()
         loss.backward()
-        self._after_backward()
-        self._track_peak()
+        self.end_backward()
         events.emit("backward done", engine=self)
+
+    def _bucket_ready(self, b):
+        """The reducer, inside backward: every gradient of bucket b is complete. Parameters first
+        (stage 3: the unit's post-backward), which hand it to the gradients' reduce."""
+        return self.params.bucket_ready(b, self.grads.reduce)
+
+    def end_backward(self) -> None:
+        """Finish what backward started: launch the buckets not launched yet (unused parameters:
+        zeros) and wait for all; stage 3 frees its units."""
+        if self.reducer is not None:
+            self.reducer.finish()
+        self.params.after_backward()
 
     @contextlib.contextmanager
     def no_sync(self):
         """Gradient accumulation: backward inside this block only accumulates locally
         (no communication). The first backward outside it reduces the sum of all
         accumulated micro-batches."""
-        previous, self._sync = self._sync, False
+        previous, self.sync = self.sync, False
         try:
             yield
         finally:
-            self._sync = previous
+            self.sync = previous
 
     # --- step -------------------------------------------------------------------------------------
     def step(self) -> None:
-        grads = self._grad_parts()
+        grads = self.grads.parts()                         # stage 1: the reduce-scatter is here
         if self.replicate_group is not None:               # [Note: hierarchical sharding]
             for b, g in zip(self.layout.buckets, grads):   # average over the N/S groups: over all N
                 comm.all_reduce(
@@ -274,11 +326,10 @@ class Engine:
                 self.last_grad_norm = self._clip(grads)
             self.optimizer.step(grads)
             events.emit("optimizer step", engine=self)
-            self._after_step()
-            self._track_peak()
+            self.params.after_step()             # stages 1-2: all-gather the updated partitions
             events.emit("step", engine=self)
-        self._zero_grad()
-        self._accumulating = self.mid_step = False
+        self.grads.zero()
+        self.accumulating = self.mid_step = False
         self.activations.new_step()
         self.step_count += 1
 
@@ -362,7 +413,8 @@ class Engine:
         to the optimizer's master weights. Collective, between steps. Stages 0-2 hold full
         parameters already; stage 3 gathers. At stage 3 a write with modifier_rank=None could not
         take effect (each rank keeps the partition it had): every rank raises
-        unit.ParameterWriteError at the end of the block, as DeepSpeed's GatheredParameters does."""
+        absent.ParameterWriteError at the end of the block, as DeepSpeed's GatheredParameters
+        does."""
         if modifier_rank is not None and self.tensor_group is not None:
             raise ValueError("gathered(modifier_rank=...) with tensor parallelism: each row holds "
                              "other parts of the model, so one rank's writes cannot reach all; "
@@ -373,24 +425,21 @@ class Engine:
                              f"got {modifier_rank!r}")
         modules = [self.module] if modules is None else list(modules)
         params = [p for m in modules for p in m.parameters()]
+        held = self.params.for_user           # stages 0-2: None, a write stays this rank's own
         with self.gathering(params, modifier_rank):
-            marks = None if modifier_rank is not None else self._write_marks(params)
+            marks = None if modifier_rank is not None or held is None else held.write_marks(params)
             yield
             if marks is not None:
-                self._refuse_dropped_writes(params, marks)
-
-    def _write_marks(self, params: list[nn.Parameter]):
-        return None          # stages 0-2: the parameters are this rank's own; a write stays here
-
-    def _refuse_dropped_writes(self, params: list[nn.Parameter], marks) -> None:
-        pass
+                refuse_dropped_writes(held.write_marks(params), marks)
 
     @contextlib.contextmanager
     def gathering(self, params: list[nn.Parameter], modifier_rank: int | None = None):
         """gathered() for a list of parameters (checkpoints use it for the frozen ones)."""
         params = list({id(p): p for p in params}.values())
-        self._track_peak()           # between steps anything may have changed (a checkpoint loaded)
-        self._gather_for_user(params)
+        self.meter.measure()         # between steps anything may have changed (a checkpoint loaded)
+        held = self.params.for_user                 # stages 0-2: None, the parameters are there
+        if held is not None:
+            held.gather(params)
         try:
             yield
             if modifier_rank is not None:
@@ -398,22 +447,20 @@ class Engine:
                     for p in params:
                         comm.broadcast(p.data, src=modifier_rank,   # rank r's values, everywhere
                                        tag="gathered(modifier_rank)")
-                self._after_user_write(params)
+                self.after_user_write(params)
         finally:
-            self._release_for_user(params)
+            if held is not None:
+                held.release()
 
-    def _gather_for_user(self, params: list[nn.Parameter]) -> None:
-        pass                           # stages 0-2: the parameters are there
-
-    def _after_user_write(self, params: list[nn.Parameter]) -> None:
+    def after_user_write(self, params: list[nn.Parameter]) -> None:
+        """The full parameters were written (gathered(modifier_rank), a checkpoint, FSDP's
+        summon_full_params): stage 3 takes its partitions of them; the masters follow."""
+        if self.params.for_user is not None:
+            self.params.for_user.after_write(params)
         if any(p.requires_grad for p in params):
-            self.optimizer.reload()   # stages 0-2: the parameters are the truth; the masters follow
+            self.optimizer.reload()
 
-    def _release_for_user(self, params: list[nn.Parameter]) -> None:
-        pass
-
-    # --- checkpoints: sharded, bit-exact resume (format and guarantees:
-    # minizero/checkpoint.py) -------
+    # --- checkpoints: sharded, bit-exact resume (format and guarantees: minizero/checkpoint.py) ---
     def save(self, directory: str) -> None:
         """Collective, between steps (CheckpointError after a backward() whose step() has not
         run): every rank writes its shard to `directory`, rank 0 commits it."""
@@ -425,39 +472,35 @@ class Engine:
         checkpoint.CheckpointError (one line) on every rank, with nothing modified."""
         checkpoint.load(self, directory)
 
+    # --- measurement (memory/meter.py) ------------------------------------------------------------
     def memory(self) -> dict[str, int]:
         """This rank's model-state bytes now: params, grads, optimizer (compute device), offloaded
         (host), and the peaks seen so far (`peak`: all device model states, `peak_params`:
         parameters alone); and `activations`: the peak bytes saved for backward during the current
         or last step (ZeRO-R; not in `peak`, which is the model states' figure)."""
-        now = self._measure()
-        self._update_peak(now)
-        return {**now, **self._peak, "activations": self.activations.peak,
+        now = self.meter.measure()
+        return {**now, **self.meter.peaks, "activations": self.activations.peak,
                 "disk": self.optimizer.disk_bytes()}       # the disk tier's file (disk.py), else 0
 
-    def _param_tensors(self) -> list[torch.Tensor]:
-        """The tensors holding the model's parameters: the parameters themselves (stage 3: each
-        unit's full buffer, [Note: absent parameters] in unit.py)."""
-        return self._params
-
     def _memory_groups(self) -> dict[str, list[torch.Tensor]]:
-        params = self._params
+        """{category: the tensors holding it}: each family's buffers and the optimizer's."""
+        families = (self.params, self.grads)
         return {
-            "params": self._param_tensors() + self._extra_tensors("params"),
-            "grads": [p.grad for p in params] + self._extra_tensors("grads"),
+            "params": self.params.param_tensors() + [t for f in families
+                                                     for t in f.tensors("params")],
+            "grads": [p.grad for p in self.model_params] + [t for f in families
+                                                            for t in f.tensors("grads")],
             "optimizer": self.optimizer.device_tensors(),
-            "offloaded": self.optimizer.host_tensors() + self._extra_tensors("offloaded"),
+            "offloaded": self.optimizer.host_tensors() + [t for f in families
+                                                          for t in f.tensors("offloaded")],
         }
 
-    def _extra_tensors(self, category: str) -> list[torch.Tensor]:
-        """Stage-specific buffers (flat gradient buffers, shards, buckets in flight) of
-        a category."""
-        return []
+    def memory_timeline(self):
+        """Inside the block: a list of (time, event, bytes by category now) at each of this engine's
+        events: "forward i", "backward i", "bucket k launched", "bucket k arrived", "end of
+        backward", "step"; the categories as memory() counts them, plus the activations alive."""
+        return self.meter.timeline(self.activations)
 
-    def _measure(self) -> dict[str, int]:
-        return measure(self._memory_groups())
-
-    # --- the memory timeline: one rank's bytes by category at each event of a step ----------------
     def watch(self, units: list[nn.Module]) -> None:
         """Tell the event stream where each unit's forward ends and its backward starts (wrap
         calls it with the model's units, at every stage): what memory_timeline() and the
@@ -476,77 +519,3 @@ class Engine:
             needs_grad[0].register_hook(
                 lambda grad: events.emit("unit backward", engine=self, index=i)
             )
-
-    @contextlib.contextmanager
-    def memory_timeline(self):
-        """Inside the block: a list of (time, event, bytes by category now) at each of this engine's
-        events: "forward i", "backward i", "bucket k launched", "bucket k arrived", "end of
-        backward", "step"; the categories as memory() counts them, plus the activations alive."""
-        timeline: list[tuple[float, str, dict[str, int]]] = []
-        labels = {
-            "unit forward": "forward {index}",
-            "unit backward": "backward {index}",
-            "bucket launched": "bucket {index} launched",
-            "bucket arrived": "bucket {index} arrived",
-            "backward done": "end of backward",
-            "step": "step",
-        }
-
-        def record(name: str, fields: dict) -> None:
-            if fields.get("engine") is self and name in labels:
-                index = fields["bucket"].index if "bucket" in fields else fields.get("index")
-                timeline.append((time.perf_counter(), labels[name].format(index=index),
-                                 {**self._measure(), "activations": self.activations.alive}))
-        with events.subscribed(record):
-            yield timeline
-
-    def _track_peak(self) -> None:
-        """Measure every storage (at the end of backward and of a step) and count on from there."""
-        self._now = self._measure()
-        self._update_peak(self._now)
-
-    # [Note: counted peaks] Stage 3 wants the peak where it happens, at each unit gathered and each
-    # gradient bucket in flight: several times a step. Re-measuring every storage there
-    # (_track_peak) would cost a noticeable part of a step (docs/performance.md). Between two
-    # measurements, the only model states that come and go in a step are the buffers the stages
-    # allocate and free themselves (a unit's full parameters and hpZ's secondaries, a bucket's
-    # staging buffer): their events carry the bytes in and out (_COUNTED), and the moments of _PEAKS
-    # compare the running count with the peak. Autograd's p.grad needs no count: stages 2-3 free
-    # each one the moment it is complete, before any such moment. Except inside no_sync(), where
-    # gradients accumulate in p.grad until the step: then every moment measures again.
-    _COUNTED = {
-        "unit gather": "params",
-        "unit freed": "params",
-        "secondary": "params",
-        "staging": "grads",
-    }
-    _PEAKS = ("unit gathered", "bucket ready")
-
-    def _count(self, name: str, fields: dict) -> None:
-        if fields.get("engine") is not self:
-            return
-        if name in self._COUNTED and self._now is not None:
-            self._now[self._COUNTED[name]] += fields["nbytes"]
-        elif name in self._PEAKS:
-            if self._now is None or self._accumulating:
-                self._track_peak()
-            else:
-                self._update_peak(self._now)
-
-    def _update_peak(self, now: dict[str, int]) -> None:
-        total = now["params"] + now["grads"] + now["optimizer"]
-        self._peak["peak"] = max(self._peak["peak"], total)
-        self._peak["peak_params"] = max(self._peak["peak_params"], now["params"])
-
-    # --- filled in by each stage ------------------------------------------------------------------
-    def _after_backward(self) -> None:
-        raise NotImplementedError
-
-    def _grad_parts(self) -> list[torch.Tensor]:
-        raise NotImplementedError
-
-    def _after_step(self) -> None:
-        raise NotImplementedError
-
-    def _zero_grad(self) -> None:
-        raise NotImplementedError

@@ -20,11 +20,11 @@ this process (one rank). What is emitted, and by whom:
                       kind, tag
     ring exchange     comm.py's ring_all_reduce, before each exchange: buffer (the padded
                       tensor), send (the index of the chunk this rank sends)
-    unit gather       unit.py, a unit's all-gather issued (prefetch: True when nobody waits for
+    unit gather       zero3.py, a unit's all-gather issued (prefetch: True when nobody waits for
                       it yet); `nbytes` its full parameters take
-    unit gathered     unit.py, its full parameters are there
-    unit freed        unit.py, its full parameters released; `nbytes` they gave back (negative)
-    secondary         unit.py, hpZ's node-local copy kept (+nbytes) or dropped (-nbytes)
+    unit gathered     zero3.py, its full parameters are there
+    unit freed        zero3.py, its full parameters released; `nbytes` they gave back (negative)
+    secondary         zero3.py, hpZ's node-local copy kept (+nbytes) or dropped (-nbytes)
     bucket ready      zero2.py, every gradient of a bucket is in its staging buffer
     bucket launched   reducer.py, a gradient bucket's collective issued (`in_backward`:
                       during backward)

@@ -140,6 +140,17 @@ class FlatLayout:
         FlatLayout.point_bucket_into(b, full)
         return full
 
+    def unit_buffers(self, b: Bucket | None, shard: torch.Tensor | None, dtype: torch.dtype,
+                     device: torch.device, value_of) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage 3's unit: its full buffer [padded_numel] (flatten_bucket: the parameters views of
+        it) and `shard` [shard_numel] given this rank's partition of it; empty ones for no b (a
+        bucket of this layout or one with the same N and rank)."""
+        if b is None:
+            empty = torch.empty(0, dtype=dtype, device=device)
+            return empty, empty
+        full = FlatLayout.flatten_bucket(b, dtype, device, value_of)
+        return full, shard.copy_(self.my_partition(full, b))
+
     def point_params_into(self, flat: torch.Tensor) -> None:
         """Make every parameter a view of `flat`: writing the buffer (an all-gather) updates the
         model. The parameters' old storage is freed once nothing else refers to it."""
@@ -188,3 +199,16 @@ def split_into_buckets(params: list[nn.Parameter], bucket_bytes: float) -> list[
     if current:
         groups.append(current)
     return groups
+
+
+# --- the stages' bucket rules (stages.py: a column of the table) ----------------------------------
+def by_size(trainable: list[nn.Parameter], bucket_bytes: float) -> list[list[nn.Parameter]]:
+    """DDP and stage 2: buckets of about bucket_bytes in *reverse* parameter order, the order in
+    which backward produces gradients, so buckets fill up one after the other and can be sent while
+    the rest of backward runs."""
+    return split_into_buckets(list(reversed(trainable)), bucket_bytes)
+
+
+def whole_model(trainable: list[nn.Parameter], bucket_bytes: float) -> list[list[nn.Parameter]]:
+    """Stage 1: one bucket, the whole model (it is reduce-scattered once, at the step)."""
+    return [trainable]

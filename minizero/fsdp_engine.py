@@ -4,7 +4,7 @@ fsdp.py first, then zero3.py: this file is only what FairScale's way changes).
     python -m pytest tests/test_fsdp.py tests/test_fairscale_scenarios.py
 
   * parameters(): one nn.Parameter per unit, FairScale's FlatParameter: this rank's partition of the
-    unit's flattened parameters [Ψ_u / N], sharing storage with the engine's param_shard. An
+    unit's flattened parameters [Ψ_u / N], sharing storage with the engine's parameter shard. An
     optimizer step on them is a step on the shard the next gather reads. The model's own parameters
     stay views of the units' full buffers (freed between uses) and are not the wrapper's parameters.
   * loss.backward(): no engine.backward() to call, so the engine finds backward's start and end
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -38,19 +39,19 @@ from torch.utils._pytree import tree_flatten
 
 from minizero import comm
 from minizero import engine as engine_module
-from minizero.zero3 import IDLE, PRE_BACKWARD, Unit, Zero3
+from minizero.stages import Zero3
 
 class FlatParameters:
     """What sits in the engine's optimizer slot: the FlatParameters the user's optimizer steps, one
-    per partition handed to _make_optimizer (one per unit that trains). In fp32 they share storage
-    with the partitions (no copy); with 16-bit partitions they are fp32 masters of them, copied into
-    the partitions by refresh(). The optimizer's state is the user's."""
+    per partition the engine hands its optimizer (one per unit that trains). In fp32 they share
+    storage with the partitions (no copy); with 16-bit partitions they are fp32 masters of them,
+    copied into the partitions by refresh(). The optimizer's state is the user's."""
 
     def __init__(self, parts: list[torch.Tensor], masters: bool = True):
         self.param_parts = parts          # masters=False: FairScale's pure 16-bit mode, no copies
         self.params = [nn.Parameter(part if part.dtype == torch.float32 or not masters
                                     else part.float())
-                       for part in parts]            # fp32: views of param_shard; else [Ψ_u/N] fp32
+                       for part in parts]            # fp32: views of the shard; else [Ψ_u/N] fp32
 
     def _masters(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """(master, its partition) where they are separate tensors (16-bit partitions)."""
@@ -84,28 +85,17 @@ class FlatParameters:
         return 0                                  # the user's optimizer keeps its state in memory
 
 
-class KeptUnit(Unit):
-    """A unit that, with reshard_after_forward=False, stays gathered from its forward to its
-    backward (a forward without autograd frees it anyway: no backward will)."""
-
-    def post_forward(self) -> None:
-        if not self.engine.keeps(self) or not torch.is_grad_enabled():
-            super().post_forward()
-        elif self.training_state != PRE_BACKWARD:
-            self.training_state = IDLE
+def _the_users_optimizer(parts, factory, grouping):
+    return factory(parts)                 # FlatParameters: the user's optimizer steps them
 
 
 class FSDPEngine(Zero3):
     """Stage 3 whose optimizer is the user's: backward is driven by autograd alone (see the module's
     top)."""
-    unit_class = KeptUnit
+    row = replace(Zero3.row, optimizer=_the_users_optimizer)
 
     def __init__(self, module: nn.Module, kept: dict[int, bool], keep_others: bool,
                  masters: bool, fp32_buffers: bool = False, **options):
-        # id(unit module) -> it stays gathered from forward to backward (inner FSDPs, the root);
-        # the other units (default_units, units=): keep_others
-        self.kept, self.keep_others = kept, keep_others
-        self._in_backward = False
         fp32 = {}                       # mixed precision: rank 0's fp32 values, for the masters
         if masters and options["dtype"] != "fp32":
             fp32 = {id(p): p.data for p in module.parameters() if p.requires_grad}
@@ -115,6 +105,10 @@ class FSDPEngine(Zero3):
             comm.broadcast(value, src=0, tag="rank 0's fp32 values")
         # the "optimizer" the engine builds
         super().__init__(module, partial(FlatParameters, masters=masters), **options)
+        # id(unit module) -> it stays gathered from forward to backward (inner FSDPs, the root);
+        # the other units (default_units, units=): keep_others
+        self.kept, self.keep_others = kept, keep_others
+        self._in_backward = False
         if fp32:
             self._take_masters(fp32)
         for name, value in buffers:            # model.to() replaced the buffers: found by name
@@ -123,20 +117,22 @@ class FSDPEngine(Zero3):
         for p in module.parameters():
             p._fsdp_owner = weakref.ref(self)      # the FSDP engine holding it (_borrowed)
         # where a step starts and where backward starts: the model's, a unit or not
-        self.hooks += [module.register_forward_pre_hook(self._step_starts, prepend=True),
-                       module.register_forward_hook(self._forward_ends)]
+        self.params.hooks += [module.register_forward_pre_hook(self._step_starts, prepend=True),
+                              module.register_forward_hook(self._forward_ends)]
 
     def _take_masters(self, fp32: dict[int, torch.Tensor]) -> None:
         """16-bit partitions: the fp32 masters start from the model's fp32 values, not from their
         rounding (FairScale's fp32 shards)."""
         for p, b in zip(self.optimizer.params, self.layout.buckets):
-            if p.data_ptr() != self.layout.shard(self.param_shard, b).data_ptr():
+            if p.data_ptr() != self.layout.shard(self.params.shard, b).data_ptr():
                 full = torch.zeros(b.padded_numel, dtype=torch.float32, device=self.device)
                 for param, view in b.views(full):
                     view.copy_(fp32[id(param)])
                 p.data.copy_(self.layout.my_partition(full, b))
 
-    def keeps(self, unit: Unit) -> bool:
+    def keeps_gathered(self, unit) -> bool:
+        """reshard_after_forward=False: the unit stays gathered from its forward to its backward
+        (a forward without autograd frees it anyway: no backward will)."""
         return self.kept.get(id(unit.module), self.keep_others)
 
     def retire(self) -> dict[str, torch.Tensor]:
@@ -144,7 +140,7 @@ class FSDPEngine(Zero3):
         this engine removed. Collective."""
         state = self.full_state_dict()
         self.retired = True
-        for handle in self.hooks + self.reducer.hooks:     # forward hooks, gradient hooks
+        for handle in self.params.hooks + self.reducer.hooks:     # forward hooks, gradient hooks
             handle.remove()
         engine_module._WRAPPED.discard(self.module)
         return state
@@ -153,12 +149,9 @@ class FSDPEngine(Zero3):
         if not self._in_backward:                 # not a recompute ([Note: recompute], zero3.py)
             self.optimizer.refresh()       # 16-bit partitions from the masters the user stepped
 
-    def _make_optimizer(self, parts):
-        return self.optimizer_factory(parts)       # FlatParameters: the user's optimizer steps them
-
     def _grad_of(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """(FlatParameter, its part of the gradient shard), bucket by bucket."""
-        return [(p, self.layout.shard(self.grad_shard, b))
+        return [(p, self.layout.shard(self.grads.shard, b))
                 for p, b in zip(self.optimizer.params, self.layout.buckets)]
 
     def _forward_ends(self, module, args, output) -> None:
@@ -172,8 +165,7 @@ class FSDPEngine(Zero3):
         if self._in_backward:
             return
         self._in_backward = True
-        for unit in self.units:                       # a forward from here on is a recompute
-            unit.training_state = PRE_BACKWARD        # [Note: recompute] (zero3.py)
+        self.params.before_backward()             # a forward from here on is a recompute
         for p, part in self._grad_of():
             if p.grad is None or p.grad.data_ptr() != part.data_ptr():
                 part.zero_()     # the reduce-scatters add into it; _backward_ends adds it to .grad
@@ -181,19 +173,19 @@ class FSDPEngine(Zero3):
 
     def _backward_ends(self) -> None:
         self._in_backward = False
-        self._after_backward()             # Zero3's: finish the reduce-scatters, free the units
+        self.end_backward()                # finish the reduce-scatters, free the units
         for p, part in self._grad_of():
             if p.grad is None:             # fp32: the shard itself, accumulated into in place
                 p.grad = part if part.dtype == p.dtype else part.float()
             elif p.grad.data_ptr() != part.data_ptr():
                 p.grad.add_(part)          # a .grad the user set, or fp32 over 16-bit reductions
-        self._track_peak()
+        self.meter.measure()
 
-    def _extra_tensors(self, category):
-        extra = super()._extra_tensors(category)
-        if category == "grads":       # fp32 .grad over 16-bit reductions: tensors of their own
-            extra = extra + [p.grad for p in self.optimizer.params]
-        return extra
+    def _memory_groups(self):
+        groups = super()._memory_groups()
+        # fp32 .grad over 16-bit reductions: tensors of their own
+        groups["grads"] += [p.grad for p in self.optimizer.params]
+        return groups
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale every FlatParameter's .grad so that the global p-norm (over all N partitions) is at

@@ -66,7 +66,7 @@ class StateMixin:
                 yield
                 if not volatile:
                     with torch.no_grad():
-                        engine._after_user_write(params)   # each rank's partition of its writes
+                        engine.after_user_write(params)   # each rank's partition of its writes
                         for master, full, b in masters:
                             master.copy_(engine.layout.my_partition(full, b))
                     engine.optimizer.refresh()          # the 16-bit partitions follow
@@ -241,7 +241,7 @@ def _masters_in_full(engine, params: list) -> list[tuple[torch.Tensor, torch.Ten
     wanted = {id(p) for p in params}
     out = []
     for master, b in zip(engine.optimizer.params, engine.layout.buckets):
-        part = engine.layout.shard(engine.param_shard, b)
+        part = engine.layout.shard(engine.params.shard, b)
         if master.data_ptr() == part.data_ptr() or not any(id(p) in wanted for p in b.params):
             continue                                   # fp32: the gathered parameters are full
         full = torch.empty(b.padded_numel, dtype=torch.float32, device=engine.device)

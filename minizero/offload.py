@@ -24,8 +24,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from functools import partial
+
 from minizero import comm
+from minizero.disk import DiskShardOptimizer
 from minizero.optim import Grouping, OptimizerFactory, ShardOptimizer
+
+
+def optimizer_home(offload: bool | str, folder: str | None = None):
+    """Where P_os lives, by wrap's offload=: (parts, factory, grouping) -> the optimizer. The
+    device (optim.ShardOptimizer), host memory (HostShardOptimizer, below; offload="params" too:
+    stage 3 offloads its parameter shard and the optimizer with it) or a file (disk.py)."""
+    if offload == "disk":
+        return partial(DiskShardOptimizer, folder=folder)
+    return HostShardOptimizer if offload else ShardOptimizer
 
 
 class HostShardOptimizer(ShardOptimizer):
@@ -36,13 +48,11 @@ class HostShardOptimizer(ShardOptimizer):
         self.pin = comm.device().type == "cuda"     # pinned memory makes device<->host copies async
         self.host_grads = [torch.zeros(p.numel(), dtype=torch.float32, pin_memory=self.pin)
                            for p in param_parts]     # [Ψ_b / N] fp32 each
-        super().__init__(param_parts, optimizer_factory, grouping)
-
-    def _make_master(self, part: torch.Tensor) -> nn.Parameter:
         # Always a separate host copy, also in fp32: the device parameters are not the master
         # any more.
-        host = torch.empty(part.numel(), dtype=torch.float32, pin_memory=self.pin)
-        return nn.Parameter(host.copy_(part.detach().reshape(-1)))
+        masters = [nn.Parameter(torch.empty(p.numel(), dtype=torch.float32, pin_memory=self.pin)
+                                .copy_(p.detach().reshape(-1))) for p in param_parts]
+        super().__init__(param_parts, optimizer_factory, grouping, masters)
 
     def _grads_for_masters(self, grad_parts: list[torch.Tensor]) -> list[torch.Tensor]:
         for host, grad in zip(self.host_grads, grad_parts):

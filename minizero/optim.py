@@ -133,6 +133,13 @@ def group_runs(bucket, start: int, stop: int, group_of: dict[int, int]) -> list[
     return runs
 
 
+def fp32_master(part: torch.Tensor) -> nn.Parameter:
+    """The parameter the optimizer steps for `part` (one bucket's shard of the model's storage)."""
+    if part.dtype == torch.float32:
+        return nn.Parameter(part.detach())      # shares storage: the fp32 parameters are the master
+    return nn.Parameter(part.detach().float().clone())             # fp32 master copy [part.numel()]
+
+
 class ShardOptimizer:
     """Steps `param_parts` (views into the model's parameter storage) with the user's optimizer.
 
@@ -141,13 +148,14 @@ class ShardOptimizer:
     parameters: set master.grad and call self.optimizer.step(). It sees each master as equal views
     of about VIEW_NUMEL elements (`views[i]`: the views of masters[i]) [Note: cache-sized views],
     cut where grouping's runs change group, one torch param_group per user group [Note: parameter
-    groups].
+    groups]. masters: where they live (offload.py: host memory; disk.py: a file), fp32_master's
+    when not given.
     """
 
     def __init__(self, param_parts: list[torch.Tensor], optimizer_factory: OptimizerFactory,
-                 grouping: Grouping | None = None):
+                 grouping: Grouping | None = None, masters: list[nn.Parameter] | None = None):
         self.param_parts = param_parts
-        self.masters = [self._make_master(p) for p in param_parts]
+        self.masters = masters if masters is not None else [fp32_master(p) for p in param_parts]
         runs = [[(0, m.numel(), 0)] for m in self.masters] if grouping is None else grouping.runs
         self.views: list[list[nn.Parameter]] = []      # no copy: they share the masters' storage
         self.view_groups: list[list[int | None]] = []  # each view's group (None: not stepped)
@@ -186,11 +194,6 @@ class ShardOptimizer:
             grads = [None] * len(views) if master.grad is None else master.grad.split(sizes)
             for v, g in zip(views, grads):
                 v.grad = g
-
-    def _make_master(self, part: torch.Tensor) -> nn.Parameter:
-        if part.dtype == torch.float32:
-            return nn.Parameter(part.detach())  # shares storage: the fp32 parameters are the master
-        return nn.Parameter(part.detach().float().clone())         # fp32 master copy [part.numel()]
 
     def step(self, grad_parts: list[torch.Tensor]) -> None:
         """One optimizer step on the owned parameters, given their averaged gradients."""

@@ -13,6 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch import nn
+
+from minizero.flat import DEFAULT_BUCKET_BYTES
+from minizero.quantize import BLOCK
+
 STAGES = (0, 1, 2, 3)                          # 0 = DDP; minizero.wrap has one engine per stage
 
 
@@ -39,6 +44,20 @@ CAPABILITIES = {
                     frozenset({"units", "prefetch", "buckets_in_flight", "shard_group_size",
                                "hpz_group_size", "quantized_weights"}) | _QUANTIZED),
 }
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    """The options the stages' families read, with their defaults: the one home of both (what
+    each means: wrap's docstring; which stage takes which: CAPABILITIES)."""
+    bucket_size: float = DEFAULT_BUCKET_BYTES  # bytes per gradient bucket (stages 0, 2; flat.py)
+    buckets_in_flight: int = 2                 # reducer.py: buckets whose collective may be open
+    overlap: bool = True                       # stage 0: False sends every bucket after backward
+    units: list[nn.Module] | None = None       # stage 3 (None: units.default_units)
+    prefetch: bool = True                      # stage 3: gather the next unit during this one
+    quantized_weights: bool = False            # stage 3: ZeRO++ qwZ (quantize.py)
+    quantized_gradients: bool = False          # stages 2-3: ZeRO++ qgZ
+    quantization_block: int = BLOCK            # elements per fp32 scale
 
 
 def check_stage(stage) -> int:

@@ -9,10 +9,10 @@ On a slow network the bytes of a step are the time of a step (stage 3 moves 3Ψ)
 of the three Ψ by sending fewer bits of what travels; what is stored (the shard, the fp32 masters,
 the optimizer states) is never quantized:
   * qwZ, quantized weights: stage 3's *forward* all-gather sends each rank's parameter partition in
-    int8 (unit.Unit.gather). Backward's all-gather stays in full precision: the gradients are
+    int8 (zero3.Unit.gather). Backward's all-gather stays in full precision: the gradients are
     computed with exact weights, as in ZeRO++ (DeepSpeed's zero_quantized_weights).
   * qgZ, quantized gradients: the gradient reduce-scatter of stages 2-3
-    (zero2.Zero2.reduce_scatter_grads) becomes an all-to-all of int8 chunks: each rank quantizes
+    (zero2.GradientShard.reduce) becomes an all-to-all of int8 chunks: each rank quantizes
     chunk j of its bucket for rank j, and each rank dequantizes the N chunks it receives and
     averages them in fp32 (DeepSpeed's zero_quantized_gradients). ZeRO++'s real qgZ is hierarchical:
     a 2-hop all-to-all (inside the node, then across nodes) of int4 values, which also keeps the

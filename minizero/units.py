@@ -1,4 +1,4 @@
-"""Which modules are stage 3's units, and which parameters each one owns (the Unit itself: unit.py).
+"""Stage 3's units: which modules, which parameters each owns, what each is given (zero3.py).
 
     engine = minizero.wrap(model, 3, optimizer)                    # default_units(model)
     engine = minizero.wrap(model, 3, optimizer, units=list(model.blocks))
@@ -25,8 +25,15 @@ config's zero_optimization.leaf_module, as deepspeed.initialize does.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 from torch import nn
+
+from minizero import comm
+
+if TYPE_CHECKING:
+    from minizero.zero3 import Unit
 
 UNIT_SHARE = 1 / 8  # default units without transformer blocks hold at most Ψ/8 each (default_units)
 LEAF = "_z3_leaf"   # DeepSpeed's flag on a leaf module ([Note: leaf modules])
@@ -220,3 +227,61 @@ def _flag(model: nn.Module, matched: list[nn.Module], missing: list, flag: bool,
     for m in matched:
         setattr(m, LEAF, flag)
     return matched, missing
+
+
+@dataclass(frozen=True)
+class UnitRoutes:
+    """How a unit's partitions travel (comm.Route): `forward` before forward (qwZ: int8), `exact`
+    every other, `node` hpZ's in backward. The paper's: Route(), Route()."""
+    forward: comm.Route
+    exact: comm.Route
+    node: comm.Route | None = None
+
+
+@dataclass(frozen=True)
+class UnitCallbacks:
+    """What a unit asks of the units around it (zero3.ShardedUnits gives them): it never reaches
+    out to them or to the engine."""
+    following: Callable[[Unit, bool], Unit | None]  # to prefetch: next in forward's (True) order
+    backward_done: Callable[[Unit], None]           # frozen parameters still needed: free it later
+    free_finished: Callable[[], None]               # free the units backward_done was told of
+    keep_gathered: Callable[[Unit], bool] = lambda unit: False   # FSDP: reshard_after_forward
+
+
+class ReturnedParameters:
+    """[Note: returned parameters] A module may return a parameter itself (a bias the caller adds,
+    DeepSpeed's test_zero_context_return). Its unit stays gathered until the unit around the caller
+    finishes its forward, since the caller reads the parameter after the module's post-forward
+    (freed, it would read NaN: [Note: absent parameters] in absent.py). zero3.ShardedUnits tells
+    this class each forward's start and end; it answers which units to keep and which to free."""
+
+    def __init__(self, model: nn.Module, unit_of_param: dict):
+        self.model, self.unit_of_param = model, unit_of_param
+        self._in_forward: list = []      # units whose forward runs, innermost last
+        self._waiting: dict = {}         # id(the unit around a caller, or the model) -> units kept
+
+    def enter(self, unit) -> None:
+        self._in_forward.append(unit)
+
+    def keep(self, unit, outputs: list) -> list:
+        """unit's forward returned `outputs`: the units of the parameters among them, kept now."""
+        if self._in_forward and self._in_forward[-1] is unit:
+            self._in_forward.pop()
+        owners = {id(self.unit_of_param[id(t)]): self.unit_of_param[id(t)] for t in outputs
+                  if isinstance(t, nn.Parameter) and id(t) in self.unit_of_param}
+        if not owners:
+            return []
+        for waiting in self._waiting.values():        # handed on outwards, not freed twice
+            waiting[:] = [u for u in waiting if id(u) not in owners]
+        # no unit around the caller: the model's forward is, and its end frees them
+        around = self._in_forward[-1] if self._in_forward else self.model
+        self._waiting.setdefault(id(around), []).extend(owners.values())
+        return list(owners.values())
+
+    def release(self, around, kept: list) -> None:
+        """`around` (a unit, or the model) finished its forward: free the units kept for it."""
+        if around is self.model:
+            self._in_forward.clear()
+        for unit in self._waiting.pop(id(around), []):
+            if unit not in kept:
+                unit.release_returned()

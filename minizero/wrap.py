@@ -12,15 +12,10 @@ from torch import nn
 
 from minizero import activations, comm, tensor_parallel_hf
 from minizero.construct import partition_of
-from minizero.ddp import DDP
 from minizero.engine import Engine
-from minizero.options import STAGES, check_options, check_positive_int, check_stage
+from minizero.options import check_options, check_positive_int, check_stage
+from minizero.stages import ENGINES
 from minizero.units import default_units
-from minizero.zero1 import Zero1
-from minizero.zero2 import Zero2
-from minizero.zero3 import Zero3
-
-ENGINES = dict(zip(STAGES, (DDP, Zero1, Zero2, Zero3)))
 # which stage takes what: options.py
 __all__ = ["check", "check_mesh", "check_options", "engine_class", "wrap"]
 

@@ -8,16 +8,19 @@ optimizer states KΨ/N: 4Ψ + KΨ/N bytes (16Ψ -> 4.75Ψ for Adam with N = 64).
 were the biggest term (K = 12 of 16), and they are only ever *used* elementwise, so each rank can
 own a partition.
 
-Layout (flat.py): all trainable parameters end to end in one flat buffer, padded to a multiple of
-N, cut into N equal partitions; rank r owns partition r (a parameter may straddle two ranks, as
-in DeepSpeed).
+Stage 1's row of the table (stages.py): DDP's replicated parameters (ddp.py), the optimizer given
+this rank's partition (P_os: optim.py steps whatever it is given), and the one class this file
+adds, GradientsReducedAtStep. Layout (flat.py): all trainable parameters end to end in one bucket,
+padded to a multiple of N, cut into N equal partitions; rank r owns partition r (a parameter may
+straddle two ranks, as in DeepSpeed).
 
 Communication per step, 2Ψ·(N-1)/N in a ring, the same as DDP (the paper's point: P_os is free):
   * in step(): reduce-scatter the gradients. Not an all-reduce: a rank only steps its partition, so
     it only needs *that* partition averaged, and reduce-scatter is exactly half of an all-reduce (Ψ;
     in bytes: on gloo comm.py runs it as an all-reduce, faster there, [Note: collectives on gloo]).
     It runs in place: rank r's partition of its full gradient buffer receives the average.
-  * after the optimizer step: all-gather the updated partitions into every rank's parameters (Ψ).
+  * after the optimizer step: all-gather the updated partitions into every rank's parameters (Ψ;
+    ddp.ReplicatedParameters.after_step).
 Stage 1 keeps it simple: one reduce-scatter per step, no overlap with backward (stage 2 adds that).
 Gradient accumulation is free: backward only adds into the full gradient buffer, so any number of
 micro-batches (inside no_sync() or not) are reduced together, once, at the step.
@@ -36,76 +39,37 @@ from __future__ import annotations
 import torch
 
 from minizero import comm
-from minizero.disk import DiskShardOptimizer
-from minizero.engine import Engine
 from minizero.flat import FlatLayout
-from minizero.offload import HostShardOptimizer
-from minizero.optim import ShardOptimizer
 
 
-class Zero1(Engine):
-    stage = 1
+class GradientsReducedAtStep:
+    """P_g off, ZeRO's way: every rank accumulates every gradient in one flat buffer; at the step
+    each bucket is reduce-scattered, so that this rank holds the average of the partition it
+    steps."""
+    in_backward = False              # nothing is sent during backward: no reducer
+    on_grad = arrived = None
 
-    def __init__(self, model, optimizer, **kwargs):
-        super().__init__(model, optimizer, **kwargs)
-        # N partitions, or S with shard_group_size: [Note: hierarchical sharding] in engine.py
-        self.layout = FlatLayout.build(self._param_groups(), comm.group_size(self.shard_group),
-                                       comm.group_rank(self.shard_group))
-        self._init_parameters()
-        self._init_gradients()
-        self.optimizer = self._make_optimizer([self._my_params(b) for b in self.layout.buckets])
-
-    def _param_groups(self):
-        return [self.trainable]                          # one bucket: the whole model
-
-    # --- parameters: full and replicated, as in DDP -----------------------------------------------
-    def _init_parameters(self) -> None:
-        self.flat_params = self.layout.flatten(self.dtype, self.device)    # [Ψ padded to N·⌈Ψ/N⌉]
-        self.layout.point_params_into(self.flat_params)
-
-    def _make_optimizer(self, parts):
-        grouping = self._grouping()              # the parameter groups' runs in my partitions
-        if self.offload == "disk":
-            return DiskShardOptimizer(parts, self.optimizer_factory, self.offload_path, grouping)
-        cls = HostShardOptimizer if self.offload else ShardOptimizer
-        # <- the essential line: it sees Ψ/N parameters
-        return cls(parts, self.optimizer_factory, grouping)
-
-    def _my_params(self, b) -> torch.Tensor:
-        """This rank's partition of bucket b's parameters: [Ψ_b / N], a view into flat_params."""
-        return self.layout.my_partition(self.layout.full(self.flat_params, b), b)
-
-    # --- gradients: full and replicated, as in DDP ------------------------------------------------
-    def _init_gradients(self) -> None:
+    def __init__(self, engine, layout: FlatLayout, options=None):
+        self.layout, self.group = layout, engine.shard_group
         # [padded Ψ] in reduce_dtype; p.grad are views of it, or added into it
         # (flat.point_grads_into)
-        self.flat_grads = torch.zeros_like(self.flat_params, dtype=self.grad_dtype)
-        self.layout.point_grads_into(self.flat_grads)
+        self.flat = torch.zeros(layout.padded_numel, dtype=engine.grad_dtype, device=engine.device)
+        layout.point_grads_into(self.flat)
 
-    def _after_backward(self) -> None:
-        pass                      # gradients just accumulate in flat_grads: any number of backwards
-
-    def _grad_parts(self):
-        """At the start of step(): average this rank's partition over ranks, the only part
-        it steps."""
+    def parts(self) -> list[torch.Tensor]:
+        """At the start of step(): average this rank's partition over ranks, the only part it
+        steps."""
         parts = []
         for b in self.layout.buckets:
-            full = self.layout.full(self.flat_grads, b)
+            full = self.layout.full(self.flat, b)
             mine = self.layout.my_partition(full, b)
-            comm.reduce_scatter(mine, full, op="avg", group=self.shard_group,  # in place: mine gets
-                                tag=f"bucket {b.index}")                   # the average
+            comm.reduce_scatter(mine, full, op="avg", group=self.group,   # in place: mine gets
+                                tag=f"bucket {b.index}")                  # the average
             parts.append(mine)
         return parts
 
-    def _zero_grad(self) -> None:
-        self.flat_grads.zero_()
+    def zero(self) -> None:
+        self.flat.zero_()
 
-    # --- after the step: every rank needs every updated parameter ---------------------------------
-    def _after_step(self) -> None:
-        for b in self.layout.buckets:
-            full = self.layout.full(self.flat_params, b)
-            comm.all_gather(full, self.layout.my_partition(full, b), group=self.shard_group,
-                            tag=f"bucket {b.index}")                       # in place: mine is input
-
-    def _extra_tensors(self, category):
-        return [self.flat_grads] if category == "grads" else []
+    def tensors(self, category: str) -> list[torch.Tensor]:
+        return [self.flat] if category == "grads" else []

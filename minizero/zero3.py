@@ -7,255 +7,344 @@ What each rank holds (paper, section 5.3): (2 + 2 + K)Ψ/N bytes (16Ψ -> 0.25Ψ
 plus the few *units* gathered at any moment. Per step: all-gather Ψ (forward) + all-gather Ψ
 (backward) + reduce-scatter Ψ = 3Ψ, 1.5x DDP: the price of not replicating parameters.
 
-Read zero2.py first; this file is what happens to a unit (unit.py: the Unit; units.py: which ones).
+Read zero2.py first. Stage 3 is stage 2's row of the table (stages.py) with the parameters family
+changed, P_p: what happens to a unit (Unit), then the family that builds the units and drives them
+from the model's hooks (ShardedUnits). Which modules are units: units.py.
   * A unit's parameters are one bucket (flat.py); rank r keeps its partition of every unit in
-    `param_shard` [Ψ/N]; a unit's full buffer [Ψ_u] exists only while gathered. Frozen parameters
-    (Ψ_f: LoRA's base) are partitioned alike and never reduced: (Ψ + Ψ_f)·2/N bytes per rank.
-  * Forward: the unit's pre-forward all-gathers it, its forward runs, its post-forward frees it.
-  * Backward: a hook on its outputs gathers it again just before its backward; when its gradients
-    are complete, post-backward reduce-scatters them as stage 2 does (the unit is the bucket).
-  * Prefetch: while unit i computes, unit i+1 (in the order of the first step) is being gathered.
-  * Step: the optimizer updates param_shard in place; the next forward gathers what it needs.
-Variants are routes (comm.Route, _init_parameters): offload="params" (the shard on the host),
+    `shard` [Ψ/N]. Frozen parameters (Ψ_f: LoRA's base) are partitioned alike, never reduced.
+  * Forward: pre-forward all-gathers the unit (and prefetches the next), post-forward frees it.
+  * Backward: a hook on its outputs gathers it again; when its gradients are complete,
+    post-backward reduce-scatters them as stage 2 does (the unit is the bucket), and frees it.
+Variants are routes (comm.Route, ShardedUnits.__init__): offload="params" (the shard on the host),
 quantized_weights (ZeRO++ qwZ), shard_group_size ([Note: hierarchical sharding] in engine.py).
-[Note: hpZ] ZeRO++'s hpz_group_size=R: a unit's forward all-gather also leaves each rank its 1/R of
-the unit within its node (`secondary`), so backward's all-gather stays inside the node: 3Ψ -> 2Ψ
-across nodes, for Ψ/R more parameter memory until backward.
-[Note: recompute] Activation checkpointing runs a unit's forward again in backward, which must
-neither free it nor prefetch: engine.backward() puts every unit in PRE_BACKWARD, so a forward
-starting there is a recompute (reentrant or not).
+[Note: hpZ] ZeRO++'s hpz_group_size=R: the forward all-gather also leaves each rank its 1/R of the
+unit within its node (`secondary`), so backward's all-gather stays there: 3Ψ -> 2Ψ across nodes.
+[Note: recompute] Activation checkpointing reruns a unit's forward in backward, which must neither
+free it nor prefetch: engine.backward() puts every unit in PRE_BACKWARD, where a forward recomputes.
 """
 
 from __future__ import annotations
 
+from enum import Enum
 from functools import partial
+from typing import Callable
 
 import torch
-from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from minizero import comm, construct
+from minizero import comm, construct, events
+from minizero.absent import HeldForUser, absent_like, refuse_writes
 from minizero.flat import Bucket, FlatLayout, partition
-from minizero.unit import IDLE, PRE_BACKWARD, ParameterWriteError, Unit, UnitRoutes
-from minizero.units import assign_units, default_units
-from minizero.zero2 import Zero2
+from minizero.options import StageOptions
+from minizero.units import (ReturnedParameters, UnitCallbacks, UnitRoutes, assign_units,
+                            default_units)
 
 
-_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}   # by bytes
+class ShardState(Enum):
+    """What the unit's full buffer holds."""
+    FREE = "free"              # 0 bytes, shape kept; the parameters are absent (absent.py)
+    IN_FLIGHT = "in flight"    # allocated, its all-gather started (a prefetch), not waited for
+    GATHERED = "gathered"      # the whole unit; the module's parameters are views of it
 
 
-class Zero3(Zero2):
-    """Builds the units, connects the model's forward hooks and autograd to their lifecycle, and
-    runs stage 2's reducer with one bucket per unit."""
-    stage = 3
+class TrainingState(Enum):
+    """Where the step is, for this unit (FSDP2's TrainingState)."""
+    IDLE = "idle"                  # no hook of it runs: before or after its backward
+    FORWARD = "forward"            # pre_forward ran, post_forward not yet
+    PRE_BACKWARD = "pre-backward"  # backward started, this unit's not done ([Note: recompute])
+
+
+class Unit:
+    """One unit: its module, its buffers, its states, and what each hook does to it. Only its own
+    methods change its states (tests/test_architecture.py checks), as in FSDP2's FSDPParamGroup.
+
+    full [Ψ_u padded]  its trainable parameters end to end: 0 bytes while FREE (shape kept),
+                       allocated while IN_FLIGHT / GATHERED, when the parameters are views of it.
+    shard [Ψ_u / N]    this rank's partition, a view into ShardedUnits.shard: all that persists.
+    frozen_full, frozen_shard: the same for its frozen parameters; secondary: hpZ's [Ψ_u / R].
+    training_state     IDLE -pre_forward-> FORWARD -post_forward-> IDLE; enter_backward() ->
+                       PRE_BACKWARD -post_backward-> IDLE. owner: the engine, named in its events.
+    """
+
+    def __init__(self, owner, module, name: str, index: int, routes: UnitRoutes, bucket,
+                 buffers: list[tuple[torch.Tensor, torch.Tensor]], frozen_bucket,
+                 callbacks: UnitCallbacks):
+        self.owner, self.module, self.name, self.index = owner, module, name, index
+        self.routes, self.bucket, self.frozen_bucket, self.callbacks = (routes, bucket,
+                                                                        frozen_bucket, callbacks)
+        self.tag = f"unit {index} ({name})"           # what its collectives are for (event stream)
+        (self.full, self.shard), (self.frozen_full, self.frozen_shard) = buffers
+        self.params = [p for b in (bucket, frozen_bucket) if b is not None for p in b.params]
+        # each parameter while GATHERED (a view of full: flat.py) and while not (absent.py)
+        self.views = [p.data for p in self.params]
+        self.absent = [absent_like(p) for p in self.params]
+        self.state, self.training_state = ShardState.GATHERED, TrainingState.IDLE
+        self.held_for_user = False         # engine.gathered() holds it: forward does not free it
+        self.secondary: list[torch.Tensor] | None = None
+        self._in_flight: list = []                     # all-gather handles while IN_FLIGHT
+        self.free()                                    # built gathered; released right away
+
+    def buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(full, shard) for its trainable and its frozen parameters, those it has."""
+        pairs = (self.full, self.shard), (self.frozen_full, self.frozen_shard)
+        return [(full, shard) for full, shard in pairs if full.numel()]
+
+    def full_bytes(self) -> int:
+        """The bytes its full buffers hold now: 0 while FREE."""
+        return sum(full.untyped_storage().nbytes() for full, _ in self.buffers())
+
+    # --- its buffer: FREE -> IN_FLIGHT -> GATHERED -> FREE ----------------------------------------
+    def gather(self, prefetch: bool = False, forward: bool = False) -> None:
+        """FREE -> IN_FLIGHT -> GATHERED: all-gather `full` from the shards (prefetch: start)."""
+        if self.state == ShardState.GATHERED or (self.state == ShardState.IN_FLIGHT and prefetch):
+            return
+        if self.state == ShardState.FREE:
+            route, sources = self._route(forward)
+            for (full, _), source in zip(self.buffers(), sources):
+                full.untyped_storage().resize_(full.numel() * full.element_size())   # allocate
+                # <- the essential line of stage 3: every rank's partition -> the full unit
+                self._in_flight.append(route.all_gather(full, source, self.tag))
+            self.state = ShardState.IN_FLIGHT
+            events.emit("unit gather", engine=self.owner, unit=self, prefetch=prefetch,
+                        nbytes=self.full_bytes())
+            if prefetch:
+                return
+        self._wait()
+        self.state = ShardState.GATHERED
+        self.point_params(gathered=True)
+        if self.routes.node is not None and self.training_state == TrainingState.FORWARD:
+            self._keep_secondary()
+        events.emit("unit gathered", engine=self.owner, unit=self)
+
+    def _route(self, forward: bool) -> tuple[comm.Route, list[torch.Tensor]]:
+        """Backward's all-gather runs within the node from the secondaries when hpZ kept them."""
+        if self.training_state == TrainingState.PRE_BACKWARD and self.secondary is not None:
+            return self.routes.node, self.secondary
+        route = self.routes.forward if forward else self.routes.exact
+        return route, [shard for _, shard in self.buffers()]
+
+    def _wait(self) -> None:
+        for handle in self._in_flight:
+            handle.wait()
+        self._in_flight = []
+
+    def point_params(self, gathered: bool) -> None:
+        """The parameters: views of `full` while gathered, absent otherwise (absent.py)."""
+        for p, view, absent in zip(self.params, self.views, self.absent):
+            p.data = view if gathered else absent
+            refuse_writes(p, not gathered)
+
+    def free(self) -> None:
+        """Release `full` (0 bytes); the parameters become absent (absent.py)."""
+        if self.state == ShardState.FREE:
+            return
+        self._wait()                                   # never free a buffer a collective is writing
+        nbytes = self.full_bytes()
+        self.point_params(gathered=False)
+        for full, _ in self.buffers():
+            full.untyped_storage().resize_(0)
+        self.state = ShardState.FREE
+        events.emit("unit freed", engine=self.owner, unit=self, nbytes=-nbytes)
+
+    def _keep_secondary(self) -> None:
+        """[Note: hpZ]: keep this rank's 1/R of the full unit, its slice within the node's group."""
+        group = self.routes.node.group
+        self.drop_secondary()
+        self.secondary = [partition(full, comm.group_rank(group), comm.group_size(group)).clone()
+                          for full, _ in self.buffers()]
+        events.emit("secondary", engine=self.owner, unit=self,
+                    nbytes=sum(t.nbytes for t in self.secondary))
+
+    def drop_secondary(self) -> None:
+        if self.secondary is not None:
+            events.emit("secondary", engine=self.owner, unit=self,
+                        nbytes=-sum(t.nbytes for t in self.secondary))
+        self.secondary = None
+
+    # --- the four hooks: ShardedUnits calls them from the module's forward hooks and autograd -----
+    def pre_forward(self) -> None:
+        if self.training_state == TrainingState.PRE_BACKWARD:   # a recompute [Note: recompute]
+            self.gather()                              # reentrant: its first use in this backward
+            return
+        self.training_state = TrainingState.FORWARD
+        self.gather(forward=True)
+        self._prefetch(forward=True)
+
+    def post_forward(self, keep: bool = False) -> None:
+        """keep: a parameter of it was returned ([Note: returned parameters] in units.py)."""
+        if self.training_state == TrainingState.PRE_BACKWARD:   # a recompute: its backward needs
+            return                                               # the parameters
+        self.training_state = TrainingState.IDLE
+        if not (keep or self.held_for_user
+                or (torch.is_grad_enabled() and self.callbacks.keep_gathered(self))):
+            self.free()                                # <- stage 3's saving: free after forward
+
+    def pre_backward(self) -> None:
+        """Its output's gradient is known: its backward is next, every later unit's is done."""
+        self.callbacks.free_finished()
+        self.training_state = TrainingState.PRE_BACKWARD
+        self.gather()
+        self._prefetch(forward=False)
+
+    def post_backward(self, reduce_scatter: Callable):
+        """Its gradients are complete: reduce_scatter them (GradientShard.reduce), free it; the
+        handle. Frozen parameters may still be needed (the input's gradient can flow through a
+        frozen weight after the last trainable gradient, as LoRA's does): then it is freed later."""
+        handle = reduce_scatter(self.bucket, self.tag)
+        self.training_state = TrainingState.IDLE
+        self.drop_secondary()                          # hpZ: its backward all-gather is done
+        if self.frozen_bucket is None:
+            self.free()
+        else:
+            self.callbacks.backward_done(self)          # freed by the next pre_backward, or the end
+        return handle
+
+    def _prefetch(self, forward: bool) -> None:
+        """Start gathering the next unit, so that its all-gather runs while this one computes."""
+        following = self.callbacks.following(self, forward)
+        if following is not None:
+            following.gather(prefetch=True, forward=forward)
+
+    # --- what the engine's backward and gathered() do to every unit ------------------------------
+    def enter_backward(self) -> None:
+        """engine.backward() starts (FSDP: the first gradient): [Note: recompute]."""
+        self.training_state = TrainingState.PRE_BACKWARD
+
+    def end_backward(self) -> None:
+        """Backward is done: free it (prefetched after its last use, or frozen parameters kept)."""
+        self.free()
+        self.training_state = TrainingState.IDLE
+        self.drop_secondary()
+
+    def release_returned(self) -> None:
+        """The caller that read a parameter it returned is done: free it, unless still in use."""
+        if not self.held_for_user and self.training_state != TrainingState.PRE_BACKWARD:
+            self.free()
+
+    def hold_for_user(self) -> None:
+        """engine.gathered(): gathered until release_for_user(), through any forward."""
+        self.gather()
+        self.held_for_user = True
+
+    def release_for_user(self) -> None:
+        self.held_for_user = False
+        self.free()
+
+
+class ShardedUnits:
+    """P_p: the parameters family of stage 3 (stages 0-2: ddp.ReplicatedParameters): the units,
+    their shards, and each unit's hooks called from the model's hooks and autograd."""
     unit_class = Unit       # what units are made of: exercise 7's grader brings the learner's hooks
 
-    def __init__(self, model, optimizer, *, units: list[nn.Module] | None = None,
-                 prefetch: bool = True, quantized_weights: bool = False, **kwargs):
-        self.prefetch, self.quantized_weights = prefetch, quantized_weights    # qwZ: quantize.py
+    def __init__(self, engine, groups: None, options: StageOptions):
+        model, units = engine.module, options.units               # groups: none, units decide
         chosen = default_units(model) if units is None else units
-        self._unit_modules, self._unit_params, self._unit_frozen = assign_units(
-            model, chosen, chosen=units is not None)
-        self.finished: list[Unit] = []          # backward done, frozen parameters still gathered
-        self._gathered_for_user: list[list[Unit]] = []     # by engine.gathered(), innermost last
+        modules, trains, frozen = assign_units(model, chosen, chosen=units is not None)
+        # one bucket per unit that trains: [Note: hierarchical sharding] in engine.py for the N
+        self.layout = FlatLayout.build([group for group in trains if group],
+                                       comm.group_size(engine.shard_group),
+                                       comm.group_rank(engine.shard_group))
+        self.host = engine.offload == "params"         # ZeRO-Infinity style: the shard on the host
+        home = torch.device("cpu") if self.host else engine.device
+        pin = self.host and engine.device.type == "cuda"   # pinned: host -> device copies run async
+        self.shard = torch.empty(self.layout.shard_numel, dtype=engine.dtype, device=home,
+                                 pin_memory=pin)                                        # [Ψ/N]
+        # the variants are routes, not branches ([Note: hierarchical sharding], [Note: hpZ])
+        exact = comm.Route(engine.shard_group, home="host" if self.host else "device")
+        forward = comm.Route(exact.group, engine.int8_codec(options.quantization_block),
+                             exact.home) if options.quantized_weights else exact
+        node = None if engine.hpz_group is None else comm.Route(engine.hpz_group)
+        self.model, self.prefetch = model, options.prefetch
         self.forward_order: list[Unit] = []     # pre-forward order, recorded on the first step
         self.backward_order: list[Unit] = []    # reverse post-forward order: backward's order
-        self._in_forward: list[Unit] = []       # units whose forward runs, innermost last
-        self._returned: dict[int, list[Unit]] = {}  # [Note: returned parameters]
-        super().__init__(model, optimizer, **kwargs)       # stage 2, with one bucket per unit
-        self._unit_of_param = {id(p): u for u in self.units for p in u.params}
+        self._finished: list[Unit] = []         # backward done, frozen parameters still gathered
+        callbacks = UnitCallbacks(self.following, self._finished.append, self.free_finished,
+                                  engine.keeps_gathered)
+        names = {id(m): name or "<root>" for name, m in model.named_modules()}
+        buckets, self.units = iter(self.layout.buckets), []
+        for i, (module, trainable, frozen_params) in enumerate(zip(modules, trains, frozen)):
+            bucket = next(buckets) if trainable else None
+            frozen_bucket = FlatLayout.build([frozen_params], self.layout.world_size,
+                                             self.layout.rank).buckets[0] if frozen_params else None
+            shard = self.layout.shard(self.shard, bucket) if bucket else None
+            frozen_shard = torch.empty(frozen_bucket.shard_numel, dtype=engine.dtype, device=home,
+                                       pin_memory=pin) if frozen_bucket else None  # [Ψ_f,u / N]
+            buffers = [self.layout.unit_buffers(b, s, engine.dtype, engine.device,
+                                                construct.take_value)   # sharded_init's values
+                       for b, s in ((bucket, shard), (frozen_bucket, frozen_shard))]
+            self.units.append(self.unit_class(engine, module, names[id(module)], i,
+                                              UnitRoutes(forward, exact, node), bucket, buffers,
+                                              frozen_bucket, callbacks))
+        self._unit_of_bucket = {u.bucket.index: u for u in self.units if u.bucket is not None}
+        self.returned = ReturnedParameters(model, {id(p): u for u in self.units for p in u.params})
+        self.for_user = HeldForUser(self.units, self.layout)       # engine.gathered() (absent.py)
         self.hooks = []                         # their handles: fsdp.py hands a model over
         for unit in self.units:
             self.hooks += [
                 unit.module.register_forward_pre_hook(partial(self._on_pre_forward, unit)),
                 unit.module.register_forward_hook(partial(self._on_post_forward, unit))]
-        # [Note: returned parameters]
         self.hooks.append(model.register_forward_hook(self._on_model_forward_end))
 
-    def _param_groups(self):
-        return [group for group in self._unit_params if group]     # one bucket per unit that trains
+    # --- what the optimizer steps: each unit's shard, updated in place ---------------------------
+    def optimizer_parts(self) -> list[torch.Tensor]:
+        return [self._unit_of_bucket[b.index].shard for b in self.layout.buckets]
 
-    def bucket_tag(self, b: Bucket) -> str:
-        return self._unit_of_bucket[b.index].tag
+    def after_step(self) -> None:                      # the next forward gathers what it needs
+        pass
 
-    # --- parameters: only this rank's partition persists; each unit holds its full buffer --------
-    def _init_parameters(self) -> None:
-        host = self.offload == "params"                # ZeRO-Infinity style: the shard on the host
-        home = torch.device("cpu") if host else self.device
-        pin = host and self.device.type == "cuda"      # pinned: host -> device copies run async
-        self.param_shard = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=home,
-                                       pin_memory=pin)                                  # [Ψ/N]
-        # the variants are routes, not branches ([Note: hierarchical sharding], [Note: hpZ])
-        exact = comm.Route(self.shard_group, home="host" if host else "device")
-        int8 = self.int8_codec(self.quantization_block)
-        forward = comm.Route(exact.group, int8, exact.home) if self.quantized_weights else exact
-        node = None if self.hpz_group is None else comm.Route(self.hpz_group)
-        names = {id(m): name or "<root>" for name, m in self.module.named_modules()}
-        buckets, self.units = iter(self.layout.buckets), []
-        owned = zip(self._unit_modules, self._unit_params, self._unit_frozen)
-        for i, (module, trains, frozen) in enumerate(owned):
-            bucket = next(buckets) if trains else None
-            frozen_bucket = FlatLayout.build([frozen], self.layout.world_size,
-                                             self.layout.rank).buckets[0] if frozen else None
-            buffers = [self._unit_buffers(bucket, lambda b: self.layout.shard(self.param_shard, b)),
-                       self._unit_buffers(frozen_bucket, lambda b: torch.empty(   # [Ψ_f,u / N]
-                           b.shard_numel, dtype=self.dtype, device=home, pin_memory=pin))]
-            self.units.append(self.unit_class(self, module, names[id(module)], i,
-                                              UnitRoutes(forward, exact, node), bucket, buffers,
-                                              frozen_bucket))
-        self._unit_of_bucket = {u.bucket.index: u for u in self.units if u.bucket is not None}
-        self.unit_names = [unit.name for unit in self.units]      # by index, as in unit events
-
-    def _unit_buffers(self, bucket: Bucket | None, shard_of) -> tuple[torch.Tensor, torch.Tensor]:
-        """The unit's full buffer [Ψ_u padded] (its parameters views of it; sharded_init's values
-        gathered from the ranks) and this rank's partition of it; empty ones for no bucket."""
-        if bucket is None:
-            empty = torch.empty(0, dtype=self.dtype, device=self.device)
-            return empty, empty
-        full = self.layout.flatten_bucket(bucket, self.dtype, self.device, construct.take_value)
-        shard = shard_of(bucket)
-        shard.copy_(self.layout.my_partition(full, bucket))
-        return full, shard
-
-    def _my_params(self, b) -> torch.Tensor:
-        return self._unit_of_bucket[b.index].shard     # the optimizer updates the shard in place
-
-    # --- hooks: the model's modules and autograd drive each unit's lifecycle ---------------------
+    # --- forward: the model's hooks drive each unit's lifecycle ----------------------------------
     def _on_pre_forward(self, unit: Unit, module, args) -> None:
         if unit not in self.forward_order:
             self.forward_order.append(unit)
-        self._in_forward.append(unit)
+        self.returned.enter(unit)
         unit.pre_forward()
 
     def _on_post_forward(self, unit: Unit, module, args, output) -> None:
         if unit not in self.backward_order:
             self.backward_order.insert(0, unit)
         outputs = tree_flatten(output)[0]              # tensors in tuples, dicts, ModelOutputs
-        if self._in_forward and self._in_forward[-1] is unit:
-            self._in_forward.pop()
-        kept = self._keep_returned(outputs)
-        held, unit.held = unit.held, unit.held or unit in kept    # kept: post_forward won't free
-        unit.post_forward()
-        unit.held = held
-        self._free_returned(id(unit), kept)            # what units inside it returned: used now
+        kept = self.returned.keep(unit, outputs)       # [Note: returned parameters] in units.py
+        unit.post_forward(keep=unit in kept)
+        self.returned.release(unit, kept)              # what units inside it returned: used now
         if torch.is_grad_enabled():                    # backward will need the parameters again
             for t in outputs:                          # (not a returned parameter: its hook would
                 if torch.is_tensor(t) and t.requires_grad and t.grad_fn is not None:   # stay)
                     t.register_hook(lambda grad: unit.pre_backward())
 
-    def _keep_returned(self, outputs) -> list[Unit]:
-        """[Note: returned parameters] A module may return a parameter itself (a bias the caller
-        adds, DeepSpeed's test_zero_context_return): its unit stays gathered until the unit around
-        the caller finishes its forward, since the caller reads it after the module's post-forward
-        (freed, it would read NaN: [Note: absent parameters]). Returns the units kept now."""
-        owners = {id(self._unit_of_param[id(t)]): self._unit_of_param[id(t)] for t in outputs
-                  if isinstance(t, nn.Parameter) and id(t) in self._unit_of_param}
-        if not owners:
-            return []
-        for waiting in self._returned.values():        # handed on outwards, not freed twice
-            waiting[:] = [u for u in waiting if id(u) not in owners]
-        # no unit around the caller: the model's forward is, and its end frees them
-        around = self._in_forward[-1] if self._in_forward else self.module
-        self._returned.setdefault(id(around), []).extend(owners.values())
-        return list(owners.values())
-
-    def _free_returned(self, around: int, kept: list[Unit]) -> None:
-        for unit in self._returned.pop(around, []):
-            if unit not in kept and not unit.held and unit.training_state != PRE_BACKWARD:
-                unit.free()
-
     def _on_model_forward_end(self, module, args, output) -> None:
-        self._in_forward.clear()
-        self._free_returned(id(self.module), [])
+        self.returned.release(self.model, [])
 
-    def prefetch_after(self, unit: Unit, forward: bool) -> None:
-        """Start gathering the unit after `unit` (in forward's order, or backward's), so that its
-        all-gather runs while `unit` computes."""
+    def following(self, unit: Unit, forward: bool) -> Unit | None:
+        """The unit after `unit` in forward's (or backward's) order, as the first step ran."""
         order = self.forward_order if forward else self.backward_order
-        following = order.index(unit) + 1
-        if self.prefetch and following < len(order):
-            order[following].gather(prefetch=True, forward=forward)
+        at = order.index(unit) + 1
+        return order[at] if self.prefetch and at < len(order) else None
 
-    def backward(self, loss: torch.Tensor) -> None:
+    # --- backward: autograd drives it, the reducer hands each complete bucket here ----------------
+    def before_backward(self) -> None:
         for unit in self.units:                        # a forward from here on is a recompute
-            unit.training_state = PRE_BACKWARD         # [Note: recompute]
-        super().backward(loss)
+            unit.enter_backward()                      # [Note: recompute]
 
-    def _bucket_ready(self, b):
-        return self._unit_of_bucket[b.index].post_backward()   # the reducer: in bucket order
+    def bucket_ready(self, b: Bucket, reduce_scatter):
+        return self._unit_of_bucket[b.index].post_backward(reduce_scatter)   # in bucket order
 
-    def free_finished(self) -> None:
-        """Free the units whose backward is done but whose frozen parameters were kept."""
-        for unit in self.finished:
+    def free_finished(self) -> None:                   # backward done, frozen parameters kept
+        for unit in self._finished:
             unit.free()
-        self.finished.clear()
+        self._finished.clear()
 
-    def _after_backward(self) -> None:
-        super()._after_backward()                      # post_backward of units that got no gradient
-        self.finished.clear()
-        for unit in self.units:                        # and units a prefetch gathered after it
-            unit.free()
-            unit.training_state = IDLE
-            unit.drop_secondary()                      # hpZ: units with nothing to train keep it
+    def after_backward(self) -> None:
+        self._finished.clear()
+        for unit in self.units:            # and units a prefetch gathered after their last use
+            unit.end_backward()
 
-    def _after_step(self) -> None:
-        pass                                           # the optimizer updated the shards in place
-
-    # --- engine.gathered(): the units holding the parameters asked for ----------------------------
-    def _units_of(self, params) -> list[Unit]:
-        wanted = {id(p) for p in params}
-        return [u for u in self.units if any(id(p) in wanted for p in u.params)]
-
-    def _gather_for_user(self, params) -> None:
-        # units not held yet: a nested gathered() (full_state_dict inside one) keeps the outer's
-        newly = [unit for unit in self._units_of(params) if not unit.held]
-        for unit in newly:
-            unit.gather()
-            unit.held = True
-        self._gathered_for_user.append(newly)
-
-    def _after_user_write(self, params) -> None:
-        for unit in self._units_of(params):            # the full parameters were written: my part
-            for full, shard in unit.buffers():
-                shard.copy_(partition(full, self.layout.rank, self.layout.world_size))
-        super()._after_user_write(params)              # the masters follow the shards
-
-    def _write_marks(self, params) -> tuple[torch.Tensor, list[int]]:
-        """What shows a write to the gathered parameters: a checksum of each full buffer (its
-        elements' bits, summed as integers: exact, and changed by any one element written) and
-        where each parameter's values live (`p.data = ...` moves them)."""
-        sums = [full.view(_SAME_SIZE_INT[full.element_size()]).sum(dtype=torch.int64)
-                for unit in self._units_of(params) for full, _ in unit.buffers()]
-        return torch.stack(sums) if sums else torch.zeros(0), [p.data_ptr() for p in params]
-
-    def _refuse_dropped_writes(self, params, marks) -> None:
-        """gathered(modifier_rank=None) at its end: if any rank wrote, every rank raises (one
-        all-reduce of a flag per rank, so that no rank goes on alone and all name the writers)."""
-        sums, places = self._write_marks(params)
-        wrote = torch.zeros(self.world_size, device=self.device)
-        wrote[comm.rank()] = float(places != marks[1] or not torch.equal(sums, marks[0]))
-        comm.all_reduce(wrote, op="sum", tag="gathered(modifier_rank=None): a write?")
-        writers = [r for r, w in enumerate(wrote.tolist()) if w]
-        if writers:
-            raise ParameterWriteError(
-                f"rank{'s' if len(writers) > 1 else ''} {', '.join(map(str, writers))} wrote to "
-                "stage-3 parameters inside engine.gathered(modifier_rank=None), where a write "
-                "cannot take effect (each rank keeps its partition from before the block): use "
-                "engine.gathered(modifier_rank=r), and rank r's values reach every rank")
-
-    def _release_for_user(self, params) -> None:
-        for unit in self._gathered_for_user.pop():
-            unit.held = False
-            unit.free()
-
-    def _param_tensors(self):
+    # --- memory -----------------------------------------------------------------------------------
+    def param_tensors(self) -> list[torch.Tensor]:
         return [full for unit in self.units for full, _ in unit.buffers()]    # 0 bytes while free
 
-    def _extra_tensors(self, category):
-        shard_category = "offloaded" if self.offload == "params" else "params"
-        extra = super()._extra_tensors(category)
-        if category == shard_category:
-            extra = extra + [self.param_shard] + [u.frozen_shard for u in self.units]
-        if category == "params":                       # hpZ's secondaries live on the device
-            extra = extra + [t for u in self.units for t in (u.secondary or [])]
-        return extra
+    def tensors(self, category: str) -> list[torch.Tensor]:
+        """The shards (on the host with offload="params") and hpZ's secondaries (the device)."""
+        shards = [self.shard] + [u.frozen_shard for u in self.units]
+        secondaries = [t for u in self.units for t in (u.secondary or [])]
+        return ((shards if category == ("offloaded" if self.host else "params") else [])
+                + (secondaries if category == "params" else []))

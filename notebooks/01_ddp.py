@@ -87,17 +87,18 @@ plots.step_widget(steps, stage=[0, 1, 2, 3], world_size=[2, 3, 4])
 # ### The lines that did it
 #
 # DDP's whole algorithm is one call in `minizero/ddp.py`: when the reducer (`minizero/reducer.py`)
-# sees that backward has completed every gradient of a bucket, it calls `_all_reduce_bucket`, which
-# starts the all-reduce of the bucket's flat gradients with `op="avg"` and returns at once
+# sees that backward has completed every gradient of a bucket, it calls the gradients' `reduce`
+# (`AllReducedGradients`, DDP's row of the table in `minizero/stages.py`), which starts the
+# all-reduce of the bucket's flat gradients with `op="avg"` and returns at once
 # (`async_op=True`): phases 2-5 above. The step (`Engine.step` in `minizero/engine.py`) then runs
 # the same optimizer on the same averaged gradients on every rank. Read from the files now:
 
 # %%
-from minizero.ddp import DDP
+from minizero.ddp import AllReducedGradients
 from minizero.engine import Engine
 from minizero.lab import source
 
-source.show(DDP._all_reduce_bucket, Engine.step, mark=("all_reduce(", "optimizer.step("))
+source.show(AllReducedGradients.reduce, Engine.step, mark=("all_reduce(", "optimizer.step("))
 
 # %% [markdown]
 # ## The code every rank runs

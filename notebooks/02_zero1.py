@@ -75,17 +75,19 @@ plots.step_widget(steps, stage=[0, 1, 2, 3], world_size=[2, 3, 4])
 # %% [markdown]
 # ### The lines that did it
 #
-# Stage 1 changes what happens at the step (`minizero/zero1.py`): `_grad_parts` reduce-scatters each
-# bucket of the full gradients backward left, so rank r holds the average of its own partition
-# (the reduce-scatter phases above); the optimizer steps only those partitions; `_after_step`
-# all-gathers every rank's updated partition into everyone's flat parameters (the all-gather
-# phases). Read from the file now:
+# Stage 1 changes what happens at the step (`minizero/zero1.py`): `GradientsReducedAtStep.parts`
+# reduce-scatters each bucket of the full gradients backward left, so rank r holds the average of
+# its own partition (the reduce-scatter phases above); the optimizer steps only those partitions;
+# `ReplicatedParameters.after_step` (`minizero/ddp.py`) all-gathers every rank's updated partition
+# into everyone's flat parameters (the all-gather phases). Read from the files now:
 
 # %%
+from minizero.ddp import ReplicatedParameters
 from minizero.lab import source
-from minizero.zero1 import Zero1
+from minizero.zero1 import GradientsReducedAtStep
 
-source.show(Zero1._grad_parts, Zero1._after_step, mark=("reduce_scatter(", "all_gather("))
+source.show(GradientsReducedAtStep.parts, ReplicatedParameters.after_step,
+            mark=("reduce_scatter(", "all_gather("))
 
 # %% [markdown]
 # ## The code every rank runs

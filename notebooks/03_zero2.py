@@ -71,18 +71,18 @@ plots.step_widget(steps, stage=[0, 1, 2, 3], world_size=[2, 3, 4])
 # %% [markdown]
 # ### The lines that did it
 #
-# Stage 2 moves the reduce-scatter into backward (`minizero/zero2.py`): as each parameter's
-# gradient is complete, `_stage_gradient` copies it into its bucket's staging buffer and frees
-# `p.grad` (*gradients in flight* above); when the bucket is complete, `reduce_scatter_grads`
-# starts its reduce-scatter (the reduce-scatter phases); when that arrives, `_accumulate_bucket`
-# adds rank r's partition into the gradient shard and drops the staging buffer. The step and the
-# all-gather after it are stage 1's. Read from the file now:
+# Stage 2 moves the reduce-scatter into backward (`minizero/zero2.py`, `GradientShard`): as each
+# parameter's gradient is complete, `stage` copies it into its bucket's staging buffer and frees
+# `p.grad` (*gradients in flight* above); when the bucket is complete, `reduce` starts its
+# reduce-scatter (the reduce-scatter phases); when that arrives, `arrived` adds rank r's partition
+# into the gradient shard and drops the staging buffer. The step and the all-gather after it are
+# stage 1's. Read from the file now:
 
 # %%
 from minizero.lab import source
-from minizero.zero2 import Zero2
+from minizero.zero2 import GradientShard
 
-source.show(Zero2._stage_gradient, Zero2.reduce_scatter_grads, Zero2._accumulate_bucket,
+source.show(GradientShard.stage, GradientShard.reduce, GradientShard.arrived,
             mark=("p.grad = None", "reduce_scatter(", ".add_("))
 
 # %% [markdown]

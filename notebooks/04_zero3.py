@@ -77,18 +77,18 @@ plots.step_widget(steps, stage=[0, 1, 2, 3], world_size=[2, 3, 4])
 # %% [markdown]
 # ### The lines that did it
 #
-# Stage 3's unit (`minizero/unit.py`): `gather` allocates the unit's full buffer and all-gathers
+# Stage 3's unit (`minizero/zero3.py`): `gather` allocates the unit's full buffer and all-gathers
 # every rank's shard into it (the all-gather phases above), `free` gives the storage back, 0 bytes,
 # the shape kept (the free phases), and `post_backward` reduce-scatters the unit's gradients, stage
-# 2's `reduce_scatter_grads`, then frees it. The module's forward pre-hook calls `pre_forward`
+# 2's `GradientShard.reduce`, then frees it. The module's forward pre-hook calls `pre_forward`
 # (gather, prefetch the next), its forward hook `post_forward` (free). Read from the file now:
 
 # %%
 from minizero.lab import source
-from minizero.unit import Unit
+from minizero.zero3 import Unit
 
 source.show(Unit.gather, Unit.free, Unit.post_forward, Unit.post_backward,
-            mark=("all_gather(", "resize_(", "self.free()", "reduce_scatter_grads()"))
+            mark=("all_gather(", "resize_(", "self.free()", "reduce_scatter(self.bucket"))
 
 # %% [markdown]
 # ## The code every rank runs
@@ -170,7 +170,7 @@ for when, nbytes in seen:
 # 32 bytes while the unit runs: the weight is a view of the unit's whole gathered buffer, the
 # weight's 3 × 2 and the bias's 2 fp32 elements. 4 bytes otherwise, not 0: a released parameter
 # points at one NaN element shared by every absent parameter of that dtype (`absent_like` in
-# `minizero/unit.py`), so that reading it gives NaN instead of freed memory (notebook 09, section
+# `minizero/absent.py`), so that reading it gives NaN instead of freed memory (notebook 09, section
 # 2). Its shape stays (3 × 2 here) and so does `numel()`.
 
 # %% [markdown]

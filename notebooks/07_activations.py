@@ -148,9 +148,9 @@ plots.memory_timeline(timelines);
 #   are in flight (`minizero.reducer.GradBuckets`).
 # - **Memory defragmentation (M_D).** Long-lived tensors live in preallocated contiguous buffers
 #   (`minizero/flat.py`: parameters and gradients as views of one flat buffer per bucket; stage 3's
-#   `minizero.unit.Unit`'s `full`); short-lived gradients are copied into their bucket's buffer the
-#   moment they are complete (`minizero.zero2.Zero2.contiguous_gradients`), so they never interleave
-#   with activations.
+#   `minizero.zero3.Unit`'s `full`); short-lived gradients are copied into their bucket's buffer
+#   the moment they are complete (`minizero.zero2.GradientShard.contiguous_gradients`), so they
+#   never interleave with activations.
 
 # %% [markdown]
 # ## What to try

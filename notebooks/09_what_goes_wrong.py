@@ -149,7 +149,7 @@ interact(reproduce, mode=["raise", "kill", "skip-block", "extra-micro-batch"], s
 # visible by replacing each parameter's data with an empty tensor, so `p.shape` prints
 # `torch.Size([0])`; minizero keeps the shape (so `p.numel()` still counts Ψ) and points the
 # parameter at a placeholder that reads as NaN and refuses writes (`absent_like` in
-# minizero/unit.py). Either way **the values are not there**. To look at, print, compare or edit
+# minizero/absent.py). Either way **the values are not there**. To look at, print, compare or edit
 # parameters between steps, gather them first:
 
 # %%
@@ -162,7 +162,7 @@ from minizero.lab.model import GPTConfig, make_model
 model = make_model(GPTConfig.named(MODEL, n_layer=N_LAYER))
 engine = minizero.wrap(model, 3, functools.partial(torch.optim.SGD, lr=0.1))   # here: N = 1
 w = model.blocks[0].ln1.weight
-held = sum(unit.held_bytes() for unit in engine.units)              # every unit released
+held = sum(unit.full_bytes() for unit in engine.units)              # every unit released
 outside = bool(w.isnan().all())
 print("outside forward:", w.shape, w[:4], f"({held} bytes gathered)")      # the shape kept, NaN
 with engine.gathered([model.blocks[0]]):                             # every rank: a collective

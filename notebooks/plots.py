@@ -580,7 +580,7 @@ def _boundaries(steps: dict) -> list[tuple[int, str]]:
 
 
 def _ran(where: dict | None) -> str:
-    """'  <- minizero/unit.py:141 Unit.free': the line of minizero a phase came from."""
+    """'  <- minizero/zero3.py:170 Unit.free': the line of minizero a phase came from."""
     return "" if where is None else f"  <- {where['file']}:{where['line']} {where['function']}"
 
 

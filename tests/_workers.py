@@ -162,7 +162,7 @@ def build_sharded(kind: str, seed: int = 3) -> dict:
         "differ": [n for (n, p), (_, q) in zip(model.named_parameters(), normal.named_parameters())
                    if not torch.equal(full_value(p), q.detach())],
         "unpartitioned": [n for n, p in model.named_parameters() if partition_of(p) is None],
-        # after the context each parameter is absent (unit.py): NaN, one shared value of 4 bytes
+        # after the context each parameter is absent (absent.py): NaN, one shared value of 4 bytes
         "held_after": sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
                            for p in model.parameters()}.values()),
         "absent_after": all(p.isnan().all() for p in model.parameters()),
@@ -200,7 +200,7 @@ def gathered_round_trip(stage: int, options: dict) -> dict:
         with torch.no_grad():
             engine(xm)                     # an evaluation inside the block leaves it gathered too
         read = {n: p.detach().float().clone() for n, p in names.items()}
-    # outside: stage 3's parameters are absent (unit.py), the others are the trained values
+    # outside: stage 3's parameters are absent (absent.py), the others are the trained values
     outside = {n: p.detach().float().clone() for n, p in names.items()}
     try:
         with torch.no_grad():
@@ -253,7 +253,7 @@ def _injected_overflow(stage: int, stages, steps: tuple, loss_scale: dict, n_ste
     )
     engine = minizero.wrap(make_model(cfg.model_config(), seed=0), stage, cfg.optimizer_factory(),
                            **cfg.engine_options())
-    grad_parts = engine._grad_parts
+    grad_parts = engine.grads.parts
 
     def poisoned():                            # the test hook: one element of rank 1's shard is inf
         parts = grad_parts()
@@ -261,7 +261,7 @@ def _injected_overflow(stage: int, stages, steps: tuple, loss_scale: dict, n_ste
             parts[0][0] = float("inf")
         return parts
 
-    engine._grad_parts = poisoned
+    engine.grads.parts = poisoned
     scales, unchanged = [], []
     for step in range(n_steps):
         before = engine.full_state_dict()

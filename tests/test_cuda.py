@@ -15,7 +15,7 @@ What runs differently on CUDA, and the test that runs it:
   where shards, units and optimizer state live . test_allocator_frees_what_memory_counts (the bytes
       CUDA's allocator frees when the engine is dropped = engine.memory()'s device categories)
   offload moves bytes off the device .......... test_offload_takes_the_formulas_bytes_off_the_device
-  pinned host buffers (offload.py; zero3.py's param_shard) ... test_offload_host_buffers_are_pinned
+  pinned host buffers (offload.py; zero3.py's shard) ... test_offload_host_buffers_are_pinned
   non_blocking copies; the stream synchronised before the host's optimizer step
       ......................................... test_offload_waits_for_its_copies (a stalled stream)
   activation checkpointing's inputs on pinned host memory, copied back non-blocking, the CUDA RNG
@@ -134,7 +134,7 @@ def _host_buffers(engine) -> dict[str, torch.Tensor]:
         buffers |= {f"host_grads[{i}]": t for i, t in enumerate(engine.optimizer.host_grads)}
         buffers |= {f"masters[{i}]": t for i, t in enumerate(engine.optimizer.masters)}
     if engine.offload == "params":
-        buffers["param_shard"] = engine.param_shard
+        buffers["param_shard"] = engine.params.shard
         buffers |= {f"{u.name}.frozen_shard": u.frozen_shard for u in engine.units
                     if u.frozen_shard.numel()}
     return buffers

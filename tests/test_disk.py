@@ -47,13 +47,13 @@ def test_pieces_step_bitwise_like_memory(tmp_path, dtype, optimizer):
     grads = [[torch.randn(v.numel()).to(dtype) for v in values] for _ in range(4)]
     parts = {"memory": [v.clone() for v in values], "disk": [v.clone() for v in values]}
     memory = ShardOptimizer(parts["memory"], optimizer)
-    disk = SmallPieces(parts["disk"], optimizer, tmp_path)
+    disk = SmallPieces(parts["disk"], optimizer, folder=tmp_path)
     assert len(disk.pieces) == 5  # more than the 3 slots: they are reused
     for g in grads[:3]:
         memory.step(g)
         disk.step(g)
     fresh_parts = [v.clone() for v in parts["disk"]]
-    fresh = SmallPieces(fresh_parts, optimizer, tmp_path)
+    fresh = SmallPieces(fresh_parts, optimizer, folder=tmp_path)
     fresh.load_state_dict(disk.state_dict())
     for m, v in zip(fresh.masters, disk.master_values()):  # what checkpoint._restore does
         m.data.copy_(v)

@@ -26,7 +26,7 @@ def test_gathered_reads_full_parameters_and_rank_1_writes_reach_every_rank(round
             f"rank {r}: what rank 1 wrote inside gathered(modifier_rank=1) is not there"
         )
     # between steps, outside gathered(): stage 3's parameters are absent (NaN, shape kept, not
-    # writable: unit.py's [Note: absent parameters]), not a view of freed memory that crashes
+    # writable: absent.py's [Note: absent parameters]), not a view of freed memory that crashes
     stage, outside = SETTINGS[i][0], ranks[0]["outside"]
     assert outside["shapes_kept"]
     if stage == 3:

@@ -15,7 +15,7 @@ from minizero import events
 from minizero.lab.data import global_batch
 from minizero.lab.model import GPTConfig, make_model
 from minizero.lab.train import loss_fn
-from minizero.zero2 import Zero2
+from minizero.stages import Zero2
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
 

@@ -24,6 +24,7 @@ from torch import nn
 
 import minizero
 from minizero import comm
+from minizero.zero3 import ShardState
 
 FSDP = minizero.FullyShardedDataParallel
 N = 2                                   # the tally's world size
@@ -275,7 +276,8 @@ def summon_full_params() -> dict:
     outside = model.state_dict()
     with model.summon_full_params(volatile=True):
         checks["state_dict inside it"] = diff(model.state_dict(), outside) == 0.0
-    checks["every unit freed after it"] = all(u.state == "free" for u in model.engine.units)
+    checks["every unit freed after it"] = all(u.state is ShardState.FREE
+                                              for u in model.engine.units)
     train(model, torch.optim.SGD(model.parameters(), lr=0.1), float_batches(), local=True)
     train(reference, torch.optim.SGD(reference.parameters(), lr=0.1), float_batches(),
           local=False)
@@ -505,7 +507,7 @@ def inputs_and_passes() -> dict:
     with torch.no_grad():
         out = model(torch.ones(2, 8))
     checks["eval without autograd frees every unit"] = all(
-        u.state == "free" for u in model.engine.units)
+        u.state is ShardState.FREE for u in model.engine.units)
     checks["eval output"] = (out - Nested().eval()(torch.ones(2, 8))).abs().max().item() <= FP32
     return checks
 

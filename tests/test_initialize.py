@@ -176,7 +176,7 @@ def test_auto_is_resolved_where_the_batch_or_the_model_decides():
               "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}
     engine, *_ = minizero.initialize(model=WithConfig(2, 2), config=config)
     assert engine.train_batch_size() == 6 and engine.gradient_accumulation_steps() == 3
-    assert engine.engine.bucket_size == 8 * 8 * 4        # h² elements of fp32 (Hugging Face's rule)
+    assert engine.engine.options.bucket_size == 8 * 8 * 4   # h² elements of fp32 (HF's rule)
 
 
 RESUME_CONFIG = {

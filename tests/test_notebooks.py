@@ -169,8 +169,9 @@ def test_every_notebook_has_a_control_and_ends_with_what_to_try():
 
 
 # what the stage notebook launches notebooks/ranks.py with, and what it shows of minizero's source
-STAGE_CODE = {"01_ddp": (0, "DDP._all_reduce_bucket"), "02_zero1": (1, "Zero1._grad_parts"),
-              "03_zero2": (2, "Zero2.reduce_scatter_grads"), "04_zero3": (3, "Unit.gather"),
+STAGE_CODE = {"01_ddp": (0, "AllReducedGradients.reduce"),
+              "02_zero1": (1, "GradientsReducedAtStep.parts"),
+              "03_zero2": (2, "GradientShard.reduce"), "04_zero3": (3, "Unit.gather"),
               "05_offload": (2, "HostShardOptimizer._grads_for_masters")}
 
 

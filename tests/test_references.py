@@ -3,8 +3,8 @@
     python -m pytest tests/test_references.py
 
 A reader moves from reading to doing at "Then do exercise 6", and from an exercise to the code at
-"Compare: minizero/unit.py (Unit: gather, ...)". When exercises are renumbered or code moves between
-files, those pointers rot silently; here they are checked:
+"Compare: minizero/zero3.py (Unit: gather, ...)". When exercises are renumbered or code moves
+between files, those pointers rot silently; here they are checked:
   * an exercise named in a notebook is one the exercises' table lists for that notebook;
   * an exercise named in minizero's source is one whose statement or grader uses that file;
   * any other "exercise N" / "exNN" (READMEs, docs, slides) exists;
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXERCISE_TABLE_ROW = re.compile(r"^\| (\d+) \| `(ex\d\d_\w+)\.py` \|.*\| (.*) \|$", re.M)
 # "exercise 7", "exercises 9 (the host step) and 10 (...)", "Exercise 04", "ex08"
 EXERCISE_REF = re.compile(r"\b[Ee]xercises? (\d+)((?:(?: \([^)]*\))?(?:,| and) \d+)*)|\bex(\d\d)\b")
-# "minizero/unit.py (Unit: gather, free)", also across a line break and its comment marker
+# "minizero/zero3.py (Unit: gather, free)", also across a line break and its comment marker
 CODE_REF = re.compile(r"(?:minizero/)?([a-z_/0-9]+\.py)\s*(?:#\s*)?\(([^)]*)\)")
 IDENTIFIER = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)?$")
 

@@ -65,19 +65,21 @@ def test_tied_weight_split_across_units_trains_like_the_reference():
 
 
 def test_the_peak_is_counted_at_each_gather_not_measured_again(monkeypatch):
-    """engine.py [Note: counted peaks]: a step measures every storage twice (end of backward, step),
-    not at every unit gathered and bucket launched; what it counts there equals a measurement."""
+    """memory/meter.py [Note: counted peaks]: a step measures every storage twice (end of backward,
+    step), not at every unit gathered and bucket launched; what it counts there equals a
+    measurement."""
     model = make_model(GPTConfig())
     engine = minizero.wrap(
         model, 3, functools.partial(torch.optim.SGD, lr=0.1), units=list(model.blocks)
     )
-    measure = engine._measure
+    meter = engine.meter
+    measure = meter.now
     measured, counted = [], []
-    monkeypatch.setattr(engine, "_measure", lambda: measured.append(1) or measure())
+    monkeypatch.setattr(meter, "now", lambda: measured.append(1) or measure())
 
-    def compare(name, fields):                  # after the engine's own subscriber has counted
-        if name in ("unit gathered", "bucket ready") and fields["engine"] is engine and engine._now:
-            counted.append((dict(engine._now), measure()))
+    def compare(name, fields):                  # after the meter's own subscriber has counted
+        if name in ("unit gathered", "bucket ready") and fields["engine"] is engine and meter._now:
+            counted.append((dict(meter._now), measure()))
     x, y = global_batch(0, 8, 32)
     with events.subscribed(compare):
         for _ in range(3):

@@ -1,4 +1,4 @@
-"""Exercise 6, answer: the body of minizero's stage 2 hook (zero2.py, Zero2.reduce_scatter_grads),
+"""Exercise 6, answer: the body of minizero's stage 2 hook (zero2.py, GradientShard.reduce),
 written against plain parameters instead of the engine's bucket objects."""
 
 import torch

@@ -1,7 +1,7 @@
 """Exercise 8, answer: ZeRO stage 3 from torch and minizero.comm alone. minizero's own version
-spreads the same steps over flat.py (the layout), unit.py (Unit: gather, free, the four hooks),
-zero3.py (Zero3: prefetch_after), zero2.py (the reduce-scatter), reducer.py (when a bucket is
-ready) and engine.py (clipping, the step)."""
+spreads the same steps over flat.py (the layout), zero3.py (Unit: gather, free, the four hooks;
+ShardedUnits.following: the prefetch), zero2.py (the reduce-scatter), reducer.py (when a bucket
+is ready) and engine.py (clipping, the step)."""
 
 import torch
 from torch import nn

@@ -1,6 +1,6 @@
 """Exercise 14, answer: the launch policy of minizero's reducer (minizero/reducer.py,
 GradBuckets), the bucket size that policy runs fastest with on a given link, and stage 3's prefetch
-(minizero/zero3.py, minizero/unit.py)."""
+(minizero/zero3.py)."""
 
 from collections import deque
 

@@ -18,13 +18,13 @@ from pathlib import Path
 
 # (where the term comes from, the term, minizero symbol, how minizero's version relates)
 CONCEPTS = [
-    ("DeepSpeed", "zero_optimization.stage 0 / plain data parallelism", "minizero.ddp.DDP",
+    ("DeepSpeed", "zero_optimization.stage 0 / plain data parallelism", "minizero.stages.DDP",
      "stage 0: everything replicated, gradients all-reduced"),
-    ("DeepSpeed", "zero_optimization.stage 1", "minizero.zero1.Zero1",
+    ("DeepSpeed", "zero_optimization.stage 1", "minizero.stages.Zero1",
      "P_os: optimizer states partitioned"),
-    ("DeepSpeed", "zero_optimization.stage 2", "minizero.zero2.Zero2",
+    ("DeepSpeed", "zero_optimization.stage 2", "minizero.stages.Zero2",
      "P_os+g: + gradients partitioned"),
-    ("DeepSpeed", "zero_optimization.stage 3", "minizero.zero3.Zero3",
+    ("DeepSpeed", "zero_optimization.stage 3", "minizero.stages.Zero3",
      "P_os+g+p: + parameters partitioned"),
     ("DeepSpeed", "flat partitions (stage_1_and_2 single_partition_of_fp32_groups)",
      "minizero.flat.FlatLayout", "flatten, pad to a multiple of N, one partition per rank"),
@@ -35,19 +35,19 @@ CONCEPTS = [
     ("DeepSpeed", "overlap_comm", "minizero.reducer.GradBuckets",
      "buckets launched from autograd hooks while backward runs"),
     ("DeepSpeed", "reduce_scatter (stage 2 gradient reduction)",
-     "minizero.zero2.Zero2.reduce_scatter_grads", "one async reduce-scatter per bucket"),
-    ("DeepSpeed", "contiguous_gradients", "minizero.zero2.Zero2._stage_gradient",
+     "minizero.zero2.GradientShard.reduce", "one async reduce-scatter per bucket"),
+    ("DeepSpeed", "contiguous_gradients", "minizero.zero2.GradientShard.stage",
      "each gradient copied into its bucket's buffer and freed at once"),
     ("DeepSpeed", "allgather_bucket_size (stage 1-2 parameter all-gather)",
-     "minizero.zero1.Zero1._after_step", "updated partitions all-gathered per bucket"),
+     "minizero.ddp.ReplicatedParameters.after_step", "updated partitions all-gathered per bucket"),
     ("DeepSpeed", "partitioned_param_coordinator (stage 3 fetch/release)",
-     "minizero.unit.Unit.gather", "all-gather a unit before use; Unit.free releases it"),
-    ("DeepSpeed", "stage3_prefetch_bucket_size", "minizero.zero3.Zero3.prefetch_after",
+     "minizero.zero3.Unit.gather", "all-gather a unit before use; Unit.free releases it"),
+    ("DeepSpeed", "stage3_prefetch_bucket_size", "minizero.zero3.ShardedUnits.following",
      "the next unit in recorded order is gathered ahead"),
     ("DeepSpeed", "offload_optimizer.device = cpu (ZeRO-Offload)",
      "minizero.offload.HostShardOptimizer", "masters and state on the host, step on the host"),
     ("DeepSpeed", "offload_param.device = cpu (ZeRO-Infinity)",
-     "minizero.zero3.Zero3._init_parameters", "parameter shards kept in host memory between uses"),
+     "minizero.zero3.ShardedUnits", "parameter shards kept in host memory between uses"),
     (
         "DeepSpeed",
         "zero_quantized_weights (ZeRO++ qwZ)",
@@ -109,14 +109,14 @@ CONCEPTS = [
     ("FairScale", "FSDP gather_full_optim_state_dict",
      "minizero.fsdp_state.StateMixin.gather_full_optim_state_dict",
      "the unwrapped model's optimizer state on rank 0; get_shard_from_optim_state_dict cuts it"),
-    ("FairScale", "OSS (optimizer state sharding)", "minizero.zero1.Zero1",
+    ("FairScale", "OSS (optimizer state sharding)", "minizero.stages.Zero1",
      "OSS gives whole parameters to ranks; minizero splits one flat buffer evenly"),
-    ("FairScale", "ShardedDDP", "minizero.zero2.Zero2", "gradients reduced to their owner only"),
-    ("FairScale", "FSDP reshard_after_forward", "minizero.unit.Unit.post_forward",
+    ("FairScale", "ShardedDDP", "minizero.stages.Zero2", "gradients reduced to their owner only"),
+    ("FairScale", "FSDP reshard_after_forward", "minizero.zero3.Unit.post_forward",
      "True is stage 3 (free after forward); False keeps them, like stage 2"),
     ("FairScale", "FSDP flatten_parameters", "minizero.flat.FlatLayout.point_params_into",
      "parameters become views of one flat buffer"),
-    ("FairScale", "FSDP move_params_to_cpu", "minizero.unit.Unit.gather",
+    ("FairScale", "FSDP move_params_to_cpu", "minizero.zero3.Unit.gather",
      "offload='params': host shard copied to the device before the all-gather"),
     ("PyTorch", "DistributedDataParallel bucket_cap_mb", "minizero.flat.DEFAULT_BUCKET_BYTES",
      "25 MB buckets, in reverse parameter order"),
@@ -125,9 +125,9 @@ CONCEPTS = [
     ("PyTorch", "DDP Reducer (autograd hooks, in-order buckets)", "minizero.reducer.GradBuckets",
      ""),
     ("PyTorch", "DDP no_sync()", "minizero.engine.Engine.no_sync", ""),
-    ("PyTorch", "ZeroRedundancyOptimizer", "minizero.zero1.Zero1",
+    ("PyTorch", "ZeroRedundancyOptimizer", "minizero.stages.Zero1",
      "stage 1; ZeroRedundancyOptimizer broadcasts partitions instead of all-gathering"),
-    ("PyTorch", "FSDP2 fully_shard", "minizero.zero3.Zero3", "one unit per fully_shard call"),
+    ("PyTorch", "FSDP2 fully_shard", "minizero.stages.Zero3", "one unit per fully_shard call"),
     ("PyTorch", "FSDP auto_wrap_policy / fully_shard on each block", "minizero.units.default_units",
      "default units: a transformer's blocks plus the root, else submodules of at most Ψ/8"),
     ("DeepSpeed", "deepspeed.zero.Init", "minizero.construct.sharded_init",
@@ -136,17 +136,17 @@ CONCEPTS = [
      "minizero.engine.Engine.gathered",
      "full parameters between steps; rank r's writes reach every rank and the masters"),
     ("PyTorch", "FSDP summon_full_params(writeback=True)", "minizero.engine.Engine.gathered", ""),
-    ("PyTorch", "FSDP2 FSDPParamGroup (unshard / reshard, training state)", "minizero.unit.Unit",
+    ("PyTorch", "FSDP2 FSDPParamGroup (unshard / reshard, training state)", "minizero.zero3.Unit",
      "one unit's buffers, state and lifecycle; its training state recognises recomputation"),
     ("PyTorch", "FSDP2 MixedPrecisionPolicy(param_dtype=bfloat16)",
-     "minizero.optim.ShardOptimizer._make_master",
+     "minizero.optim.fp32_master",
      "bf16 parameters for compute, fp32 master copy for the step"),
     ("PyTorch", "FSDP2 MixedPrecisionPolicy(reduce_dtype=float32)",
      "minizero.flat.FlatLayout.point_grads_into",
      "wrap(reduce_dtype='fp32'): 4 bytes a gradient, gradient collectives at 4 bytes an element"),
     ("PyTorch", "torch.amp.GradScaler", "minizero.loss_scale.LossScaler",
      "GradScaler's growth/backoff without DeepSpeed's hysteresis; minizero follows DeepSpeed"),
-    ("PyTorch", "FSDP2 reshard_after_forward", "minizero.unit.Unit.post_forward", ""),
+    ("PyTorch", "FSDP2 reshard_after_forward", "minizero.zero3.Unit.post_forward", ""),
     ("PyTorch", "FSDP2 CPUOffloadPolicy", "minizero.offload.HostShardOptimizer",
      "FSDP2 offloads parameters and gradients; minizero the optimizer (and parameters in stage 3)"),
     (
@@ -193,7 +193,7 @@ CONCEPTS = [
     (
         "DeepSpeed",
         "ZeRO++ hpZ (zero_hpz_partition_size, secondary partition)",
-        "minizero.unit.Unit.keep_secondary",
+        "minizero.zero3.Unit._keep_secondary",
         (
             "wrap(3, hpz_group_size=R): backward's all-gather "
             "within a node; inter-node bytes 3Ψ -> 2Ψ for Ψ/R "
@@ -206,7 +206,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def resolve(symbol: str):
-    """Import 'minizero.zero2.Zero2._reduce_scatter_bucket' -> the object."""
+    """Import 'minizero.zero2.GradientShard.reduce' -> the object."""
     parts = symbol.split(".")
     for i in range(len(parts), 0, -1):
         try:
@@ -251,6 +251,69 @@ def concept_rows() -> list[dict]:
             }
         )
     return rows
+
+
+# One parameter through stage 3 (docs/concepts.md): the calls its values, its gradient and its shard
+# go through, in the order they run, from wrap to the shard's update. comm.py (the collectives)
+# and torch are the floor every walk ends on, not steps of it. tests/test_concepts.py runs a
+# stage-3 step and checks that these calls happen in this order.
+WALK = [
+    ("build", "minizero.wrap.wrap", "checks the options; the engine of stage 3's row (stages.py)"),
+    ("build", "minizero.engine.Engine.__init__",
+     "casts p, broadcasts rank 0's values, builds the row's families top to bottom"),
+    ("build", "minizero.zero3.ShardedUnits.__init__",
+     "P_p: p's unit (units.py), the units laid end to end (flat.py), the shard [Ψ/N]"),
+    ("build", "minizero.zero3.Unit.__init__",
+     "the unit's full buffer, p a view of it; this rank's partition copied into the shard"),
+    ("build", "minizero.zero3.Unit.free", "the full buffer released: p is absent (absent.py)"),
+    ("build", "minizero.zero2.GradientShard.__init__", "P_g: the gradient shard [Ψ/N]"),
+    ("build", "minizero.optim.ShardOptimizer.__init__",
+     "P_os: fp32 masters and state for each unit's shard, nothing else"),
+    ("forward", "minizero.zero3.ShardedUnits._on_pre_forward", "the unit's module is called"),
+    ("forward", "minizero.zero3.Unit.pre_forward", "FORWARD; gather it, prefetch the next"),
+    ("forward", "minizero.zero3.Unit.gather",
+     "all-gather the N partitions into the full buffer: p is a view of it, the module computes"),
+    ("forward", "minizero.zero3.ShardedUnits._on_post_forward",
+     "its forward is done; a hook on its output waits for backward"),
+    ("forward", "minizero.zero3.Unit.post_forward", "IDLE; free it: p absent again"),
+    ("backward", "minizero.engine.Engine.backward",
+     "every unit PRE_BACKWARD (a forward now is a recompute), loss.backward()"),
+    ("backward", "minizero.zero3.Unit.pre_backward", "its output's gradient arrived: gather again"),
+    ("backward", "minizero.reducer.GradBuckets._on_grad_ready",
+     "p's gradient is complete: staged into its bucket's buffer, p.grad freed "
+     "(GradientShard.stage)"),
+    ("backward", "minizero.engine.Engine._bucket_ready", "every gradient of the unit is complete"),
+    ("backward", "minizero.zero3.ShardedUnits.bucket_ready", "the bucket is the unit"),
+    ("backward", "minizero.zero3.Unit.post_backward", "reduce-scatter its gradients, free it"),
+    ("backward", "minizero.zero2.GradientShard.reduce",
+     "the async reduce-scatter: rank r receives the average of partition r"),
+    ("backward", "minizero.zero2.GradientShard.arrived", "added into the gradient shard"),
+    ("step", "minizero.engine.Engine.step", "clip, step, zero"),
+    ("step", "minizero.zero2.GradientShard.parts", "p's averaged gradient partition"),
+    ("step", "minizero.optim.ShardOptimizer.step",
+     "fp32 master <- Adam; the shard <- master: p's next gather reads it"),
+]
+
+
+def walk_rows() -> list[dict]:
+    return [{"phase": phase, "symbol": symbol, "what": what,
+             **dict(zip(("path", "line"), location(symbol)))} for phase, symbol, what in WALK]
+
+
+def walk_markdown(link_prefix: str = "../") -> str:
+    rows = walk_rows()
+    files = sorted({r["path"] for r in rows})
+    out = ["", "## One parameter through stage 3", "",
+           f"`minizero.wrap(model, 3, optimizer)`, then one step: {len(rows)} calls in "
+           f"{len(files)} files ({', '.join(Path(f).name for f in files)}), in the order they run "
+           "(tests/test_concepts.py traces a step and checks it). Below them is comm.py, the one "
+           "caller of torch.distributed.", "",
+           "| phase | call | where | what happens to the parameter |", "|---|---|---|---|"]
+    for r in rows:
+        short = r["symbol"].removeprefix("minizero.")
+        out.append(f"| {r['phase']} | `{short}` | [{r['path']}:{r['line']}]"
+                   f"({link_prefix}{r['path']}#L{r['line']}) | {r['what']} |")
+    return "\n".join(out) + "\n"
 
 
 # The three front ends to the same engine, side by side (docs/concepts.md ends with it).
@@ -307,7 +370,7 @@ def to_markdown(link_prefix: str = "../") -> str:
         short = r["symbol"].removeprefix("minizero.")
         out.append(f"| {r['source']} | {r['term']} | `{short}` | [{r['path']}:{r['line']}]"
                    f"({link_prefix}{r['path']}#L{r['line']}) | {r['note']} |")
-    return "\n".join(out) + "\n" + FRONT_ENDS
+    return "\n".join(out) + "\n" + walk_markdown(link_prefix) + FRONT_ENDS
 
 
 DOC = ROOT / "docs" / "concepts.md"

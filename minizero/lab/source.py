@@ -2,8 +2,8 @@
 the function around it, highlighted.
 
     from minizero.lab import source
-    source.show(minizero.zero2.Zero2.reduce_scatter_grads, mark="reduce_scatter(")   # highlighted
-    source.show(("minizero/unit.py", 141))                        # the function around a line
+    source.show(minizero.zero2.GradientShard.reduce, mark="reduce_scatter(")      # highlighted
+    source.show(("minizero/zero3.py", 170))                        # the function around a line
     where = source.origin()      # inside an event subscriber: the minizero line that emitted it
 
 Notebooks 00-05 show the implementation this way, never a copy that could drift from it; the
@@ -32,7 +32,7 @@ PLUMBING = ("events.py", "comm.py", "quantize.py")    # frames that only carry a
 
 
 def relative(path: str | pathlib.Path) -> str:
-    """'minizero/unit.py' for a file of this repository (the path a learner opens); a file
+    """'minizero/zero3.py' for a file of this repository (the path a learner opens); a file
     elsewhere keeps its absolute path."""
     path = pathlib.Path(path).resolve()
     return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)

@@ -106,16 +106,16 @@ class _Recorder:
     def _bucket_of(self, t: torch.Tensor):
         e, ptr = self.engine, t.data_ptr()
         for b in e.layout.buckets:
-            flats = [getattr(e, name, None) for name in ("flat_params", "flat_grads")]
+            flats = [getattr(family, "flat", None) for family in (e.params, e.grads)]
             if any(f is not None and f[b.start:].data_ptr() == ptr for f in flats):
                 return b
-            staged = getattr(e, "staging", {}).get(b.index)
+            staged = getattr(e.grads, "staging", {}).get(b.index)
             if staged is not None and staged.data_ptr() == ptr:
                 return b
             if e.replicate_group is not None:    # step()'s all-reduce across the shard groups: this
                 # rank's partition of the gradients
-                part = (e.layout.shard(e.grad_shard, b) if e.stage >= 2 else
-                        e.layout.my_partition(e.layout.full(e.flat_grads, b), b))
+                part = (e.layout.shard(e.grads.shard, b) if e.stage >= 2 else
+                        e.layout.my_partition(e.layout.full(e.grads.flat, b), b))
                 if part.data_ptr() == ptr:
                     return b
         for unit in getattr(e, "units", []):
@@ -160,7 +160,7 @@ class _Recorder:
             return vec
 
         if e.stage < 3:
-            out["parameters"] = put(empty(), 0, e.flat_params)
+            out["parameters"] = put(empty(), 0, e.params.flat)
         else:
             full, shard = empty(), empty()
             for unit in e.units:
@@ -184,13 +184,13 @@ class _Recorder:
                         )
                 out["secondary partition (hpZ)"] = secondary
         if e.stage < 2:
-            out["gradients"] = put(empty(), 0, e.flat_grads)
+            out["gradients"] = put(empty(), 0, e.grads.flat)
         else:
             in_flight, shard = empty(), empty()
-            for index, staged in e.staging.items():
+            for index, staged in e.grads.staging.items():
                 put(in_flight, layout.buckets[index].start, staged)
             for b in layout.buckets:
-                put(shard, self.owned(b), layout.shard(e.grad_shard, b))
+                put(shard, self.owned(b), layout.shard(e.grads.shard, b))
             out["gradients in flight"], out["gradient shard"] = in_flight, shard
         opt = e.optimizer                      # its parts: one per bucket, this rank's (stages 1-3)
         where = " (host)" if e.offload else ""
@@ -310,10 +310,11 @@ def worker(cfg: StepConfig) -> dict:
                   activation_checkpointing=cfg.checkpointing, **options)
     x, y = (t[r * cfg.rows // n: (r + 1) * cfg.rows // n] for t in global_batch(cfg))
     rec, kind = _Recorder(engine), type(engine)
+    built = type(engine.params).__init__                      # where the parameters were laid out
     with rec.watching():
         rec.snap("start: each rank holds only its parameter shard, partition r of every unit"
                  if cfg.stage == 3 else "start: every rank holds rank 0's initial parameters",
-                 "start", where=source.of(getattr(kind, "_init_parameters", kind.__init__)))
+                 "start", where=source.of(built))
         loss = nn.functional.mse_loss(engine(x), y)
         rec.snap("end of forward: each rank has its loss on its own rows; every unit was gathered "
                  "for it and freed again (the phases above)" if cfg.stage == 3 else
