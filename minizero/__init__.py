@@ -8,16 +8,18 @@
     with minizero.sharded_init(): model = MyModel()      # stage 3: built partitioned, never whole
     minizero.set_z3_leaf_modules(model, [MoEBlock])      # stage 3: gathered whole (DeepSpeed's)
 
-This folder is the ZeRO implementation, read in this order (3,093 lines, docstrings included):
-    comm.py (653) -> events.py (116) -> flat.py (190) -> reducer.py (121) -> optim.py (297)
-    -> engine.py (552) -> ddp.py (100) -> zero1.py (111) -> zero2.py (145) -> zero3.py (261, with
-    unit.py 266 and units.py 222, leaf modules included) -> offload.py (59).
-Then options.py (which stage takes what), wrap.py, launcher.py, construct.py, initialize.py and
-fsdp.py (the public API), memory/ (the paper's formulas and the byte counter), activations.py
-(ZeRO-R), checkpoint.py (deepspeed_checkpoint.py: DeepSpeed's tags and `latest` over it),
-quantize.py (ZeRO++), network.py (a modelled cluster), disk.py (ZeRO-Infinity's disk tier),
-desync.py (ranks out of step, named), config.py (DeepSpeed JSON) and tensor_parallel.py
-(Megatron's tensor parallelism, which wrap(..., tensor_parallel=M) puts beside ZeRO on a 2-D mesh).
+This folder is the ZeRO implementation, read in this order (3,027 lines, docstrings included):
+    comm.py (653) -> events.py (116) -> flat.py (214) -> reducer.py (121) -> optim.py (300)
+    -> engine.py (521) -> stages.py (78, the paper's table: one row per stage) -> ddp.py (129)
+    -> zero1.py (75) -> zero2.py (114) -> zero3.py (350, with units.py 287, leaf modules included)
+    -> offload.py (69).
+Then options.py (which stage takes what), absent.py (a stage-3 parameter between uses), wrap.py,
+launcher.py, construct.py, initialize.py and fsdp.py (the public API), memory/ (the paper's
+formulas and the byte counter), activations.py (ZeRO-R), checkpoint.py (deepspeed_checkpoint.py:
+DeepSpeed's tags and `latest` over it), quantize.py (ZeRO++), network.py (a modelled cluster),
+disk.py (ZeRO-Infinity's disk tier), desync.py (ranks out of step, named), config.py (DeepSpeed
+JSON) and tensor_parallel.py (Megatron's tensor parallelism, which wrap(..., tensor_parallel=M)
+puts beside ZeRO on a 2-D mesh).
 Beside it, never imported by it (tests/test_layout.py checks): lab/ (the small GPT, the data, the
 training loop, the single-process reference, PyTorch's and DeepSpeed's peers, the experiments
 behind the notebooks, the benchmark) and cli/ (every command: python -m minizero <command>; the

@@ -219,3 +219,15 @@ def test_the_reading_orders_line_counts_are_the_files():
     assert counts == actual
     total = int(re.search(r"\(([\d,]+) lines", order).group(1).replace(",", ""))
     assert total == sum(actual.values())
+
+
+def test_the_readme_reads_the_code_in_the_same_order():
+    """README.md's "read in this order" lists the files minizero/__init__.py counts, in its order
+    (units.py comes with zero3.py there, so it is not a step of its own)."""
+    doc = minizero.__doc__
+    order = doc[doc.index("read in this order"):doc.index("Then ")]
+    package_order = re.findall(r"(\w+\.py) \(", order)
+    readme = (PACKAGE.parent / "README.md").read_text()
+    readme = readme[readme.index("read in this order"):]
+    readme_order = re.findall(r"`(\w+\.py)`", readme[:readme.index("Every")])
+    assert readme_order == package_order
