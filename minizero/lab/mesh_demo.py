@@ -3,8 +3,9 @@
 
     from minizero.lab import mesh_demo
     pair = mesh_demo.column_then_row()          # 2 ranks: Megatron's MLP pair vs one process
-    runs = mesh_demo.measure_meshes(((1, 4), (2, 2), (4, 1)), stages=range(4))
-    steps = mesh_demo.record_block()            # one step of a one-block GPT on 2 x 2, rank by rank
+    runs = mesh_demo.measure_meshes({"2 x 2": TrainConfig(stage=3, world_size=4,
+                                                          tensor_parallel=2)})
+    steps = mesh_demo.record_block()            # one step of a two-block GPT on 2 x 2, rank by rank
     mesh_demo.check_block(steps)
 
 Every collective a rank issues is recorded from the event stream (minizero/events.py: "collective"
@@ -29,8 +30,9 @@ from minizero.lab import source
 from minizero.lab.model import make_model
 from minizero.lab.reference import max_abs_diff, reference_train, tolerance
 from minizero.lab.report import summarize
-from minizero.lab.train import TrainConfig, train_several
+from minizero.lab.train import TrainConfig, forward_backward, train_several
 from minizero.launcher import launch
+from minizero.wrap import wrap
 
 SHOWN = 4                 # values of each tensor a phase shows per rank (the first ones)
 
@@ -171,17 +173,17 @@ def measure_meshes(variants: dict, backend: str | None = None) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------
-# One step of a one-block GPT on a 2 x 2 mesh, rank by rank
+# One step of a two-block GPT on a 2 x 2 mesh, rank by rank
 # --------------------------------------------------------------------------------------------------
 
+# two blocks: stage 3's units are then the blocks and the root (units.default_units), each gathered
+# where it is used
 BLOCK_MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 8, "block_size": 6, "mlp_ratio": 2}
 
 
 def block_worker(cfg: TrainConfig) -> dict:
-    """One training step of the one-block GPT on this rank of the mesh, every collective
+    """One training step of the two-block GPT on this rank of the mesh, every collective
     recorded."""
-    from minizero.lab.train import forward_backward
-    from minizero.wrap import wrap
     model = make_model(cfg.model_config(), seed=cfg.seed)
     engine = wrap(model, cfg.stage, cfg.optimizer_factory(), **cfg.engine_options())
     with Recorder() as recorder:
@@ -240,8 +242,3 @@ def close(a: list[float], b: list[float]) -> bool:
 def ranks_of(r: int, phases: list[dict]) -> list[int]:
     """The ranks whose phase names the same group as rank r's."""
     return [q for q, p in enumerate(phases) if p["group"] == phases[r]["group"]]
-
-
-def where(phase: dict) -> source.Code:
-    """The function of minizero that issued `phase`, its line marked (read from the file now)."""
-    return source.Code(phase["source"]["file"], phase["source"]["line"])
