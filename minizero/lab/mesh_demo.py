@@ -91,13 +91,13 @@ def column_then_row_worker(hidden: int, rows: int) -> dict:
     """This rank's half of Y = GELU(X A) B (A column-parallel, B row-parallel) next to the whole
     pair on this process: the output, the input's gradient and each weight's gradient (this rank's
     slice of the whole one), as max |difference|; and the collectives it took."""
-    group = comm.row_group(comm.world_size())
-    first, second = _mlp_pair(hidden, seed=0)                   # the same weights on every rank
+    group, device = comm.row_group(comm.world_size()), comm.device()
+    first, second = (layer.to(device) for layer in _mlp_pair(hidden, seed=0))   # the same weights
     column = tensor_parallel.ColumnParallelLinear(copy.deepcopy(first), group)
     row = tensor_parallel.RowParallelLinear(copy.deepcopy(second), group)
     torch.manual_seed(1)
-    x = torch.randn(rows, hidden)
-    target = torch.randn(rows, hidden)                          # dL/dY = target: a fixed direction
+    x = torch.randn(rows, hidden).to(device)
+    target = torch.randn(rows, hidden).to(device)               # dL/dY = target: a fixed direction
     whole_x, split_x = x.clone().requires_grad_(), x.clone().requires_grad_()
     whole_y = second(F.gelu(first(whole_x)))
     (whole_y * target).sum().backward()
