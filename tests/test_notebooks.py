@@ -53,6 +53,7 @@ TINY = {
     "07_activations": _TINY_RUNS + "\nSEQS, BATCHES = (8, 16), (2, 4)",
     "08_beyond": 'MODEL, BUCKET_SIZE, QSTEPS = "tiny", 400, 4',
     "09_what_goes_wrong": "STEPS = 2",
+    "10_tensor_parallel": "STEPS = 2",
 }
 # what the checks read from the executed kernel: {name: expression over the notebook's variables}
 READ = {
@@ -80,6 +81,8 @@ READ = {
                                        '"outside": outside, "held": held, "inside": inside, '
                                        '"gathers": len(gathers), "tokens": TOKENS, '
                                        '"units": len(engine.units), "fault_rank": FAULT_RANK}}'},
+    "10_tensor_parallel": {"mesh_10": '{"mesh": {"pair": pair, "runs": list(runs.values()), '
+                                      '"block": steps, "checkpointed": checkpointed}}'},
 }
 # the collectives a stage's step-through must show, in order of first appearance
 STEP_COLLECTIVES = {0: ["all_reduce"], 1: ["reduce_scatter", "all_gather"],
@@ -281,6 +284,8 @@ def test_notebook_runs_and_its_plots_match_the_formulas(name, tmp_path):
             check_bench(data["bench"])
         if "faults" in data:
             check_faults(data["faults"])
+        if "mesh" in data:
+            check_mesh(data["mesh"])
 
 
 # the backend would end the hang after comm.DEFAULT_TIMEOUT_S (120 s): the verdict comes long before
@@ -304,6 +309,66 @@ def check_faults(f: dict) -> None:
     assert f["shape"] == [f["numel"]] and f["outside"] is True and f["held"] == 0, f
     assert f["inside"] >= element_bytes("fp32") * f["numel"], f
     assert f["gathers"] == f["tokens"] * f["units"], f
+
+
+def check_mesh(mesh: dict) -> None:
+    """Notebook 10. The column/row pair on 2 ranks equals one process (1e-6; weight gradients
+    bitwise) with one g forward and one f backward, each tensor_parallel.py's all-reduce; every
+    (mesh, stage) ends at one process's parameters with each rank's model states =
+    estimate_breakdown(Ψ_rank, N_d) (recomputed here); the 2 x 2 step-through replays (g's sums)
+    and names f, g and ZeRO's collectives by their lines; the activation meter = activation_bytes
+    with M for each checkpointing mode, P_a below no checkpointing."""
+    from minizero.lab import mesh_demo
+    from minizero.lab.data import sequence_length
+    for r in mesh["pair"]:
+        assert max(r["diffs"].values()) < 1e-6, r["diffs"]
+        assert r["bitwise"]["column weight gradient"] and r["bitwise"]["row weight gradient"], r
+        functions = [(p["tag"], p["source"]["function"]) for p in r["phases"]]
+        assert functions == [("tensor parallel g", "_ReduceFromGroup.forward"),
+                             ("tensor parallel f", "_CopyToGroup.backward")], functions
+        for p in r["phases"]:
+            code = source.Code(p["source"]["file"], p["source"]["line"])
+            assert "all_reduce(" in code.lines[p["source"]["line"] - code.first], p["source"]
+    meshes = {(r["tensor_parallel"], r["world_size"] // r["tensor_parallel"]) for r in mesh["runs"]}
+    assert {(2, 2), (4, 1), (1, 4)} <= meshes, meshes
+    for r in mesh["runs"]:
+        m, n_d = r["tensor_parallel"], r["world_size"] // r["tensor_parallel"]
+        assert r["max_abs_diff"] <= tolerance(r["dtype"]), (m, r["stage"], r["max_abs_diff"])
+        elem = element_bytes(r["dtype"])
+        formula = estimate_breakdown(r["num_params"], n_d, r["stage"], param_bytes=elem,
+                                     grad_bytes=elem,
+                                     k=optimizer_k(state_bytes(r["optimizer"]), r["dtype"]))
+        for rank in r["ranks"]:
+            for cat in ("params", "grads", "optimizer"):
+                assert within_padding(rank["memory"][cat], formula[cat], n_d), (
+                    f"{m} x {n_d}, stage {r['stage']}, rank {rank['rank']}, {cat}: "
+                    f"{rank['memory'][cat]} vs {formula[cat]}")
+    block = mesh["block"]
+    mesh_demo.check_block(block)
+    layers = mesh_demo.BLOCK_MODEL["n_layer"]
+    expected = {("tensor parallel g", "_ReduceFromGroup.forward"): 2 * layers + 1,   # + embedding
+                ("tensor parallel f", "_CopyToGroup.backward"): 2 * layers + 1,      # + the head
+                ("all_gather", "Unit.gather"): 2 * (layers + 1)}       # each unit, fwd and bwd
+    for phases in block["ranks"]:
+        seen = [(p["tag"] if p["tag"].startswith("tensor parallel") else p["kind"],
+                 p["source"]["function"]) for p in phases]
+        for key, count in expected.items():
+            assert seen.count(key) == count, (key, seen)
+        assert all(p["source"]["file"] == "minizero/tensor_parallel.py" for p in phases
+                   if p["tag"].startswith("tensor parallel")), phases
+        assert sum(p["kind"] == "reduce_scatter" for p in phases) == layers + 1, phases
+    kept = {}
+    for r in mesh["checkpointed"]:
+        c, mode = r["model"], r["activation_checkpointing"]
+        rows = r["batch_size"] // (r["world_size"] // r["tensor_parallel"])
+        estimate = activation_bytes(c["n_layer"], c["n_embd"], c["n_head"],
+                                    sequence_length(c["block_size"]), rows,
+                                    mlp_ratio=c["mlp_ratio"], checkpointing=mode,
+                                    tensor_parallel=r["tensor_parallel"])
+        kept[mode] = r["ranks"][0]["memory"]["activations"]
+        for rank in r["ranks"]:
+            assert rank["memory"]["activations"] == estimate, (mode, rank, estimate)
+    assert kept["partitioned+cpu"] < kept["partitioned"] < kept[False], kept
 
 
 def check_bench(report: dict) -> None:

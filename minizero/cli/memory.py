@@ -10,6 +10,7 @@ and activations.
     python -m minizero.memory --model gpt2 --world-size 8 --json gpt2.json   # + the numbers, bytes
     python -m minizero.memory --params 7.5e9 --world-size 64 --tensor-parallel 8   # a 2-D mesh
     python -m minizero.memory --table1           # the paper's Table 1: the largest model per stage
+    python -m minizero.memory --table1 --measure --device-gb 0.001 --world-size 4   # ... measured
 
 A GPT described by --layers/--hidden/--seq/--batch gets Ψ from its shape (lab.model.count_params,
 with --vocab) and its activations per rank (memory.activation_bytes, micro-batch --batch) next to
@@ -38,6 +39,7 @@ from minizero.optim import DTYPES
 from minizero.options import STAGES
 
 GPT2_VOCAB = 50257
+MEASURE_DEVICE_GB = 0.001           # --table1 --measure: 1 MB, GPTs of ~0.06-0.25 M parameters
 CHECKPOINTING = (("kept", False), ("checkpointed", True), ("ckpt on host", "cpu"))   # activations
 # Hugging Face configs (transformers class name, its arguments): the published shapes.
 ARCHITECTURES = {
@@ -136,8 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     what.add_argument("--table1", action="store_true",
                       help="the ZeRO paper's Table 1: the largest model each stage fits per "
                            "model-parallel degree (--device-gb, default 32)")
-    ap.add_argument("--device-gb", type=float, default=TABLE1_DEVICE_BYTES / 1e9,
-                    help="with --table1: each device's memory, GB")
+    ap.add_argument("--device-gb", type=float, default=None,
+                    help=f"with --table1: each device's memory, GB (default "
+                         f"{TABLE1_DEVICE_BYTES / 1e9:g}; with --measure {MEASURE_DEVICE_GB:g})")
+    ap.add_argument("--measure", action="store_true",
+                    help="with --table1: at small scale, train the largest GPT that fits each "
+                         "mesh of --world-size ranks (default 4) and stage, and the one a size "
+                         "up (minizero/lab/table1.py)")
     ap.add_argument("--tensor-parallel", type=int, default=1, metavar="M",
                     help="ranks per tensor-parallel group: each holds Ψ/M, ZeRO shards it over "
                          "N_d = N/M (minizero/memory/mesh.py)")
@@ -163,11 +170,19 @@ def main(argv: list[str] | None = None) -> int:
     add_json_flag(ap, "the numbers, in bytes (the table's rows as records),")
     try:
         args = ap.parse_args(argv)
+        if args.measure and not args.table1:
+            raise UsageError("--measure goes with --table1")
         if args.table1:
-            if not args.device_gb > 0:
+            device_gb = args.device_gb
+            if device_gb is None:
+                device_gb = MEASURE_DEVICE_GB if args.measure else TABLE1_DEVICE_BYTES / 1e9
+            if not device_gb > 0:
                 raise UsageError("--device-gb must be > 0")
-            rows = table1(args.device_gb * 1e9)
-            emit(_table1(rows, args.device_gb), {"table1": rows}, args.json)
+            if args.measure:
+                return _measure_table1(device_gb * 1e9,
+                                       4 if args.world_size is None else args.world_size, args.json)
+            rows = table1(device_gb * 1e9)
+            emit(_table1(rows, device_gb), {"table1": rows}, args.json)
             return 0
         if args.world_size is None or args.world_size < 1:
             raise UsageError("--world-size must be given, >= 1")
@@ -233,6 +248,21 @@ def main(argv: list[str] | None = None) -> int:
         numbers["deepspeed"] = deepspeed_estimate(shape, args.world_size)
         text += "\n" + _deepspeed_table(shape, args.world_size, numbers["deepspeed"])
     emit(text, numbers, args.json)
+    return 0
+
+
+def _measure_table1(device_bytes: float, world_size: int, json_path) -> int:
+    """--table1 --measure: lab/table1.py's rows, printed and written (--json "measured")."""
+    from minizero.lab import table1 as small_scale
+    if world_size < 1:
+        raise UsageError("--world-size must be >= 1")
+    try:
+        small_scale.plan(device_bytes, world_size)              # too small a budget: one line
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    rows = small_scale.measure(device_bytes, world_size)
+    emit(small_scale.table(rows, device_bytes, world_size),
+         {"device_bytes": device_bytes, "world_size": world_size, "measured": rows}, json_path)
     return 0
 
 

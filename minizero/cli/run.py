@@ -18,6 +18,7 @@
     python -m minizero.run --stage 3 --world-size 4 --hpz-group-size 2
     python -m minizero.run --stage 3 --world-size 4 --tensor-parallel 2   # a 2 x 2 mesh
     torchrun --nproc-per-node 4 -m minizero.run --stage 3        # uses torchrun's process group
+    torchrun --nproc-per-node 4 -m minizero.run --stage 3 --tensor-parallel 2     # its mesh too
 
 Ends with a per-rank table: measured parameter / gradient / optimizer / offloaded bytes next to the
 ZeRO paper's formula (minizero.memory.estimate), communicated bytes per step next to the 2Ψ / 3Ψ
@@ -31,8 +32,9 @@ import argparse
 import os
 import sys
 import tempfile
+import types
 
-from minizero import checkpoint, comm, desync
+from minizero import checkpoint, comm, desync, tensor_parallel
 from minizero.cli import OneLineParser, UsageError, add_json_flag, emit
 from minizero.config import ConfigError, load_deepspeed_config
 from minizero.lab.model import MODEL_NAMES, make_model
@@ -370,6 +372,17 @@ def _check_checkpoint(directory: str, cfg: TrainConfig) -> None:
         )
 
 
+def _check_split(cfg: TrainConfig) -> None:
+    """The GPT splits over rows of --tensor-parallel M (heads, vocabulary: tensor_parallel's own
+    checks, ValueError), found before any process starts, not by every rank (under torchrun each
+    one's traceback). The model is built on the meta device: shapes only."""
+    import torch
+    with torch.device("meta"):
+        model = make_model(cfg.model_config())
+    row = types.SimpleNamespace(size=cfg.tensor_parallel, index=0)   # splitting needs no collective
+    tensor_parallel.parallelize_gpt(model, row)
+
+
 def validate(cfg: TrainConfig) -> None:
     """Everything wrong with a run's settings, found before any process starts (UsageError,
     one line)."""
@@ -405,6 +418,8 @@ def validate(cfg: TrainConfig) -> None:
         bad("--grad-accum and --batch-size must be >= 1")
     try:
         check_mesh(cfg.tensor_parallel, cfg.world_size, cfg.engine_options())
+        if cfg.tensor_parallel > 1:
+            _check_split(cfg)
     except ValueError as e:
         bad(str(e))
     n_d = cfg.world_size // cfg.tensor_parallel            # the ranks of a mesh's row share rows

@@ -3,6 +3,7 @@ parallelism (N_d) along a column. The paper's formulas with M, its Table 1, and 
 parallelism sends.
 
     python -m minizero.memory --table1                        # the paper's Table 1 (32 GB V100s)
+    python -m minizero.memory --table1 --measure              # ... at small scale, measured
     python -m minizero.memory --params 7.5e9 --world-size 64 --tensor-parallel 8
 
 Tensor parallelism (minizero/tensor_parallel.py) splits each block's weights over M ranks, so each
