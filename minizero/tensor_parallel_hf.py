@@ -54,6 +54,13 @@ def parallelize(model: nn.Module, group: comm.Group) -> nn.Module:
     return model
 
 
+def _from_conv1d(layer: nn.Module) -> nn.Module:
+    """A parallel layer built from a Conv1D: the whole model holds its weight as [in, out], so a
+    checkpoint merges the parts into that form (tensor_parallel.merge)."""
+    layer.weight.tensor_parallel_split["transposed"] = True
+    return layer
+
+
 def _as_linear(conv1d: nn.Module) -> nn.Linear:
     """GPT-2's Conv1D (weight [in, out]) as the nn.Linear it computes (weight [out, in])."""
     n_in, n_out = conv1d.weight.shape
@@ -75,11 +82,12 @@ def _gpt2(model: nn.Module, group: comm.Group) -> None:
     check_divides("the number of heads", model.config.n_head, group)
     for block in model.transformer.h:
         attn, mlp = block.attn, block.mlp
-        attn.c_attn = ColumnParallelLinear(_as_linear(attn.c_attn), group, pieces=3)   # q, k, v
-        attn.c_proj = RowParallelLinear(_as_linear(attn.c_proj), group)
+        attn.c_attn = _from_conv1d(ColumnParallelLinear(_as_linear(attn.c_attn), group,
+                                                        pieces=3))                 # q, k, v
+        attn.c_proj = _from_conv1d(RowParallelLinear(_as_linear(attn.c_proj), group))
         attn.split_size //= group.size              # forward splits c_attn's output by this width
-        mlp.c_fc = ColumnParallelLinear(_as_linear(mlp.c_fc), group)
-        mlp.c_proj = RowParallelLinear(_as_linear(mlp.c_proj), group)
+        mlp.c_fc = _from_conv1d(ColumnParallelLinear(_as_linear(mlp.c_fc), group))
+        mlp.c_proj = _from_conv1d(RowParallelLinear(_as_linear(mlp.c_proj), group))
     model.transformer.wte = VocabParallelEmbedding(model.transformer.wte, group)
     _head(model, model.transformer.wte, group)
 
