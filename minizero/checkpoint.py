@@ -40,8 +40,14 @@ name), "num_params" (Ψ), "buckets" ([{"numel", "padded_numel",
 "shard_numel" (elements per rank file), "params": [{"name", "shape", "offset"}]}]), "state_dict"
 (every key of model.state_dict() in order: {"key", "source", "shape", "trainable"}; the tied
 embedding/head weight is two keys with one source), "group_params" (the names of the parameters in
-each optimizer parameter group, None for one group of all: load wants the same groups) and "files"
+each optimizer parameter group, None for one group of all: load wants the same groups),
+"tensor_parallel" (M), "whole_state_dict" (the model built without tensor parallelism:
+tensor_parallel.whole_entries, {"key", "part", "shape", "trainable", "split"}) and "files"
 ({"rank0.pt": {"bytes", "sha256"}, ...}).
+
+On a 2-D mesh (tensor_parallel=M, [Note: the 2-D mesh] in engine.py) each tensor-parallel part is
+a model of its own, saved by its column of N_d ranks: tp{i}-rank{r}.pt and tp{i}-replicated.pt for
+part i; buckets, world_size and state_dict describe part 0's (every part has the same shapes).
 
 A run directory (save_numbered, latest; the CLI's --save-every) holds one such checkpoint per save:
 
@@ -90,6 +96,14 @@ Every rank reads every file: simple, and the whole model's state in host memory 
 run continues as the uninterrupted one would up to floating point rounding (another N sums gradients
 in another order), within 1e-6 in the tests. An optimizer whose state is neither elementwise nor
 scalar cannot be cut: a one-line error.
+
+Another mesh (another M; DeepSpeed's universal checkpoint exists for this): the whole tensors are
+first rebuilt per tensor-parallel part, then merged across the M parts (tensor_parallel.merge: a
+split parameter's parts concatenated along the axis it was cut on, a replicated one taken from part
+0), giving the model built without tensor parallelism, under its own names; each rank of the new
+mesh cuts its part from it (tensor_parallel.part), Adam's moments alike, and lays it out as above.
+The same mesh keeps the same-layout path: bit-identical. Within 1e-5 of the uninterrupted run in
+tests/test_mesh_checkpoint.py, (2, 2) -> (1, 4) and (4, 1) -> (2, 2).
 Assumes a filesystem all ranks share: rank 0 writes the manifest for everyone.
 """
 
