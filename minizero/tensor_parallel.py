@@ -101,6 +101,24 @@ class _ReduceFromGroup(torch.autograd.Function):
         return grad, None
 
 
+class _GatherFromGroup(torch.autograd.Function):
+    """The whole last dimension from each rank's slice of it: an all-gather forward, this rank's
+    slice of the gradient backward. For a head whose logits a loss takes whole (an AutoTP script's
+    F.cross_entropy, Hugging Face's labels=): each rank computes the same loss from the same whole
+    logits, so each rank's slice of its gradient is already the gradient of its own logits."""
+
+    @staticmethod
+    def forward(ctx, mine: torch.Tensor, group: comm.Group) -> torch.Tensor:
+        ctx.group = group
+        gathered = mine.new_empty((group.size, *mine.shape))              # [M, ..., V/M]
+        comm.all_gather(gathered, mine.contiguous(), group=group, tag="tensor parallel logits")
+        return torch.cat(gathered.unbind(0), dim=-1)                      # [..., V]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.chunk(ctx.group.size, dim=-1)[ctx.group.index].contiguous(), None
+
+
 def copy_to_group(x: torch.Tensor, group: comm.Group) -> torch.Tensor:
     return _CopyToGroup.apply(x, group)
 
@@ -109,13 +127,21 @@ def reduce_from_group(x: torch.Tensor, group: comm.Group) -> torch.Tensor:
     return _ReduceFromGroup.apply(x, group)
 
 
+def gather_from_group(x: torch.Tensor, group: comm.Group) -> torch.Tensor:
+    return _GatherFromGroup.apply(x, group)
+
+
 # --------------------------------------------------------------------------------------------------
 # The layers
 # --------------------------------------------------------------------------------------------------
 
 class ColumnParallelLinear(nn.Module):
     """y_i = f(x) W_i^T + b_i: this rank's out/M outputs. Built from a whole nn.Linear, which it
-    splits (`pieces`: how many fused matrices its rows hold, 3 for qkv)."""
+    splits (`pieces`: how many fused matrices its rows hold, 3 for qkv). gather_output (Megatron's
+    name): all-gather the M slices, every rank gets all out outputs (an untied head whose logits a
+    loss takes whole)."""
+
+    gather_output = False
 
     def __init__(self, linear: nn.Linear, group: comm.Group, pieces: int = 1):
         super().__init__()
@@ -126,7 +152,8 @@ class ColumnParallelLinear(nn.Module):
                                                                       pieces)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:        # x: [..., in] -> [..., out/M]
-        return F.linear(copy_to_group(x, self.group), self.weight, self.bias)      # <- f
+        y = F.linear(copy_to_group(x, self.group), self.weight, self.bias)         # <- f
+        return gather_from_group(y, self.group) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
@@ -219,14 +246,18 @@ def group_of(model: nn.Module) -> comm.Group | None:
 
 
 class TiedVocabHead(nn.Module):
-    """The head tied to a vocab-parallel embedding: this rank's V/M logits, f(x) E_i^T."""
+    """The head tied to a vocab-parallel embedding: this rank's V/M logits, f(x) E_i^T (all V of
+    them with gather_output, as ColumnParallelLinear's)."""
+
+    gather_output = False
 
     def __init__(self, embedding: VocabParallelEmbedding):
         super().__init__()
         self.embedding, self.group = [embedding], embedding.group    # a list: not a submodule
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:        # [B, T, C] -> [B, T, V/M]
-        return F.linear(copy_to_group(x, self.group), self.embedding[0].weight)    # <- f
+        y = F.linear(copy_to_group(x, self.group), self.embedding[0].weight)       # <- f
+        return gather_from_group(y, self.group) if self.gather_output else y
 
 
 def parallelize_gpt(model: nn.Module, group: comm.Group) -> nn.Module:
