@@ -739,6 +739,10 @@ def whole_state_dict(saved: dict) -> list[dict]:
     "state_dict" (a model without tensor parallelism: each key its own part, none split)."""
     if "whole_state_dict" in saved:
         return saved["whole_state_dict"]
+    if saved.get("tensor_parallel", 1) > 1:           # its parts cannot be told apart from copies
+        raise CheckpointError(f"a checkpoint saved on tensor-parallel rows of "
+                              f"{saved['tensor_parallel']} before manifests recorded how the parts "
+                              "are split (whole_state_dict): save it again")
     return [{"key": e["key"], "part": e["key"], "shape": e["shape"], "trainable": e["trainable"],
              "split": None} for e in saved["state_dict"]]
 

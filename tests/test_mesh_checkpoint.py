@@ -10,7 +10,9 @@ fused qkv, a tied vocab-parallel head) and Hugging Face's GPT-2 (Conv1D weights,
 from __future__ import annotations
 
 import functools
+import json
 import os
+import shutil
 import types
 
 import pytest
@@ -19,6 +21,7 @@ import torch
 import _hf
 import minizero
 from minizero import comm, tensor_parallel, tensor_parallel_hf
+from minizero.checkpoint import CheckpointError, consolidate
 from minizero.cli.consolidate import main as consolidate_main
 from minizero.lab.data import global_batch, local_batch
 from minizero.lab.model import GPTConfig, make_model
@@ -169,3 +172,15 @@ def test_consolidate_merges_the_parts_into_the_plain_model(runs, tmp_path, build
     plain.load_state_dict(state, strict=True)
     diff, key = _off_by(state, _one_process(build, STEPS - 1).state_dict())
     assert diff < 1e-5, f"{key} off by {diff:.2e}"
+
+
+def test_a_mesh_checkpoint_that_does_not_say_how_it_was_split_is_one_line(runs, tmp_path):
+    """A manifest without whole_state_dict (saved on a mesh before checkpoints were resharded):
+    merging would take part 0 for the whole of every split parameter; refused instead."""
+    old = tmp_path / "old"
+    shutil.copytree(runs["directory"] / "2x2", old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    del manifest["whole_state_dict"]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="before manifests recorded how the parts are split"):
+        consolidate(old)
