@@ -1,7 +1,7 @@
 """Sharded checkpoints: every rank saves what it owns; a resumed run is bit-identical, or resharded.
 
     engine.save("ckpt")      # collective, between steps: one file per rank, then one manifest
-    engine.load("ckpt")      # collective, in fresh processes: any stage, world size, dtype, offload
+    engine.load("ckpt")      # collective, in fresh processes: any stage, N, dtype, offload, mesh
     python -m minizero.consolidate ckpt model.pt [--optimizer-state]   # the whole state, for any N
     # kill-safe auto-resume
     python -m minizero.run --save run --save-every 100 --keep-last 2 --resume
@@ -674,8 +674,8 @@ def consolidate(directory: str) -> dict[str, torch.Tensor]:
 
 def universal(directory: str) -> dict:
     """consolidate() plus the optimizer state, unsharded the same way: what engine.load reshards
-    from, at any stage, N, dtype and offload (DeepSpeed's ds_to_universal; PyTorch DCP reshards the
-    same way).
+    from, at any stage, N, dtype, offload and mesh (DeepSpeed's ds_to_universal; PyTorch DCP
+    reshards the same way).
 
         {"format": "minizero-universal", "step", "optimizer" (class name), "state_dict" (the
          whole model's entries: key, shape, trainable), "model": consolidate()'s state_dict,
