@@ -1,7 +1,7 @@
 """Sharded checkpoints: every rank saves what it owns; a resumed run is bit-identical, or resharded.
 
     engine.save("ckpt")      # collective, between steps: one file per rank, then one manifest
-    engine.load("ckpt")      # collective, in fresh processes: any stage, world size, dtype, offload
+    engine.load("ckpt")      # collective, in fresh processes: any stage, N, dtype, offload, mesh
     python -m minizero.consolidate ckpt model.pt [--optimizer-state]   # the whole state, for any N
     # kill-safe auto-resume
     python -m minizero.run --save run --save-every 100 --keep-last 2 --resume
@@ -40,8 +40,14 @@ name), "num_params" (Ψ), "buckets" ([{"numel", "padded_numel",
 "shard_numel" (elements per rank file), "params": [{"name", "shape", "offset"}]}]), "state_dict"
 (every key of model.state_dict() in order: {"key", "source", "shape", "trainable"}; the tied
 embedding/head weight is two keys with one source), "group_params" (the names of the parameters in
-each optimizer parameter group, None for one group of all: load wants the same groups) and "files"
+each optimizer parameter group, None for one group of all: load wants the same groups),
+"tensor_parallel" (M), "whole_state_dict" (the model built without tensor parallelism:
+tensor_parallel.whole_entries, {"key", "part", "shape", "trainable", "split"}) and "files"
 ({"rank0.pt": {"bytes", "sha256"}, ...}).
+
+On a 2-D mesh (tensor_parallel=M, [Note: the 2-D mesh] in engine.py) each tensor-parallel part is
+a model of its own, saved by its column of N_d ranks: tp{i}-rank{r}.pt and tp{i}-replicated.pt for
+part i; buckets, world_size and state_dict describe part 0's (every part has the same shapes).
 
 A run directory (save_numbered, latest; the CLI's --save-every) holds one such checkpoint per save:
 
@@ -90,6 +96,14 @@ Every rank reads every file: simple, and the whole model's state in host memory 
 run continues as the uninterrupted one would up to floating point rounding (another N sums gradients
 in another order), within 1e-6 in the tests. An optimizer whose state is neither elementwise nor
 scalar cannot be cut: a one-line error.
+
+Another mesh (another M; DeepSpeed's universal checkpoint exists for this): the whole tensors are
+first rebuilt per tensor-parallel part, then merged across the M parts (tensor_parallel.merge: a
+split parameter's parts concatenated along the axis it was cut on, a replicated one taken from part
+0), giving the model built without tensor parallelism, under its own names; each rank of the new
+mesh cuts its part from it (tensor_parallel.part), Adam's moments alike, and lays it out as above.
+The same mesh keeps the same-layout path: bit-identical. Within 1e-5 of the uninterrupted run in
+tests/test_mesh_checkpoint.py, (2, 2) -> (1, 4) and (4, 1) -> (2, 2).
 Assumes a filesystem all ranks share: rank 0 writes the manifest for everyone.
 """
 
@@ -106,7 +120,7 @@ import shutil
 
 import torch
 
-from minizero import comm, events
+from minizero import comm, events, tensor_parallel
 
 FORMAT = "minizero-checkpoint"
 FORMAT_VERSION = 1
@@ -154,11 +168,11 @@ def save(engine, directory: str, extra: dict | None = None) -> None:
     # shard_group_size=S < N: the N/S groups hold the same partitions; the first group's S files are
     # the checkpoint, as if saved by S ranks ([Note: hierarchical sharding], engine.py)
     if engine.replicate_group is None or engine.replicate_group.index == 0:
-        mine = _shard_file(engine)
+        mine = shard_file(engine.layout.rank, _part_index(engine))
         files[mine] = _write_torch(os.path.join(vdir, mine), _shard_state(engine))
     replicated = _replicated_state(engine)           # collective: stage 3 gathers frozen parameters
     if comm.group_rank(engine.data_group) == 0:    # rank 0; on a mesh, one per tensor-parallel part
-        name = _replicated_file(engine)
+        name = shard_file(None, _part_index(engine))
         files[name] = _write_torch(os.path.join(vdir, name), replicated)
     if engine.rank == 0:
         if extra is not None:
@@ -180,16 +194,16 @@ def _tensor_parallel(engine) -> int:
     return 1 if engine.tensor_group is None else engine.tensor_group.size
 
 
-def _shard_file(engine) -> str:
-    """rank{r}.pt; on a 2-D mesh each tensor-parallel part has its own column of shards
-    ([Note: the 2-D mesh] in engine.py): tp{i}-rank{r}.pt."""
-    mine = f"rank{engine.layout.rank}.pt"
-    return mine if engine.tensor_group is None else f"tp{engine.tensor_group.index}-{mine}"
+def _part_index(engine) -> int | None:
+    """This rank's tensor-parallel part (its index in its row), None without tensor parallelism."""
+    return None if engine.tensor_group is None else engine.tensor_group.index
 
 
-def _replicated_file(engine) -> str:
-    name = "replicated.pt"
-    return name if engine.tensor_group is None else f"tp{engine.tensor_group.index}-{name}"
+def shard_file(rank: int | None, part: int | None) -> str:
+    """rank{r}.pt (rank None: replicated.pt); on a 2-D mesh each tensor-parallel part has its own
+    column of shards ([Note: the 2-D mesh] in engine.py): tp{i}-rank{r}.pt, tp{i}-replicated.pt."""
+    name = "replicated.pt" if rank is None else f"rank{rank}.pt"
+    return name if part is None else f"tp{part}-{name}"
 
 
 def describe(engine) -> dict:
@@ -210,6 +224,7 @@ def describe(engine) -> dict:
         "num_params": sum(p.numel() for p in engine.module.parameters()),
         "buckets": buckets,
         "state_dict": state_dict_entries(engine.module),
+        "whole_state_dict": tensor_parallel.whole_entries(engine.module),
         "group_params": group_params(engine),
         "tensor_parallel": _tensor_parallel(engine),
     }
@@ -455,17 +470,12 @@ def check_compatible(saved: dict, engine, where: str) -> None:
     """The same model and optimizer class (a manifest, or a universal state's header); stage, world
     size, dtype and offload may differ."""
     here = describe(engine)
-    if saved.get("tensor_parallel", 1) != here["tensor_parallel"]:       # absent: saved before TP
-        raise CheckpointError(
-            f"{where} was saved on tensor-parallel rows of {saved.get('tensor_parallel', 1)}, this "
-            f"engine's rows are of {here['tensor_parallel']}: resharding across meshes is not "
-            "supported yet (the same mesh resumes)")
     if saved["optimizer"] != here["optimizer"]:
         raise CheckpointError(
             f"{where} was saved with optimizer {saved['optimizer']}, this engine has "
             f"optimizer {here['optimizer']}"
         )
-    difference = model_difference(saved, here["state_dict"])
+    difference = model_difference(saved, here["whole_state_dict"])
     if difference:
         raise CheckpointError(f"{where} holds a different model: {difference}")
     if saved.get("group_params") != here["group_params"]:      # absent: saved before groups
@@ -481,10 +491,11 @@ def _groups_in_words(groups: list[list[str]] | None) -> str:
 
 
 def model_difference(saved: dict, entries: list[dict]) -> str | None:
-    """The first way the saved model differs from one with these state_dict_entries, in words;
-    None if they fit (the CLI asks it before starting processes, about a model built on the
-    meta device)."""
-    before = {e["key"]: e for e in saved["state_dict"]}
+    """The first way the saved whole model differs from one with these entries (whole_entries, or
+    state_dict_entries of an unsplit model), in words; None if they fit (the CLI asks it before
+    starting processes, about a model built on the meta device). Whole models: a checkpoint saved
+    on one mesh fits a model split over another."""
+    before = {e["key"]: e for e in whole_state_dict(saved)}
     now = {e["key"]: e for e in entries}
     if now.keys() - before.keys():
         return f"this model's {min(now.keys() - before.keys())} is not in the checkpoint"
@@ -520,10 +531,11 @@ def load(engine, path: str) -> None:
         elif (
             saved["world_size"] == engine.layout.world_size
             and saved["buckets"] == describe(engine)["buckets"]
+            and saved.get("tensor_parallel", 1) == _tensor_parallel(engine)
         ):
             # same layout: my file is my shard
-            shard = read_file(path, saved, _shard_file(engine))
-            replicated = read_file(path, saved, _replicated_file(engine))
+            shard = read_file(path, saved, shard_file(engine.layout.rank, _part_index(engine)))
+            replicated = read_file(path, saved, shard_file(None, _part_index(engine)))
             frozen = {
                 e["key"]: replicated[e["source"]] for e in saved["state_dict"] if not e["trainable"]
             }
@@ -583,10 +595,22 @@ def _restore(
 
 
 def _restore_universal(engine, u: dict) -> None:
-    """Reshard: lay the whole-model values out in this engine's buckets and keep this rank's
+    """Reshard: cut the whole-model values for this rank's tensor-parallel part (as the model was
+    split: tensor_parallel.part), lay them out in this engine's buckets and keep this rank's
     partition, exactly as the engine laid out the parameters when it was built (flat.py). Adam's
     moments, SGD's momentum, any state with one value per element, are cut like the masters; scalars
     (Adam's step) are the same for every bucket."""
+    m, index = _tensor_parallel(engine), _part_index(engine) or 0
+    entries = tensor_parallel.whole_entries(engine.module)
+
+    def mine(whole: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """{whole model's key: tensor} -> {this model's key: this rank's part}"""
+        out: dict[str, torch.Tensor] = {}
+        for e in entries:
+            if e["key"] in whole and e["part"] not in out:
+                out[e["part"]] = tensor_parallel.part(whole[e["key"]], e["split"], m, index)
+        return out
+
     key_of: dict[int, str] = {}
     for key, t in engine.module.state_dict(keep_vars=True).items():
         key_of.setdefault(id(t), key)                        # a tied weight: its first key
@@ -600,7 +624,8 @@ def _restore_universal(engine, u: dict) -> None:
             parts.append(engine.layout.my_partition(full, b) if engine.sharded else full)
         return parts
 
-    masters = my_parts(u["model"])
+    model = mine(u["model"])
+    masters = my_parts(model)
     state = {}
     if u["optimizer_state"] or u["scalars"]:
         state = {
@@ -608,11 +633,11 @@ def _restore_universal(engine, u: dict) -> None:
             for i in range(len(masters))
         }
         for name, values in u["optimizer_state"].items():
-            for i, part in enumerate(my_parts(values)):
+            for i, part in enumerate(my_parts(mine(values))):
                 state[i][name] = part
     groups = [{**g, "params": []} for g in u["param_groups"]]      # its own views (optim.py)
     trainable = {id(p) for p in engine.trainable}
-    frozen = {k: u["model"][k] for k, t in engine.module.state_dict(keep_vars=True).items()
+    frozen = {k: model[k] for k, t in engine.module.state_dict(keep_vars=True).items()
               if id(t) not in trainable}                     # frozen parameters and buffers
     _restore(
         engine,
@@ -636,24 +661,26 @@ def consolidate(directory: str) -> dict[str, torch.Tensor]:
 
     Concatenating a bucket's N partitions (one per rank file) rebuilds the padded bucket [N·Ψ_b/N];
     the manifest's offsets and shapes cut it back into parameters, exactly like flat.Bucket.views.
-    Frozen parameters and buffers come from replicated.pt. The result has the keys of
-    model.state_dict(), in order, both names of a tied weight included, floating point tensors in
-    fp32. Loaded into a fresh model and wrapped at another N, it continues the run there with a
-    fresh optimizer; universal() keeps the optimizer state too."""
+    Frozen parameters and buffers come from replicated.pt. On a 2-D mesh this gives each
+    tensor-parallel part's model (its tp{i}- files), and tensor_parallel.merge joins the M parts of
+    every split parameter (the manifest's whole_state_dict says along which axis). The result has
+    the keys of the model built without tensor parallelism, in order, both names of a tied weight
+    included, floating point tensors in fp32. Loaded into a fresh model and wrapped at another N
+    (or mesh), it continues the run there with a fresh optimizer; universal() keeps the optimizer
+    state too."""
     manifest = read_manifest(directory)
-    return _Shards(directory, manifest).model()
+    return _merged(manifest, [part.model() for part in _parts(directory, manifest)])
 
 
 def universal(directory: str) -> dict:
     """consolidate() plus the optimizer state, unsharded the same way: what engine.load reshards
-    from, at any stage, N, dtype and offload (DeepSpeed's ds_to_universal; PyTorch DCP reshards the
-    same way).
+    from, at any stage, N, dtype, offload and mesh (DeepSpeed's ds_to_universal; PyTorch DCP
+    reshards the same way).
 
-        {"format": "minizero-universal", "step", "optimizer" (class name), "state_dict"
-        (the manifest's
-         entries), "model": consolidate()'s state_dict, "optimizer_state": {state name: {key:
-         fp32 tensor shaped like the parameter}} for every per-element state (exp_avg,
-         exp_avg_sq, momentum_buffer),
+        {"format": "minizero-universal", "step", "optimizer" (class name), "state_dict" (the
+         whole model's entries: key, shape, trainable), "model": consolidate()'s state_dict,
+         "optimizer_state": {state name: {key: fp32 tensor shaped like the whole parameter}} for
+         every per-element state (exp_avg, exp_avg_sq, momentum_buffer),
          "scalars": {state name: value} (step: the same for every bucket), "param_groups":
          [lr, betas... of each group], "group_params": the manifest's,
          "rng": rank 0's, "loss_scaler": rank 0's (the same on every rank; None without fp16)}
@@ -661,8 +688,8 @@ def universal(directory: str) -> dict:
     A state that is neither per-element nor one scalar for all buckets cannot be cut:
     CheckpointError."""
     manifest = read_manifest(directory)
-    shards = _Shards(directory, manifest)
-    saved = shards.get(0)["optimizer"]
+    parts = _parts(directory, manifest)
+    saved = parts[0].get(0)["optimizer"]
     per_element, scalars = set(), {}
     for i, b in enumerate(manifest["buckets"]):
         for name, v in saved["state"].get(i, {}).items():
@@ -686,16 +713,16 @@ def universal(directory: str) -> dict:
         "format_version": FORMAT_VERSION,
         "step": manifest["step"],
         "optimizer": manifest["optimizer"],
-        "state_dict": manifest["state_dict"],
+        "state_dict": [{"key": e["key"], "shape": e["shape"], "trainable": e["trainable"]}
+                       for e in whole_state_dict(manifest)],
         "group_params": manifest.get("group_params"),
-        "model": shards.model(),
-        "optimizer_state": {
-            name: shards.trainable(lambda f, i, n=name: f["optimizer"]["state"][i][n])
-            for name in sorted(per_element)
-        },
+        "model": _merged(manifest, [part.model() for part in parts]),
+        "optimizer_state": {name: _merged(manifest, [part.trainable(
+            lambda f, i, n=name: f["optimizer"]["state"][i][n]) for part in parts])
+            for name in sorted(per_element)},
         "scalars": scalars,
-        "rng": shards.get(0)["rng"],
-        "loss_scaler": shards.get(0).get("loss_scaler"),
+        "rng": parts[0].get(0)["rng"],
+        "loss_scaler": parts[0].get(0).get("loss_scaler"),
         "param_groups": [
             {k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]
         ],
@@ -706,20 +733,44 @@ def _same(a, b) -> bool:
     return torch.equal(a, b) if torch.is_tensor(a) and torch.is_tensor(b) else a == b
 
 
-class _Shards:
-    """A checkpoint's rank files, each read (and checked) once, and the whole tensors they
-    hold together."""
+def whole_state_dict(saved: dict) -> list[dict]:
+    """The whole model a manifest (or a universal state) describes: its "whole_state_dict"
+    (tensor_parallel.whole_entries of rank 0's model), or, saved before there was one, its
+    "state_dict" (a model without tensor parallelism: each key its own part, none split)."""
+    if "whole_state_dict" in saved:
+        return saved["whole_state_dict"]
+    if saved.get("tensor_parallel", 1) > 1:           # its parts cannot be told apart from copies
+        raise CheckpointError(f"a checkpoint saved on tensor-parallel rows of "
+                              f"{saved['tensor_parallel']} before manifests recorded how the parts "
+                              "are split (whole_state_dict): save it again")
+    return [{"key": e["key"], "part": e["key"], "shape": e["shape"], "trainable": e["trainable"],
+             "split": None} for e in saved["state_dict"]]
 
-    def __init__(self, directory: str, manifest: dict):
-        if manifest.get("tensor_parallel", 1) > 1:
-            raise CheckpointError(
-                f"{directory} was saved on tensor-parallel rows of {manifest['tensor_parallel']}: "
-                "merging tensor-parallel parts into one model is not supported yet")
-        self.directory, self.manifest, self.files = directory, manifest, {}
+
+def _parts(directory: str, manifest: dict) -> list[_Shards]:
+    """Each tensor-parallel part's files (one part without tensor parallelism)."""
+    m = manifest.get("tensor_parallel", 1)
+    return [_Shards(directory, manifest, None if m == 1 else i) for i in range(m)]
+
+
+def _merged(manifest: dict, parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """{whole model's key: whole tensor} from each tensor-parallel part's {key: tensor}, in rank
+    order (one part without tensor parallelism: the same tensors)."""
+    return {e["key"]: tensor_parallel.merge([p[e["part"]] for p in parts], e["split"])
+            for e in whole_state_dict(manifest) if e["part"] in parts[0]}
+
+
+class _Shards:
+    """One tensor-parallel part's rank files (`part` None: the checkpoint's, without tensor
+    parallelism), each read (and checked) once, and the whole tensors of that part they hold
+    together."""
+
+    def __init__(self, directory: str, manifest: dict, part: int | None = None):
+        self.directory, self.manifest, self.part, self.files = directory, manifest, part, {}
 
     def get(self, r: int) -> dict:
         if r not in self.files:
-            self.files[r] = read_file(self.directory, self.manifest, f"rank{r}.pt")
+            self.files[r] = read_file(self.directory, self.manifest, shard_file(r, self.part))
         return self.files[r]
 
     def trainable(self, pick) -> dict[str, torch.Tensor]:
@@ -741,7 +792,7 @@ class _Shards:
 
     def model(self) -> dict[str, torch.Tensor]:
         values = self.trainable(lambda f, i: f["masters"][i])
-        replicated = read_file(self.directory, self.manifest, "replicated.pt")
+        replicated = read_file(self.directory, self.manifest, shard_file(None, self.part))
         for e in self.manifest["state_dict"]:
             if e["key"] not in values:
                 t = replicated[e["source"]]

@@ -125,6 +125,7 @@ def load_deepspeed_config(source: str | os.PathLike | dict, world_size: int, *, 
         out["stall_timeout"] = _number("stall_timeout", flat["stall_timeout"], minimum=0) or None
     _precision(flat, out)
     _zero(flat, out, warnings, world_size)
+    _tensor_parallel(flat, out, world_size)
     _optimizer(flat, out)
     _scheduler(flat, out, required=() if flags else ("total_num_steps",))
     if "activation_checkpointing" in raw:
@@ -446,6 +447,17 @@ def _zero(flat: dict, out: dict, warnings: list[str], world_size: int) -> None:
     if flat.get("zero_optimization.overlap_comm") is True and stage == 1:
         warnings.append("'zero_optimization.overlap_comm' is not implemented at stage 1: it "
                         "reduce-scatters once, at the step (stage 2 overlaps)")
+
+
+def _tensor_parallel(flat: dict, out: dict, world_size: int) -> None:
+    """tensor_parallel.autotp_size: M > 1 splits the model over rows of M ranks (wrap's
+    tensor_parallel); 0 (DeepSpeed's default) and 1 leave it whole."""
+    key = "tensor_parallel.autotp_size"
+    m = _int(key, flat.get(key, 0), minimum=0)
+    if m > 1 and world_size % m:
+        raise ConfigError(f"'{key}' {m} does not divide the world size {world_size}")
+    if m > 1:
+        out["tensor_parallel"] = m
 
 
 def _typed_section(flat: dict, section: str) -> tuple[Any, dict] | None:

@@ -90,6 +90,10 @@ KEYS = {
         "recomputed in backward (in DeepSpeed the model calls deepspeed.checkpointing.checkpoint)",
     "activation_checkpointing.cpu_checkpointing": "activation_checkpointing = cpu (the blocks' "
         "inputs on the host)",
+    "tensor_parallel.autotp_size": "tensor_parallel = M (0 or 1: off; it must divide N): "
+        "minizero's GPT, GPT-2 or Llama split over rows of M ranks, ZeRO along the columns of N/M "
+        "(docs/tensor_parallel.md); initialize's model gives whole logits (its head all-gathers "
+        "them), as an AutoTP script's loss expects; another model: an error",
 }
 
 # Keys naming something minizero always does: true is accepted silently, false warns.
@@ -110,6 +114,8 @@ ALWAYS_ON = {
 
 _MONITOR = "no monitor; the CLI's --json writes the results"
 _NOT_DP = "minizero is data parallelism only"
+_LAYOUTS = ("the layers are split as tensor_parallel_hf.py knows them (minizero's GPT, GPT-2, "
+            "Llama)")
 
 # Keys DeepSpeed reads that minizero accepts without effect: key -> why, or what it does instead.
 NOT_IMPLEMENTED = {
@@ -155,9 +161,16 @@ NOT_IMPLEMENTED = {
     "sparse_gradients": "embedding gradients are dense",
     "sparse_attention": "no sparse attention kernels: the model's own attention runs",
     "pipeline": _NOT_DP + " (no pipeline stages)",
-    "tensor_parallel": "DeepSpeed's AutoTP is not read by initialize: minizero's tensor "
-        "parallelism is wrap(..., tensor_parallel=M) and --tensor-parallel, whose model gives "
-        "vocabulary-split logits where an AutoTP script computes its loss on whole ones",
+    "tensor_parallel.dtype": "the model computes in the dtype of bf16/fp16.enabled, or fp32",
+    "tensor_parallel.tp_overlap_comm": "f and g's all-reduces run when the layer reaches them",
+    "tensor_parallel.tensor_parallel": "inference's settings: autotp_size sets the training split",
+    "tensor_parallel.injection_policy_tuple": _LAYOUTS,
+    "tensor_parallel.partition_config": _LAYOUTS,
+    "tensor_parallel.preset_model": _LAYOUTS,
+    "tensor_parallel.keep_module_on_host": "the model is split where it was built, then moved "
+        "with the engine",
+    "tensor_parallel.replace_with_kernel_inject": "no inference kernels: the model's own layers "
+        "run",
     "expert_parallel": _NOT_DP + " (no expert parallelism)",
     "sequence_parallel_size": _NOT_DP + " (no sequence parallelism)",
     "use_data_before_expert_parallelism": _NOT_DP + " (no expert parallelism)",
@@ -261,6 +274,8 @@ ALIASES = {
     "zero_optimization.use_all_reduce_for_fetch_params":
         "zero_optimization.stage3_use_all_reduce_for_fetch_params",
     "zero_optimization.allgather_sequential": "zero_optimization.stage3_allgather_sequential",
+    "tensor_parallel.tp": "tensor_parallel.tensor_parallel",
+    "tensor_parallel.kernel_inject": "tensor_parallel.replace_with_kernel_inject",
 }
 
 # DeepSpeed's deprecated booleans: true means this device "cpu" (its new_param_fn).
@@ -272,7 +287,8 @@ LEGACY_OFFLOAD = {
 # Sections opened key by key (any other section is one value: its key decides).
 SECTIONS = {"bf16", "fp16", "data_types", "zero_optimization", "zero_optimization.leaf_module",
             "zero_optimization.offload_optimizer", "zero_optimization.offload_param", "optimizer",
-            "optimizer.params", "activation_checkpointing", "scheduler", "scheduler.params"}
+            "optimizer.params", "activation_checkpointing", "scheduler", "scheduler.params",
+            "tensor_parallel"}
 
 
 def known() -> set[str]:

@@ -26,6 +26,12 @@ this rank's partition: an optimizer object passed in gives its class, settings a
 (which parameters each holds), never its tensors (it was built over the whole model). Parameter
 groups (model_parameters as dicts, or the object's) keep their own lr, weight_decay, betas...:
 optim.py [Note: parameter groups].
+
+DeepSpeed's AutoTP key, tensor_parallel.autotp_size = M > 1: the model (minizero's GPT, GPT-2,
+Llama: tensor_parallel_hf.py) is split over rows of M ranks, ZeRO along the columns of N/M (wrap's
+tensor_parallel=M), and its head all-gathers the logits, so the script's loss on whole logits is
+the one it computes without. The M ranks of a row must be given the same micro-batch (the
+training_data loader does, as DeepSpeed's AutoTP checks).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import warnings
 import torch
 from torch import nn
 
-from minizero import comm, deepspeed_checkpoint
+from minizero import comm, deepspeed_checkpoint, tensor_parallel_hf
 from minizero.config import (
     OPTIMIZERS,
     ConfigError,
@@ -269,16 +275,25 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     apply_leaf_module_config(model, **settings.get("leaf_module", {}))
     if units is not None:
         options["units"] = units
+    m = settings.get("tensor_parallel", 1)               # tensor_parallel.autotp_size
+    if m > 1:
+        if not tensor_parallel_hf.knows(model):
+            raise ConfigError(f"tensor_parallel.autotp_size {m}: minizero splits its GPT, GPT-2 "
+                              f"and Llama, not a {type(model).__name__} (DeepSpeed's AutoTP finds "
+                              "the linear layers of any model)")
+        options["tensor_parallel"] = m
     engine = wrap(model, stage, factory, offload=settings.get("offload", False),
                   activation_checkpointing=settings.get("activation_checkpointing", False),
                   param_groups=groups, **options)
+    if m > 1:
+        tensor_parallel_hf.gather_logits(model)     # the script's loss takes whole logits (AutoTP)
     schedule = _scheduler(engine.optimizer.optimizer, lr_scheduler, settings.get("scheduler"))
     accumulation = settings.get("grad_accum", 1)
     micro = None
     if "batch_size" in settings:
         micro = settings["batch_size"] // (accumulation * comm.world_size())
     outer = DeepSpeedStyleEngine(engine, accumulation, micro, schedule)
-    loader = None if training_data is None else _loader(training_data, micro or 1)
+    loader = None if training_data is None else _loader(training_data, micro or 1, m)
     return outer, outer.optimizer, loader, schedule
 
 
@@ -355,8 +370,9 @@ def _scheduler(optimizer: torch.optim.Optimizer, given, spec: dict | None):
     return None if spec is None else build_scheduler(optimizer, spec)
 
 
-def _loader(dataset, micro_batch: int):
+def _loader(dataset, micro_batch: int, tensor_parallel: int = 1):
+    """Each data-parallel rank its share; the M ranks of a tensor-parallel row the same one."""
     from torch.utils.data import DataLoader, DistributedSampler
-    n = comm.world_size()
-    sampler = DistributedSampler(dataset, n, comm.rank()) if n > 1 else None
+    n = comm.world_size() // tensor_parallel
+    sampler = DistributedSampler(dataset, n, comm.rank() // tensor_parallel) if n > 1 else None
     return DataLoader(dataset, batch_size=micro_batch, sampler=sampler)

@@ -54,21 +54,18 @@ def check_divides(what: str, size: int, group: comm.Group) -> None:
 def is_split(p: nn.Parameter) -> bool:
     """Whether each rank of the group holds another part of `p` (a split weight), not the same
     values (a replicated one): the global gradient norm counts a replicated parameter once."""
-    return getattr(p, "tensor_parallel_split", False)
+    return getattr(p, "tensor_parallel_split", None) is not None
 
 
-def _split_parameter(tensor: torch.Tensor, requires_grad: bool) -> nn.Parameter:
-    p = nn.Parameter(tensor, requires_grad=requires_grad)
-    p.tensor_parallel_split = True
+def _split_parameter(whole: nn.Parameter, group: comm.Group, dim: int,
+                     pieces: int = 1) -> nn.Parameter:
+    """This rank's 1/M of a layer's weight or bias along `dim` (part), as a Parameter that
+    remembers how it was cut: checkpoints merge the parts and cut them again (merge, part)."""
+    rule = {"dim": dim, "pieces": pieces, "transposed": False}
+    p = nn.Parameter(part(whole.data, rule, group.size, group.index),
+                     requires_grad=whole.requires_grad)
+    p.tensor_parallel_split = rule
     return p
-
-
-def _split(tensor: torch.Tensor, dim: int, group: comm.Group, pieces: int = 1) -> torch.Tensor:
-    """This rank's 1/M of `tensor` along `dim`; with pieces > 1 (a fused qkv weight) each of the
-    `pieces` equal parts is split on its own, so a rank gets its q, its k and its v."""
-    parts = tensor.chunk(pieces, dim=dim)
-    return torch.cat([part.chunk(group.size, dim=dim)[group.index] for part in parts],
-                     dim=dim).clone()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -104,6 +101,24 @@ class _ReduceFromGroup(torch.autograd.Function):
         return grad, None
 
 
+class _GatherFromGroup(torch.autograd.Function):
+    """The whole last dimension from each rank's slice of it: an all-gather forward, this rank's
+    slice of the gradient backward. For a head whose logits a loss takes whole (an AutoTP script's
+    F.cross_entropy, Hugging Face's labels=): each rank computes the same loss from the same whole
+    logits, so each rank's slice of its gradient is already the gradient of its own logits."""
+
+    @staticmethod
+    def forward(ctx, mine: torch.Tensor, group: comm.Group) -> torch.Tensor:
+        ctx.group = group
+        gathered = mine.new_empty((group.size, *mine.shape))              # [M, ..., V/M]
+        comm.all_gather(gathered, mine.contiguous(), group=group, tag="tensor parallel logits")
+        return torch.cat(gathered.unbind(0), dim=-1)                      # [..., V]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.chunk(ctx.group.size, dim=-1)[ctx.group.index].contiguous(), None
+
+
 def copy_to_group(x: torch.Tensor, group: comm.Group) -> torch.Tensor:
     return _CopyToGroup.apply(x, group)
 
@@ -112,25 +127,33 @@ def reduce_from_group(x: torch.Tensor, group: comm.Group) -> torch.Tensor:
     return _ReduceFromGroup.apply(x, group)
 
 
+def gather_from_group(x: torch.Tensor, group: comm.Group) -> torch.Tensor:
+    return _GatherFromGroup.apply(x, group)
+
+
 # --------------------------------------------------------------------------------------------------
 # The layers
 # --------------------------------------------------------------------------------------------------
 
 class ColumnParallelLinear(nn.Module):
     """y_i = f(x) W_i^T + b_i: this rank's out/M outputs. Built from a whole nn.Linear, which it
-    splits (`pieces`: how many fused matrices its rows hold, 3 for qkv)."""
+    splits (`pieces`: how many fused matrices its rows hold, 3 for qkv). gather_output (Megatron's
+    name): all-gather the M slices, every rank gets all out outputs (an untied head whose logits a
+    loss takes whole)."""
+
+    gather_output = False
 
     def __init__(self, linear: nn.Linear, group: comm.Group, pieces: int = 1):
         super().__init__()
         check_divides("a column-parallel layer's outputs", linear.out_features // pieces, group)
         self.group = group
-        self.weight = _split_parameter(_split(linear.weight.data, 0, group, pieces),  # [out/M, in]
-                                       linear.weight.requires_grad)
-        self.bias = None if linear.bias is None else _split_parameter(
-            _split(linear.bias.data, 0, group, pieces), linear.bias.requires_grad)
+        self.weight = _split_parameter(linear.weight, group, 0, pieces)            # [out/M, in]
+        self.bias = None if linear.bias is None else _split_parameter(linear.bias, group, 0,
+                                                                      pieces)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:        # x: [..., in] -> [..., out/M]
-        return F.linear(copy_to_group(x, self.group), self.weight, self.bias)      # <- f
+        y = F.linear(copy_to_group(x, self.group), self.weight, self.bias)         # <- f
+        return gather_from_group(y, self.group) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
@@ -140,8 +163,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         check_divides("a row-parallel layer's inputs", linear.in_features, group)
         self.group = group
-        self.weight = _split_parameter(_split(linear.weight.data, 1, group),      # [out, in/M]
-                                       linear.weight.requires_grad)
+        self.weight = _split_parameter(linear.weight, group, 1)                    # [out, in/M]
         self.bias = None if linear.bias is None else nn.Parameter(
             linear.bias.data.clone(), requires_grad=linear.bias.requires_grad)   # replicated
 
@@ -160,8 +182,7 @@ class VocabParallelEmbedding(nn.Module):
         check_divides("the vocabulary", vocab, group)
         self.group, per_rank = group, vocab // group.size
         self.start, self.end = group.index * per_rank, (group.index + 1) * per_rank
-        self.weight = _split_parameter(_split(embedding.weight.data, 0, group),   # [V/M, C]
-                                       embedding.weight.requires_grad)
+        self.weight = _split_parameter(embedding.weight, group, 0)                 # [V/M, C]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:      # ids: [B, T] -> [B, T, C]
         elsewhere = (ids < self.start) | (ids >= self.end)
@@ -225,14 +246,18 @@ def group_of(model: nn.Module) -> comm.Group | None:
 
 
 class TiedVocabHead(nn.Module):
-    """The head tied to a vocab-parallel embedding: this rank's V/M logits, f(x) E_i^T."""
+    """The head tied to a vocab-parallel embedding: this rank's V/M logits, f(x) E_i^T (all V of
+    them with gather_output, as ColumnParallelLinear's)."""
+
+    gather_output = False
 
     def __init__(self, embedding: VocabParallelEmbedding):
         super().__init__()
         self.embedding, self.group = [embedding], embedding.group    # a list: not a submodule
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:        # [B, T, C] -> [B, T, V/M]
-        return F.linear(copy_to_group(x, self.group), self.embedding[0].weight)    # <- f
+        y = F.linear(copy_to_group(x, self.group), self.embedding[0].weight)       # <- f
+        return gather_from_group(y, self.group) if self.gather_output else y
 
 
 def parallelize_gpt(model: nn.Module, group: comm.Group) -> nn.Module:
@@ -252,3 +277,63 @@ def parallelize_gpt(model: nn.Module, group: comm.Group) -> nn.Module:
     model.tok_emb = VocabParallelEmbedding(model.tok_emb, group)
     model.head = TiedVocabHead(model.tok_emb)
     return model
+
+
+# --------------------------------------------------------------------------------------------------
+# Whole and split: the one rule checkpoints use to merge the M parts and cut them for another M
+# --------------------------------------------------------------------------------------------------
+
+def part(whole: torch.Tensor, rule: dict | None, m: int, index: int) -> torch.Tensor:
+    """Part `index` of m of a whole tensor, cut by `rule` (a split parameter's
+    tensor_parallel_split: {"dim", "pieces", "transposed"}; None: replicated, every part is the
+    whole). With pieces > 1 (a fused qkv weight) each of the equal pieces is cut on its own, so a
+    rank gets its q, its k and its v."""
+    if rule is None:
+        return whole
+    whole = whole.t() if rule["transposed"] else whole        # the whole model's [in, out]
+    pieces = whole.chunk(rule["pieces"], dim=rule["dim"])
+    return torch.cat([p.chunk(m, dim=rule["dim"])[index] for p in pieces], dim=rule["dim"]).clone()
+
+
+def merge(parts: list[torch.Tensor], rule: dict | None) -> torch.Tensor:
+    """The whole tensor from its m parts (in rank order): part's inverse."""
+    if rule is None:
+        return parts[0]
+    dim, pieces = rule["dim"], rule["pieces"]
+    cut = [p.chunk(pieces, dim=dim) for p in parts]           # each part: its 1/m of each piece
+    whole = torch.cat([c[i] for i in range(pieces) for c in cut], dim=dim)
+    return whole.t().contiguous() if rule["transposed"] else whole
+
+
+def whole_entries(model: nn.Module) -> list[dict]:
+    """The whole model's state_dict, described from this rank's split model: for every key of the
+    model built without tensor parallelism, in its order, {"key", "part": the key of this model
+    that holds this rank's part, "shape": the whole shape, "trainable", "split": how it is cut
+    (part's rule), None when replicated}. A head tied to a vocab-parallel embedding is no submodule
+    (TiedVocabHead), so its key is added here, where the whole model has it. An unsplit model:
+    its own keys, none split."""
+    group = group_of(model)
+    m = 1 if group is None else group.size
+    state = model.state_dict(keep_vars=True)
+    first = {}                                        # a tensor's first key: a tie names it twice
+    for key, t in state.items():
+        first.setdefault(id(t), key)
+    own: dict[str, list[str]] = {}                    # each module's own keys, as state_dict orders
+    for key in state:
+        own.setdefault(key.rpartition(".")[0], []).append(key)
+    entries = []
+    for name, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{name}." if name else ""
+        pairs = [(key, key) for key in own.pop(name, [])]
+        if isinstance(module, TiedVocabHead):
+            pairs.append((prefix + "weight", first[id(module.embedding[0].weight)]))
+        for key, holder in pairs:
+            t = state[holder]
+            rule = getattr(t, "tensor_parallel_split", None)
+            shape = list(t.shape)
+            if rule is not None:
+                shape[rule["dim"]] *= m
+                shape = shape[::-1] if rule["transposed"] else shape
+            entries.append({"key": key, "part": holder, "shape": shape,
+                            "trainable": t.requires_grad, "split": rule})
+    return entries

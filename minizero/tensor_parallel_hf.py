@@ -36,22 +36,59 @@ from minizero.tensor_parallel import (
 )
 
 
+def knows(model: nn.Module) -> bool:
+    """Whether parallelize can split this model: it is split already, or has one of the layouts."""
+    return (any(is_split(p) for p in model.parameters()) or _gpt_layout(model)
+            or _gpt2_layout(model) or _llama_layout(model))
+
+
+def _gpt_layout(model: nn.Module) -> bool:
+    return hasattr(model, "blocks") and hasattr(model, "tok_emb")
+
+
+def _gpt2_layout(model: nn.Module) -> bool:
+    return hasattr(model, "transformer") and hasattr(model.transformer, "h")
+
+
+def _llama_layout(model: nn.Module) -> bool:
+    return hasattr(model, "model") and hasattr(model.model, "layers")
+
+
 def parallelize(model: nn.Module, group: comm.Group) -> nn.Module:
     """Split a GPT2LMHeadModel, a LlamaForCausalLM or minizero's GPT (or a model of their layout)
     over `group`, in place; returns the model, whose logits are this rank's vocabulary slice. A
     model that holds split parameters already (its own parallel layers) is returned as it is."""
     if any(is_split(p) for p in model.parameters()):
         return model
-    if hasattr(model, "blocks") and hasattr(model, "tok_emb"):
+    if _gpt_layout(model):
         parallelize_gpt(model, group)
-    elif hasattr(model, "transformer") and hasattr(model.transformer, "h"):
+    elif _gpt2_layout(model):
         _gpt2(model, group)
-    elif hasattr(model, "model") and hasattr(model.model, "layers"):
+    elif _llama_layout(model):
         _llama(model, group)
     else:
         raise TypeError(f"tensor parallelism knows GPT-2's and Llama's layouts, not "
                         f"{type(model).__name__}'s: split its layers with minizero.tensor_parallel")
     return model
+
+
+def gather_logits(model: nn.Module) -> nn.Module:
+    """Make a split model's head all-gather its logits: every rank gets all V of them, for a loss
+    computed on whole logits (a DeepSpeed AutoTP script's, Hugging Face's labels=), instead of
+    tensor_parallel.cross_entropy on its V/M. Costs one all-gather of [B, T, V] per forward (and
+    keeps the whole logits for backward); returns the model."""
+    head = model.head if _gpt_layout(model) else model.lm_head
+    if not isinstance(head, (TiedVocabHead, ColumnParallelLinear)):
+        raise TypeError(f"gather_logits: {type(model).__name__}'s head is not split")
+    head.gather_output = True
+    return model
+
+
+def _from_conv1d(layer: nn.Module) -> nn.Module:
+    """A parallel layer built from a Conv1D: the whole model holds its weight as [in, out], so a
+    checkpoint merges the parts into that form (tensor_parallel.merge)."""
+    layer.weight.tensor_parallel_split["transposed"] = True
+    return layer
 
 
 def _as_linear(conv1d: nn.Module) -> nn.Linear:
@@ -75,11 +112,12 @@ def _gpt2(model: nn.Module, group: comm.Group) -> None:
     check_divides("the number of heads", model.config.n_head, group)
     for block in model.transformer.h:
         attn, mlp = block.attn, block.mlp
-        attn.c_attn = ColumnParallelLinear(_as_linear(attn.c_attn), group, pieces=3)   # q, k, v
-        attn.c_proj = RowParallelLinear(_as_linear(attn.c_proj), group)
+        attn.c_attn = _from_conv1d(ColumnParallelLinear(_as_linear(attn.c_attn), group,
+                                                        pieces=3))                 # q, k, v
+        attn.c_proj = _from_conv1d(RowParallelLinear(_as_linear(attn.c_proj), group))
         attn.split_size //= group.size              # forward splits c_attn's output by this width
-        mlp.c_fc = ColumnParallelLinear(_as_linear(mlp.c_fc), group)
-        mlp.c_proj = RowParallelLinear(_as_linear(mlp.c_proj), group)
+        mlp.c_fc = _from_conv1d(ColumnParallelLinear(_as_linear(mlp.c_fc), group))
+        mlp.c_proj = _from_conv1d(RowParallelLinear(_as_linear(mlp.c_proj), group))
     model.transformer.wte = VocabParallelEmbedding(model.transformer.wte, group)
     _head(model, model.transformer.wte, group)
 

@@ -16,7 +16,6 @@ import minizero
 from minizero import comm, tensor_parallel
 from minizero.lab.data import global_batch, local_batch
 from minizero.lab.model import GPTConfig, make_model
-from minizero.checkpoint import CheckpointError, consolidate
 from minizero.lab.train import IGNORE, loss_fn
 from minizero.memory import estimate_breakdown, within_padding
 
@@ -48,6 +47,26 @@ def _train(stage: int, m: int, clip: float | None = None, steps=range(STEPS),
             "norm": engine.last_grad_norm}
 
 
+def _autotp() -> dict:
+    """minizero.initialize with DeepSpeed's AutoTP key: the script is the one without it, its loss
+    on whole logits (the head all-gathers them); and a model minizero cannot split."""
+    config = {"train_micro_batch_size_per_gpu": ROWS // 2, "gradient_clipping": 0,
+              "zero_optimization": {"stage": 2}, "optimizer": {"type": "SGD", "params": {"lr": LR}},
+              "tensor_parallel": {"autotp_size": 2}}
+    model = make_model(GPTConfig(), seed=0)
+    engine, *_ = minizero.initialize(model=model, config=config)
+    row, n_d = comm.rank() // 2, comm.world_size() // 2
+    for step in range(STEPS):
+        x, y = local_batch(*global_batch(step, ROWS, model.cfg.block_size), row, n_d)
+        engine.backward(loss_fn(engine(x), y))
+        engine.step()
+    try:
+        minizero.initialize(model=torch.nn.Linear(4, 4), config=config)
+    except ValueError as e:
+        return {"state": engine.full_state_dict(), "another model": str(e)}
+    return {"state": engine.full_state_dict()}
+
+
 def _every_stage(meshes: tuple[int, ...], directory: str) -> dict:
     runs = {(m, stage): _train(stage, m) for m in meshes for stage in STAGES}
     if comm.world_size() == 4:
@@ -56,10 +75,7 @@ def _every_stage(meshes: tuple[int, ...], directory: str) -> dict:
         momentum = {"stage": 3, "m": 2, "momentum": 0.9}
         runs["whole run"] = _train(**momentum, save=directory)
         runs["resumed"] = _train(**momentum, load=directory, steps=[STEPS - 1])
-        try:
-            _train(3, 4, load=directory, steps=[])
-        except CheckpointError as e:
-            runs["another mesh"] = str(e)
+        runs["autotp"] = _autotp()
     return runs
 
 
@@ -130,22 +146,30 @@ def test_clipping_takes_the_norm_of_the_whole_model(runs):
             assert torch.allclose(value.float(), want[name].float(), atol=1e-5), (rank, name)
 
 
-def test_a_checkpoint_on_the_mesh_resumes_bit_exactly_and_refuses_another_mesh(runs):
+def test_a_checkpoint_on_the_mesh_resumes_bit_exactly(runs):
     """Each tensor-parallel part keeps its own column of shard files (tp{i}-rank{r}.pt): a run
     resumed on the same mesh ends bit-identical to the uninterrupted one (stage 3, SGD with
-    momentum). Another mesh, and merging the parts into one model, are refused in one line."""
+    momentum). Another mesh, and consolidate: tests/test_mesh_checkpoint.py."""
     for rank, result in enumerate(runs[4]):
         whole, resumed = result["whole run"]["state"], result["resumed"]["state"]
         assert all(torch.equal(whole[k], resumed[k]) for k in whole), rank
-        assert result["another mesh"].endswith("was saved on tensor-parallel rows of 2, this "
-                                                "engine's rows are of 4: resharding across meshes "
-                                                "is not supported yet (the same mesh resumes)")
-    with pytest.raises(CheckpointError, match="merging tensor-parallel parts into one model is not "
-                                              "supported yet"):
-        consolidate(runs["directory"])
 
 
 def test_a_world_size_the_mesh_does_not_fit_is_one_line():
     with pytest.raises(ValueError, match="tensor_parallel=3 must divide the world size 1"):
         minizero.wrap(make_model(GPTConfig()), 0, functools.partial(torch.optim.SGD, lr=0.1),
                       tensor_parallel=3)
+
+
+def test_initialize_applies_deepspeeds_autotp_size(runs):
+    """tensor_parallel.autotp_size 2 at N = 4: the GPT split over rows of 2, stage 2 along the
+    columns, the script's loss on whole logits as without it: one process's parameters (1e-5). A
+    model minizero cannot split: one line."""
+    whole, _ = _whole()
+    for rank, result in enumerate(runs[4]):
+        want = _expected(whole, 2, rank % 2)
+        for name, value in result["autotp"]["state"].items():
+            assert torch.allclose(value.float(), want[name].float(), atol=1e-5), (rank, name)
+        assert result["autotp"]["another model"] == (
+            "tensor_parallel.autotp_size 2: minizero splits its GPT, GPT-2 and Llama, not a Linear "
+            "(DeepSpeed's AutoTP finds the linear layers of any model)")

@@ -1,5 +1,5 @@
 """`python -m minizero.consolidate ckpt model.pt`: a sharded checkpoint as one plain
-fp32 state_dict.
+fp32 state_dict (saved on a 2-D mesh: the tensor-parallel parts merged, the unsplit model's keys).
 
     python -m minizero.consolidate ckpt model.pt
     model.load_state_dict(torch.load("model.pt"), strict=True)      # no process group, no minizero
