@@ -260,6 +260,25 @@ class TiedVocabHead(nn.Module):
         return gather_from_group(y, self.group) if self.gather_output else y
 
 
+def check_tied_heads(model: nn.Module, units: list[nn.Module]) -> None:
+    """Stage 3 frees a unit's parameters outside its forward (zero3.py). A TiedVocabHead reads its
+    embedding's weight without holding it (it is no submodule), so that weight is only present
+    when the head runs if both are in one unit: else the head would compute with NaN (absent.py).
+    Raise ValueError (one line) when they are not; a transformer's default units (its blocks, the
+    model keeping the embedding and the head) always keep them together."""
+    def unit_of(target: nn.Module) -> nn.Module:      # the innermost unit holding it, or the model
+        holding = [u for u in units if any(m is target for m in u.modules())]
+        return min(holding, key=lambda u: sum(1 for _ in u.modules()), default=model)
+    names = {id(m): name for name, m in model.named_modules()}
+    for head in (m for m in model.modules() if isinstance(m, TiedVocabHead)):
+        embedding = head.embedding[0]
+        if unit_of(head) is not unit_of(embedding):
+            raise ValueError(
+                f"stage 3 with tensor_parallel: the tied head ({names[id(head)]}) reads the weight "
+                f"of {names[id(embedding)]}, which is in another unit; choose units that keep "
+                "them together (units=list(model.blocks), say: the model keeps both)")
+
+
 def parallelize_gpt(model: nn.Module, group: comm.Group) -> nn.Module:
     """Split minizero's GPT (minizero/lab/model.py's shape: blocks of attn.qkv / attn.proj and
     mlp[0] / mlp[2], tok_emb, a tied head) over `group`, in place; returns the model. Its output is

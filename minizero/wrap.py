@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from minizero import activations, comm, tensor_parallel_hf
+from minizero import activations, comm, tensor_parallel, tensor_parallel_hf
 from minizero.construct import partition_of
 from minizero.engine import Engine
 from minizero.options import check_options, check_positive_int, check_stage
@@ -123,14 +123,17 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
             "activation_checkpointing must be False, True, 'cpu', 'partitioned' or "
             f"'partitioned+cpu', got {activation_checkpointing!r}"
         )
-    # before stage 3 frees the parameters
+    # the units, found before stage 3 frees the parameters (a transformer's blocks): what is
+    # checkpointed, and what memory_timeline's events name
     units = list(options.get("units") or default_units(model))
-    # (a transformer's blocks: what is checkpointed, and what memory_timeline's events name)
+    if stage == 3 and mesh is not None:
+        tensor_parallel.check_tied_heads(model, units)
     built = engine(model, optimizer, offload=offload, offload_path=offload_path,
                    param_groups=param_groups, mesh=mesh, **options)
-    if activation_checkpointing:
+    if activation_checkpointing:            # P_a's group: only the partitioned modes take one
+        partitioned = mesh is not None and activation_checkpointing in activations.PARTITIONED
         activations.checkpoint(units, activation_checkpointing, built.activations,
-                               None if mesh is None else mesh[0])
+                               mesh[0] if partitioned else None)
     built.watch(units)
     return built
 

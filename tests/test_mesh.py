@@ -24,10 +24,11 @@ STAGES = (0, 1, 2, 3)
 
 
 def _train(stage: int, m: int, clip: float | None = None, steps=range(STEPS),
-           load: str | None = None, save: str | None = None, momentum: float = 0.0) -> dict:
+           load: str | None = None, save: str | None = None, momentum: float = 0.0,
+           **options) -> dict:
     """This rank's part of the GPT after STEPS SGD steps on the mesh, and its model-state bytes."""
     model = make_model(GPTConfig(), seed=0)
-    options = {} if clip is None else {"clip_grad_norm": clip}
+    options |= {} if clip is None else {"clip_grad_norm": clip}
     optimizer = functools.partial(torch.optim.SGD, lr=LR, momentum=momentum)
     engine = minizero.wrap(model, stage, optimizer, tensor_parallel=m, **options)
     if load:
@@ -76,6 +77,7 @@ def _every_stage(meshes: tuple[int, ...], directory: str) -> dict:
         runs["whole run"] = _train(**momentum, save=directory)
         runs["resumed"] = _train(**momentum, load=directory, steps=[STEPS - 1])
         runs["autotp"] = _autotp()
+        runs["recompute"] = _train(2, 2, activation_checkpointing=True)    # plain, not P_a
     return runs
 
 
@@ -153,6 +155,16 @@ def test_a_checkpoint_on_the_mesh_resumes_bit_exactly(runs):
     for rank, result in enumerate(runs[4]):
         whole, resumed = result["whole run"]["state"], result["resumed"]["state"]
         assert all(torch.equal(whole[k], resumed[k]) for k in whole), rank
+
+
+def test_plain_activation_checkpointing_runs_on_the_mesh(runs):
+    """activation_checkpointing=True on a mesh recomputes each block (no P_a group needed: only
+    'partitioned' takes one); recomputing changes no value."""
+    for rank in range(4):
+        recomputed, stored = runs[4][rank]["recompute"]["state"], runs[4][rank][(2, 2)]["state"]
+        assert recomputed.keys() == stored.keys()
+        for name, value in recomputed.items():
+            assert torch.equal(value, stored[name]), (rank, name)
 
 
 def test_a_world_size_the_mesh_does_not_fit_is_one_line():

@@ -18,6 +18,7 @@ from minizero.lab.model import GPTConfig, make_model
 from minizero.lab.train import IGNORE, loss_fn
 from minizero.memory import activation_bytes
 from minizero.memory.mesh import gpt_tensor_parallel_bytes, tensor_parallel_bytes
+from minizero.units import default_units
 
 
 def _gpt(seed: int = 0):
@@ -120,6 +121,18 @@ def test_a_size_the_group_does_not_divide_is_one_clear_error():
     three = types.SimpleNamespace(size=3, index=0)
     with pytest.raises(ValueError, match=r"over 3 ranks: the number of heads = 4 is not divisible"):
         tensor_parallel.check_divides("the number of heads", 4, three)
+
+
+def test_stage_3_refuses_units_that_part_the_tied_head_from_its_embedding():
+    """A one-block GPT's default units (by size) put tok_emb in a unit of its own: stage 3 would
+    free its weight before the tied head reads it, and the loss would be NaN. One line instead;
+    the blocks as units (the model keeps both) pass."""
+    row = types.SimpleNamespace(size=2, index=0)
+    model = tensor_parallel.parallelize_gpt(make_model(GPTConfig(n_layer=1), seed=0), row)
+    with pytest.raises(ValueError, match=r"the tied head \(head\) reads the weight of tok_emb, "
+                                         r"which is in another unit"):
+        tensor_parallel.check_tied_heads(model, default_units(model))
+    tensor_parallel.check_tied_heads(model, list(model.blocks))
 
 
 def test_partitioned_checkpoints_keep_one_mth_of_each_blocks_input():
