@@ -69,7 +69,7 @@ from minizero.absent import refuse_dropped_writes
 from minizero.loss_scale import scaler_for
 from minizero.memory.meter import ModelStateMeter
 from minizero.offload import optimizer_home
-from minizero.optim import DTYPES, Grouping, group_runs, parse_param_groups
+from minizero.optim import DTYPES, Grouping, SteppedHome, group_runs, parse_param_groups
 from minizero.options import StageOptions, check_offload, check_options, is_positive_int, takes
 from minizero.reducer import GradBuckets
 
@@ -132,7 +132,7 @@ class Engine:
         self.shard_group, self.replicate_group = (
             (self.data_group, None) if full else comm.mesh(shard_group_size)
         )
-        # zero3.py: hpZ
+        # [Note: hpZ] in zero3.py: backward's all-gather within groups of R ranks (a node)
         self.hpz_group = None if hpz_group_size is None else comm.row_group(hpz_group_size)
         self.sync = True                              # False inside no_sync()
         self.accumulating = False                     # a no_sync() backward ran since the last step
@@ -175,8 +175,9 @@ class Engine:
             overlap=self.options.overlap, owner=self) if self.grads.in_backward else None
         # P_os: the optimizer gets what this rank steps: Ψ/N (stages 1-3) or Ψ (DDP)
         home = self.row.optimizer or optimizer_home(offload, offload_path)
-        # <- the essential line of P_os: it is handed Ψ/N parameters
-        self.optimizer = home(self.params.optimizer_parts(), optimizer, self._grouping())
+        # <- the essential line of P_os: it is handed Ψ/N parameters (optim.OptimizerHome)
+        self.optimizer: SteppedHome = home(self.params.optimizer_parts(), optimizer,
+                                           self._grouping())
 
         # ZeRO-R: what forward saves (activations.py); model states: memory/meter.py
         self.activations = activations.SavedTensorMeter(self.params.param_tensors)
@@ -221,7 +222,7 @@ class Engine:
                 f"shard_group_size must be a divisor of the world size {n} (1 <= S <= N), "
                 f"got {shard_group_size!r}"
             )
-        # R divides S: a node's ranks hold whole
+        # R divides S, so that hpZ's groups of R ranks (a node) lie inside one group of S
         s = n if shard_group_size is None else shard_group_size
         if hpz_group_size is not None and not (
             is_positive_int(hpz_group_size) and s % hpz_group_size == 0

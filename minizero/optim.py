@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
@@ -131,6 +131,30 @@ def group_runs(bucket, start: int, stop: int, group_of: dict[int, int]) -> list[
         else:
             runs.append((lo, hi, group))
     return runs
+
+
+class OptimizerHome(Protocol):
+    """Where P_os lives, as the engine, checkpoint.py and the memory meter use it: the one
+    interface of ShardOptimizer (below: the device), offload.HostShardOptimizer (host memory),
+    disk.DiskShardOptimizer (a file) and fsdp_engine.FlatParameters (the user's optimizer steps
+    them). tests/test_architecture.py checks each has every method, with these arguments."""
+    param_parts: list[torch.Tensor]    # what it updates: views into the model's parameter storage
+
+    def reload(self) -> None: ...      # the parameters were written from outside: masters follow
+    def master_values(self) -> list[torch.Tensor]: ...   # fp32 values, one per part
+    def device_tensors(self) -> list[torch.Tensor]: ...  # what it holds on the device (memory)
+    def host_tensors(self) -> list[torch.Tensor]: ...    # ... in host memory
+    def disk_bytes(self) -> int: ...                     # ... in a file
+
+
+class SteppedHome(OptimizerHome, Protocol):
+    """An OptimizerHome the engine steps (all but FSDP's, whose user steps): engine.step() hands it
+    the averaged gradients; checkpoints save and load its state; `optimizer` is torch's."""
+    optimizer: torch.optim.Optimizer
+
+    def step(self, grad_parts: list[torch.Tensor]) -> None: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state_dict: dict) -> None: ...
 
 
 def fp32_master(part: torch.Tensor) -> nn.Parameter:

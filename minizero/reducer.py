@@ -42,8 +42,7 @@ class GradBuckets:
     handle; on_grad(param, bucket), if given, runs as each parameter's gradient is complete (stage
     2 uses it to move the gradient into the bucket's buffer at once, so full gradients never pile
     up). The event stream hears "bucket launched" (in_backward: before backward ended) and "bucket
-    arrived", with
-    engine=owner."""
+    arrived", with engine=owner."""
 
     def __init__(self, buckets: list[Bucket], launch: Callable, done: Callable | None = None,
                  on_grad: Callable | None = None, max_in_flight: int = 2, overlap: bool = True,

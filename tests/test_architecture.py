@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import ast
+import inspect
 import pathlib
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "minizero"
@@ -160,3 +161,39 @@ def test_the_constructor_rule_can_fail():
                         "class Zero2(Zero1):\n    def _make_grads(self):\n        return 2\n")}
     assert constructor_calls_to_overridden_methods(sources) == [
         "a.py:3 Engine.__init__ calls self._make_grads(), which Zero2 (b.py) overrides"]
+
+
+def _interface(protocol: type) -> dict[str, list[str]]:
+    """A Protocol's methods (its own and inherited) with their argument names."""
+    return {name: list(inspect.signature(f).parameters)
+            for cls in protocol.__mro__ if cls.__module__ == protocol.__module__
+            for name, f in vars(cls).items() if inspect.isfunction(f) and not name.startswith("_")}
+
+
+def missing_from(home: type, protocol: type) -> list[str]:
+    out = []
+    for name, arguments in _interface(protocol).items():
+        method = getattr(home, name, None)
+        if method is None or list(inspect.signature(method).parameters) != arguments:
+            out.append(name)
+    return out
+
+
+def test_every_optimizer_home_implements_the_written_interface():
+    """optim.OptimizerHome: what the engine, checkpoints and memory use of wherever P_os lives.
+    Every home has all of it; those the engine steps have SteppedHome's too."""
+    from minizero.disk import DiskShardOptimizer
+    from minizero.fsdp_engine import FlatParameters
+    from minizero.offload import HostShardOptimizer
+    from minizero.optim import OptimizerHome, ShardOptimizer, SteppedHome
+    for home in (ShardOptimizer, HostShardOptimizer, DiskShardOptimizer):
+        assert not missing_from(home, SteppedHome), (home, missing_from(home, SteppedHome))
+    assert not missing_from(FlatParameters, OptimizerHome)
+
+
+def test_the_interface_rule_can_fail():
+    from minizero.optim import SteppedHome
+
+    class NoReload:
+        def step(self, grads): ...              # another argument name, and reload() missing
+    assert {"reload", "step"} <= set(missing_from(NoReload, SteppedHome))
