@@ -138,7 +138,7 @@ mesh_plots.memory_across_the_mesh(list(runs.values()));
 # the model, columns {0, 2} and {1, 3} shard each row's part with ZeRO. The recorder
 # (`mesh_demo.Recorder`) subscribes to minizero's event stream and notes every collective each rank
 # issues, what the buffer held before and after (its first values), and the line of minizero that
-# issued it. Watch the two axes take turns: the column all-gathers a block's parameters (unit.py),
+# issued it. Watch the two axes take turns: the column all-gathers a block's parameters (zero3.py),
 # then the row runs that block's g's forward and f's backward (tensor_parallel.py), then the
 # column reduce-scatters the block's gradients. Every g leaves each rank of a row the *sum* of
 # the row's partials; the replay below checks every one from the ranks' own records.

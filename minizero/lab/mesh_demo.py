@@ -10,7 +10,7 @@
 
 Every collective a rank issues is recorded from the event stream (minizero/events.py: "collective"
 before it runs, "collective done" after), with the line of minizero that issued it
-(source.origin): tensor_parallel.py's f and g, unit.py's gathers, zero3.py's reduce-scatters. The
+(source.origin): tensor_parallel.py's f and g, zero3.py's gathers, zero2.py's reduce-scatters. The
 recorder changes nothing; comm.synchronous() only makes each collective complete before the next
 one is issued, so that each one's result can be read.
 """
