@@ -8,9 +8,9 @@
     with minizero.sharded_init(): model = MyModel()      # stage 3: built partitioned, never whole
     minizero.set_z3_leaf_modules(model, [MoEBlock])      # stage 3: gathered whole (DeepSpeed's)
 
-This folder is the ZeRO implementation, read in this order (3,051 lines, docstrings included):
+This folder is the ZeRO implementation, read in this order (3,031 lines, docstrings included):
     comm.py (653) -> events.py (116) -> flat.py (214) -> reducer.py (120) -> optim.py (324)
-    -> engine.py (522) -> stages.py (78, the paper's table: one row per stage) -> ddp.py (129)
+    -> engine.py (502) -> stages.py (78, the paper's table: one row per stage) -> ddp.py (129)
     -> zero1.py (75) -> zero2.py (114) -> zero3.py (350, with units.py 287, leaf modules included)
     -> offload.py (69).
 Then options.py (which stage takes what), absent.py (a stage-3 parameter between uses), wrap.py,

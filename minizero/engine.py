@@ -16,6 +16,11 @@ top to bottom; backward() and step() call each family at its moment:
     step       grads.parts() -> (HSDP, fp16, clip) -> optimizer.step -> params.after_step ->
                grads.zero()
 
+The engine holds three small frozen policies (options.py), checked in one place (Engine.check,
+which wrap.check, the CLI and the config reader call before anything is built): `precision`
+(Precision), `offloading` (Offload: where P_os lives, offload.py and disk.py) and `groups` (Groups,
+from Sharding: [Note: the 2-D mesh], [Note: hierarchical sharding] below; hpZ in zero3.py).
+
 Mixed precision: dtype "fp32", "bf16" or "fp16" (the model computes in it; the optimizer keeps fp32
 masters, optim.py). fp16 also scales the loss (loss_scale.py): loss_scale=None (dynamic), a number
 (static) or a dict. reduce_dtype: None (the gradients are reduced and accumulated in dtype) or
@@ -63,14 +68,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from minizero import activations, checkpoint, comm, construct, disk, events, quantize
+from minizero import activations, checkpoint, comm, construct, events, quantize
 from minizero import tensor_parallel
 from minizero.absent import refuse_dropped_writes
 from minizero.loss_scale import scaler_for
 from minizero.memory.meter import ModelStateMeter
 from minizero.offload import optimizer_home
-from minizero.optim import DTYPES, Grouping, SteppedHome, group_runs, parse_param_groups
-from minizero.options import StageOptions, check_offload, check_options, is_positive_int, takes
+from minizero.optim import Grouping, SteppedHome, group_runs, parse_param_groups
+from minizero.options import (Offload, Precision, Sharding, StageOptions, check_options)
 from minizero.reducer import GradBuckets
 
 # Every model an engine has taken: a second wrap would add a second engine's hooks beside the
@@ -118,22 +123,17 @@ class Engine:
         self.module = model
         self.optimizer_factory = optimizer
         self.options = StageOptions(**stage_options)
-        self.dtype = DTYPES[dtype]
-        # what gradients are reduced and accumulated in
-        self.grad_dtype = DTYPES[reduce_dtype or dtype]
-        self.offload = offload
-        self.offload_path = offload_path              # offload="disk": its file's folder (disk.py)
+        # the three policies (options.py), checked above
+        self.precision = Precision(dtype, reduce_dtype, loss_scale)
+        self.offloading = Offload(offload, offload_path)
         self.clip_grad_norm = clip_grad_norm
         self.rank, self.world_size, self.device = comm.rank(), comm.world_size(), comm.device()
-        # [Note: the 2-D mesh]: this rank's tensor-parallel row and data-parallel column, or None
-        self.tensor_group, self.data_group = (None, None) if mesh is None else mesh
-        # [Note: hierarchical sharding]: who this rank shards with (None: all N) and replicates with
-        full = shard_group_size in (None, self.world_size)
-        self.shard_group, self.replicate_group = (
-            (self.data_group, None) if full else comm.mesh(shard_group_size)
-        )
-        # [Note: hpZ] in zero3.py: backward's all-gather within groups of R ranks (a node)
-        self.hpz_group = None if hpz_group_size is None else comm.row_group(hpz_group_size)
+        # this rank's groups: [Note: the 2-D mesh] (tensor, data), [Note: hierarchical sharding]
+        # (shard: who it partitions with, None for all N; replicate) and hpZ's (zero3.py)
+        self.groups = Sharding(shard_group_size, hpz_group_size).groups(mesh)
+        self.tensor_group, self.data_group = self.groups.tensor, self.groups.data
+        self.shard_group, self.replicate_group = self.groups.shard, self.groups.replicate
+        self.hpz_group = self.groups.hpz
         self.sync = True                              # False inside no_sync()
         self.accumulating = False                     # a no_sync() backward ran since the last step
         self.mid_step = False          # a backward() ran, its step() not yet: checkpoints refuse
@@ -174,7 +174,7 @@ class Engine:
             on_grad=self.grads.on_grad, max_in_flight=self.options.buckets_in_flight,
             overlap=self.options.overlap, owner=self) if self.grads.in_backward else None
         # P_os: the optimizer gets what this rank steps: Ψ/N (stages 1-3) or Ψ (DDP)
-        home = self.row.optimizer or optimizer_home(offload, offload_path)
+        home = self.row.optimizer or optimizer_home(self.offload, self.offloading.path)
         # <- the essential line of P_os: it is handed Ψ/N parameters (optim.OptimizerHome)
         self.optimizer: SteppedHome = home(self.params.optimizer_parts(), optimizer,
                                            self._grouping())
@@ -203,47 +203,27 @@ class Engine:
         world_size: int | None = None,
         offload_path: str | None = None,
     ) -> None:
-        """The rules for dtype, offload (and its folder), reduce_dtype and the group sizes: the
-        engine checks them when it is built, and wrap.check / the CLI call this before anything is
-        built (or any process started; world_size: the N to check against, default this process
-        group's). Which stage takes what: options.py."""
-        n = comm.world_size() if world_size is None else world_size
-        if shard_group_size is not None and not takes(cls.row.number, "shard_group_size"):
-            raise ValueError("shard_group_size needs ZeRO stage 1, 2 or 3 (DDP partitions nothing)")
-        if hpz_group_size is not None and not takes(cls.row.number, "hpz_group_size"):
-            raise ValueError(
-                f"hpz_group_size needs stage 3 (stage {cls.row.number} does not gather parameters "
-                "in backward)"
-            )
-        if shard_group_size is not None and not (
-            is_positive_int(shard_group_size) and n % shard_group_size == 0
-        ):
-            raise ValueError(
-                f"shard_group_size must be a divisor of the world size {n} (1 <= S <= N), "
-                f"got {shard_group_size!r}"
-            )
-        # R divides S, so that hpZ's groups of R ranks (a node) lie inside one group of S
-        s = n if shard_group_size is None else shard_group_size
-        if hpz_group_size is not None and not (
-            is_positive_int(hpz_group_size) and s % hpz_group_size == 0
-        ):
-            raise ValueError(f"hpz_group_size must be a divisor of the shard group size {s}, "
-                             f"got {hpz_group_size!r}")     # partitions of the shard group's
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        # Reducing in more precision than the compute is the point; in less (fp32 compute, bf16
-        # reduce) it would be gradient compression, which minizero does not do. The compute dtype
-        # itself is a no-op.
-        if reduce_dtype not in (None, "fp32", dtype):
-            raise ValueError(
-                "reduce_dtype must be None, 'fp32' or the "
-                f"compute dtype {dtype!r}, got {reduce_dtype!r}"
-            )
-        check_offload(cls.row.number, offload)
-        if offload_path is not None and offload != "disk":
-            raise ValueError("offload_path is the disk tier's folder: it needs offload='disk'")
-        if offload == "disk":
-            disk.check_folder(offload_path)              # missing or unwritable: before any build
+        """Raise ValueError (one line) unless this stage's engine takes these policies (options.py:
+        Precision, Offload, Sharding, at `world_size` ranks, default this process group's). The
+        engine checks them when it is built; wrap.check, the CLI and the config reader call this
+        before anything is built or any process started."""
+        Precision(dtype, reduce_dtype)
+        Offload(offload, offload_path).check(cls.row.number)
+        Sharding(shard_group_size, hpz_group_size).check(cls.row.number, world_size)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """What the model computes in (self.precision)."""
+        return self.precision.compute
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """What gradients are reduced and accumulated in (self.precision)."""
+        return self.precision.grads
+
+    @property
+    def offload(self) -> bool | str:
+        return self.offloading.where
 
     def _broadcast_from_rank0(self) -> None:
         """All replicas start from rank 0's weights and buffers, whatever each

@@ -6,16 +6,20 @@
 CLI and the DeepSpeed-config reader all ask this table, so a rule ("offload needs stage 1-3", "hpZ
 needs stage 3") is written once. The table follows the paper: each stage partitions one more kind
 of model state (P_os, P_os+g, P_os+g+p), and what an option changes exists only from the stage that
-has it.
+has it. The engine's policies live here too: StageOptions (what the families read), Precision,
+Offload and Sharding (the groups it makes: Groups), each frozen, each checking its own rules.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
+from minizero import comm, disk
 from minizero.flat import DEFAULT_BUCKET_BYTES
+from minizero.optim import DTYPES
 from minizero.quantize import BLOCK
 
 STAGES = (0, 1, 2, 3)                          # 0 = DDP; minizero.wrap has one engine per stage
@@ -58,6 +62,96 @@ class StageOptions:
     quantized_weights: bool = False            # stage 3: ZeRO++ qwZ (quantize.py)
     quantized_gradients: bool = False          # stages 2-3: ZeRO++ qgZ
     quantization_block: int = BLOCK            # elements per fp32 scale
+
+
+# --- the engine's three policies, frozen: wrap, initialize, FSDP, the CLI and the config reader ---
+# --- reach them through Engine.check (wrap.check), the engine holds them -----------------------
+@dataclass(frozen=True)
+class Precision:
+    """Mixed precision (FSDP2's MixedPrecisionPolicy; engine.py's docstring says what each does):
+    `dtype` the model computes in, `reduce_dtype` the gradients are reduced and accumulated in
+    (None: dtype), fp16's `loss_scale` (loss_scale.py checks it)."""
+    dtype: str = "fp32"
+    reduce_dtype: str | None = None
+    loss_scale: float | dict | None = None
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        # Reducing in more precision than the compute is the point; in less (fp32 compute, bf16
+        # reduce) it would be gradient compression, which minizero does not do. The compute
+        # dtype itself is a no-op.
+        if self.reduce_dtype not in (None, "fp32", self.dtype):
+            raise ValueError(f"reduce_dtype must be None, 'fp32' or the compute dtype "
+                             f"{self.dtype!r}, got {self.reduce_dtype!r}")
+
+    @property
+    def compute(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def grads(self) -> torch.dtype:
+        return DTYPES[self.reduce_dtype or self.dtype]
+
+
+@dataclass(frozen=True)
+class Offload:
+    """Where P_os lives (FSDP2's OffloadPolicy, with ZeRO-Infinity's disk tier): `where` False
+    (the device), True / "optimizer" (host memory, offload.py), "params" (stage 3: the parameter
+    shard too) or "disk" (a file in the folder `path`, disk.py)."""
+    where: bool | str = False
+    path: str | None = None
+
+    def check(self, stage: int) -> None:
+        check_offload(stage, self.where)
+        if self.path is not None and self.where != "disk":
+            raise ValueError("offload_path is the disk tier's folder: it needs offload='disk'")
+        if self.where == "disk":
+            disk.check_folder(self.path)              # missing or unwritable: before any build
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """Who a rank shards with: shard_group_size S ([Note: hierarchical sharding] in engine.py;
+    None: all N) and hpz_group_size R ([Note: hpZ] in zero3.py), checked against N ranks."""
+    shard_group_size: int | None = None
+    hpz_group_size: int | None = None
+
+    def check(self, stage: int, world_size: int | None = None) -> None:
+        n = comm.world_size() if world_size is None else world_size
+        s, r = self.shard_group_size, self.hpz_group_size
+        if s is not None and not takes(stage, "shard_group_size"):
+            raise ValueError("shard_group_size needs ZeRO stage 1, 2 or 3 (DDP partitions nothing)")
+        if r is not None and not takes(stage, "hpz_group_size"):
+            raise ValueError(f"hpz_group_size needs stage 3 (stage {stage} does not gather "
+                             "parameters in backward)")
+        if s is not None and not (is_positive_int(s) and n % s == 0):
+            raise ValueError(f"shard_group_size must be a divisor of the world size {n} "
+                             f"(1 <= S <= N), got {s!r}")
+        # R divides S, so that hpZ's groups of R ranks (a node) lie inside one group of S
+        if r is not None and not (is_positive_int(r) and (s or n) % r == 0):
+            raise ValueError(f"hpz_group_size must be a divisor of the shard group size {s or n}, "
+                             f"got {r!r}")
+
+    def groups(self, mesh: tuple[comm.Group, comm.Group] | None) -> Groups:
+        """This rank's groups (collective: comm.mesh and comm.row_group create process groups)."""
+        tensor, data = (None, None) if mesh is None else mesh
+        full = self.shard_group_size in (None, comm.world_size())
+        shard, replicate = (data, None) if full else comm.mesh(self.shard_group_size)
+        hpz = None if self.hpz_group_size is None else comm.row_group(self.hpz_group_size)
+        return Groups(tensor, data, shard, replicate, hpz)
+
+
+@dataclass(frozen=True)
+class Groups:
+    """A rank's process groups, what FSDP2's mesh info holds; None where a group is all N ranks or
+    does not exist. tensor / data: [Note: the 2-D mesh]; shard / replicate: [Note: hierarchical
+    sharding] (both in engine.py); hpz: [Note: hpZ] in zero3.py."""
+    tensor: comm.Group | None
+    data: comm.Group | None
+    shard: comm.Group | None
+    replicate: comm.Group | None
+    hpz: comm.Group | None
 
 
 def check_stage(stage) -> int:
