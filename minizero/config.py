@@ -415,8 +415,10 @@ def _zero(flat: dict, out: dict, warnings: list[str], world_size: int) -> None:
         out["offload"] = offload
     key = "zero_optimization.reduce_bucket_size"
     if key in flat:
-        elements = _number(key, flat[key], minimum=1)       # DeepSpeed refuses 0 too
-        # DeepSpeed counts elements, minizero bytes
+        # DeepSpeed counts elements, minizero bytes. 0 (transformers' zero3 test config): one
+        # bucket per parameter in the DeepSpeed it was written for (0.19.8 refuses it), and so
+        # here: a bucket closes once it holds one element's bytes (flat.split_into_buckets)
+        elements = max(_number(key, flat[key], minimum=0), 1)
         out["bucket_size"] = elements * element_bytes(out.get("dtype", "fp32"))
         if stage in (1, 3):
             instead = ("one flat gradient buffer is reduce-scattered at the step" if stage == 1

@@ -48,8 +48,8 @@ KEYS = {
     "zero_optimization.offload_param.device": "offload = params ('cpu', stage 3 only; 'nvme': "
         "host memory, with a warning: minizero's disk tier holds the optimizer only)",
     "zero_optimization.reduce_bucket_size": "bucket_size in bytes = elements x 2 (bf16) or 4 "
-        "(fp32); stages 0 and 2 (stage 1 has one bucket, stage 3 one per unit); 0: an error, as "
-        "in DeepSpeed",
+        "(fp32); stages 0 and 2 (stage 1 has one bucket, stage 3 one per unit); 0: one bucket per "
+        "parameter (what the DeepSpeed of transformers' zero3 test config did; 0.19.8 refuses 0)",
     "zero_optimization.stage3_prefetch_bucket_size": "prefetch (0 = off; any other size = one "
         "unit ahead)",
     "zero_optimization.zero_quantized_weights": "quantized_weights: ZeRO++ qwZ, stage 3's forward "

@@ -72,6 +72,18 @@ def test_precision_buckets_prefetch_offload():
                         "each unit's gradients form one bucket"]
 
 
+def test_a_reduce_bucket_size_of_0_is_one_bucket_per_parameter():
+    """transformers' zero3 test config has reduce_bucket_size 0: one bucket per parameter in the
+    DeepSpeed it was written for (0.19.8's parser refuses 0)."""
+    import torch
+
+    from minizero.flat import by_size
+    overrides, _ = load_deepspeed_config({"zero_optimization": {"stage": 2,
+                                                                "reduce_bucket_size": 0}}, 2)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (1, 3, 2)]
+    assert [len(b) for b in by_size(params, overrides["bucket_size"])] == [1, 1, 1]
+
+
 def test_optimizer_follows_deepspeed_semantics():
     def opt(section):
         out = load_deepspeed_config({"optimizer": section}, 2)[0]
@@ -258,8 +270,8 @@ def test_activation_checkpointing_section_turns_it_on_and_its_model_parallel_key
      "'zero_optimization.cpu_offload' and 'zero_optimization.offload_optimizer.device' are both"),
     ({"gradient_allreduce_op": "sum"}, "minizero averages gradients"),
     ({"progressive_layer_drop": {"enabled": True}}, "'progressive_layer_drop' is refused"),
-    ({"zero_optimization": {"stage": 2, "reduce_bucket_size": 0}},
-     "reduce_bucket_size must be a number >= 1, got 0"),
+    ({"zero_optimization": {"stage": 2, "reduce_bucket_size": -1}},
+     "reduce_bucket_size must be a number >= 0, got -1"),
     ({"zero_optimization": {"cpu_ofload": True}},
      "did you mean 'zero_optimization.cpu_offload'"),
     ({"bf16": {"fp16_master_weights_and_grads": True}},       # not fp16's key: this section's

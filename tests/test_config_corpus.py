@@ -295,5 +295,8 @@ def test_each_accepted_config_trains_and_ends_where_deepspeed_ends(runs, name):
     _need_deepspeed()
     tolerance = 5e-3 if sixteen_bit(json.loads((CORPUS / name).read_text())) else 1e-5
     for rank in runs:
-        assert "deepspeed_error" not in rank[name], rank[name]["deepspeed_error"]
+        error = rank[name].get("deepspeed_error", "")
+        if "is not supported on your device" in error:      # fp16 on a CPU without AVX512-FP16/AMX
+            pytest.skip(f"DeepSpeed cannot run {name} on this CPU: {error}")
+        assert not error, error
         assert rank[name]["max_param_diff"] <= tolerance, (name, rank[name]["max_param_diff"])
