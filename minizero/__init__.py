@@ -8,10 +8,10 @@
     with minizero.sharded_init(): model = MyModel()      # stage 3: built partitioned, never whole
     minizero.set_z3_leaf_modules(model, [MoEBlock])      # stage 3: gathered whole (DeepSpeed's)
 
-This folder is the ZeRO implementation, read in this order (3,031 lines, docstrings included):
-    comm.py (653) -> events.py (116) -> flat.py (214) -> reducer.py (120) -> optim.py (324)
-    -> engine.py (502) -> stages.py (78, the paper's table: one row per stage) -> ddp.py (129)
-    -> zero1.py (75) -> zero2.py (114) -> zero3.py (350, with units.py 287, leaf modules included)
+This folder is the ZeRO implementation, read in this order (3,077 lines, docstrings included):
+    comm.py (653) -> events.py (116) -> flat.py (233) -> reducer.py (120) -> optim.py (324)
+    -> engine.py (532) -> stages.py (78, the paper's table: one row per stage) -> ddp.py (125)
+    -> zero1.py (76) -> zero2.py (114) -> zero3.py (350, with units.py 287, leaf modules included)
     -> offload.py (69).
 Then options.py (which stage takes what), absent.py (a stage-3 parameter between uses), wrap.py,
 launcher.py, construct.py, initialize.py and fsdp.py (the public API), memory/ (the paper's

@@ -110,11 +110,7 @@ class AllReducedGradients:
         """Bucket b's gradients are complete: start averaging them over the ranks; the handle."""
         if not self.engine.sync:
             return None                                  # no_sync(): keep accumulating locally
-        for p, view in b.views(self.bucket(b)):
-            # autograd replaced p.grad:
-            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad)                       # put it back into the bucket
-                p.grad = view
+        self.layout.reclaim_grads(b, self.bucket(b))    # after a zero_grad(): flat.py
         # the essential line of DDP: this bucket's average over ranks, while backward goes on
         return comm.all_reduce(self.bucket(b), op="avg", async_op=True,
                                group=self.engine.shard_group, tag=tag or f"bucket {b.index}")

@@ -62,13 +62,12 @@ the events; the engine only emits them.
 from __future__ import annotations
 
 import contextlib
-import weakref
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from minizero import activations, checkpoint, comm, construct, events, quantize
+from minizero import activations, checkpoint, comm, construct, events, owners, quantize
 from minizero import tensor_parallel
 from minizero.absent import refuse_dropped_writes
 from minizero.loss_scale import scaler_for
@@ -78,15 +77,10 @@ from minizero.optim import Grouping, SteppedHome, group_runs, parse_param_groups
 from minizero.options import (Offload, Precision, Sharding, StageOptions, check_options)
 from minizero.reducer import GradBuckets
 
-# Every model an engine has taken: a second wrap would add a second engine's hooks beside the
-# first's, both handling every gradient (tests/test_engine.py's test_a_model_is_wrapped_once says
-# what that did). Weak: a model nobody holds any more leaves the set.
-_WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
-
 class Engine:
     """Built from `row`, a stages.Stage: each stage's engine class (stages.py) sets it."""
     row = None
+    owner_kind, composes_with = None, ()       # how owners.py names it; the owners it works beside
     int8_codec = quantize.Int8Blocks   # ZeRO++'s codec (quantize.py); a subclass may bring its own
 
     def __init__(
@@ -109,10 +103,6 @@ class Engine:
         self.check(dtype, offload, reduce_dtype, shard_group_size, hpz_group_size,
                    offload_path=offload_path)
         check_options(self.stage, stage_options)         # TypeError: not an option of this stage
-        if model in _WRAPPED:
-            raise ValueError("the model is wrapped already: its hooks call that engine and its "
-                             "parameters are that engine's views; build the model again and wrap "
-                             "the new one (in a notebook: build and wrap in one cell)")
         # fp16: the loss is multiplied by S before backward, the gradients divided by it in step()
         self.scaler = scaler_for(dtype, loss_scale)
         if clip_grad_norm is not None and not clip_grad_norm > 0:
@@ -144,7 +134,11 @@ class Engine:
         # cast; the optimizer keeps fp32 masters, see optim.py). A model built by
         # minizero.sharded_init holds only partitions: those are cast (construct.py), and they
         # hold rank 0's values already.
-        _WRAPPED.add(model)                     # from here on the model is this engine's
+        # from here on the parameters are this engine's (owners.py: a second one is refused)
+        self.owner = owners.Owner(self.owner_kind or f"a minizero stage-{self.stage} engine",
+                                  self.composes_with)
+        owners.claim(model.parameters(), self.owner,
+                     {id(p): name for name, p in model.named_parameters()})
         construct.cast_partitions(model, self.device, self.dtype)
         model.to(device=self.device, dtype=self.dtype)
         self._broadcast_from_rank0()
@@ -182,6 +176,9 @@ class Engine:
         # ZeRO-R: what forward saves (activations.py); model states: memory/meter.py
         self.activations = activations.SavedTensorMeter(self.params.param_tensors)
         self.meter = ModelStateMeter(self, self._memory_groups)
+        # a plain loss.backward() is found from the model's output ([Note: loss.backward()])
+        self._in_backward = False
+        self.hooks = [model.register_forward_hook(self._forward_ends)]
 
     @property
     def stage(self) -> int:
@@ -262,10 +259,43 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         if self.scaler is not None:
             loss = self.scaler.scale_loss(loss)         # every gradient S times larger (chain rule)
+        self._in_backward = True                        # not a plain loss.backward(): see below
+        self._enter_backward()
+        loss.backward()
+        self._in_backward = False
+        self.end_backward()
+        events.emit("backward done", engine=self)
+
+    def _enter_backward(self) -> None:
         self.accumulating |= not self.sync              # p.grad holds what no_sync() accumulated
         self.mid_step = True
         self.params.before_backward()
-        loss.backward()
+
+    # [Note: loss.backward()] PyTorch users write loss.backward(), and torch's DDP finishes its
+    # gradient all-reduce inside it. So does this engine: a hook on the model's output tensors sees
+    # backward start (their gradients are the first it computes) and queues a callback on autograd's
+    # engine for its end (torch's DDP and FSDP do the same), which runs what engine.backward() runs
+    # after loss.backward(). fp16 is the exception: its loss must be scaled first (loss_scale.py),
+    # which only engine.backward() can do, so a plain loss.backward() is refused in one line rather
+    # than stepped with unscaled gradients.
+    def _forward_ends(self, module, args, output) -> None:
+        if torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if torch.is_tensor(t) and t.requires_grad:
+                    t.register_hook(self._backward_starts)
+
+    def _backward_starts(self, grad: torch.Tensor) -> None:
+        if self._in_backward:                           # engine.backward(), or a second output
+            return
+        if self.scaler is not None:
+            raise RuntimeError("fp16: call engine.backward(loss), not loss.backward(): the loss "
+                               "must be scaled first (dynamic loss scaling)")
+        self._in_backward = True
+        self._enter_backward()
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
+
+    def _backward_ends(self) -> None:
+        self._in_backward = False
         self.end_backward()
         events.emit("backward done", engine=self)
 

@@ -182,6 +182,25 @@ class FlatLayout:
                     )
 
 
+    @staticmethod
+    def reclaim_grads(b: Bucket, bucket_grads: torch.Tensor) -> None:
+        """Before bucket b's gradients are reduced: make each p.grad its view of `bucket_grads`
+        again. PyTorch's zero_grad() sets p.grad = None (set_to_none=True, torch's default since
+        2.0; Hugging Face's Trainer calls model.zero_grad() every step), which detaches it from the
+        buffer: the next backward then makes a new tensor, and the buffer would be reduced without
+        it (at stage 1 the parameters stopped moving). So what autograd made is copied back, and a
+        gradient the user dropped (None) is zero. Only where p.grad is a view (point_grads_into);
+        the fp32-reduce hooks add into the buffer whatever p.grad is."""
+        for p, view in b.views(bucket_grads):
+            if view.dtype != p.dtype or p.grad is view:
+                continue
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+            p.grad = view
+
+
 def _add_and_free(p: nn.Parameter, view: torch.Tensor) -> None:
     view.add_(p.grad)                  # upcasts: bf16 -> fp32
     p.grad = None

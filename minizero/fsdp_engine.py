@@ -35,10 +35,8 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
-from minizero import comm
-from minizero import engine as engine_module
+from minizero import comm, owners
 from minizero.stages import Zero3
 
 class FlatParameters:
@@ -93,6 +91,10 @@ class FSDPEngine(Zero3):
     """Stage 3 whose optimizer is the user's: backward is driven by autograd alone (see the module's
     top)."""
     row = replace(Zero3.row, optimizer=_the_users_optimizer)
+    # FairScale's shared weights across instances: each holds its partitions until an outer one
+    # adopts both (fsdp.py's _borrowed)
+    owner_kind = "minizero.FullyShardedDataParallel"
+    composes_with = (owner_kind,)
 
     def __init__(self, module: nn.Module, kept: dict[int, bool], keep_others: bool,
                  masters: bool, fp32_buffers: bool = False, **options):
@@ -108,7 +110,6 @@ class FSDPEngine(Zero3):
         # id(unit module) -> it stays gathered from forward to backward (inner FSDPs, the root);
         # the other units (default_units, units=): keep_others
         self.kept, self.keep_others = kept, keep_others
-        self._in_backward = False
         if fp32:
             self._take_masters(fp32)
         for name, value in buffers:            # model.to() replaced the buffers: found by name
@@ -117,8 +118,7 @@ class FSDPEngine(Zero3):
         for p in module.parameters():
             p._fsdp_owner = weakref.ref(self)      # the FSDP engine holding it (_borrowed)
         # where a step starts and where backward starts: the model's, a unit or not
-        self.params.hooks += [module.register_forward_pre_hook(self._step_starts, prepend=True),
-                              module.register_forward_hook(self._forward_ends)]
+        self.params.hooks += [module.register_forward_pre_hook(self._step_starts, prepend=True)]
 
     def _take_masters(self, fp32: dict[int, torch.Tensor]) -> None:
         """16-bit partitions: the fp32 masters start from the model's fp32 values, not from their
@@ -140,9 +140,9 @@ class FSDPEngine(Zero3):
         this engine removed. Collective."""
         state = self.full_state_dict()
         self.retired = True
-        for handle in self.params.hooks + self.reducer.hooks:     # forward hooks, gradient hooks
+        for handle in self.params.hooks + self.reducer.hooks + self.hooks:   # forward, gradient
             handle.remove()
-        engine_module._WRAPPED.discard(self.module)
+        owners.release(self.module.parameters(), self.owner)
         return state
 
     def _step_starts(self, module, args) -> None:
@@ -154,14 +154,8 @@ class FSDPEngine(Zero3):
         return [(p, self.layout.shard(self.grads.shard, b))
                 for p, b in zip(self.optimizer.params, self.layout.buckets)]
 
-    def _forward_ends(self, module, args, output) -> None:
-        # the model's output: its gradient is where backward starts
-        if torch.is_grad_enabled():
-            for t in tree_flatten(output)[0]:
-                if torch.is_tensor(t) and t.requires_grad:
-                    t.register_hook(self._backward_starts)
-
     def _backward_starts(self, grad: torch.Tensor) -> None:
+        """[Note: loss.backward()] in engine.py; the user's optimizer steps, so no mid_step."""
         if self._in_backward:
             return
         self._in_backward = True

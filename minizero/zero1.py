@@ -62,6 +62,7 @@ class GradientsReducedAtStep:
         parts = []
         for b in self.layout.buckets:
             full = self.layout.full(self.flat, b)
+            self.layout.reclaim_grads(b, full)                # after a zero_grad(): flat.py
             mine = self.layout.my_partition(full, b)
             comm.reduce_scatter(mine, full, op="avg", group=self.group,   # in place: mine gets
                                 tag=f"bucket {b.index}")                  # the average
