@@ -3,7 +3,7 @@ activations, recompute them in backward.
 
     Grade it:    pytest exercises -k ex11            (or: python -m minizero.grade -k ex11)
     Notebook:    notebooks/07_activations.ipynb
-    Compare:     minizero/activations.py (_Checkpoint, checkpoint)
+    Compare:     minizero/beyond/activations.py (_Checkpoint, checkpoint)
 
 ZeRO-DP shards the model states; ZeRO-R (the paper's section 6) deals with what is left, first of
 all the *activations*: what a forward keeps for its backward (a Linear keeps its input, a softmax
@@ -38,8 +38,8 @@ torch.autograd.Function, CheckpointFunction, whose two static methods you write:
 What the grader checks: two ranks train a 4-block GPT for 3 SGD steps with minizero's stage 2, each
 block's forward replaced by checkpoint(the block's own forward, x); they must end where one process
 training on the whole batch ends. And engine.memory()["activations"], the peak bytes saved for
-backward during a step (recompute included: minizero/activations.py measures them with autograd's
-saved-tensor hooks), must be at most half of the same run's without checkpointing.
+backward during a step (recompute included: minizero/beyond/activations.py measures them with
+autograd's saved-tensor hooks), must be at most half of the same run's without checkpointing.
 
 Hints:
   * `with torch.enable_grad():` turns grad back on inside backward; x.detach().requires_grad_(flag)

@@ -2,7 +2,8 @@
 
     Grade it:    pytest exercises -k ex13            (or: python -m minizero.grade -k ex13)
     Notebook:    notebooks/08_beyond.ipynb (its section on qwZ and qgZ)
-    Compare:     minizero/quantize.py (quantize, dequantize, wire_bytes), and where it is used:
+    Compare:     minizero/beyond/quantize.py (quantize, dequantize, wire_bytes), and where it is
+    used:
                  zero3.Unit.gather (qwZ) and zero2.GradientShard.reduce (qgZ)
 
 Over a slow network the bytes of a step are the time of a step: stage 3 moves 3Ψ elements per step.

@@ -4,7 +4,7 @@ choose the bucket size for the link, and prefetch stage 3's units in the order t
     Grade it:    pytest exercises -k ex14            (or: python -m minizero.grade -k ex14)
     Notebook:    notebooks/08_beyond.ipynb (the network model: overlap and prefetch)
     Compare:     minizero/reducer.py (GradBuckets: _on_grad_ready, _launch_ready, _wait_oldest,
-                 finish), minizero/network.py (the model that times each collective),
+                 finish), minizero/beyond/network.py (the model that times each collective),
                  minizero/zero3.py (following; Unit.pre_forward, Unit.post_forward)
 
 A data-parallel backward produces its gradients bucket by bucket. Each bucket's collective can start
@@ -55,7 +55,7 @@ Write the class Prefetcher(order, gather, free, depth):
   done(k)    visit k is over: free its unit, unless one of the next `depth` visits uses it again.
 
 What the grader checks: (1) two ranks run a simulated backward of 16 buckets whose gradients become
-ready out of order, with k = 2, under minizero's network model (minizero/network.py: each
+ready out of order, with k = 2, under minizero's network model (minizero/beyond/network.py: each
 collective's wait() returns when the modelled link has carried it): the buckets are launched in
 order, never more than k in flight, all waited for by finish(); and, with communication the larger
 part, your step takes at most 1.15 x max(compute, communication), while the same step launching

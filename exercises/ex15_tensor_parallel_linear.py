@@ -1,8 +1,8 @@
 """Exercise 15: tensor parallelism, Megatron's column- and row-parallel linear layers.
 
     Grade it:    pytest exercises -k ex15            (or: python -m minizero.grade -k ex15)
-    Read first:  minizero/tensor_parallel.py's docstring (f and g; no notebook yet)
-    Compare:     minizero/tensor_parallel.py (ColumnParallelLinear, RowParallelLinear,
+    Read first:  minizero/beyond/tensor_parallel.py's docstring (f and g; no notebook yet)
+    Compare:     minizero/beyond/tensor_parallel.py (ColumnParallelLinear, RowParallelLinear,
                  copy_to_group, reduce_from_group)
 
 ZeRO shards what data parallelism replicates, but every rank still computes the whole model.

@@ -2,9 +2,9 @@
 
 (1) In this process: your quantize/dequantize on tensors with blocks of very different magnitudes, a
 partial last block and a block of zeros; each element must come back within absmax/254 of its block.
-(2) The adapter: minizero.quantize.all_gather and reduce_scatter (what qwZ and qgZ send, zero3.py
-and zero2.py) call the module's quantize and dequantize; in the launched ranks those two names are
-pointed at yours. Two ranks train a small GPT at stage 3 with quantized_weights and
+(2) The adapter: minizero.beyond.quantize.all_gather and reduce_scatter (what qwZ and qgZ send,
+zero3.py and zero2.py) call the module's quantize and dequantize; in the launched ranks those two
+names are pointed at yours. Two ranks train a small GPT at stage 3 with quantized_weights and
 quantized_gradients, with yours and with minizero's: the bytes sent per step (comm.tally) must be
 the same, n + 4 ceil(n/B) per chunk.
 """
@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import _grading as g
-from minizero import comm, quantize
+from minizero import comm
+from minizero.beyond import quantize
 from minizero.lab.train import train_worker
 from minizero.stages import Zero3
 
@@ -71,7 +72,7 @@ def check_error_bound(impl: str) -> None:
 
 def run(codec=quantize.Int8Blocks) -> dict:
     class Engine(Zero3):
-        int8_codec = codec                     # the engine's ZeRO++ codec (zero2.py, quantize.py)
+        int8_codec = codec          # the engine's ZeRO++ codec (zero2.py, beyond/quantize.py)
 
     def build(model, stage, optimizer, **options):
         return Engine(model, optimizer, **options)

@@ -20,7 +20,7 @@ import torch
 import _grading as g
 from minizero import comm
 from minizero.flat import DEFAULT_BUCKET_BYTES
-from minizero.network import Network
+from minizero.beyond.network import Network
 
 N, K, ELEMENTS = 2, 2, 1024
 # buckets 3, 7, 11, 15 are ready before 2, 6, 10, 14

@@ -8,18 +8,20 @@
     with minizero.sharded_init(): model = MyModel()      # stage 3: built partitioned, never whole
     minizero.set_z3_leaf_modules(model, [MoEBlock])      # stage 3: gathered whole (DeepSpeed's)
 
-This folder is the ZeRO implementation, read in this order (3,077 lines, docstrings included):
-    comm.py (653) -> events.py (116) -> flat.py (233) -> reducer.py (120) -> optim.py (324)
-    -> engine.py (532) -> stages.py (78, the paper's table: one row per stage) -> ddp.py (125)
-    -> zero1.py (76) -> zero2.py (114) -> zero3.py (350, with units.py 287, leaf modules included)
+This folder is the ZeRO implementation, read in this order (3,085 lines, docstrings included):
+    comm.py (656) -> events.py (116) -> flat.py (233) -> reducer.py (120) -> optim.py (324)
+    -> engine.py (535) -> stages.py (78, the paper's table: one row per stage) -> ddp.py (126)
+    -> zero1.py (76) -> zero2.py (115) -> zero3.py (350, with units.py 287, leaf modules included)
     -> offload.py (69).
-Then options.py (which stage takes what), absent.py (a stage-3 parameter between uses), wrap.py,
-launcher.py, construct.py, initialize.py and fsdp.py (the public API), memory/ (the paper's
-formulas and the byte counter), activations.py (ZeRO-R), checkpoint.py (deepspeed_checkpoint.py:
-DeepSpeed's tags and `latest` over it), quantize.py (ZeRO++), network.py (a modelled cluster),
-disk.py (ZeRO-Infinity's disk tier), desync.py (ranks out of step, named), config.py (DeepSpeed
-JSON) and tensor_parallel.py (Megatron's tensor parallelism, which wrap(..., tensor_parallel=M)
-puts beside ZeRO on a 2-D mesh).
+Then the stage helpers beside it: options.py (which stage takes what), absent.py (a stage-3
+parameter between uses), loss_scale.py for fp16, owners.py (one engine per parameter),
+checkpoint.py, memory/ (the paper's formulas and the byte counter), and the public entry points
+wrap.py, launcher.py and construct.py, which holds sharded_init.
+The folders around it plug into it, each named for what it is:
+    deepspeed/   DeepSpeed's front end: initialize, its JSON config, its checkpoints' tags
+    fairscale/   FairScale's FullyShardedDataParallel (flat parameters) and its wrap helpers
+    beyond/      what came after the paper: ZeRO-R's activations, ZeRO++, ZeRO-Infinity's disk tier,
+                 a modelled network, desync detection, tensor parallelism on a 2-D mesh
 Beside it, never imported by it (tests/test_layout.py checks): lab/ (the small GPT, the data, the
 training loop, the single-process reference, PyTorch's and DeepSpeed's peers, the experiments
 behind the notebooks, the benchmark) and cli/ (every command: python -m minizero <command>; the
@@ -27,8 +29,8 @@ short modules run.py, bench.py, scale.py, consolidate.py and grade.py only give 
 """
 
 from minizero.construct import sharded_init
-from minizero.fsdp import FullyShardedDataParallel
-from minizero.initialize import initialize
+from minizero.deepspeed import initialize
+from minizero.fairscale import FullyShardedDataParallel, fsdp_wrap  # fsdp_wrap: auto_wrap & co.
 from minizero.launcher import launch
 from minizero.units import (
     get_z3_leaf_modules,
@@ -40,6 +42,6 @@ from minizero.units import (
 )
 from minizero.wrap import wrap
 
-__all__ = ["FullyShardedDataParallel", "get_z3_leaf_modules", "initialize", "launch",
+__all__ = ["FullyShardedDataParallel", "fsdp_wrap", "get_z3_leaf_modules", "initialize", "launch",
            "set_z3_leaf_modules", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix",
            "sharded_init", "unset_z3_leaf_modules", "wrap", "z3_leaf_module"]

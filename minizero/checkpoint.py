@@ -54,7 +54,7 @@ A run directory (save_numbered, latest; the CLI's --save-every) holds one such c
     run/step-000100/        a checkpoint directory as above, saved after 100 steps
     run/step-000200/        the newest with a manifest is the one --resume continues from (latest())
 
-and DeepSpeed's save folder (engine.save_checkpoint, deepspeed_checkpoint.py) one per tag:
+and DeepSpeed's save folder (engine.save_checkpoint, deepspeed/deepspeed_checkpoint.py) one per tag:
 
     save/global_step50/     a checkpoint directory as above, with extra.pt
     save/latest             the newest tag's name ("global_step50"), written after its commit
@@ -120,7 +120,8 @@ import shutil
 
 import torch
 
-from minizero import comm, events, tensor_parallel
+from minizero import comm, events
+from minizero.beyond import tensor_parallel
 
 FORMAT = "minizero-checkpoint"
 FORMAT_VERSION = 1
@@ -155,7 +156,7 @@ def _between_steps(engine, verb: str, why: str) -> None:
 def save(engine, directory: str, extra: dict | None = None) -> None:
     """engine.save: every rank writes its shard into a new version directory, then
     rank 0 commits. extra: what a front end keeps beside the engine (initialize's counters, its
-    schedule and the script's client_state: deepspeed_checkpoint.py), rank 0's, written as
+    schedule and the script's client_state: deepspeed/deepspeed_checkpoint.py), rank 0's, written as
     extra.pt in the same commit (read_extra)."""
     _between_steps(engine, "save", "a checkpoint holds no gradients, so those since the last "
                    "step would be lost")

@@ -24,7 +24,8 @@ node and replicate across nodes. Keeping them in one place buys two things:
    that knows their costs: on gloo, reduce-scatter and all-gather run in another way that is faster
    there ([Note: collectives on gloo] below).
 
-3. A place to model the network (minizero/network.py; off by default). The tally also splits its
+3. A place to model the network (minizero/beyond/network.py; off by default). The tally also splits
+its
    bytes by where the ring runs: "intra_node" (the group lies inside one node of ranks_per_node()
    consecutive ranks) or "inter_node" (it spans nodes). With `set_network(...)` or MINIZERO_NETWORK,
    each collective is also booked on this rank's link and completes no earlier than a ring on that
@@ -47,7 +48,7 @@ import torch.distributed as dist
 
 from minizero import events
 from minizero.flat import partition
-from minizero.network import Link, Network, network_from_env, parse_network, sleep_until
+from minizero.beyond.network import Link, Network, network_from_env, parse_network, sleep_until
 
 # Collectives wait this long for a missing peer before raising. A dead peer is normally noticed much
 # sooner by the launcher (it kills the survivors); this bound covers torchrun and anything the
@@ -238,7 +239,8 @@ def ring_bytes(kind: str, full_bytes: int, n: int) -> float:
 
 
 def set_network(model: Network | str | None) -> None:
-    """Model the network from now on: a Network, a spec ("1gbps,10us,ranks_per_node=2": network.py)
+    """Model the network from now on: a Network, a spec ("1gbps,10us,ranks_per_node=2":
+    beyond/network.py)
     or None (off). Set in the parent, minizero.launch hands it to the ranks it starts."""
     global _network
     _network = parse_network(model) if isinstance(model, str) else model
@@ -550,7 +552,8 @@ class Route:
 
 
 # --------------------------------------------------------------------------------------------------
-# Agreement: do all ranks hold the same number? (minizero/desync.py's check, before a collective)
+# Agreement: do all ranks hold the same number? (minizero/beyond/desync.py's check, before a
+# collective)
 # --------------------------------------------------------------------------------------------------
 
 _agreement_group = None     # every rank, on gloo (CPU) whatever the backend; made by open_agreement

@@ -25,7 +25,8 @@ How (PyTorch DDP's design, reduced to its essentials):
      stay equal.
 Inside `engine.no_sync()` backward only accumulates into the buffer; the next synced backward
 reduces it. `overlap=False` launches every bucket after backward instead (step 4 off): the baseline
-that shows, under a network model (minizero/network.py), how much communication the overlap hides.
+that shows, under a network model (minizero/beyond/network.py), how much communication the overlap
+hides.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ top to bottom; backward() and step() call each family at its moment:
 
 The engine holds three small frozen policies (options.py), checked in one place (Engine.check,
 which wrap.check, the CLI and the config reader call before anything is built): `precision`
-(Precision), `offloading` (Offload: where P_os lives, offload.py and disk.py) and `groups` (Groups,
-from Sharding: [Note: the 2-D mesh], [Note: hierarchical sharding] below; hpZ in zero3.py).
+(Precision), `offloading` (Offload: where P_os lives, offload.py and beyond/disk.py) and `groups`
+(Groups, from Sharding: [Note: the 2-D mesh], [Note: hierarchical sharding] below; hpZ in zero3.py).
 
 Mixed precision: dtype "fp32", "bf16" or "fp16" (the model computes in it; the optimizer keeps fp32
 masters, optim.py). fp16 also scales the loss (loss_scale.py): loss_scale=None (dynamic), a number
@@ -31,13 +31,14 @@ flat.FlatLayout.point_grads_into adds it into the fp32 buffers that are reduced.
 instead of 2 (memory.grad_bytes, memory.comm_volume). For fp32 it is the default.
 
 [Note: the 2-D mesh] wrap(..., tensor_parallel=M) cuts the N ranks into rows of M consecutive
-ranks, each row one tensor-parallel group that splits every block (tensor_parallel.py), and columns
-of N_d = N/M ranks that hold the same split: the data-parallel group. ZeRO is data parallelism, so
-everything below that says "over the N ranks" runs over the column (`data_group`, which becomes the
-shard group): gradients are averaged, partitions cut and gathered among the N_d ranks, and each
-rank's model is its tensor-parallel part. Two things see the rows: the global gradient norm (_clip:
-a split parameter's squares are summed over the row, a replicated one counted once) and the fp16
-overflow check (every rank, as always). Without tensor parallelism both groups are None.
+ranks, each row one tensor-parallel group that splits every block (beyond/tensor_parallel.py), and
+columns of N_d = N/M ranks that hold the same split: the data-parallel group. ZeRO is data
+parallelism, so everything below that says "over the N ranks" runs over the column (`data_group`,
+which becomes the shard group): gradients are averaged, partitions cut and gathered among the N_d
+ranks, and each rank's model is its tensor-parallel part. Two things see the rows: the global
+gradient norm (_clip: a split parameter's squares are summed over the row, a replicated one counted
+once) and the fp16 overflow check (every rank, as always). Without tensor parallelism both groups
+are None.
 
 [Note: hierarchical sharding] The paper's ZeRO partitions over all N ranks. shard_group_size=S
 (stages 1-3; FSDP2's HSDP, DeepSpeed's MiCS) partitions within groups of S consecutive ranks
@@ -54,9 +55,9 @@ the shard group; ZeRO++'s hpZ (hpz_group_size, zero3.py) adds a third group, a n
 ranks, for stage 3's backward all-gather.
 
 Measurement: memory() gives this rank's model-state bytes and the activations' peak
-(activations.py); `with engine.memory_timeline() as timeline:` records one (time, event, bytes by
-category) per event of the event stream (events.py). Both are memory/meter.py, which subscribes to
-the events; the engine only emits them.
+(beyond/activations.py); `with engine.memory_timeline() as timeline:` records one (time, event,
+bytes by category) per event of the event stream (events.py). Both are memory/meter.py, which
+subscribes to the events; the engine only emits them.
 """
 
 from __future__ import annotations
@@ -67,8 +68,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from minizero import activations, checkpoint, comm, construct, events, owners, quantize
-from minizero import tensor_parallel
+from minizero import checkpoint, comm, construct, events, owners
+from minizero.beyond import activations, quantize
+from minizero.beyond import tensor_parallel
 from minizero.absent import refuse_dropped_writes
 from minizero.loss_scale import scaler_for
 from minizero.memory.meter import ModelStateMeter
@@ -81,7 +83,8 @@ class Engine:
     """Built from `row`, a stages.Stage: each stage's engine class (stages.py) sets it."""
     row = None
     owner_kind, composes_with = None, ()       # how owners.py names it; the owners it works beside
-    int8_codec = quantize.Int8Blocks   # ZeRO++'s codec (quantize.py); a subclass may bring its own
+    int8_codec = quantize.Int8Blocks   # ZeRO++'s codec (beyond/quantize.py); a subclass may bring
+    #                                    its own
 
     def __init__(
         self,
@@ -173,7 +176,7 @@ class Engine:
         self.optimizer: SteppedHome = home(self.params.optimizer_parts(), optimizer,
                                            self._grouping())
 
-        # ZeRO-R: what forward saves (activations.py); model states: memory/meter.py
+        # ZeRO-R: what forward saves (beyond/activations.py); model states: memory/meter.py
         self.activations = activations.SavedTensorMeter(self.params.param_tensors)
         self.meter = ModelStateMeter(self, self._memory_groups)
         # a plain loss.backward() is found from the model's output ([Note: loss.backward()])
@@ -247,7 +250,7 @@ class Engine:
 
     def keeps_gathered(self, unit) -> bool:
         """Whether a stage-3 unit stays gathered after its forward (FSDP's
-        reshard_after_forward=False: fsdp_engine.py); here never."""
+        reshard_after_forward=False: fairscale/fsdp_engine.py); here never."""
         return False
 
     # --- forward ----------------------------------------------------------------------------------
@@ -491,7 +494,7 @@ class Engine:
         or last step (ZeRO-R; not in `peak`, which is the model states' figure)."""
         now = self.meter.measure()
         return {**now, **self.meter.peaks, "activations": self.activations.peak,
-                "disk": self.optimizer.disk_bytes()}       # the disk tier's file (disk.py), else 0
+                "disk": self.optimizer.disk_bytes()}  # the disk tier (beyond/disk.py), else 0
 
     def _memory_groups(self) -> dict[str, list[torch.Tensor]]:
         """{category: the tensors holding it}: each family's buffers and the optimizer's."""

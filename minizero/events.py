@@ -14,8 +14,8 @@ this process (one rank). What is emitted, and by whom:
                       sends), tensor (the full buffer), seq (this rank's count of collectives),
                       blocking (the caller waits for it at once: not async_op),
                       modeled ((start, end) on the network model's link, or None). Emitted
-                      before the collective runs: desync.py's watch agrees with the other ranks
-                      here and raises DesyncError instead of letting a mismatched one run
+                      before the collective runs: beyond/desync.py's watch agrees with the other
+                      ranks here and raises DesyncError instead of letting a mismatched one run
     collective done   comm.py, when that collective has completed (its handle waited): seq,
                       kind, tag
     ring exchange     comm.py's ring_all_reduce, before each exchange: buffer (the padded

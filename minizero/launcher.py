@@ -24,13 +24,14 @@ How the processes start, and why not plain `fork`:
 
 Failure handling: if any rank raises or dies, `launch` kills the others at once (they may be blocked
 in a collective waiting for the dead one) and raises RuntimeError naming the rank and its exception,
-followed by every rank's last collectives (the flight recorder of minizero/desync.py).
-Ranks out of step: each rank's collectives are fingerprinted and compared (minizero/desync.py). When
-the ranks issue different collectives, or none finishes for `stall_timeout` seconds while a rank
-waits, the run stops in seconds with one line naming the rank that diverged and what each issued,
-instead of hanging until the backend's collective timeout (comm.DEFAULT_TIMEOUT_S).
-A rank that runs out of memory says so in that one line ("rank 2 failed: out of memory (...)"), one
-killed by a signal names the signal (SIGKILL is also what the kernel's OOM killer sends).
+followed by every rank's last collectives (the flight recorder of minizero/beyond/desync.py).
+Ranks out of step: each rank's collectives are fingerprinted and compared
+(minizero/beyond/desync.py). When the ranks issue different collectives, or none finishes for
+`stall_timeout` seconds while a rank waits, the run stops in seconds with one line naming the rank
+that diverged and what each issued, instead of hanging until the backend's collective timeout
+(comm.DEFAULT_TIMEOUT_S). A rank that runs out of memory says so in that one line ("rank 2 failed:
+out of memory (...)"), one killed by a signal names the signal (SIGKILL is also what the kernel's
+OOM killer sends).
 
 Memory cap (`memory_cap=` bytes per rank): each child sets its RLIMIT_DATA before running fn, so an
 allocation past the cap fails in that rank (torch: RuntimeError "can't allocate memory") instead of
@@ -62,9 +63,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from minizero import comm, desync
+from minizero import comm
+from minizero.beyond import desync
 from minizero.options import check_positive_int
-from minizero.network import network_from_env
+from minizero.beyond.network import network_from_env
 
 _GRACE_S = 5.0    # after a failure, how long survivors get between SIGTERM and SIGKILL
 _SETTLE_S = 1.0   # after a first failure, how long to collect other reports before naming the cause
@@ -186,10 +188,10 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None
     waits, before
       the run is stopped naming who never issued it (default 20, $MINIZERO_STALL_TIMEOUT_S; None:
       never). check_every: compare the ranks' collective fingerprints before the first and every
-      k-th collective (0: only when the run stalls). Both: minizero/desync.py.
+      k-th collective (0: only when the run stalls). Both: minizero/beyond/desync.py.
     Raises RuntimeError("rank R failed: ...") if any rank raises or dies; no child outlives the
     call. The ranks model the network this process has (comm.set_network, else
-    MINIZERO_NETWORK; network.py).
+    MINIZERO_NETWORK; beyond/network.py).
     """
     check_positive_int("world_size", world_size)
     if backend is None:

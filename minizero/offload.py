@@ -27,14 +27,14 @@ from torch import nn
 from functools import partial
 
 from minizero import comm
-from minizero.disk import DiskShardOptimizer
+from minizero.beyond.disk import DiskShardOptimizer
 from minizero.optim import Grouping, OptimizerFactory, ShardOptimizer
 
 
 def optimizer_home(offload: bool | str, folder: str | None = None):
     """Where P_os lives, by wrap's offload=: (parts, factory, grouping) -> the optimizer. The
     device (optim.ShardOptimizer), host memory (HostShardOptimizer, below; offload="params" too:
-    stage 3 offloads its parameter shard and the optimizer with it) or a file (disk.py)."""
+    stage 3 offloads its parameter shard and the optimizer with it) or a file (beyond/disk.py)."""
     if offload == "disk":
         return partial(DiskShardOptimizer, folder=folder)
     return HostShardOptimizer if offload else ShardOptimizer

@@ -172,8 +172,8 @@ class ShardOptimizer:
     parameters: set master.grad and call self.optimizer.step(). It sees each master as equal views
     of about VIEW_NUMEL elements (`views[i]`: the views of masters[i]) [Note: cache-sized views],
     cut where grouping's runs change group, one torch param_group per user group [Note: parameter
-    groups]. masters: where they live (offload.py: host memory; disk.py: a file), fp32_master's
-    when not given.
+    groups]. masters: where they live (offload.py: host memory; beyond/disk.py: a file),
+    fp32_master's when not given.
     """
 
     def __init__(self, param_parts: list[torch.Tensor], optimizer_factory: OptimizerFactory,
@@ -311,7 +311,7 @@ class ShardOptimizer:
         return []
 
     def disk_bytes(self) -> int:
-        return 0                      # the disk tier (disk.py) keeps its state in a file
+        return 0                      # the disk tier (beyond/disk.py) keeps its state in a file
 
     def master_values(self) -> list[torch.Tensor]:
         """The fp32 values of the owned parameters, one per part, wherever they live

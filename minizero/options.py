@@ -17,10 +17,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from minizero import comm, disk
+from minizero import comm
+from minizero.beyond import disk
 from minizero.flat import DEFAULT_BUCKET_BYTES
 from minizero.optim import DTYPES
-from minizero.quantize import BLOCK
+from minizero.beyond.quantize import BLOCK
 
 STAGES = (0, 1, 2, 3)                          # 0 = DDP; minizero.wrap has one engine per stage
 
@@ -34,9 +35,11 @@ class Capabilities:
 
 COMMON_OPTIONS = frozenset({"dtype", "reduce_dtype", "loss_scale", "clip_grad_norm",
                             "tensor_parallel"})
-_QUANTIZED = frozenset({"quantized_gradients", "quantization_block"})    # ZeRO++ qgZ (quantize.py)
+# ZeRO++ qgZ (beyond/quantize.py)
+_QUANTIZED = frozenset({"quantized_gradients", "quantization_block"})
 _HOST = (False, True, "optimizer", "disk")    # the optimizer's state in host memory (offload.py) or
-                                              # in a file (disk.py, ZeRO-Infinity's disk tier)
+                                              # in a file (beyond/disk.py, ZeRO-Infinity's disk
+                                              # tier)
 
 CAPABILITIES = {
     0: Capabilities((), (False,), frozenset({"bucket_size", "overlap", "buckets_in_flight"})),
@@ -59,7 +62,7 @@ class StageOptions:
     overlap: bool = True                       # stage 0: False sends every bucket after backward
     units: list[nn.Module] | None = None       # stage 3 (None: units.default_units)
     prefetch: bool = True                      # stage 3: gather the next unit during this one
-    quantized_weights: bool = False            # stage 3: ZeRO++ qwZ (quantize.py)
+    quantized_weights: bool = False            # stage 3: ZeRO++ qwZ (beyond/quantize.py)
     quantized_gradients: bool = False          # stages 2-3: ZeRO++ qgZ
     quantization_block: int = BLOCK            # elements per fp32 scale
 
@@ -98,7 +101,7 @@ class Precision:
 class Offload:
     """Where P_os lives (FSDP2's OffloadPolicy, with ZeRO-Infinity's disk tier): `where` False
     (the device), True / "optimizer" (host memory, offload.py), "params" (stage 3: the parameter
-    shard too) or "disk" (a file in the folder `path`, disk.py)."""
+    shard too) or "disk" (a file in the folder `path`, beyond/disk.py)."""
     where: bool | str = False
     path: str | None = None
 

@@ -24,7 +24,7 @@ Reducer uses:
 `overlap=False` is the variant without overlap, for comparison (DDP's
 `wrap(model, 0, overlap=False)`): nothing is launched during backward, `finish()` launches every
 bucket after it. Over loopback the two take the same time; under a network model
-(minizero/network.py) the difference is the hidden communication.
+(minizero/beyond/network.py) the difference is the hidden communication.
 """
 
 from __future__ import annotations

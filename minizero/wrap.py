@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from minizero import activations, comm, tensor_parallel, tensor_parallel_hf
+from minizero import comm
+from minizero.beyond import activations, tensor_parallel, tensor_parallel_hf
 from minizero.construct import partition_of
 from minizero.engine import Engine
 from minizero.options import check_options, check_positive_int, check_stage
@@ -56,10 +57,11 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
                ([Note: parameter groups] in optim.py). Trainable parameters in no group are not
                trained (DeepSpeed's rule; one warning line).
     offload:   stages 1-3: True/"optimizer" keeps optimizer state on the host; stage 3 also
-               "params"; "disk": in a file in the folder offload_path (ZeRO-Infinity, disk.py).
+               "params"; "disk": in a file in the folder offload_path (ZeRO-Infinity,
+               beyond/disk.py).
     activation_checkpointing: True recomputes each unit's forward in backward, "cpu" also keeps the
-               units' inputs on the host until then (activations.py); units as stage 3's (`units=`
-               or units.default_units: a transformer's blocks), at every stage.
+               units' inputs on the host until then (beyond/activations.py); units as stage 3's
+               (`units=` or units.default_units: a transformer's blocks), at every stage.
     options:   dtype ("fp32" | "bf16" | "fp16"), reduce_dtype (None | "fp32": bf16/fp16 gradients
                reduced and accumulated in fp32; engine.py), loss_scale (fp16: None = dynamic, a
                number = static, a dict = dynamic options; minizero/loss_scale.py), clip_grad_norm,
@@ -69,13 +71,14 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
                (stage 3),
                shard_group_size (stages 1-3: partition within groups of S ranks, replicate across
                them; HSDP / MiCS) and hpz_group_size (stage 3: ZeRO++'s hpZ, backward's all-gather
-               within groups of R ranks, a node; see engine.py and zero3.py); ZeRO++ (quantize.py):
-               quantized_weights (stage 3's forward all-gather in int8, qwZ), quantized_gradients
-               (stages 2-3: the reduce-scatter, qgZ), quantization_block (elements per fp32 scale,
-               default quantize.BLOCK); tensor_parallel=M (every stage: rows of M ranks split the
-               model, Megatron's way, and ZeRO shards along the columns; [Note: the 2-D mesh] in
-               engine.py): the model is split here (tensor_parallel_hf.parallelize) and its output
-               is this rank's vocabulary slice of the logits (tensor_parallel.cross_entropy).
+               within groups of R ranks, a node; see engine.py and zero3.py); ZeRO++
+               (beyond/quantize.py): quantized_weights (stage 3's forward all-gather in int8, qwZ),
+               quantized_gradients (stages 2-3: the reduce-scatter, qgZ), quantization_block
+               (elements per fp32 scale, default quantize.BLOCK); tensor_parallel=M (every stage:
+               rows of M ranks split the model, Megatron's way, and ZeRO shards along the columns;
+               [Note: the 2-D mesh] in engine.py): the model is split here
+               (tensor_parallel_hf.parallelize) and its output is this rank's vocabulary slice of
+               the logits (tensor_parallel.cross_entropy).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")

@@ -26,8 +26,9 @@ less memory).
 reduce_dtype="fp32" (engine.py): staging buffers and shard are fp32, so the reduction and the
 sum over micro-batches outside no_sync() are fp32; inside no_sync() p.grad accumulates in the
 compute dtype.
-quantized_gradients=True (ZeRO++ qgZ, quantize.py): the reduce-scatter becomes an all-to-all of int8
-blocks, each rank averaging the N chunks it receives in fp32: Ψ(1 + 4/B) bytes instead of Ψ·2.
+quantized_gradients=True (ZeRO++ qgZ, beyond/quantize.py): the reduce-scatter becomes an all-to-all
+of int8 blocks, each rank averaging the N chunks it receives in fp32: Ψ(1 + 4/B) bytes instead of
+Ψ·2.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class GradientShard:
         self.shard = torch.zeros(layout.shard_numel, dtype=engine.grad_dtype, device=engine.device)
         self.staging: dict[int, torch.Tensor] = {}   # bucket index -> its full gradients, in flight
         # how a bucket's gradients travel: the shard group ([Note: hierarchical sharding] in
-        # engine.py); qgZ: int8 (the engine's int8_codec, quantize.py)
+        # engine.py); qgZ: int8 (the engine's int8_codec, beyond/quantize.py)
         codec = engine.int8_codec(options.quantization_block) if options.quantized_gradients \
             else comm.EXACT
         self.route = comm.Route(engine.shard_group, codec)

@@ -278,7 +278,7 @@ class ShardedUnits:
         self._unit_of_bucket = {u.bucket.index: u for u in self.units if u.bucket is not None}
         self.returned = ReturnedParameters(model, {id(p): u for u in self.units for p in u.params})
         self.for_user = HeldForUser(self.units, self.layout)       # engine.gathered() (absent.py)
-        self.hooks = []                         # their handles: fsdp.py hands a model over
+        self.hooks = []                      # their handles: fairscale/fsdp.py hands a model over
         for unit in self.units:
             self.hooks += [
                 unit.module.register_forward_pre_hook(partial(self._on_pre_forward, unit)),

@@ -220,8 +220,8 @@ plots.memory_by_category(runs, "stage 3");
 # long as the Python around it, so prefetch has little waiting to hide. The prefetch-off step is
 # also recorded first, in the same processes, and the first configuration is slower: with the order
 # swapped, prefetch on took 100 ms and off 89 ms (measured on this project's 2-core machine, N =
-# 4). Notebook 08 runs stage 3 on a modelled network (`minizero/network.py`), where an all-gather
-# takes a real link's time and prefetch's overlap shows as time saved.
+# 4). Notebook 08 runs stage 3 on a modelled network (`minizero/beyond/network.py`), where an
+# all-gather takes a real link's time and prefetch's overlap shows as time saved.
 
 # %%
 timelines = demo.zero3_timelines(max(WORLD_SIZES), model=MODEL, backend=BACKEND)   # one launch

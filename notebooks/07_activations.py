@@ -23,12 +23,12 @@
 #
 # minizero measures them: `engine.memory()["activations"]` is the peak of the bytes saved for
 # backward during the last step (autograd's saved-tensor hooks, each storage once, parameters left
-# out; `minizero/activations.py`). `minizero.memory.activation_bytes` predicts them for minizero's
-# GPT, term by term: per block $e \cdot s \cdot b \cdot ((8 + 2r)h + a \cdot s + 4) + s^2$.
-# `wrap(..., activation_checkpointing=True)` keeps only each block's input ($e \cdot s \cdot b \cdot
-# h$) and recomputes the block in backward; `"cpu"` keeps those inputs in host memory (the paper's
-# P_a+cpu; P_a itself partitions what *model* parallelism replicates, which pure data parallelism
-# does not have).
+# out; `minizero/beyond/activations.py`). `minizero.memory.activation_bytes` predicts them for
+# minizero's GPT, term by term: per block $e \cdot s \cdot b \cdot ((8 + 2r)h + a \cdot s + 4) +
+# s^2$. `wrap(..., activation_checkpointing=True)` keeps only each block's input ($e \cdot s \cdot b
+# \cdot h$) and recomputes the block in backward; `"cpu"` keeps those inputs in host memory (the
+# paper's P_a+cpu; P_a itself partitions what *model* parallelism replicates, which pure data
+# parallelism does not have).
 
 # %% [markdown]
 # **Exercise 11**: [`exercises/ex11_checkpoint_unit.py`](../exercises/ex11_checkpoint_unit.py),

@@ -18,7 +18,8 @@
 #
 # What came after the ZeRO paper, each measured on this machine's processes:
 #
-# 1. **A network model** (`minizero/network.py`). On one machine the ranks talk over loopback, so
+# 1. **A network model** (`minizero/beyond/network.py`). On one machine the ranks talk over
+# loopback, so
 #    communication is almost free next to compute: whether DDP's bucketed all-reduce hides behind
 #    backward, what stage 3's prefetch buys, what 3Ψ costs next to 2Ψ cannot be seen. With a
 #    modelled network they can: step times with and without overlap and prefetch, stages 0-3 as
@@ -55,7 +56,7 @@ print(f"model {MODEL!r}, N = {BASE.world_size}, {BASE.steps} steps per run")
 # %% [markdown]
 # ## The model, and what it leaves out
 #
-# `minizero/network.py` describes a cluster: nodes of `ranks_per_node` consecutive ranks, a
+# `minizero/beyond/network.py` describes a cluster: nodes of `ranks_per_node` consecutive ranks, a
 # bandwidth β and a latency α per hop between nodes (and, optionally, inside a node: unlimited by
 # default). Turn it on with `comm.set_network("1gbps,10us,ranks_per_node=2")`,
 # `MINIZERO_NETWORK=...` or `python -m minizero.run --network ...`. Every collective then still runs
@@ -76,7 +77,7 @@ print(f"model {MODEL!r}, N = {BASE.world_size}, {BASE.steps} steps per run")
 
 # %%
 from minizero import comm
-from minizero.network import parse_network
+from minizero.beyond.network import parse_network
 net = parse_network("1gbps,10us,ranks_per_node=2")
 print(repr(net))                                      # bytes/s and seconds
 for n in (2, 4, 8, 64):
@@ -322,9 +323,9 @@ plots.step_widget(steps, stage=[1, 2, 3], shard_group_size=[1, 2, 4])
 # rank dequantizes and averages in fp32. Backward's all-gather stays exact, and nothing stored
 # (shards, fp32 masters, optimizer states) is ever quantized.
 #
-# Block quantization (`minizero/quantize.py`): blocks of $B$ elements, $scale = absmax/127$ (fp32),
-# $q = round(x/scale) \in [-127, 127]$ (int8). The error of each element is at most $scale/2 =
-# absmax/254$ of its block; $n$ elements travel as $n + 4\lceil n/B \rceil$ bytes instead of $4n$
+# Block quantization (`minizero/beyond/quantize.py`): blocks of $B$ elements, $scale = absmax/127$
+# (fp32), $q = round(x/scale) \in [-127, 127]$ (int8). The error of each element is at most $scale/2
+# = absmax/254$ of its block; $n$ elements travel as $n + 4\lceil n/B \rceil$ bytes instead of $4n$
 # (fp32) or $2n$ (bf16). Per step and rank, for fp32 stage 3: $\frac{N-1}{N}\,(3 \cdot 4\Psi) \to
 # \frac{N-1}{N}\,(\Psi(1 + 4/B) + 4\Psi + \Psi(1 + 4/B))$. ZeRO++'s own qgZ is hierarchical (int4,
 # an all-to-all inside the node, then across nodes); minizero's is the one-hop int8 form of the same

@@ -49,8 +49,8 @@ SKIPPED_BLOCK = 2      # "skip-block": the block that rank's forward leaves out
 # Without help that hang ends after the backend's collective timeout, 120 s here, with
 # `rank 0 failed: RuntimeError: Application timeout caused pair closure`, which names nobody.
 # minizero fingerprints every collective (kind, group, element count, dtype, what it is for) and
-# compares the ranks' fingerprints (`minizero/desync.py`), so the same mistake ends in seconds
-# with one line:
+# compares the ranks' fingerprints (`minizero/beyond/desync.py`), so the same mistake ends in
+# seconds with one line:
 
 # %%
 import dataclasses

@@ -31,7 +31,7 @@
 # And one optimization of ZeRO-R, **P_a**, exists only here: the M ranks of a row hold the same
 # checkpointed block inputs, so each keeps 1/M of them.
 #
-# The implementation is `minizero/tensor_parallel.py` (the layers, f and g);
+# The implementation is `minizero/beyond/tensor_parallel.py` (the layers, f and g);
 # `wrap(..., tensor_parallel=M)` builds the mesh; docs/tensor_parallel.md has the rest.
 
 # %% [markdown]
@@ -69,7 +69,7 @@ STAGES = (0, 1, 2, 3)
 # Here they are in minizero's file, read from it now:
 
 # %%
-from minizero import tensor_parallel
+from minizero.beyond import tensor_parallel
 source.show(tensor_parallel.ColumnParallelLinear.forward, tensor_parallel.RowParallelLinear.forward,
             tensor_parallel._CopyToGroup.backward, tensor_parallel._ReduceFromGroup.forward,
             mark=("<- f", "<- g", "all_reduce("))
@@ -139,7 +139,7 @@ mesh_plots.memory_across_the_mesh(list(runs.values()));
 # (`mesh_demo.Recorder`) subscribes to minizero's event stream and notes every collective each rank
 # issues, what the buffer held before and after (its first values), and the line of minizero that
 # issued it. Watch the two axes take turns: the column all-gathers a block's parameters (zero3.py),
-# then the row runs that block's g's forward and f's backward (tensor_parallel.py), then the
+# then the row runs that block's g's forward and f's backward (beyond/tensor_parallel.py), then the
 # column reduce-scatters the block's gradients. Every g leaves each rank of a row the *sum* of
 # the row's partials; the replay below checks every one from the ranks' own records.
 

@@ -1,5 +1,5 @@
-"""ZeRO-R's activations (minizero/activations.py): measured next to memory.activation_bytes, cut
-by checkpointing, and every stage trained with checkpointing ends where the single-process
+"""ZeRO-R's activations (minizero/beyond/activations.py): measured next to memory.activation_bytes,
+cut by checkpointing, and every stage trained with checkpointing ends where the single-process
 reference does.
 
     python -m pytest tests/test_activations.py
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import minizero
-from minizero.activations import MODES
+from minizero.beyond.activations import MODES
 from minizero.lab.data import global_batch
 from minizero.lab.model import GPTConfig, make_model
 from minizero.lab.train import TrainConfig, loss_fn, train_several

@@ -1,11 +1,12 @@
-"""minizero/adam.py: torch's Adam and AdamW, and DeepSpeed's bias_correction=False step."""
+"""minizero/deepspeed/adam.py: torch's Adam and AdamW, and DeepSpeed's bias_correction=False
+step."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from minizero import adam
+from minizero.deepspeed import adam
 
 LR, BETAS, EPS, DECAY, STEPS = 0.01, (0.9, 0.99), 1e-8, 0.1, 5
 

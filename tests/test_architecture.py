@@ -182,8 +182,8 @@ def missing_from(home: type, protocol: type) -> list[str]:
 def test_every_optimizer_home_implements_the_written_interface():
     """optim.OptimizerHome: what the engine, checkpoints and memory use of wherever P_os lives.
     Every home has all of it; those the engine steps have SteppedHome's too."""
-    from minizero.disk import DiskShardOptimizer
-    from minizero.fsdp_engine import FlatParameters
+    from minizero.beyond.disk import DiskShardOptimizer
+    from minizero.fairscale.fsdp_engine import FlatParameters
     from minizero.offload import HostShardOptimizer
     from minizero.optim import OptimizerHome, ShardOptimizer, SteppedHome
     for home in (ShardOptimizer, HostShardOptimizer, DiskShardOptimizer):

@@ -5,7 +5,7 @@ say of it at N = 2), run through minizero and, where DeepSpeed is installed, thr
   * minizero's reader (minizero.initialize's: flags=False) gives the recorded verdict, never
     "unknown key", and refuses a config DeepSpeed accepts only where MANIFEST says why ("differs");
   * DeepSpeed's parser still gives the recorded verdict, and every key it reads has a home in
-    minizero/config_keys.py (its pydantic sections' fields and aliases; the top-level keys
+    minizero/deepspeed/config_keys.py (its pydantic sections' fields and aliases; the top-level keys
     DeepSpeedConfig looks up, recorded by a dict that notes each lookup);
   * each config minizero accepts trains the tiny GPT of examples/deepspeed_style.py for 3 steps
     with minizero.initialize at N = 2 (one launch for all), and ends where DeepSpeed ends on the
@@ -20,11 +20,13 @@ compiling its fused ops (torch_adam, zero_allow_untested_optimizer, zero_force_d
 false, and weight_decay 0 when the config gives none: FusedAdam's default, which torch's AdamW
 would make 0.01), keeps torch's own linear at stage 3 (memory_efficient_linear false; its own
 rounds differently, tests/test_deepspeed.py); an Adam with bias_correction false is given to it as
-a client optimizer, minizero/adam.py's uncorrected step (DeepSpeed's own needs its compiled ops on
-a CPU; its ZeRO partitioning, reduction and step order are still its own); it leaves "auto" out
-(DeepSpeed's default: what minizero's reader resolves it to in the configs it accepts) and drops
-zenflow (which steps its own optimizer there; minizero accepts it without effect, so DeepSpeed
-without it is what minizero claims to match).
+a client optimizer, minizero/deepspeed/adam.py's uncorrected step (DeepSpeed's own needs its
+compiled ops on a CPU; its ZeRO partitioning, reduction and step order are still its own); it leaves
+"auto" out (DeepSpeed's default: what minizero's reader resolves it to in the configs it accepts)
+and drops zenflow (which steps its own optimizer there; minizero accepts it without effect, so
+DeepSpeed without it is what minizero claims to match); a reduce_bucket_size of 0 (one bucket per
+parameter, which DeepSpeed 0.19.8's parser refuses) reaches it as 1, the same buckets. An fp16
+config skips DeepSpeed's side on a CPU where DeepSpeed refuses fp16 (no AVX512-FP16 or AMX).
 
 Run: python -m pytest tests/test_config_corpus.py -q    (DeepSpeed: pip install -e ".[peers]")
 """
@@ -40,9 +42,9 @@ from pathlib import Path
 import pytest
 
 import minizero
-from minizero import adam
-from minizero.config import ConfigError, load_deepspeed_config
-from minizero.config_keys import SECTIONS, known
+from minizero.deepspeed import adam
+from minizero.deepspeed.config import ConfigError, load_deepspeed_config
+from minizero.deepspeed.config_keys import SECTIONS, known
 from minizero.lab import deepspeed_peer
 from minizero.lab.reference import max_abs_diff
 
@@ -103,6 +105,8 @@ def for_training(config: dict, deepspeed: bool) -> dict:
         zero = config.get("zero_optimization")
         if isinstance(zero, dict):
             zero["memory_efficient_linear"] = False
+            if zero.get("reduce_bucket_size") == 0:     # one bucket per parameter, as 0.19.8 spells
+                zero["reduce_bucket_size"] = 1          # it (its parser refuses 0: MANIFEST)
             zero.pop("zenflow", None)
     return config
 
@@ -278,7 +282,8 @@ def test_every_key_deepspeeds_parser_reads_has_a_home(runs):
     keys = runs[0]["_keys"]
     assert len(keys) > 100                               # the recorder saw the parser at work
     missing = [key for key in keys if not covered(key)]
-    assert not missing, f"keys DeepSpeed 0.19.8 reads with no home in config_keys.py: {missing}"
+    assert not missing, ("keys DeepSpeed 0.19.8 reads with no home in deepspeed/config_keys.py: "
+                         f"{missing}")
 
 
 def test_deepspeeds_parser_gives_the_recorded_verdicts(runs):

@@ -62,8 +62,8 @@ OFFLOADED = [s for s in SETTINGS if s[1]]
 DTYPES = ("fp32", "bf16")
 # Beyond SETTINGS: at stage 3, P_a+cpu (inputs on pinned host memory, copied back non-blocking, the
 # CUDA RNG state restored for the recompute) and a model built partitioned (sharded_init onto the
-# GPU); the disk tier, where a GPU's parameters get a host master of their own (disk.py). Its files
-# are nameless (O_TMPFILE), so every rank's can share one folder.
+# GPU); the disk tier, where a GPU's parameters get a host master of their own (beyond/disk.py). Its
+# files are nameless (O_TMPFILE), so every rank's can share one folder.
 EXTRAS = {"checkpointing-cpu": {"stage": 3, "activation_checkpointing": "cpu"},
           "sharded-init": {"stage": 3, "sharded_init": True},
           "disk-stage2": {"stage": 2, "offload": "disk", "offload_path": tempfile.gettempdir()},

@@ -16,7 +16,7 @@ import torch
 import minizero
 from minizero.flat import padded_size
 from minizero.lab import deepspeed_peer
-from minizero.config import load_deepspeed_config
+from minizero.deepspeed.config import load_deepspeed_config
 from minizero.lab.model import make_model
 from minizero.lab.reference import max_abs_diff
 from minizero.lab.train import TrainConfig, train_worker

@@ -475,6 +475,6 @@ def test_initialize_declares_leaf_modules_and_units():
     assert _flags(model) == ["inp", "moe"]
     assert engine.engine.unit_names == ["out", "moe", "inp"]
     cfg["zero_optimization"]["leaf_module"] = {"classes": [3]}
-    with pytest.raises(minizero.config.ConfigError,
+    with pytest.raises(minizero.deepspeed.config.ConfigError,
                        match=r"leaf_module.classes must be a list of strings, got \[3\]$"):
         minizero.initialize(model=MoE(), config=cfg)

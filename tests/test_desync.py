@@ -1,4 +1,5 @@
-"""Ranks out of step are named in seconds (minizero/desync.py), not found by the collective timeout.
+"""Ranks out of step are named in seconds (minizero/beyond/desync.py), not found by the collective
+timeout.
 
     python -m pytest tests/test_desync.py
 
@@ -25,7 +26,8 @@ import torch
 from torch import nn
 
 import minizero
-from minizero import comm, desync, events
+from minizero import comm, events
+from minizero.beyond import desync
 from minizero.cli.run import main as run_main
 from minizero.lab.faults import Fault, never_issue_on, train_another_model_on
 from minizero.lab.train import TrainConfig, train_worker

@@ -1,5 +1,5 @@
-"""The disk tier (minizero/disk.py): bitwise the in-memory optimizer at stages 1-3 (fp32, bf16),
-its file as large as the formula says, no file ever left in the folder (a rank killed too),
+"""The disk tier (minizero/beyond/disk.py): bitwise the in-memory optimizer at stages 1-3 (fp32,
+bf16), its file as large as the formula says, no file ever left in the folder (a rank killed too),
 checkpoints resume bit-identically, one-line errors for a bad folder."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from _checks import AWKWARD
 
 import minizero
 from minizero import checkpoint
-from minizero.disk import DiskShardOptimizer, check_folder
+from minizero.beyond.disk import DiskShardOptimizer, check_folder
 from minizero.lab.faults import Fault
 from minizero.lab.report import theory
 from minizero.lab.train import TrainConfig, train_several

@@ -95,7 +95,8 @@ def test_a_killed_rank_ends_the_run():
     # blame rank 1
     assert message.startswith("rank 1 failed: process died (exit code -9)"), message[:200]
     assert "killed by SIGKILL" in message, message[:200]   # also what the kernel's OOM killer sends
-    # the flight recorder (minizero/desync.py): every rank's last collectives, the dead one's too
+    # the flight recorder (minizero/beyond/desync.py): every rank's last collectives, the dead one's
+    # too
     report = str(info.value).split("--- the last 20 collectives of each rank")[1]
     assert [line.split(":")[0] for line in report.splitlines() if line.startswith("rank")] == \
         ["rank 0", "rank 1", "rank 2", "rank 3"]

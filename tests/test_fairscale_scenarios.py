@@ -180,7 +180,7 @@ def transformer_shared_params() -> dict:
 
 def wrap_helpers() -> dict:
     """tests/nn/wrap: wrap() only inside enable_wrap(); auto_wrap by size; the root adopts them."""
-    from minizero.fsdp_wrap import auto_wrap, default_auto_wrap_policy, enable_wrap, wrap
+    from minizero.fairscale.fsdp_wrap import auto_wrap, default_auto_wrap_policy, enable_wrap, wrap
     plain = nn.Linear(5, 5)
     checks = {"wrap outside enable_wrap is the module": wrap(plain) is plain}
     policy = partial(default_auto_wrap_policy, min_num_params=200)
@@ -722,7 +722,7 @@ def docstring_loops() -> dict:
     """FairScale's FSDP docstring, scaled down: the plain loop (keyword inputs), and enable_wrap
     with mixed precision: wrap() gives an FSDP, auto_wrap(nn.Transformer) wraps its encoder and
     decoder, each then a root of its own that trains."""
-    from minizero.fsdp_wrap import auto_wrap, default_auto_wrap_policy, enable_wrap, wrap
+    from minizero.fairscale.fsdp_wrap import auto_wrap, default_auto_wrap_policy, enable_wrap, wrap
 
     class Keywords(nn.Module):
         def __init__(self):

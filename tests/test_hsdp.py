@@ -21,7 +21,7 @@ from minizero import comm
 from minizero.checkpoint import read_manifest
 from minizero.cli.run import main as run_main
 from minizero.lab.data import global_batch, local_batch
-from minizero.config import ConfigError, load_deepspeed_config
+from minizero.deepspeed.config import ConfigError, load_deepspeed_config
 from minizero.lab.model import GPTConfig, make_model
 from minizero.lab.peers import peer_worker
 from minizero.lab.reference import tolerance
@@ -31,7 +31,7 @@ from minizero.memory import (
     comm_volume, comm_volume_by_kind, comm_volume_by_node, estimate, estimate_breakdown,
     secondary_partition_bytes, within_padding,
 )
-from minizero.network import Network
+from minizero.beyond.network import Network
 from minizero.wrap import check
 
 N, S, R = 4, 2, 2

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import minizero
-from minizero.config import SCHEDULES, ConfigError, build_scheduler
+from minizero.deepspeed.config import SCHEDULES, ConfigError, build_scheduler
 from minizero.lab import deepspeed_peer
 from minizero.lab.reference import max_abs_diff
 

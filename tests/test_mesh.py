@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import minizero
-from minizero import comm, tensor_parallel
+from minizero import comm
+from minizero.beyond import tensor_parallel
 from minizero.lab.data import global_batch, local_batch
 from minizero.lab.model import GPTConfig, make_model
 from minizero.lab.train import IGNORE, loss_fn

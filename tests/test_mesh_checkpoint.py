@@ -20,7 +20,8 @@ import torch
 
 import _hf
 import minizero
-from minizero import comm, tensor_parallel, tensor_parallel_hf
+from minizero import comm
+from minizero.beyond import tensor_parallel, tensor_parallel_hf
 from minizero.checkpoint import CheckpointError, consolidate
 from minizero.cli.consolidate import main as consolidate_main
 from minizero.lab.data import global_batch, local_batch

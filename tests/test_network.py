@@ -1,5 +1,6 @@
-"""The network model (minizero/network.py, applied in minizero/comm.py): specs, ring times, the
-tally's intra/inter-node split, and what overlap and prefetch buy in measured step time under it.
+"""The network model (minizero/beyond/network.py, applied in minizero/comm.py): specs, ring times,
+the tally's intra/inter-node split, and what overlap and prefetch buy in measured step time under
+it.
 
     python -m pytest tests/test_network.py -q          # two launches
 
@@ -21,7 +22,7 @@ import minizero
 from minizero import comm
 from minizero.cli.run import main as run_main
 from minizero.lab.network_runs import BASE, by_label, measure, overlap_runs
-from minizero.network import Network, parse_network
+from minizero.beyond.network import Network, parse_network
 
 # --------------------------------------------------------------------------------------------------
 # Specs

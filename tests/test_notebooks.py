@@ -313,8 +313,8 @@ def check_faults(f: dict) -> None:
 
 def check_mesh(mesh: dict) -> None:
     """Notebook 10. The column/row pair on 2 ranks equals one process (1e-6; weight gradients
-    bitwise) with one g forward and one f backward, each tensor_parallel.py's all-reduce; every
-    (mesh, stage) ends at one process's parameters with each rank's model states =
+    bitwise) with one g forward and one f backward, each beyond/tensor_parallel.py's all-reduce;
+    every (mesh, stage) ends at one process's parameters with each rank's model states =
     estimate_breakdown(Ψ_rank, N_d) (recomputed here); the 2 x 2 step-through replays (g's sums)
     and names f, g and ZeRO's collectives by their lines; the activation meter = activation_bytes
     with M for each checkpointing mode, P_a below no checkpointing."""
@@ -354,7 +354,7 @@ def check_mesh(mesh: dict) -> None:
                  p["source"]["function"]) for p in phases]
         for key, count in expected.items():
             assert seen.count(key) == count, (key, seen)
-        assert all(p["source"]["file"] == "minizero/tensor_parallel.py" for p in phases
+        assert all(p["source"]["file"] == "minizero/beyond/tensor_parallel.py" for p in phases
                    if p["tag"].startswith("tensor parallel")), phases
         assert sum(p["kind"] == "reduce_scatter" for p in phases) == layers + 1, phases
     kept = {}

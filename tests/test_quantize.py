@@ -1,4 +1,4 @@
-"""ZeRO++ qwZ and qgZ (minizero/quantize.py): the error bound of int8 block quantization, the
+"""ZeRO++ qwZ and qgZ (minizero/beyond/quantize.py): the error bound of int8 block quantization, the
 bytes each quantized collective sends (= memory.comm_volume), one step's error within the bound,
 and convergence."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import minizero
-from minizero import quantize
+from minizero.beyond import quantize
 from minizero.cli.run import main as run_main
-from minizero.config import load_deepspeed_config
+from minizero.deepspeed.config import load_deepspeed_config
 from minizero.lab.quantized import LR, PSI, VARIANTS, quantized_experiment
 from minizero.lab.train import TrainConfig
 from minizero.memory import comm_volume

@@ -1,6 +1,6 @@
-"""minizero/tensor_parallel.py: Megatron's column- and row-parallel layers, the vocab-parallel
-embedding and cross-entropy, on minizero's GPT and Hugging Face's GPT-2 and Llama, against the
-same model whole on one process."""
+"""minizero/beyond/tensor_parallel.py: Megatron's column- and row-parallel layers, the
+vocab-parallel embedding and cross-entropy, on minizero's GPT and Hugging Face's GPT-2 and Llama,
+against the same model whole on one process."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch
 
 import _hf as _hf_models
 import minizero
-from minizero import activations, comm, tensor_parallel, tensor_parallel_hf
+from minizero import comm
+from minizero.beyond import activations, tensor_parallel, tensor_parallel_hf
 from minizero.lab.data import global_batch
 from minizero.lab.model import GPTConfig, make_model
 from minizero.lab.train import IGNORE, loss_fn

@@ -1,3 +1,3 @@
 """Mutant: borrows minizero's block quantization."""
 
-from minizero.quantize import dequantize, quantize  # noqa: F401
+from minizero.beyond.quantize import dequantize, quantize  # noqa: F401

@@ -2,7 +2,7 @@
 
 import torch.nn.functional as F
 
-from minizero.tensor_parallel import copy_to_group, reduce_from_group
+from minizero.beyond.tensor_parallel import copy_to_group, reduce_from_group
 from solutions.ex15_tensor_parallel_linear import shard_columns, shard_rows  # noqa: F401
 
 GROUP = None

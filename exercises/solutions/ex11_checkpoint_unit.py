@@ -1,5 +1,5 @@
-"""Exercise 11, answer: minizero's activations._Checkpoint (minizero/activations.py) without its
-meter and its dummy input (the graded units' inputs require grad), for units that return one
+"""Exercise 11, answer: minizero's activations._Checkpoint (minizero/beyond/activations.py) without
+its meter and its dummy input (the graded units' inputs require grad), for units that return one
 tensor."""
 
 import torch

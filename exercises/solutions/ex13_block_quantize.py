@@ -1,4 +1,4 @@
-"""Exercise 13, answer: symmetric int8 block quantization (minizero/quantize.py, quantize,
+"""Exercise 13, answer: symmetric int8 block quantization (minizero/beyond/quantize.py, quantize,
 dequantize)."""
 
 import torch

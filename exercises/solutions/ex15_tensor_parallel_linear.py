@@ -1,6 +1,6 @@
 """Exercise 15, answer: Megatron's column- and row-parallel linear layers with f and g.
-minizero's own version is minizero/tensor_parallel.py (over a group of the ranks, and with the
-vocabulary-parallel embedding and loss)."""
+minizero's own version is minizero/beyond/tensor_parallel.py (over a group of the ranks, and with
+the vocabulary-parallel embedding and loss)."""
 
 import torch
 import torch.nn.functional as F

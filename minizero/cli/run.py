@@ -23,7 +23,8 @@
 Ends with a per-rank table: measured parameter / gradient / optimizer / offloaded bytes next to the
 ZeRO paper's formula (minizero.memory.estimate), communicated bytes per step next to the 2Ψ / 3Ψ
 theory, the loss from first to last step, and the step time. Bad input: one line on stderr, exit
-code 2. Precedence: defaults < --config file (minizero.config) < flags given on the command line.
+code 2. Precedence: defaults < --config file (minizero.deepspeed.config) < flags given on the
+command line.
 """
 
 from __future__ import annotations
@@ -34,15 +35,16 @@ import sys
 import tempfile
 import types
 
-from minizero import checkpoint, comm, desync, tensor_parallel
+from minizero import checkpoint, comm
+from minizero.beyond import desync, tensor_parallel
 from minizero.cli import OneLineParser, UsageError, add_json_flag, emit
-from minizero.config import ConfigError, load_deepspeed_config
+from minizero.deepspeed.config import ConfigError, load_deepspeed_config
 from minizero.lab.model import MODEL_NAMES, make_model
 from minizero.lab.report import format_table, summarize
 from minizero.lab.train import OPTIMIZERS, TrainConfig, progress_wanted, train_worker
 from minizero.launcher import launch
 from minizero.loss_scale import scaler_for
-from minizero.network import network_from_env, parse_network
+from minizero.beyond.network import network_from_env, parse_network
 from minizero.wrap import check, check_mesh, check_options
 
 
@@ -90,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "stages 1-3: optimizer state on the "
                        "host; '--offload params' (stage 3) also "
                        "keeps parameter shards there; '--offload disk' keeps the optimizer "
-                       "state in a file of --offload-path (ZeRO-Infinity's disk tier, disk.py)"
+                       "state in a file of --offload-path (ZeRO-Infinity's disk tier, "
+                       "beyond/disk.py)"
                    ))
     p.add_argument("--offload-path", default=None, metavar="DIR",
                    help="--offload disk: the folder of each rank's file (DeepSpeed's nvme_path)")
@@ -118,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quantized-weights",
         action="store_true",
-        help="stage 3: forward's all-gather sends int8 blocks (ZeRO++ qwZ; minizero/quantize.py)",
+        help="stage 3: forward's all-gather sends int8 blocks (ZeRO++ qwZ; "
+             "minizero/beyond/quantize.py)",
     )
     p.add_argument("--quantized-gradients", action="store_true",
                    help="stages 2-3: the gradient reduce-scatter sends int8 blocks (ZeRO++ qgZ)")
@@ -130,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="SPEC",
         help=(
-            "model a cluster network, e.g. 1gbps,10us,ranks_per_node=2 (minizero/network.py; "
+            "model a cluster network, e.g. 1gbps,10us,ranks_per_node=2 "
+            "(minizero/beyond/network.py; "
             "default: $MINIZERO_NETWORK, else none)"
         ),
     )
@@ -214,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help=(
             "stop a run in which no collective finishes for S seconds "
-            "while a rank waits, naming the rank out of step (minizero/desync.py; default: the "
+            "while a rank waits, naming the rank out of step (minizero/beyond/desync.py; "
+            "default: the "
             f"config's stall_timeout, else {desync.DEFAULT_STALL_TIMEOUT_S:g}; 0: off)"
         ),
     )
@@ -307,7 +313,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def network_from_args(args: argparse.Namespace):
-    """--network, else $MINIZERO_NETWORK, else None: the network model (minizero/network.py) of
+    """--network, else $MINIZERO_NETWORK, else None: the network model (minizero/beyond/network.py)
+    of
     the run."""
     try:
         return parse_network(args.network) if args.network is not None else network_from_env()

@@ -50,7 +50,7 @@ time of forward, backward (with the collectives it waits for) and the optimizer 
 communicates) on each side, which says where a ratio comes from.
 
 And what minizero's own measurement costs (the default run only, not with --sizes): engine(x)
-runs the forward under the activation meter (activations.py: a saved-tensor hook per tensor
+runs the forward under the activation meter (beyond/activations.py: a saved-tensor hook per tensor
 forward saves, engine.memory()["activations"]); `engine.module(x)` runs the same forward without
 it. Both run the same loop (meter_worker), in alternating order like the pairs, and must end at
 the same losses.

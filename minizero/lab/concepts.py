@@ -51,13 +51,14 @@ CONCEPTS = [
     (
         "DeepSpeed",
         "zero_quantized_weights (ZeRO++ qwZ)",
-        "minizero.quantize.all_gather",
+        "minizero.beyond.quantize.all_gather",
         "stage 3's forward all-gather in int8 blocks "
         "(Unit.gather); backward's all-gather stays exact",
     ),
-    ("DeepSpeed", "zero_quantized_gradients (ZeRO++ qgZ)", "minizero.quantize.reduce_scatter",
+    ("DeepSpeed", "zero_quantized_gradients (ZeRO++ qgZ)",
+     "minizero.beyond.quantize.reduce_scatter",
      "int8 chunks in one all-to-all, averaged in fp32 (ZeRO++: a 2-hop all-to-all of int4)"),
-    ("DeepSpeed", "ZeRO++ block-based quantization", "minizero.quantize.quantize",
+    ("DeepSpeed", "ZeRO++ block-based quantization", "minizero.beyond.quantize.quantize",
      "symmetric int8, one fp32 scale per block of B: error <= absmax/254, Ψ + 4Ψ/B bytes"),
     ("DeepSpeed", "gradient_clipping", "minizero.engine.Engine._clip",
      "global norm over all partitions"),
@@ -78,13 +79,14 @@ CONCEPTS = [
      "minizero.memory.estimate",
      "the paper's per-rank model-state bytes; `python -m minizero.memory`"),
     ("DeepSpeed", "activation_checkpointing (deepspeed.checkpointing.checkpoint)",
-     "minizero.activations.checkpoint",
+     "minizero.beyond.activations.checkpoint",
      "each unit's forward recomputed in backward; "
      "cpu_checkpointing keeps its inputs on the host (P_a+cpu)"),
-    ("PyTorch", "torch.utils.checkpoint / checkpoint_wrapper", "minizero.activations.checkpoint",
+    ("PyTorch", "torch.utils.checkpoint / checkpoint_wrapper",
+     "minizero.beyond.activations.checkpoint",
      "the reentrant design, so that the recompute's saved tensors are measured too"),
     ("PyTorch", "saved_tensors_hooks (MemTracker's activation bytes)",
-     "minizero.activations.SavedTensorMeter",
+     "minizero.beyond.activations.SavedTensorMeter",
      "engine.memory()['activations']: peak bytes saved for backward, each storage once"),
     ("DeepSpeed", "save_checkpoint (ZeRO sharded checkpoint)", "minizero.checkpoint.save",
      "one file per rank, manifest written last"),
@@ -92,22 +94,24 @@ CONCEPTS = [
      "sharded checkpoint -> plain fp32 state_dict"),
     ("DeepSpeed", "ds_to_universal.py (universal checkpoint)", "minizero.checkpoint.universal",
      "whole optimizer state; engine.load reshards it at any stage and N"),
-    ("DeepSpeed", "ds_config.json", "minizero.config.load_deepspeed_config",
+    ("DeepSpeed", "ds_config.json", "minizero.deepspeed.config.load_deepspeed_config",
      "the same keys, mapped or reported"),
     ("DeepSpeed", "deepspeed.initialize (engine.backward / engine.step per micro-batch)",
-     "minizero.initialize.initialize",
+     "minizero.deepspeed.initialize.initialize",
      "the config's engine (wrap), optimizer and schedule; steps at the boundary"),
     ("DeepSpeed", "lr_schedules.WarmupLR / WarmupDecayLR / WarmupCosineLR",
-     "minizero.config.WarmupLR", "the same learning rates, step for step"),
+     "minizero.deepspeed.config.WarmupLR", "the same learning rates, step for step"),
     ("FairScale", "FullyShardedDataParallel (FlatParameter, user's optimizer)",
-     "minizero.fsdp.FullyShardedDataParallel",
+     "minizero.fairscale.fsdp.FullyShardedDataParallel",
      "stage 3's engine; model.parameters() are this rank's flat shards, one per unit"),
-    ("FairScale", "nested FSDP, enable_wrap + wrap, auto_wrap", "minizero.fsdp_wrap.auto_wrap",
+    ("FairScale", "nested FSDP, enable_wrap + wrap, auto_wrap",
+     "minizero.fairscale.fsdp_wrap.auto_wrap",
      "each FSDP instance is a unit; the outermost adopts the inner ones (one engine)"),
-    ("FairScale", "FSDP summon_full_params", "minizero.fsdp_state.StateMixin.summon_full_params",
+    ("FairScale", "FSDP summon_full_params",
+     "minizero.fairscale.fsdp_state.StateMixin.summon_full_params",
      "every unit gathered, original names; each rank's writes persist in its partition"),
     ("FairScale", "FSDP gather_full_optim_state_dict",
-     "minizero.fsdp_state.StateMixin.gather_full_optim_state_dict",
+     "minizero.fairscale.fsdp_state.StateMixin.gather_full_optim_state_dict",
      "the unwrapped model's optimizer state on rank 0; get_shard_from_optim_state_dict cuts it"),
     ("FairScale", "OSS (optimizer state sharding)", "minizero.stages.Zero1",
      "OSS gives whole parameters to ranks; minizero splits one flat buffer evenly"),
@@ -163,7 +167,7 @@ CONCEPTS = [
     (
         "DeepSpeed",
         "comms_logger (per-collective time, algbw / busbw = algbw · 2(n-1)/n)",
-        "minizero.network.Network",
+        "minizero.beyond.network.Network",
         "a model, not a measurement: each collective waits for "
         "its ring's hops·α + bytes/β on a modelled cluster; "
         "tally() splits intra/inter-node bytes",
@@ -325,12 +329,13 @@ FRONT_ENDS = """
 engine = minizero.wrap(model, 3, functools.partial(torch.optim.AdamW, lr=1e-3))
 loss = loss_fn(engine(x), y); engine.backward(loss); engine.step()
 
-# DeepSpeed's way (minizero/initialize.py): the config names the optimizer and the schedule,
+# DeepSpeed's way (minizero/deepspeed/initialize.py): the config names the optimizer and the
+# schedule,
 # the engine counts micro-batches and steps both at the boundary
 engine, optimizer, _, lr_scheduler = minizero.initialize(model=model, config="ds_config.json")
 loss = loss_fn(engine(x), y); engine.backward(loss); engine.step()      # every micro-batch
 
-# FairScale's way (minizero/fsdp.py): the user owns the optimizer, over the flat shards
+# FairScale's way (minizero/fairscale/fsdp.py): the user owns the optimizer, over the flat shards
 model = minizero.FullyShardedDataParallel(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)              # one FlatParameter per unit
 loss = loss_fn(model(x), y); loss.backward(); optimizer.step(); optimizer.zero_grad()
@@ -348,8 +353,8 @@ FairScale's FSDP as its users write it: FSDP instances nested in the model (or
 `clip_grad_norm_(max_norm, norm_type)`, `summon_full_params(recurse, volatile)`, `state_dict`,
 `local_state_dict` with `consolidate_shard_weights`, and `gather_full_optim_state_dict` with
 `get_shard_from_optim_state_dict` do what FairScale's do (tests/test_fairscale_scenarios.py ports
-FairScale's own test scenarios). Its constructor keywords (minizero/fsdp_options.py) are implemented
-with FairScale's meaning, accepted with one warning line where they change only speed
+FairScale's own test scenarios). Its constructor keywords (minizero/fairscale/fsdp_options.py) are
+implemented with FairScale's meaning, accepted with one warning line where they change only speed
 (`flatten_parameters=False`, `bucket_cap_mb`, `process_group_reduce_scatter`,
 `gradient_predivide_factor`, `clear_autocast_cache`), or refused in one line where they cannot
 apply: a process group that is not every rank and `no_broadcast_optim_state` (mixture of experts:

@@ -55,7 +55,8 @@ def available() -> bool:
 
 def ds_config(cfg: TrainConfig) -> dict:
     """The DeepSpeed config that trains as minizero trains `cfg` (fp32, one micro-batch per step).
-    minizero.config reads it back into the same TrainConfig fields (tests/test_deepspeed.py)."""
+    minizero.deepspeed.config reads it back into the same TrainConfig fields
+    (tests/test_deepspeed.py)."""
     if cfg.dtype != "fp32" or cfg.grad_accum != 1 or cfg.optimizer not in ("adam", "adamw"):
         raise ValueError(
             "the DeepSpeed peer is compared in fp32, with Adam(W) and one micro-batch per step"

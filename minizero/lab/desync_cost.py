@@ -1,4 +1,4 @@
-"""What minizero.desync costs a training step, measured two ways.
+"""What minizero.beyond.desync costs a training step, measured two ways.
 
     python -m minizero.bench --desync                          # 8M, stages 2 and 3, N = 2
     python -m minizero.bench --desync --size 8M --stages 3 --world-size 2 --steps 8 --repeats 3
@@ -10,7 +10,7 @@
    the time spent waiting for the other rank, which a shared machine's load inflates), added by the
    watch, times the collectives of one training step, over that step's time: for the default an
    upper bound, as a step's asynchronous collectives are not agreed on one by one ([Note: where to
-   agree] in desync.py).
+   agree] in beyond/desync.py).
 2. Whole steps: the same training steps with the watch off and on, in turns (one launch with the
    launcher's watch off; each rank turns a watch on and off itself), the slowest rank's median.
    Honest but noisy: on a loaded machine run-to-run noise is larger than the cost.
@@ -24,7 +24,8 @@ from dataclasses import replace
 
 import torch
 
-from minizero import comm, desync, events
+from minizero import comm, events
+from minizero.beyond import desync
 from minizero.lab.train import TrainConfig, train_worker
 
 # check_every: None the watch off, 0 the recorder and watchdog only, 1 the default

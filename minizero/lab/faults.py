@@ -10,10 +10,10 @@ on the model, armed once after the engine is built, so the training loop knows n
 and the manifest not yet: the worst moment for a checkpoint. It listens for the "checkpoint commit"
 event (events.py), so the implementation knows nothing about it either.
 
-Two faults take a rank out of step with the others instead (minizero/desync.py names them), the way
-a user's model does by accident: in step `step`, "skip-block" runs the model without block `block`
-(a forward that took another path: at stage 3 that unit is never gathered), "extra-micro-batch"
-runs one more forward and backward after the step's first forward.
+Two faults take a rank out of step with the others instead (minizero/beyond/desync.py names them),
+the way a user's model does by accident: in step `step`, "skip-block" runs the model without block
+`block` (a forward that took another path: at stage 3 that unit is never gathered),
+"extra-micro-batch" runs one more forward and backward after the step's first forward.
 """
 
 from __future__ import annotations
@@ -101,7 +101,8 @@ class Fault:
 
 def train_another_model_on(rank: int, cfg):
     """Worker: train `cfg`, except that rank `rank` builds its model n_head embedding columns wider
-    (a config that differs on one machine): minizero.desync names it before the first collective."""
+    (a config that differs on one machine): minizero.beyond.desync names it before the first
+    collective."""
     from minizero.lab.train import train_worker  # here: train imports this module
     if comm.rank() == rank:
         width = cfg.model_config().n_embd + cfg.model_config().n_head

@@ -12,7 +12,7 @@ as lab/rss.py does):
 
     DDP              16Ψ a rank     stops while it builds the model: the launcher's one line
     stage 3          16Ψ/N a rank   stops when AdamW's state is created (the fp32 master first)
-    stage 3 + disk   4Ψ/N a rank    the 12Ψ/N of optimizer state in a file (disk.py): trains
+    stage 3 + disk   4Ψ/N a rank    the 12Ψ/N of optimizer state in a file (beyond/disk.py): trains
 
 The kernel refuses the allocation that crosses the cap, so a run that cannot fit fails in its own
 rank, in one line, and never wakes the kernel's OOM killer for the machine's other jobs. For the
@@ -47,7 +47,7 @@ import torch
 
 from minizero import comm
 from minizero.cli import OneLineParser, UsageError, add_json_flag, emit, fail
-from minizero.disk import ALIGN, IO_CHUNK, ScratchFile, aligned_buffer, check_folder
+from minizero.beyond.disk import ALIGN, IO_CHUNK, ScratchFile, aligned_buffer, check_folder
 from minizero.lab.data import sequence_length
 from minizero.lab.model import GPTConfig, count_params
 from minizero.lab.rss import _fixed_mmap_threshold, proc_status

@@ -10,9 +10,9 @@
 
 Every collective a rank issues is recorded from the event stream (minizero/events.py: "collective"
 before it runs, "collective done" after), with the line of minizero that issued it
-(source.origin): tensor_parallel.py's f and g, zero3.py's gathers, zero2.py's reduce-scatters. The
-recorder changes nothing; comm.synchronous() only makes each collective complete before the next
-one is issued, so that each one's result can be read.
+(source.origin): beyond/tensor_parallel.py's f and g, zero3.py's gathers, zero2.py's
+reduce-scatters. The recorder changes nothing; comm.synchronous() only makes each collective
+complete before the next one is issued, so that each one's result can be read.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minizero import comm, events, tensor_parallel
+from minizero import comm, events
+from minizero.beyond import tensor_parallel
 from minizero.lab import source
 from minizero.lab.model import make_model
 from minizero.lab.reference import max_abs_diff, reference_train, tolerance

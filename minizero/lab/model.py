@@ -79,7 +79,8 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:          # x: [B, T, C]
         B, T, _ = x.shape
-        # [B, T, C] each; C/M under tensor parallelism (n_head/M heads: minizero/tensor_parallel.py)
+        # [B, T, C] each; C/M under tensor parallelism (n_head/M heads:
+        # minizero/beyond/tensor_parallel.py)
         q, k, v = self.qkv(x).chunk(3, dim=2)
         head_size = q.shape[-1] // self.n_head
         q, k, v = (t.view(B, T, self.n_head, head_size).transpose(1, 2) for t in (q, k, v))

@@ -1,4 +1,4 @@
-"""Step time under the network model (minizero/network.py): what DDP's overlap and stage 3's
+"""Step time under the network model (minizero/beyond/network.py): what DDP's overlap and stage 3's
 prefetch buy, and how each stage slows down as bandwidth falls. Behind notebooks/08_beyond.ipynb
 and tests/test_network.py.
 
@@ -28,7 +28,7 @@ from minizero import comm, events
 from minizero.lab.model import make_model
 from minizero.lab.train import TrainConfig, forward_backward, model_num_params
 from minizero.launcher import launch
-from minizero.network import Network
+from minizero.beyond.network import Network
 from minizero.wrap import wrap
 
 # Several gradient buckets (stage 0) and four blocks as units (stage 3): something to overlap.

@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.nn.parallel import DistributedDataParallel
 
 from minizero import comm
-from minizero import tensor_parallel
+from minizero.beyond import tensor_parallel
 from minizero.lab.model import make_model
 from minizero.lab.train import OPTIMIZERS, TrainConfig, clock, forward_backward, timed_step
 from minizero.memory import measure

@@ -1,4 +1,4 @@
-"""ZeRO++'s quantized communication measured (minizero/quantize.py): bytes, one step's
+"""ZeRO++'s quantized communication measured (minizero/beyond/quantize.py): bytes, one step's
 error, convergence.
 
     minizero.launch(quantized_experiment, 3, [TrainConfig(stage=3, quantized_weights=True), ...])

@@ -73,8 +73,8 @@ def theory(cfg: TrainConfig, num_params: int, num_frozen: int = 0) -> dict:
 
 
 def summarize(cfg: TrainConfig, results: list[dict], network=None) -> dict:
-    """The run's results and theory in one dict (network: the minizero.network.Network it modelled,
-    if any)."""
+    """The run's results and theory in one dict (network: the minizero.beyond.network.Network it
+    modelled, if any)."""
     num_params, num_frozen = results[0]["num_params"], results[0]["num_frozen"]
     losses = [
         statistics.fmean(r["losses"][i] for r in results) for i in range(len(results[0]["losses"]))

@@ -12,9 +12,9 @@ function with the line that produced the phase marked.
 
 `origin` walks the call stack of the event a subscriber is being told about (events.emit calls
 subscribers synchronously, in the emitting thread): the first frame inside minizero/ that is not
-the event stream itself, the collectives' plumbing (comm.py, quantize.py: every collective passes
-through them) or this lab. A collective's line is therefore the stage's call to it (zero2.py's
-reduce-scatter of a bucket), not comm.py's.
+the event stream itself, the collectives' plumbing (comm.py, beyond/quantize.py: every collective
+passes through them) or this lab. A collective's line is therefore the stage's call to it
+(zero2.py's reduce-scatter of a bucket), not comm.py's.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import sys
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent         # minizero/
 ROOT = PACKAGE.parent
-PLUMBING = ("events.py", "comm.py", "quantize.py")    # frames that only carry an event or a call
+# frames that only carry an event or a call
+PLUMBING = ("events.py", "comm.py", "beyond/quantize.py")
 
 
 def relative(path: str | pathlib.Path) -> str:

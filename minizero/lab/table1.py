@@ -22,7 +22,7 @@ import types
 
 import torch
 
-from minizero import tensor_parallel
+from minizero.beyond import tensor_parallel
 from minizero.lab.model import GPT, GPTConfig
 from minizero.lab.train import TrainConfig, state_bytes, train_several
 from minizero.launcher import launch

@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from minizero import checkpoint, comm, tensor_parallel
-from minizero.config import OPTIMIZERS, build_scheduler
+from minizero import checkpoint, comm
+from minizero.beyond import tensor_parallel
+from minizero.deepspeed.config import OPTIMIZERS, build_scheduler
 from minizero.flat import DEFAULT_BUCKET_BYTES
 from minizero.lab.data import IGNORE, global_batch, local_batch
 from minizero.lab.faults import Fault
@@ -56,8 +57,8 @@ class TrainConfig:
     # "fp32": bf16/fp16 gradients reduced and accumulated in fp32
     reduce_dtype: str | None = None
     offload: bool | str = False               # False, True/"optimizer", "params" (stage 3), "disk"
-    offload_path: str | None = None           # offload="disk": its file's folder (disk.py)
-    stall_timeout: float | None = None        # launch's: seconds without progress (desync.py)
+    offload_path: str | None = None           # offload="disk": its file's folder (beyond/disk.py)
+    stall_timeout: float | None = None    # launch's: seconds without progress (beyond/desync.py)
     backend: str | None = None                # None: nccl if CUDA is available, else gloo
     # global rows per optimizer step (all ranks, all micro-batches)
     batch_size: int = 16
@@ -67,10 +68,10 @@ class TrainConfig:
     lr: float = 3e-3
     # extra keyword arguments (betas, momentum...)
     optimizer_params: dict = field(default_factory=dict)
-    scheduler: dict | None = None             # {"type", "params"}: DeepSpeed's (minizero/config.py)
+    scheduler: dict | None = None        # {"type", "params"}: DeepSpeed's (deepspeed/config.py)
     bucket_size: float = DEFAULT_BUCKET_BYTES           # bytes per gradient bucket (stages 0, 2)
     prefetch: bool = True                               # stage 3
-    quantized_weights: bool = False                     # stage 3: ZeRO++ qwZ (minizero/quantize.py)
+    quantized_weights: bool = False                     # stage 3: ZeRO++ qwZ (beyond/quantize.py)
     quantized_gradients: bool = False                   # stages 2-3: ZeRO++ qgZ
     overlap: bool = True                                # stage 0: False all-reduces after backward
     # stages 1-3: partition within groups of S ranks (HSDP / MiCS)

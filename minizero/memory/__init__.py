@@ -41,7 +41,7 @@ from typing import Iterable
 
 import torch
 
-from minizero import quantize
+from minizero.beyond import quantize
 from minizero.comm import column_of, ranks_span_nodes, ring_bytes, row_of
 from minizero.optim import DTYPES
 from minizero.options import check_stage
@@ -65,8 +65,8 @@ def optimizer_k(state_bytes: int, dtype: str, offload: bool | str = False) -> in
     """K of the paper for a run: the optimizer's own state per parameter (Adam: two fp32 moments,
     8; SGD with momentum 4; plain SGD 0) plus the fp32 master copy, which exists when the model
     computes in lower precision (optim.py) or when the optimizer is offloaded to the host
-    (offload.py keeps a host master; the disk tier, disk.py, steps fp32 parameters in place, as
-    in memory)."""
+    (offload.py keeps a host master; the disk tier, beyond/disk.py, steps fp32 parameters in place,
+    as in memory)."""
     master = 4 if (dtype != "fp32" or offload not in (False, "disk")) else 0
     return state_bytes + master
 
@@ -111,8 +111,8 @@ def estimate_breakdown(num_params: int, world_size: int, stage: int, *, param_by
     offload=True (or "optimizer"): the KΨ/N optimizer states live in host memory (ZeRO-Offload),
     plus a fp32 host copy of the gradient partition to step on. offload="params" (stage 3): the
     parameter shard lives on the host between uses as well (ZeRO-Infinity's parameter offload).
-    offload="disk" (ZeRO-Infinity's disk tier, disk.py): the KΨ/N live in a file ("disk"), read
-    and written
+    offload="disk" (ZeRO-Infinity's disk tier, beyond/disk.py): the KΨ/N live in a file ("disk"),
+    read and written
     once a step (disk_traffic); memory holds only the pipeline's three pieces, during the step.
 
     shard_group_size=S: partitioned over S ranks, replicated over N/S groups: S in place of N.
@@ -138,8 +138,8 @@ def estimate_breakdown(num_params: int, world_size: int, stage: int, *, param_by
 
 def disk_traffic(num_params: int, world_size: int, *, k: int = 12,
                  shard_group_size: int | None = None) -> dict[str, float]:
-    """Bytes one rank's disk tier reads and writes per step (disk.py): every byte of its KΨ/N of
-    state, once each way. A disk of read and write bandwidths B_r, B_w shared by the machine's
+    """Bytes one rank's disk tier reads and writes per step (beyond/disk.py): every byte of its KΨ/N
+    of state, once each way. A disk of read and write bandwidths B_r, B_w shared by the machine's
     ranks needs at least the sum over them of KΨ/N · (1/B_r + 1/B_w) a step: the step's floor."""
     state = k * float(num_params) / _partitions(world_size, 1, shard_group_size)
     return {"read": state, "written": state}
@@ -212,8 +212,8 @@ def step_collectives(
     (default bytes_per_elem; 4 with reduce_dtype="fp32"), parameters at bytes_per_elem. Frozen
     parameters (Ψ_f) are never reduced.
 
-    ZeRO++ (quantize.py), int8 in blocks of `block`: quantized_gradients (stages 2-3) turns the
-    reduce-scatter into an all-to-all of Ψ + 4Ψ/B bytes (quantize.wire_bytes) instead of
+    ZeRO++ (beyond/quantize.py), int8 in blocks of `block`: quantized_gradients (stages 2-3) turns
+    the reduce-scatter into an all-to-all of Ψ + 4Ψ/B bytes (quantize.wire_bytes) instead of
     Ψ·grad_bytes; quantized_weights (stage 3) sends forward's all-gather of Ψ + Ψ_f the same way:
     3Ψ·2 = 6Ψ bytes of bf16 stage 3 become Ψ(1 + 4/B) + 2Ψ + Ψ(1 + 4/B), about 4Ψ. Exact when B
     divides each rank's chunk of every bucket."""
@@ -348,7 +348,7 @@ def activation_bytes(
 ) -> float:
     """Peak bytes saved for backward by one forward of minizero's GPT (lab/model.py) on a
     micro-batch of `batch` rows of `seq` tokens: what engine.memory()["activations"]
-    measures (activations.py).
+    measures (beyond/activations.py).
 
     Per block, with s = seq, b = batch, h = hidden, a = heads, r = mlp_ratio, e = bytes_per_elem:
         e·s·b·((8 + 2r)·h + a·s + 4) + s²
@@ -362,19 +362,19 @@ def activation_bytes(
     input and statistics, the head's input, e·s·b·(2h + 2), and the token ids and positions (int64),
     8·(s·b + s). The loss is the caller's.
 
-    checkpointing=True (activations.py) keeps each block's input, e·s·b·h, and holds one block's
-    activations again while backward recomputes it; the peak is the larger of the end of forward
-    (all inputs + what is outside the blocks) and the last block's recompute (all inputs + that
-    block + the ids). "cpu" keeps the inputs in host memory: the device holds the larger of the two
-    without them.
+    checkpointing=True (beyond/activations.py) keeps each block's input, e·s·b·h, and holds one
+    block's activations again while backward recomputes it; the peak is the larger of the end of
+    forward (all inputs + what is outside the blocks) and the last block's recompute (all inputs +
+    that block + the ids). "cpu" keeps the inputs in host memory: the device holds the larger of the
+    two without them.
 
-    tensor_parallel=M (one rank of a tensor-parallel row, minizero/tensor_parallel.py): of the
-    (8 + 2r)·h, what the column-parallel layers produce and the row-parallel ones take is split, q,
-    k, v, the attention's output and the MLP's two r·h, (4 + 2r)·h/M; the scores a·s/M (a/M heads);
-    the LayerNorms' inputs and the column-parallel layers' input, 4h, stay whole on every rank (the
-    replica P_a partitions). The vocab-parallel embedding adds its mask, s·b bytes. "partitioned"
-    (P_a) keeps 1/M of each block's input, and its recompute holds the all-gathered input as a new
-    tensor; "partitioned+cpu" keeps that 1/M on the host.
+    tensor_parallel=M (one rank of a tensor-parallel row, minizero/beyond/tensor_parallel.py): of
+    the (8 + 2r)·h, what the column-parallel layers produce and the row-parallel ones take is split,
+    q, k, v, the attention's output and the MLP's two r·h, (4 + 2r)·h/M; the scores a·s/M (a/M
+    heads); the LayerNorms' inputs and the column-parallel layers' input, 4h, stay whole on every
+    rank (the replica P_a partitions). The vocab-parallel embedding adds its mask, s·b bytes.
+    "partitioned" (P_a) keeps 1/M of each block's input, and its recompute holds the all-gathered
+    input as a new tensor; "partitioned+cpu" keeps that 1/M on the host.
     """
     s, b, h, e, m = seq, batch, hidden, bytes_per_elem, tensor_parallel
     split = (4 + 2 * mlp_ratio) * h // m + heads * s // m

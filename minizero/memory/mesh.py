@@ -6,8 +6,8 @@ parallelism sends.
     python -m minizero.memory --table1 --measure              # ... at small scale, measured
     python -m minizero.memory --params 7.5e9 --world-size 64 --tensor-parallel 8
 
-Tensor parallelism (minizero/tensor_parallel.py) splits each block's weights over M ranks, so each
-rank's model is Ψ/M (plus what stays replicated: LayerNorms, position embeddings, the biases of
+Tensor parallelism (minizero/beyond/tensor_parallel.py) splits each block's weights over M ranks, so
+each rank's model is Ψ/M (plus what stays replicated: LayerNorms, position embeddings, the biases of
 row-parallel layers: `params_per_rank` counts those exactly). ZeRO then shards that model over the
 N_d ranks of its column, so every formula of minizero/memory/__init__.py holds with Ψ/M for Ψ and
 N_d for N; at stage 3, (2 + 2 + K)Ψ/(N_m·N_d). What each rank sends for it is activations, not

@@ -13,19 +13,20 @@ Two front ends, one engine. `minizero.wrap(model, 3, optimizer_factory)` owns th
 builds it over this rank's partition and steps it in engine.step(). FairScale's FSDP gives the
 optimizer to the user, so the wrapper hands out parameters the user's optimizer can step: the
 partitions themselves, one FlatParameter per unit. Everything else is stage 3 as zero3.py tells it
-(same units, same hooks); fsdp_engine.py is what FairScale's way changes (backward driven by
-autograd alone, fp32 masters, clipping).
+(same units, same hooks); fairscale/fsdp_engine.py is what FairScale's way changes (backward driven
+by autograd alone, fp32 masters, clipping).
 
-Units, FairScale's way: an FSDP inside the model (FairScale's nesting, or fsdp_wrap.py's wrap /
-auto_wrap) is a unit. The outermost FSDP adopts the inner ones when it is built: each gives back its
-full parameters and retires its engine, and its module becomes a unit of the outer engine (one
-engine, one FlatParameter per instance that trains), reached through the inner wrapper. Without
+Units, FairScale's way: an FSDP inside the model (FairScale's nesting, or fairscale/fsdp_wrap.py's
+wrap / auto_wrap) is a unit. The outermost FSDP adopts the inner ones when it is built: each gives
+back its full parameters and retires its engine, and its module becomes a unit of the outer engine
+(one engine, one FlatParameter per instance that trains), reached through the inner wrapper. Without
 inner FSDPs the units are minizero.units.default_units (a transformer's blocks), or `units=`.
 Wrapping a wrapped model again hands it over the same way; a weight shared with a module another
 FSDP wrapped is borrowed from it.
 
-Checkpoints and summon_full_params: fsdp_state.py. FairScale's constructor keywords:
-fsdp_options.py (implemented, warned where they change only speed, or refused in one line).
+Checkpoints and summon_full_params: fairscale/fsdp_state.py. FairScale's constructor keywords:
+fairscale/fsdp_options.py (implemented, warned where they change only speed, or refused in one
+line).
 """
 
 from __future__ import annotations
@@ -40,14 +41,14 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from minizero import comm
-from minizero.fsdp_engine import FSDPEngine
-from minizero.fsdp_options import resolve
-from minizero.fsdp_state import StateMixin, clean
+from minizero.fairscale.fsdp_engine import FSDPEngine
+from minizero.fairscale.fsdp_options import resolve
+from minizero.fairscale.fsdp_state import StateMixin, clean
 
 
 class FullyShardedDataParallel(StateMixin, nn.Module):
     """FairScale 0.4.13's FullyShardedDataParallel(module, process_group=None, ...): its arguments,
-    in its order (fsdp_options.py says which take effect and how), and two of minizero's:
+    in its order (fairscale/fsdp_options.py says which take effect and how), and two of minizero's:
     units (the submodules gathered together, besides inner FSDPs; default:
     minizero.units.default_units when there are none) and prefetch. Collective: every rank builds
     it."""
@@ -88,7 +89,7 @@ class FullyShardedDataParallel(StateMixin, nn.Module):
                                      **self.settings.engine_options)
         self.engine.wrapper = weakref.ref(self)
         for fsdp in inner + handed_over:
-            fsdp._outer_engine = self.engine            # what runs it (fsdp_state.py)
+            fsdp._outer_engine = self.engine            # what runs it (fairscale/fsdp_state.py)
         self._summoned = False                          # inside summon_full_params()
         for i, p in enumerate(self.engine.optimizer.params):      # all that parameters() yields
             self.register_parameter(f"flat_param_{i}", p)           # FairScale's names

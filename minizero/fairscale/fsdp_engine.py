@@ -1,5 +1,5 @@
 """Stage 3 whose optimizer is the user's: the engine under minizero.FullyShardedDataParallel (read
-fsdp.py first, then zero3.py: this file is only what FairScale's way changes).
+fairscale/fsdp.py first, then zero3.py: this file is only what FairScale's way changes).
 
     python -m pytest tests/test_fsdp.py tests/test_fairscale_scenarios.py
 
@@ -92,7 +92,7 @@ class FSDPEngine(Zero3):
     top)."""
     row = replace(Zero3.row, optimizer=_the_users_optimizer)
     # FairScale's shared weights across instances: each holds its partitions until an outer one
-    # adopts both (fsdp.py's _borrowed)
+    # adopts both (fairscale/fsdp.py's _borrowed)
     owner_kind = "minizero.FullyShardedDataParallel"
     composes_with = (owner_kind,)
 

@@ -22,8 +22,8 @@ Kept: s·b·h per layer instead of the layer's ~16·s·b·h + a·s²·b, for one
 backward: the paper's P_a+cpu. The paper's P_a itself (partitioned activations) splits the
 checkpoints that model parallelism *replicates* across its ranks; in pure data parallelism every
 rank's activations are its own, for its own rows, and there is no replica to partition. With tensor
-parallelism (tensor_parallel.py) there is: the M ranks of a group hold the same block inputs, and
-mode "partitioned" keeps each rank's 1/M of them and all-gathers them before the recompute (P_a;
+parallelism (beyond/tensor_parallel.py) there is: the M ranks of a group hold the same block inputs,
+and mode "partitioned" keeps each rank's 1/M of them and all-gathers them before the recompute (P_a;
 "partitioned+cpu" keeps that 1/M on the host: P_a+cpu).
 
 Why not torch.utils.checkpoint: its non-reentrant recompute keeps the recomputed tensors through

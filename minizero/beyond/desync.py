@@ -48,8 +48,8 @@ time, and a check may wait on it for long).
 [Note: checking before, not on arrival] The fingerprint could instead travel inside each
 collective, a few bytes appended to the payload and compared on arrival. That needs every caller's
 buffer to grow (or a copy of the payload per collective), cannot be exact in a bf16 sum or an int8
-codec (quantize.py), and still lets the wrong data move: when the sizes differ it moves into the
-wrong places, or hangs. A separate agreement of a 62-bit hash just before the collective is
+codec (beyond/quantize.py), and still lets the wrong data move: when the sizes differ it moves into
+the wrong places, or hangs. A separate agreement of a 62-bit hash just before the collective is
 exact, needs no change to any buffer or codec, and stops a mismatch before anything is exchanged.
 Its price is one small round trip per check, and ranks meet there in step (an early rank waits
 at the check instead of inside the collective).
@@ -363,7 +363,7 @@ def report(store: dist.Store, world_size: int) -> str:
     recorded = [r for r in range(world_size) if store.check([_state_key(r)])]
     if not recorded:
         return ""
-    lines = ["", f"--- the last {RECORDED} collectives of each rank (minizero.desync) ---"]
+    lines = ["", f"--- the last {RECORDED} collectives of each rank (minizero.beyond.desync) ---"]
     for r in range(world_size):
         if r not in recorded:
             lines.append(f"rank {r}: nothing recorded")

@@ -1,7 +1,7 @@
 """FairScale's wrap helpers (fairscale.nn.wrap) for minizero.FullyShardedDataParallel: choosing the
-units by wrapping submodules in FSDP, which the outermost FSDP adopts (fsdp.py).
+units by wrapping submodules in FSDP, which the outermost FSDP adopts (fairscale/fsdp.py).
 
-    from minizero.fsdp_wrap import enable_wrap, wrap, auto_wrap, default_auto_wrap_policy
+    from minizero.fairscale.fsdp_wrap import enable_wrap, wrap, auto_wrap, default_auto_wrap_policy
     with enable_wrap(wrapper_cls=minizero.FullyShardedDataParallel, mixed_precision=False):
         block = wrap(Block())                                   # an FSDP: one unit
         body = auto_wrap(model.body, functools.partial(default_auto_wrap_policy,

@@ -1,11 +1,12 @@
 """Every key DeepSpeed 0.19.8's config parser reads, and what minizero does with it: the one table.
 
-    python -m minizero.config_keys          # the tables of docs/deepspeed_config.md, as Markdown
+    python -m minizero.deepspeed.config_keys          # the tables of docs/deepspeed_config.md, as
+    Markdown
 
-minizero/config.py applies it; docs/deepspeed_config.md shows it (tests/test_config.py checks the
-page holds exactly `markdown()`); tests/test_config_corpus.py checks, where DeepSpeed is installed,
-that every key its parser reads (its pydantic sections' fields and aliases, and the top-level keys
-DeepSpeedConfig looks up) has a home here. Each key is in exactly one of:
+minizero/deepspeed/config.py applies it; docs/deepspeed_config.md shows it (tests/test_config.py
+checks the page holds exactly `markdown()`); tests/test_config_corpus.py checks, where DeepSpeed is
+installed, that every key its parser reads (its pydantic sections' fields and aliases, and the
+top-level keys DeepSpeedConfig looks up) has a home here. Each key is in exactly one of:
   * KEYS: applied (what it becomes);
   * ALWAYS_ON: names something minizero always does: true is silent, false is one warning;
   * NOT_IMPLEMENTED: accepted, one warning line saying it has no effect here and why (a section
@@ -40,11 +41,11 @@ KEYS = {
     "zero_optimization.stage": "stage (0 = DDP); the legacy \"zero_optimization\": true / false "
         "is stage 1 / 0, as in DeepSpeed",
     "zero_optimization.offload_optimizer.device": "offload = optimizer ('cpu'), disk ('nvme': "
-        "ZeRO-Infinity's disk tier, disk.py) or off ('none')",
+        "ZeRO-Infinity's disk tier, beyond/disk.py) or off ('none')",
     "zero_optimization.offload_optimizer.nvme_path": "offload_path: the folder of the disk tier's "
         "files",
     "stall_timeout": "minizero's own: stop a run in which no collective finishes for this many "
-        "seconds while a rank waits, naming the rank out of step (desync.py; 0: off)",
+        "seconds while a rank waits, naming the rank out of step (beyond/desync.py; 0: off)",
     "zero_optimization.offload_param.device": "offload = params ('cpu', stage 3 only; 'nvme': "
         "host memory, with a warning: minizero's disk tier holds the optimizer only)",
     "zero_optimization.reduce_bucket_size": "bucket_size in bytes = elements x 2 (bf16) or 4 "
@@ -67,9 +68,9 @@ KEYS = {
     "zero_optimization.leaf_module.name_suffixes": "stage 3: modules whose names end so are leaf "
         "modules",
     "zero_optimization.offload_optimizer.pipeline_read": "accepted: the disk tier always reads the "
-        "next piece while it steps one (disk.py)",
+        "next piece while it steps one (beyond/disk.py)",
     "zero_optimization.offload_optimizer.pipeline_write": "accepted: the disk tier always writes "
-        "the last piece while it steps one (disk.py)",
+        "the last piece while it steps one (beyond/disk.py)",
     "zero_optimization.offload_optimizer.pin_memory": "accepted: host buffers are pinned whenever "
         "CUDA is used",
     "zero_optimization.offload_param.pin_memory": "accepted: host buffers are pinned whenever "
@@ -80,9 +81,10 @@ KEYS = {
         "false), SGD; DeepSpeed's own (Lamb, OneBitAdam, Lion...): an error",
     "optimizer.params": "lr and the optimizer's keyword arguments (Adam/AdamW weight_decay "
         "defaults to 0, as in DeepSpeed; bias_correction true is torch's Adam, false DeepSpeed's "
-        "uncorrected step: minizero/adam.py)",
+        "uncorrected step: minizero/deepspeed/adam.py)",
     "scheduler.type": "the learning-rate schedule, stepped with the optimizer: WarmupLR, "
-        "WarmupDecayLR, WarmupCosineLR, as DeepSpeed defines them (config.py's SCHEDULES); "
+        "WarmupDecayLR, WarmupCosineLR, as DeepSpeed defines them (deepspeed/config.py's "
+        "SCHEDULES); "
         "OneCycle, LRRangeTest: an error",
     "scheduler.params": "the schedule's parameters, DeepSpeed's names and defaults "
         "(total_num_steps: the CLI's --steps when left out or \"auto\")",
@@ -114,7 +116,8 @@ ALWAYS_ON = {
 
 _MONITOR = "no monitor; the CLI's --json writes the results"
 _NOT_DP = "minizero is data parallelism only"
-_LAYOUTS = ("the layers are split as tensor_parallel_hf.py knows them (minizero's GPT, GPT-2, "
+_LAYOUTS = ("the layers are split as beyond/tensor_parallel_hf.py knows them (minizero's GPT, "
+            "GPT-2, "
             "Llama)")
 
 # Keys DeepSpeed reads that minizero accepts without effect: key -> why, or what it does instead.
@@ -188,7 +191,7 @@ NOT_IMPLEMENTED = {
     "checkpoint": "checkpoints are engine.save/load's own (one file per rank)",
     "datastates_ckpt": "checkpoints are engine.save/load's own (one file per rank)",
     "nebula": "checkpoints are engine.save/load's own (one file per rank)",
-    "aio": "the disk tier reads and writes with torch.save/load (disk.py), not libaio",
+    "aio": "the disk tier reads and writes with torch.save/load (beyond/disk.py), not libaio",
     "vocabulary_size": "used by DeepSpeed only for a tensor-core alignment warning",
     "managed_gradient_accumulation": "the engine counts micro-batches itself (engine.step at "
         "each boundary), DeepSpeed's default",
@@ -222,7 +225,8 @@ NOT_IMPLEMENTED = {
         "unquantized",
     "zero_optimization.pipeline_loading_checkpoint": "checkpoints load whole",
     "zero_optimization.log_trace_cache_warnings": "no trace cache: units run in call order",
-    "zero_optimization.enable_sanity_checks": "desync.py checks every collective's order anyway",
+    "zero_optimization.enable_sanity_checks": "beyond/desync.py checks every collective's order "
+        "anyway",
     "zero_optimization.save_muon_momentum_buffer_in_memory": "no Muon optimizer",
     "zero_optimization.leaf_module": "units are the blocks wrap chooses (DeepSpeed's leaf modules "
         "stop its hooks below a module)",

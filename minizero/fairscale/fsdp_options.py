@@ -1,6 +1,6 @@
-"""FairScale FSDP's constructor keywords on minizero (read fsdp.py first): each one implemented with
-FairScale 0.4.13's meaning, accepted with one warning line where it changes only speed, or refused
-in one line where it cannot apply.
+"""FairScale FSDP's constructor keywords on minizero (read fairscale/fsdp.py first): each one
+implemented with FairScale 0.4.13's meaning, accepted with one warning line where it changes only
+speed, or refused in one line where it cannot apply.
 
     python -m pytest tests/test_fairscale_scenarios.py
 

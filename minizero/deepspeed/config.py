@@ -9,7 +9,7 @@
 `load_deepspeed_config(path_or_dict, world_size)` turns such a file into settings named as
 `minizero.lab.train.TrainConfig`'s fields (stage, offload, dtype, batch_size, grad_accum, optimizer,
 lr, scheduler...), plus warnings. The policy (docs/deepspeed_config.md), key by key from the one
-table in minizero/config_keys.py:
+table in minizero/deepspeed/config_keys.py:
   * a key minizero implements is applied (KEYS says to what);
   * a key DeepSpeed reads that has no effect here gives one warning naming the key and why
     (NOT_IMPLEMENTED; ALWAYS_ON keys warn only when set to false); DeepSpeed's other spellings
@@ -34,8 +34,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from minizero import adam
-from minizero.config_keys import (
+from minizero.deepspeed import adam
+from minizero.deepspeed.config_keys import (
     ALIASES,
     ALWAYS_ON,
     KEYS,
@@ -52,7 +52,7 @@ from minizero.wrap import check
 __all__ = ["ALWAYS_ON", "KEYS", "NOT_IMPLEMENTED", "ConfigError", "build_scheduler",
            "load_deepspeed_config"]
 
-# torch's, with DeepSpeed's bias_correction switch on Adam's two (minizero/adam.py)
+# torch's, with DeepSpeed's bias_correction switch on Adam's two (minizero/deepspeed/adam.py)
 OPTIMIZERS = {"adamw": adam.AdamW, "adam": adam.Adam, "sgd": torch.optim.SGD}
 
 
@@ -514,7 +514,7 @@ def _optimizer(flat: dict, out: dict) -> None:
         params.pop("adam_w_mode", None)
         params.pop("torch_adam", None)                 # minizero always steps with torch.optim
         if params.get("bias_correction") is True:
-            del params["bias_correction"]                # torch's own Adam step (adam.py)
+            del params["bias_correction"]                # torch's own Adam step (deepspeed/adam.py)
         params.setdefault("weight_decay", 0.0)
         if "betas" in params:
             params["betas"] = tuple(params["betas"])

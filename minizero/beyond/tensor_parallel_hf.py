@@ -9,12 +9,12 @@ splits a model here.
     loss = tensor_parallel.cross_entropy(logits[:, :-1], x[:, 1:], group)
     python -m pytest tests/test_tensor_parallel.py
 
-The same four layers as minizero's GPT (minizero/tensor_parallel.py explains f, g and the split):
-in each block the attention's input projection(s) and the MLP's first layer(s) are column-parallel,
-the attention's output projection and the MLP's last layer row-parallel; the token embedding is
-split by vocabulary, and the head reuses that split (tied, GPT-2) or is column-parallel over the
-vocabulary (untied, Llama's default). The attention modules compute their head count from the
-width they receive (`view(..., -1, head_dim)`), so only GPT-2's `split_size` must be told.
+The same four layers as minizero's GPT (minizero/beyond/tensor_parallel.py explains f, g and the
+split): in each block the attention's input projection(s) and the MLP's first layer(s) are
+column-parallel, the attention's output projection and the MLP's last layer row-parallel; the token
+embedding is split by vocabulary, and the head reuses that split (tied, GPT-2) or is column-parallel
+over the vocabulary (untied, Llama's default). The attention modules compute their head count from
+the width they receive (`view(..., -1, head_dim)`), so only GPT-2's `split_size` must be told.
 
 GPT-2's layers are `Conv1D`s (weight [in, out], y = x W + b): each is turned into the nn.Linear it
 is (weight [out, in]) before it is split.
@@ -25,7 +25,7 @@ from __future__ import annotations
 from torch import nn
 
 from minizero import comm
-from minizero.tensor_parallel import (
+from minizero.beyond.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     TiedVocabHead,
@@ -68,7 +68,8 @@ def parallelize(model: nn.Module, group: comm.Group) -> nn.Module:
         _llama(model, group)
     else:
         raise TypeError(f"tensor parallelism knows GPT-2's and Llama's layouts, not "
-                        f"{type(model).__name__}'s: split its layers with minizero.tensor_parallel")
+                        f"{type(model).__name__}'s: split its layers with "
+                        "minizero.beyond.tensor_parallel")
     return model
 
 

@@ -1,6 +1,6 @@
 """Adam and AdamW as DeepSpeed configs name them: torch's, plus `bias_correction=False`.
 
-    optimizer = minizero.adam.AdamW(params, lr=1e-3, bias_correction=False)
+    optimizer = minizero.deepspeed.adam.AdamW(params, lr=1e-3, bias_correction=False)
     {"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "bias_correction": false}}}   # DeepSpeed
     python -m pytest tests/test_adam.py
 

@@ -9,10 +9,11 @@
 
     torchrun --nproc_per_node 2 examples/deepspeed_style.py   # the same script runs DeepSpeed
 
-The config is read by minizero/config.py, the reader `python -m minizero.run --config` uses: its
-zero_optimization, bf16/fp16, gradient_clipping (1.0 when absent, DeepSpeed's default), batch sizes,
-optimizer and scheduler sections. "auto" is resolved where the batch rule or the model's hidden size
-decides it, and is an error elsewhere (config.load_deepspeed_config, flags=False).
+The config is read by minizero/deepspeed/config.py, the reader `python -m minizero.run --config`
+uses: its zero_optimization, bf16/fp16, gradient_clipping (1.0 when absent, DeepSpeed's default),
+batch sizes, optimizer and scheduler sections. "auto" is resolved where the batch rule or the
+model's hidden size decides it, and is an error elsewhere (config.load_deepspeed_config,
+flags=False).
 
 Two front ends, one engine: `minizero.wrap(model, stage, optimizer_factory)` is the engine itself.
 initialize builds exactly that engine (wrap) from the config, and adds what DeepSpeed's own engine
@@ -28,9 +29,9 @@ groups (model_parameters as dicts, or the object's) keep their own lr, weight_de
 optim.py [Note: parameter groups].
 
 DeepSpeed's AutoTP key, tensor_parallel.autotp_size = M > 1: the model (minizero's GPT, GPT-2,
-Llama: tensor_parallel_hf.py) is split over rows of M ranks, ZeRO along the columns of N/M (wrap's
-tensor_parallel=M), and its head all-gathers the logits, so the script's loss on whole logits is
-the one it computes without. The M ranks of a row must be given the same micro-batch (the
+Llama: beyond/tensor_parallel_hf.py) is split over rows of M ranks, ZeRO along the columns of N/M
+(wrap's tensor_parallel=M), and its head all-gathers the logits, so the script's loss on whole
+logits is the one it computes without. The M ranks of a row must be given the same micro-batch (the
 training_data loader does, as DeepSpeed's AutoTP checks).
 """
 
@@ -45,8 +46,10 @@ import warnings
 import torch
 from torch import nn
 
-from minizero import comm, deepspeed_checkpoint, tensor_parallel_hf
-from minizero.config import (
+from minizero import comm
+from minizero.deepspeed import deepspeed_checkpoint
+from minizero.beyond import tensor_parallel_hf
+from minizero.deepspeed.config import (
     OPTIMIZERS,
     ConfigError,
     build_scheduler,
@@ -131,7 +134,8 @@ class DeepSpeedStyleEngine:
         self.micro_steps += 1
         self._micro_in_step = 0 if boundary else self._micro_in_step + 1
 
-    # --- checkpoints: tags, `latest`, client_state (deepspeed_checkpoint.py) --------------------
+    # --- checkpoints: tags, `latest`, client_state (deepspeed/deepspeed_checkpoint.py)
+    # --------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> bool:
         """Collective, between steps: save_dir/tag (default global_step{global_steps}), then

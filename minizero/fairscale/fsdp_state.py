@@ -1,5 +1,5 @@
-"""FairScale FSDP's state methods on minizero (read fsdp.py first): the full parameters between
-steps, state dicts full and local, and the optimizer's state gathered and sharded again.
+"""FairScale FSDP's state methods on minizero (read fairscale/fsdp.py first): the full parameters
+between steps, state dicts full and local, and the optimizer's state gathered and sharded again.
 
     with model.summon_full_params():            # every unit gathered; writes persist
         model.module.layer.weight.mul_(0.5)
@@ -9,10 +9,10 @@ steps, state dicts full and local, and the optimizer's state gathered and sharde
 
 Run its tests:  python -m pytest tests/test_fairscale_scenarios.py
 
-Names are the model's own: an adopted inner FSDP (fsdp.py) puts `_fsdp_wrapped_module.` in the
-module tree's names, which every method here takes out (and puts back on loading), as FairScale's
-state-dict hooks do. The full optimizer state has one entry per parameter of the model, numbered
-as model.parameters() numbers them: what torch.optim would hold for the unwrapped model.
+Names are the model's own: an adopted inner FSDP (fairscale/fsdp.py) puts `_fsdp_wrapped_module.` in
+the module tree's names, which every method here takes out (and puts back on loading), as
+FairScale's state-dict hooks do. The full optimizer state has one entry per parameter of the model,
+numbered as model.parameters() numbers them: what torch.optim would hold for the unwrapped model.
 """
 
 from __future__ import annotations
