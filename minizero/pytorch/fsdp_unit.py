@@ -1,0 +1,341 @@
+"""What happens to a `fully_shard` unit: FSDP2's per-parameter design, beside zero3.py's flat one.
+
+    python -m pytest tests/test_fully_shard.py tests/test_fully_shard_scenarios.py
+
+One fully_shard(module) call makes one Unit: the module's parameters that no unit below it holds,
+each a ShardedParam ([Note: dim-0 shards] in fsdp_param.py). Its life is zero3.Unit's, with the same
+states (ShardState: FREE / IN_FLIGHT / GATHERED) and the same events on the stream ("unit gather",
+"unit gathered", "unit freed", "secondary", "bucket ready", "staging"):
+  * pre_forward: all-gather the unit (GATHERED: the module's parameters are whole), start the
+    next unit's all-gather (prefetch);
+  * post_forward: free it (reshard_after_forward=True), keep 1/k of it (=k) or all of it (False);
+    hook its outputs;
+  * pre_backward (a hook on its outputs: their gradient is known, its backward is next): gather it
+    again, start the all-gather of the unit that ran before it;
+  * post_backward (an autograd node on its inputs, [Note: post-backward]): reduce-scatter its
+    gradients and free it. A reduce-scatter is finished (waited, this rank's rows added to the
+    shards' .grad) when the next one starts or backward ends: one in flight, overlapping the
+    backward of the units before it.
+What the per-parameter layout costs against zero3.Unit's flat buckets: a copy on each side of
+each collective. The all-gather moves every parameter's padded shard side by side, a [N, Σ
+chunk·row] buffer whose row r is rank r's shards, then copies each parameter's column out into
+its own whole tensor; the reduce-scatter is its mirror. The flat layout needs neither (its
+parameters are views of the gathered bucket); in exchange each parameter stays a tensor of its own
+shape, so its shard is a DTensor that the optimizer, clip_grad_norm_ and checkpoints use as it is.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from minizero import comm, events
+from minizero.zero3 import ShardState     # FREE: the module holds its shards (DTensors)
+
+
+class TrainingState(Enum):
+    """Where the step is, for this unit (FSDP2's)."""
+    IDLE = "idle"
+    FORWARD = "forward"                # pre_forward ran, post_forward not yet
+    PRE_BACKWARD = "pre-backward"      # its backward is under way (a forward now is a recompute)
+    POST_BACKWARD = "post-backward"    # its gradients are on their way to the shards
+
+
+class Unit:
+    """One fully_shard call: its module, its parameters' shards, its states, and what each hook
+    does to them. Only its own methods change its states (tests/test_architecture.py).
+
+    params          the ShardedParams (each: padded shard, DTensor, whole parameter, gradient)
+    groups          fsdp_mesh.MeshGroups: shard, replicate (HSDP), post_forward (=k)
+    after_forward   True, False or k: what post_forward keeps (FSDP2's reshard_after_forward)
+    reduce_grads, all_reduce_grads, reshard_after_backward: set by FSDPModule's setters
+    root            fully_shard.Root, shared with every unit under the root, from its first forward
+    """
+
+    def __init__(self, module, params, groups, mp_policy, home: torch.device):
+        self.module, self.params, self.groups, self.mp = module, params, groups, mp_policy
+        self.home, self.device = home, comm.device()        # home: where the shards live
+        self.after_forward = groups.after_forward           # None: decided by the root's adopt()
+        self.reduce_grads = self.all_reduce_grads = self.reshard_after_backward = True
+        self.divide_factor: float | None = None             # set_gradient_divide_factor
+        self.forward_prefetch = self.backward_prefetch = None   # explicit lists of units
+        self.root, self.index, self.name = None, -1, type(module).__name__
+        self.post_forward_indices: list[int] = []  # where it ran in root.post_forward_order
+        self.state, self.training_state = ShardState.FREE, TrainingState.IDLE
+        self.secondary: list[torch.Tensor] | None = None   # =k: its 1/k kept after forward
+        self.partial: torch.Tensor | None = None   # HSDP: reduce-scatters summed, not all-reduced
+        self._in_flight = None                     # (handle, buffer, sizes) while IN_FLIGHT
+
+    def adopt(self, root, index: int, name: str, is_root: bool) -> None:
+        """The root's first forward: it names the unit, and decides reshard_after_forward=None
+        (False for the root, whose parameters backward needs first; True for the others)."""
+        self.root, self.index, self.name = root, index, name or "<root>"
+        if self.after_forward is None:
+            self.after_forward = not is_root
+
+    @property
+    def tag(self) -> str:                          # what its collectives are for (event stream)
+        return f"unit {self.index} ({self.name})"
+
+    @property
+    def owner(self):                               # its events' `engine`: the root module
+        return self.root.module if self.root is not None else self.module
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+        """(compute, reduce): MixedPrecisionPolicy.dtypes of its parameters' own dtype."""
+        return self.mp.dtypes(self.params[0].dtype)
+
+    def full_bytes(self) -> int:
+        return sum(sp.full_bytes() for sp in self.params)
+
+    # --- its parameters: FREE -> IN_FLIGHT -> GATHERED -> FREE ------------------------------------
+    def gather(self, prefetch: bool = False, backward: bool = False) -> None:
+        """FREE -> IN_FLIGHT -> GATHERED: all-gather every parameter whole (prefetch: start it)."""
+        if self.state == ShardState.GATHERED or (self.state == ShardState.IN_FLIGHT and prefetch):
+            return
+        if self.state == ShardState.FREE:
+            group, sources = self._route(backward)
+            mine, compute = comm.group_rank(group), self.dtypes[0]
+            buffer = torch.empty(comm.group_size(group), sum(s.numel() for s in sources),
+                                 dtype=compute, device=self.device)   # [G, Σ n_p], row r: rank r's
+            torch.cat(sources, out=buffer[mine])   # copy-in (from the host: CPUOffloadPolicy)
+            for sp in self.params:
+                sp.allocate(compute, self.device, self.groups.shard_size)
+            # <- the essential line: every rank's shards -> every parameter whole
+            handle = comm.all_gather(buffer.view(-1), buffer[mine], async_op=True, group=group,
+                                     tag=self.tag)
+            self._in_flight = (handle, buffer, [s.numel() for s in sources])
+            self.state = ShardState.IN_FLIGHT
+            events.emit("unit gather", engine=self.owner, unit=self, prefetch=prefetch,
+                        nbytes=self.full_bytes())
+            if prefetch:
+                return
+        self._copy_out()
+        self.state = ShardState.GATHERED
+        for sp in self.params:
+            sp.register(gathered=True)
+        self.drop_secondary()
+        events.emit("unit gathered", engine=self.owner, unit=self)
+
+    def _route(self, backward: bool) -> tuple[comm.Group | None, list[torch.Tensor]]:
+        """What to all-gather, over which ranks: each parameter's padded shard over the shard
+        group; in backward, after reshard_after_forward=k, its 1/k over the k ranks that kept it."""
+        if backward and self.secondary is not None:
+            return self.groups.post_forward, self.secondary
+        compute = self.dtypes[0]
+        return self.groups.shard, [sp.shard_flat().to(self.device, compute, non_blocking=True)
+                                   for sp in self.params]
+
+    def _copy_out(self) -> None:
+        """Wait for the all-gather, then copy each parameter's column [G, n_p] into its whole."""
+        handle, buffer, sizes = self._in_flight
+        handle.wait()
+        self._in_flight = None
+        for sp, column in zip(self.params, torch.split(buffer, sizes, dim=1)):
+            sp.full.data.view(buffer.shape[0], -1).copy_(column)   # .data: [Note: dim-0 shards]
+
+    def free(self) -> None:
+        """Back to FREE: the module holds its shards again, the whole parameters take 0 bytes."""
+        if self.state == ShardState.FREE:
+            return
+        if self.state == ShardState.IN_FLIGHT:     # never free a buffer a collective is writing
+            self._in_flight[0].wait()
+            self._in_flight = None
+        nbytes = self.full_bytes()
+        for sp in self.params:
+            sp.register(gathered=False)
+            sp.release()
+        self.state = ShardState.FREE
+        events.emit("unit freed", engine=self.owner, unit=self, nbytes=-nbytes)
+
+    def _keep_secondary(self) -> None:
+        """reshard_after_forward=k: keep this rank's 1/k of every whole parameter, its part
+        within its k ranks, for backward's all-gather among them."""
+        group = self.groups.post_forward
+        k, mine = comm.group_size(group), comm.group_rank(group)
+        self.secondary = [sp.full.data.view(k, -1)[mine].clone() for sp in self.params]
+        events.emit("secondary", engine=self.owner, unit=self,
+                    nbytes=sum(t.nbytes for t in self.secondary))
+
+    def drop_secondary(self) -> None:
+        if self.secondary is not None:
+            events.emit("secondary", engine=self.owner, unit=self,
+                        nbytes=-sum(t.nbytes for t in self.secondary))
+        self.secondary = None
+
+    # --- the four hooks (fully_shard.py registers them) ------------------------------------------
+    def pre_forward(self, module, args, kwargs):
+        if self.training_state == TrainingState.PRE_BACKWARD:   # a recompute (activation
+            self.gather(backward=True)                            # checkpointing) in backward
+            return self._cast(args, kwargs)
+        entering = self.training_state != TrainingState.FORWARD
+        self.training_state = TrainingState.FORWARD
+        self.root.forward_starts(self)
+        args, kwargs = self._cast(args, kwargs)
+        self.gather()
+        for unit in self.root.prefetch_targets(self, forward=True):
+            unit.gather(prefetch=True)
+        if entering and torch.is_grad_enabled():
+            args, kwargs = _PostBackward.around(self, args, kwargs)
+        return args, kwargs
+
+    def post_forward(self, module, args, output):
+        if self.training_state != TrainingState.PRE_BACKWARD:   # not a recompute: backward needs
+            if self.after_forward is not False:                   # the parameters then
+                if self.after_forward is not True and torch.is_grad_enabled():
+                    self._keep_secondary()
+                self.free()                           # <- stage 3's saving: free after forward
+            self.post_forward_indices.append(self.root.ran_forward(self))
+            if torch.is_grad_enabled():
+                for t in tree_flatten(output)[0]:
+                    if torch.is_tensor(t) and t.requires_grad:
+                        t.register_hook(self.pre_backward)
+            self.training_state = TrainingState.IDLE
+            self.root.forward_ends(self)
+        if self.mp.output_dtype is None:
+            return output
+        return tree_map(lambda t: _cast(t, self.mp.output_dtype), output)
+
+    def pre_backward(self, grad=None) -> None:
+        """Its outputs' gradient is known: gather it (backward needs its parameters) and start
+        the all-gather of the unit before it."""
+        if self.training_state == TrainingState.PRE_BACKWARD:
+            return
+        self.root.backward_starts()
+        self.training_state = TrainingState.PRE_BACKWARD
+        self.gather(backward=True)
+        for unit in self.root.prefetch_targets(self, forward=False):
+            unit.gather(prefetch=True, backward=True)
+
+    def post_backward(self) -> None:
+        """Every gradient of this backward is in its parameters' .grad: reduce-scatter them (or,
+        without gradient sync, keep them for the next backward), and free it."""
+        self.training_state = TrainingState.POST_BACKWARD
+        reduce = self.dtypes[1]
+        if not self.reduce_grads:                        # set_requires_gradient_sync(False)
+            for sp in self.params:
+                sp.accumulate(reduce)
+        grads = [] if not self.reduce_grads else [
+            (sp, g) for sp in self.params if sp.requires_grad
+            and (g := sp.take_grad(reduce)) is not None]
+        if self.reshard_after_backward:
+            self.free()
+        if grads:
+            self.root.reduce(self, grads)
+
+    def end_backward(self) -> None:
+        """Backward is over: IDLE; a prefetched all-gather nobody used is dropped."""
+        self.training_state = TrainingState.IDLE
+        self.drop_secondary()
+        if self.state == ShardState.IN_FLIGHT:
+            self.free()
+
+    def reset_iteration(self, last_backward: bool) -> None:
+        if last_backward:
+            self.post_forward_indices.clear()
+
+    # --- its gradients: reduce-scatter, then (HSDP) all-reduce, then into the shards' .grad -------
+    def reduce_scatter(self, grads: list) -> "Reduction":
+        """Start averaging the gradients [(ShardedParam, whole gradient padded)] over the shard
+        group: laid out by rank, [N, Σ chunk·row], so rank r receives its rows of every one."""
+        size = self.groups.shard_size
+        staging = torch.cat([g.view(size, -1) for _, g in grads], dim=1)   # [N, Σ chunk·row]
+        events.emit("bucket ready", engine=self.owner, bucket=self, unit=self)
+        events.emit("staging", engine=self.owner, bucket=self, nbytes=staging.nbytes)
+        pre, post, op = _divisors(self.groups.data_parallel_size, staging.dtype,
+                                  self.divide_factor)
+        if pre != 1:
+            staging.div_(pre)
+        output = staging.new_empty(staging.shape[1])                        # [Σ chunk·row]
+        # <- the essential line of the backward: each rank's rows of every gradient, averaged
+        handle = comm.reduce_scatter(output, staging.view(-1), op=op, async_op=True,
+                                     group=self.groups.shard, tag=self.tag)
+        return Reduction([sp for sp, _ in grads], staging, output, handle, op, post)
+
+    def finish(self, r: "Reduction") -> None:
+        """Wait for a reduce-scatter; all-reduce across replicas (HSDP); add each parameter's rows
+        to its shard's .grad, in the parameter's dtype, where the shard lives."""
+        r.handle.wait()
+        events.emit("staging", engine=self.owner, bucket=self, nbytes=-r.staging.nbytes)
+        output = r.output
+        if self.groups.replicate is not None:
+            if not self.all_reduce_grads:                # set_requires_all_reduce(False)
+                self.partial = output if self.partial is None else self.partial.add_(output)
+                return
+            if self.partial is not None:
+                output.add_(self.partial)
+                self.partial = None
+            comm.all_reduce(output, op=r.op, group=self.groups.replicate, tag=self.tag)
+        if r.post != 1:
+            output.div_(r.post)
+        output = output.to(self.home, self.params[0].dtype)
+        offset = 0
+        for sp in r.params:
+            sp.add_grad(output[offset:offset + sp.rows * sp.row].view(sp.rows, *sp.shape[1:]))
+            offset += sp.chunk * sp.row
+
+    def _cast(self, args, kwargs):
+        """cast_forward_inputs: the floating inputs to param_dtype."""
+        if not (self.mp.cast_forward_inputs and self.mp.param_dtype is not None):
+            return args, kwargs
+        return tree_map(lambda t: _cast(t, self.mp.param_dtype), (args, kwargs))
+
+
+class Reduction:
+    """A reduce-scatter in flight: its parameters, buffers, handle, and what finishes the average
+    (op "avg", or "sum" then a division by post)."""
+
+    def __init__(self, params, staging, output, handle, op: str, post: float):
+        self.params, self.staging, self.output, self.handle = params, staging, output, handle
+        self.op, self.post = op, post
+
+
+class _PostBackward(torch.autograd.Function):
+    """[Note: post-backward] An identity on a unit's inputs. Its backward runs when the gradients
+    of the inputs are complete, which is after every parameter of the unit got its gradient:
+    the unit's last backward operation is what computes the inputs' gradient, and autograd
+    accumulates a parameter's gradient (AccumulateGrad) as soon as it is computed, before the
+    node waiting for the inputs' gradient runs. A unit whose inputs need no gradient (the root,
+    fed token ids) is reduced at the end of backward instead (Root.finish_backward)."""
+
+    @staticmethod
+    def forward(ctx, unit, *inputs):
+        ctx.unit = unit
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.unit.post_backward()
+        return (None, *grads)
+
+    @staticmethod
+    def around(unit, args, kwargs):
+        """(args, kwargs) with the tensors that need a gradient passed through the identity."""
+        flat, spec = tree_flatten((args, kwargs))
+        where = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
+        if not where:
+            return args, kwargs
+        outputs = _PostBackward.apply(unit, *(flat[i] for i in where))
+        for i, t in zip(where, outputs):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
+
+
+def _cast(t, dtype: torch.dtype):
+    return t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t
+
+
+def _divisors(n: int, dtype: torch.dtype, factor: float | None) -> tuple[float, float, str]:
+    """(pre, post, op) for averaging over n ranks, or dividing by `factor` instead of n. fp32 and
+    bf16 average in the collective (op "avg"). fp16's range is narrow: a sum over many ranks may
+    overflow, and dividing each gradient by n first may underflow; so it divides by a power of
+    two p near √n before the sum and by n / p after it (PyTorch's FSDP2 does the same)."""
+    if dtype != torch.float16:
+        return (1, 1, "avg") if factor is None else (1, factor, "sum")
+    total, pre = factor or n, 1
+    while total % pre == 0 and total / pre > pre:
+        pre *= 2
+    return pre, total / pre, "sum"
