@@ -97,5 +97,6 @@ def resolve(policy, ours: type, argument: str):
         theirs = getattr(torch_fsdp, mine.__name__)
         if issubclass(mine, ours) and isinstance(policy, theirs):
             return mine(**{f.name: getattr(policy, f.name) for f in fields(mine)})
-    raise TypeError(f"fully_shard: {argument} must be a {ours.__name__}, got "
+    article = "an" if ours.__name__[0] in "AEIOU" else "a"
+    raise TypeError(f"fully_shard: {argument} must be {article} {ours.__name__}, got "
                     f"{type(policy).__name__}")
