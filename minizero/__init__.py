@@ -4,6 +4,7 @@
     engine = minizero.wrap(model, stage=2, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
     engine, optimizer, _, scheduler = minizero.initialize(model=model, config="ds.json") # DeepSpeed
     model = minizero.FullyShardedDataParallel(model)     # FairScale's: you build the optimizer
+    minizero.fully_shard(block); minizero.fully_shard(model)   # PyTorch's FSDP2: per parameter
     results = minizero.launch(worker_fn, world_size=4)   # run a function on 4 ranks
     with minizero.sharded_init(): model = MyModel()      # stage 3: built partitioned, never whole
     minizero.set_z3_leaf_modules(model, [MoEBlock])      # stage 3: gathered whole (DeepSpeed's)
@@ -42,6 +43,16 @@ from minizero.units import (
 )
 from minizero.wrap import wrap
 
-__all__ = ["FullyShardedDataParallel", "fsdp_wrap", "get_z3_leaf_modules", "initialize", "launch",
-           "set_z3_leaf_modules", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix",
-           "sharded_init", "unset_z3_leaf_modules", "wrap", "z3_leaf_module"]
+__all__ = ["FullyShardedDataParallel", "fsdp_wrap", "fully_shard", "get_z3_leaf_modules",
+           "initialize", "launch", "set_z3_leaf_modules", "set_z3_leaf_modules_by_name",
+           "set_z3_leaf_modules_by_suffix", "sharded_init", "unset_z3_leaf_modules", "wrap",
+           "z3_leaf_module"]
+
+
+def __getattr__(name: str):
+    """minizero.fully_shard (FSDP2's, minizero/pytorch/): imported on first use, as it imports
+    torch's DTensor (~1 s), which nothing else here needs."""
+    if name == "fully_shard":
+        from minizero.pytorch import fully_shard
+        return fully_shard
+    raise AttributeError(f"module 'minizero' has no attribute {name!r}")
