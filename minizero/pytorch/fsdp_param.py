@@ -62,8 +62,10 @@ class ShardedParam:
         self.chunk = padded_rows(self.shape[0], size)            # rows of every rank's shard
         self.rows = shard_rows(self.shape[0], size, rank)        # of them, the parameter's
         start = rank * self.chunk
-        self.padded = torch.zeros((self.chunk, *self.shape[1:]), dtype=param.dtype, device=home,
-                                  pin_memory=pin)                # [chunk, *rest]
+        meta = param.is_meta                  # built on the meta device: materialized later
+        self.padded = torch.zeros((self.chunk, *self.shape[1:]), dtype=param.dtype,
+                                  device="meta" if meta else home,
+                                  pin_memory=pin and not meta)   # [chunk, *rest]
         with torch.no_grad():
             self.padded[:self.rows].copy_(param[start:start + self.rows])
         local = self.padded[:self.rows]                          # [rows, *rest], what trains
@@ -84,7 +86,8 @@ class ShardedParam:
 
     @property
     def requires_grad(self) -> bool:
-        return self.sharded.requires_grad
+        """As the module's parameter says now (the shard, or the whole one while gathered)."""
+        return self.places[0][0]._parameters[self.places[0][1]].requires_grad
 
     def local(self) -> torch.Tensor:
         """The rows the optimizer steps: the registered DTensor's local tensor (a view of it)."""
@@ -99,18 +102,24 @@ class ShardedParam:
             self.sharded = current
             current._minizero_shard = self
 
-    def shard_flat(self) -> torch.Tensor:
-        """[chunk·row]: this rank's padded shard, what it sends in the all-gather. `padded` itself
-        while the local tensor is still its view (the optimizer steps in place); a fresh padded
-        copy once something replaced it (model.to(...), load_state_dict(assign=True))."""
+    def copy_shard_into(self, row: torch.Tensor) -> None:
+        """Write this rank's padded shard into `row` [chunk·row] of the all-gather's buffer: the
+        copy-in, casting to its dtype and moving to its device (CPUOffloadPolicy's host-to-device
+        copy). From `padded` while the local tensor is its view (the optimizer steps it in place);
+        from whatever replaced it otherwise (model.to_empty(), load_state_dict(assign=True)),
+        padded with zeros here."""
         self.sync_registered()
         local = self.local()
-        if local.untyped_storage().data_ptr() == self.padded.untyped_storage().data_ptr():
-            return self.padded.view(-1)
-        padded = local.new_zeros((self.chunk, *self.shape[1:]))
+        if local.is_meta:
+            raise RuntimeError(f"fully_shard: a parameter of shape {tuple(self.shape)} is still "
+                               "on the meta device: materialize it first (model.to_empty(device="
+                               "...) and initialise it, or load_state_dict(..., assign=True))")
         with torch.no_grad():
-            padded[:self.rows].copy_(local)
-        return padded.view(-1)
+            if local.untyped_storage().data_ptr() == self.padded.untyped_storage().data_ptr():
+                row.copy_(self.padded.view(-1), non_blocking=True)
+            else:
+                row[:local.numel()].copy_(local.reshape(-1), non_blocking=True)
+                row[local.numel():].zero_()
 
     # --- the gathered whole: allocated while the unit is gathered, 0 bytes otherwise -------------
     def allocate(self, dtype: torch.dtype, device: torch.device, size: int) -> None:
@@ -132,27 +141,39 @@ class ShardedParam:
         return 0 if self.full is None else self.full.untyped_storage().nbytes()
 
     def register(self, gathered: bool) -> None:
-        """The module's parameter: `unsharded` while gathered, `sharded` otherwise."""
+        """The module's parameter: `unsharded` while gathered, `sharded` otherwise. It takes the
+        requires_grad of the one it replaces: the user sets it on whichever the module holds."""
         param = self.unsharded if gathered else self.sharded
-        if param.requires_grad != self.requires_grad:       # requires_grad_() on the shard
-            param.requires_grad_(self.requires_grad)
+        current = self.places[0][0]._parameters[self.places[0][1]]
+        if param.requires_grad != current.requires_grad:
+            param.requires_grad_(current.requires_grad)
         for module, name in self.places:
             module._parameters[name] = param
 
     # --- its gradient: the whole one autograd made, then this rank's rows of the average --------
-    def take_grad(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """The whole gradient of this backward (plus what accumulated without sync), in `dtype`,
-        padded to [N·chunk·row]; None if it got none. Leaves `unsharded` without one."""
+    def take_grad(self) -> torch.Tensor | None:
+        """The whole gradient of this backward (plus what accumulated without sync) [d0, *rest];
+        None if it got none. Leaves `unsharded` without one."""
         grad = self.unsharded.grad if self.unsharded is not None else None
         if self.accumulated is not None:
             grad = self.accumulated if grad is None else self.accumulated.add_(grad)
             self.accumulated = None
-        if grad is None:
-            return None
-        self.unsharded.grad = None
-        flat = grad.reshape(-1).to(dtype)
-        pad = self.full.numel() - flat.numel()
-        return flat if pad == 0 else torch.cat([flat, flat.new_zeros(pad)])
+        if grad is not None:
+            self.unsharded.grad = None
+        return grad
+
+    def copy_grad_into(self, columns: torch.Tensor, grad: torch.Tensor) -> None:
+        """Lay the whole gradient out by rank into the reduce-scatter's buffer: `columns` [N,
+        chunk·row] is this parameter's part of it, rank r's row its rows r·chunk.. (zeros past
+        d0: the padding); casting to the reduce dtype."""
+        flat, width = grad.reshape(-1), columns.shape[1]
+        full_rows = flat.numel() // width                      # ranks whose rows are all real
+        columns[:full_rows].copy_(flat[:full_rows * width].view(full_rows, width))
+        if full_rows < columns.shape[0]:
+            rest = flat.numel() - full_rows * width
+            columns[full_rows, :rest].copy_(flat[full_rows * width:])
+            columns[full_rows, rest:].zero_()
+            columns[full_rows + 1:].zero_()
 
     def accumulate(self, dtype: torch.dtype) -> None:
         """set_requires_gradient_sync(False): keep this backward's gradient for the next one, in

@@ -86,7 +86,7 @@ class Unit:
     @property
     def dtypes(self) -> tuple[torch.dtype, torch.dtype]:
         """(compute, reduce): MixedPrecisionPolicy.dtypes of its parameters' own dtype."""
-        return self.mp.dtypes(self.params[0].dtype)
+        return self.mp.dtypes(self.params[0].dtype if self.params else torch.float32)
 
     def full_bytes(self) -> int:
         return sum(sp.full_bytes() for sp in self.params)
@@ -94,20 +94,24 @@ class Unit:
     # --- its parameters: FREE -> IN_FLIGHT -> GATHERED -> FREE ------------------------------------
     def gather(self, prefetch: bool = False, backward: bool = False) -> None:
         """FREE -> IN_FLIGHT -> GATHERED: all-gather every parameter whole (prefetch: start it)."""
-        if self.state == ShardState.GATHERED or (self.state == ShardState.IN_FLIGHT and prefetch):
+        if self.state == ShardState.GATHERED or (self.state == ShardState.IN_FLIGHT and prefetch) \
+                or not self.params:                    # a root with no parameters of its own
             return
         if self.state == ShardState.FREE:
-            group, sources = self._route(backward)
-            mine, compute = comm.group_rank(group), self.dtypes[0]
-            buffer = torch.empty(comm.group_size(group), sum(s.numel() for s in sources),
-                                 dtype=compute, device=self.device)   # [G, Σ n_p], row r: rank r's
-            torch.cat(sources, out=buffer[mine])   # copy-in (from the host: CPUOffloadPolicy)
-            for sp in self.params:
+            group, secondary = self._route(backward)
+            size, mine, compute = comm.group_size(group), comm.group_rank(group), self.dtypes[0]
+            sizes = [sp.chunk * sp.row * self.groups.shard_size // size for sp in self.params]
+            buffer = torch.empty(size, sum(sizes), dtype=compute, device=self.device)
+            for i, (sp, row) in enumerate(zip(self.params, buffer[mine].split(sizes))):
+                if secondary is None:                  # [G, Σ n_p], row r: rank r's shards
+                    sp.copy_shard_into(row)            # copy-in (CPUOffloadPolicy: from the host)
+                else:
+                    row.copy_(secondary[i])
                 sp.allocate(compute, self.device, self.groups.shard_size)
             # <- the essential line: every rank's shards -> every parameter whole
             handle = comm.all_gather(buffer.view(-1), buffer[mine], async_op=True, group=group,
                                      tag=self.tag)
-            self._in_flight = (handle, buffer, [s.numel() for s in sources])
+            self._in_flight = (handle, buffer, sizes)
             self.state = ShardState.IN_FLIGHT
             events.emit("unit gather", engine=self.owner, unit=self, prefetch=prefetch,
                         nbytes=self.full_bytes())
@@ -120,14 +124,12 @@ class Unit:
         self.drop_secondary()
         events.emit("unit gathered", engine=self.owner, unit=self)
 
-    def _route(self, backward: bool) -> tuple[comm.Group | None, list[torch.Tensor]]:
-        """What to all-gather, over which ranks: each parameter's padded shard over the shard
-        group; in backward, after reshard_after_forward=k, its 1/k over the k ranks that kept it."""
+    def _route(self, backward: bool) -> tuple[comm.Group | None, list[torch.Tensor] | None]:
+        """Over which ranks, from what: each parameter's padded shard over the shard group (None);
+        in backward, after reshard_after_forward=k, the 1/k that k ranks kept of each."""
         if backward and self.secondary is not None:
             return self.groups.post_forward, self.secondary
-        compute = self.dtypes[0]
-        return self.groups.shard, [sp.shard_flat().to(self.device, compute, non_blocking=True)
-                                   for sp in self.params]
+        return self.groups.shard, None
 
     def _copy_out(self) -> None:
         """Wait for the all-gather, then copy each parameter's column [G, n_p] into its whole."""
@@ -219,8 +221,7 @@ class Unit:
             for sp in self.params:
                 sp.accumulate(reduce)
         grads = [] if not self.reduce_grads else [
-            (sp, g) for sp in self.params if sp.requires_grad
-            and (g := sp.take_grad(reduce)) is not None]
+            (sp, g) for sp in self.params if (g := sp.take_grad()) is not None]
         if self.reshard_after_backward:
             self.free()
         if grads:
@@ -241,8 +242,11 @@ class Unit:
     def reduce_scatter(self, grads: list) -> "Reduction":
         """Start averaging the gradients [(ShardedParam, whole gradient padded)] over the shard
         group: laid out by rank, [N, Σ chunk·row], so rank r receives its rows of every one."""
-        size = self.groups.shard_size
-        staging = torch.cat([g.view(size, -1) for _, g in grads], dim=1)   # [N, Σ chunk·row]
+        sizes = [sp.chunk * sp.row for sp, _ in grads]
+        staging = torch.empty(self.groups.shard_size, sum(sizes), dtype=self.dtypes[1],
+                              device=self.device)                       # [N, Σ chunk·row]
+        for (sp, grad), columns in zip(grads, staging.split(sizes, dim=1)):
+            sp.copy_grad_into(columns, grad)                            # copy-in, by rank
         events.emit("bucket ready", engine=self.owner, bucket=self, unit=self)
         events.emit("staging", engine=self.owner, bucket=self, nbytes=staging.nbytes)
         pre, post, op = _divisors(self.groups.data_parallel_size, staging.dtype,

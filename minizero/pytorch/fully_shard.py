@@ -120,10 +120,9 @@ def _parameters(module: nn.Module, ignored: set[int]) -> list[tuple]:
             if isinstance(p, DTensor):
                 raise ValueError(f"fully_shard: {qualified} is a DTensor already (tensor "
                                  "parallelism): minizero's fully_shard shards plain parameters")
-            if p.dim() == 0 or p.shape[0] == 0 or p.is_meta:
-                what = "on the meta device" if p.is_meta else f"of shape {tuple(p.shape)}"
-                raise ValueError(f"fully_shard: {qualified} ({what}) cannot be sharded on dim 0: "
-                                 "pass it in ignored_params")
+            if p.dim() == 0 or p.shape[0] == 0:
+                raise ValueError(f"fully_shard: {qualified} (of shape {tuple(p.shape)}) cannot be "
+                                 "sharded on dim 0: pass it in ignored_params")
             entry = found.setdefault(id(p), (p, [], qualified))
             if not any(m is sub and n == name for m, n in entry[1]):
                 entry[1].append((sub, name))

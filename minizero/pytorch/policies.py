@@ -54,6 +54,9 @@ class MixedPrecisionPolicy:
         return compute, self.reduce_dtype or compute
 
 
+_warned: list[bool] = []            # pin_memory without an accelerator: said once per process
+
+
 @dataclass(frozen=True)
 class OffloadPolicy:
     """No offloading: the shards live on the mesh's device (the default, as FSDP2's)."""
@@ -81,9 +84,12 @@ class CPUOffloadPolicy(OffloadPolicy):
     def pinned(self) -> bool:
         """Whether to pin: pin_memory, if this machine has an accelerator to pin for."""
         if self.pin_memory and not torch.cuda.is_available():
-            warnings.warn("CPUOffloadPolicy(pin_memory=True) has no effect without an accelerator "
-                          "(host and device memory are the same RAM): the shards are not pinned",
-                          stacklevel=4)
+            if not _warned:
+                _warned.append(True)
+                warnings.warn("CPUOffloadPolicy(pin_memory=True) has no effect without an "
+                              "accelerator (host and device memory are the same RAM): the shards "
+                              "are not pinned",
+                              stacklevel=4)
             return False
         return self.pin_memory
 
