@@ -330,9 +330,16 @@ class FSDPModule:
         self._fsdp_unit.divide_factor = float(factor)
 
     def _apply(self, *args, **kwargs):
-        """model.to(dtype) / .double() / ...: on the shards (reshard first, as FSDP2)."""
+        """model.to(dtype) / .double() / .to_empty(): on the shards (reshard first, as FSDP2).
+        torch swaps a DTensor parameter's contents in place (torch.utils.swap_tensors), which
+        refuses a tensor with a weak reference: owners.py's claim holds one, lifted meanwhile."""
+        shards = [sp.sharded for sp in self._fsdp_unit.params]
+        owners.release(shards, OWNER)
         self.reshard()
-        return super()._apply(*args, **kwargs)
+        try:
+            return super()._apply(*args, **kwargs)
+        finally:
+            owners.claim(shards, OWNER)
 
     def __deepcopy__(self, memo):
         raise TypeError("fully_shard: a sharded module cannot be deep-copied: save its "
