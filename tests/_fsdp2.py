@@ -4,12 +4,17 @@ results. Importable by the launched ranks (pytest puts tests/ on sys.path)."""
 
 from __future__ import annotations
 
+import contextlib
+import types
+from collections import Counter
+
 import torch
 import torch.distributed.fsdp as torch_fsdp
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import minizero.pytorch as mz_fsdp
-from minizero import comm
+from minizero import comm, events
 from minizero.lab.data import global_batch, local_batch
 from minizero.lab.model import GPTConfig, make_model
 from minizero.lab.train import loss_fn
@@ -123,3 +128,39 @@ def train(model: nn.Module, steps: int = 3, lr: float = 1e-2, zero_grad=lambda m
 def reference(model: nn.Module, **kwargs) -> dict:
     """The same loop in one process on the global batch."""
     return train(model, one_process=True, **kwargs)
+
+
+def seeded(build, seed: int = 0):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build()
+
+
+class TorchCollectives(TorchDispatchMode):
+    """Counts the c10d collectives PyTorch's side issues (CommDebugMode's count, without its
+    module tracker, which trips over these models' hooks here)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            name = func.__name__
+            self.counts["all_gather" if "allgather" in name else "reduce_scatter"
+                        if "reduce_scatter" in name else "all_reduce"
+                        if "allreduce" in name else name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def counting(impl: str):
+    """Counts `impl`'s collectives by kind: minizero's on its event stream, torch's by dispatch."""
+    if impl == "torch":
+        with TorchCollectives() as mode:
+            yield mode
+        return
+    mode = types.SimpleNamespace(counts=Counter())
+    with events.subscribed(lambda name, f: mode.counts.update([f["kind"]])
+                           if name == "collective" else None):
+        yield mode

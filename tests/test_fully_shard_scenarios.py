@@ -14,12 +14,9 @@ by dispatch for PyTorch's: the same counts. One launch at N = 2 and one at N = 4
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
-import types
 import warnings
-from collections import Counter
 
 import _fsdp2 as H
 import pytest
@@ -28,11 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import minizero
 from minizero import comm, events
+from _fsdp2 import counting, seeded
 from minizero.lab.reference import max_abs_diff
 
 IMPLS = tuple(H.IMPLEMENTATIONS)
@@ -59,12 +56,6 @@ class Checkpointed(nn.Module):
         return checkpoint(self.block, x, use_reentrant=False)
 
 
-def seeded(build, seed: int = 0):
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return build()
-
-
 def inputs(step: int, rows: int, dim: int) -> torch.Tensor:
     """This rank's rows of a seeded random global batch."""
     gen = torch.Generator().manual_seed(1000 + step)
@@ -79,36 +70,6 @@ def ddp(model: nn.Module) -> DistributedDataParallel:
 def full(model: nn.Module) -> dict[str, torch.Tensor]:
     inner = model.module if isinstance(model, DistributedDataParallel) else model
     return {k: v.detach().clone() for k, v in H.whole(inner).items()}
-
-
-class TorchCollectives(TorchDispatchMode):
-    """Counts the c10d collectives PyTorch's side issues (CommDebugMode's count, without its
-    module tracker, which trips over these models' hooks here)."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d":
-            name = func.__name__
-            self.counts["all_gather" if "allgather" in name else "reduce_scatter"
-                        if "reduce_scatter" in name else "all_reduce"
-                        if "allreduce" in name else name] += 1
-        return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def counting(impl: str):
-    """Counts `impl`'s collectives by kind: minizero's on its event stream, torch's by dispatch."""
-    if impl == "torch":
-        with TorchCollectives() as mode:
-            yield mode
-        return
-    mode = types.SimpleNamespace(counts=Counter())
-    with events.subscribed(lambda name, f: mode.counts.update([f["kind"]])
-                           if name == "collective" else None):
-        yield mode
 
 
 def lockstep(models_opts, steps: int, batch, set_to_none=lambda it: it % 2 == 0, after=None):
