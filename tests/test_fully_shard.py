@@ -322,3 +322,16 @@ def test_what_cannot_apply_is_refused_in_one_line(runs, case):
     message = ranks[0]["refusals"][case]
     assert message.startswith(f"{kind}: {start}"), message
     assert "\n" not in message
+
+
+def test_the_bench_pairs_fully_shard_with_pytorchs():
+    """python -m minizero.bench --stages fully_shard: minizero.fully_shard next to torch's, the
+    same units, the same loop; the same parameters after, and minizero's tally as its comm."""
+    from minizero.lab import bench
+    report = bench.compare((2,), sizes=("tiny",), steps=2, repeats=1, variants=("fully_shard",),
+                           peers=("torch",), meter=False)
+    (pair,) = report["pairs"]
+    assert (pair["variant"], pair["peer"]) == ("fully_shard", "fsdp2")
+    assert pair["max_param_diff"] == 0.0
+    assert pair["memory"]["minizero"] == pair["memory"]["peer"]
+    assert 0 < pair["comm_bytes_per_step"]["minizero"] <= pair["comm_bytes_per_step"]["peer"]

@@ -114,8 +114,11 @@ class ShardedParam:
             raise RuntimeError(f"fully_shard: a parameter of shape {tuple(self.shape)} is still "
                                "on the meta device: materialize it first (model.to_empty(device="
                                "...) and initialise it, or load_state_dict(..., assign=True))")
+        if self.padded is not None and \
+                local.untyped_storage().data_ptr() != self.padded.untyped_storage().data_ptr():
+            self.padded = None                 # replaced: its storage is the user's now
         with torch.no_grad():
-            if local.untyped_storage().data_ptr() == self.padded.untyped_storage().data_ptr():
+            if self.padded is not None:
                 row.copy_(self.padded.view(-1), non_blocking=True)
             else:
                 row[:local.numel()].copy_(local.reshape(-1), non_blocking=True)
@@ -138,7 +141,8 @@ class ShardedParam:
             _resize(self.full, 0)
 
     def full_bytes(self) -> int:
-        return 0 if self.full is None else self.full.untyped_storage().nbytes()
+        """What `full` takes while allocated (it is allocated whole or not at all)."""
+        return 0 if self.full is None else self.full.numel() * self.full.element_size()
 
     def register(self, gathered: bool) -> None:
         """The module's parameter: `unsharded` while gathered, `sharded` otherwise. It takes the

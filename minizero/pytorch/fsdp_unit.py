@@ -89,6 +89,7 @@ class Unit:
         return self.mp.dtypes(self.params[0].dtype if self.params else torch.float32)
 
     def full_bytes(self) -> int:
+        """What its whole parameters take while gathered (0 bytes each while FREE)."""
         return sum(sp.full_bytes() for sp in self.params)
 
     # --- its parameters: FREE -> IN_FLIGHT -> GATHERED -> FREE ------------------------------------
