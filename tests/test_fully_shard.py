@@ -335,3 +335,21 @@ def test_the_bench_pairs_fully_shard_with_pytorchs():
     assert pair["max_param_diff"] == 0.0
     assert pair["memory"]["minizero"] == pair["memory"]["peer"]
     assert 0 < pair["comm_bytes_per_step"]["minizero"] <= pair["comm_bytes_per_step"]["peer"]
+
+
+def test_the_two_layouts_side_by_side():
+    """minizero.lab.layouts: the flat layout (wrap's stage 3) and the per-parameter one
+    (fully_shard) on the tiny GPT at N = 3, the same units: each rank's bytes are each design's
+    formula exactly, the per-parameter layout pads more (whole rows per parameter against a few
+    elements per unit) and its optimizer state differs between ranks; the same parameters after."""
+    from minizero.lab.layouts import compare_layouts, format_layouts
+    report = compare_layouts("tiny", 3, steps=2)
+    for design in report["designs"].values():
+        for measured, formula in zip(design["memory"], design["formula"]):
+            assert measured == {k: formula[k] for k in measured}
+    flat, per_param = report["designs"]["flat"], report["designs"]["per-parameter"]
+    assert flat["formula"][0]["padding"] < per_param["formula"][0]["padding"]
+    assert per_param["memory"][0]["optimizer"] != per_param["memory"][2]["optimizer"]
+    assert flat["collectives"]["reduce_scatter"] == per_param["collectives"]["reduce_scatter"] == 3
+    assert report["max_param_diff"] <= 1e-6
+    assert "per-parameter" in format_layouts(report)
