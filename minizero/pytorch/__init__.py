@@ -2,8 +2,9 @@
 
     from minizero.pytorch import fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy
 
-fully_shard.py (FSDP2: per-parameter dim-0 shards; read it first, then fsdp_unit.py, fsdp_param.py,
-fsdp_mesh.py and policies.py).
+fully_shard.py (FSDP2: per-parameter dim-0 shards): read it first, then fsdp_unit.py (what happens
+to a unit), fsdp_root.py (what the units share), fsdp_reduce.py (their gradients), fsdp_param.py
+(one parameter's shard), fsdp_mesh.py (the DeviceMesh's groups) and policies.py.
 """
 
 from minizero.pytorch.fully_shard import (FSDPModule, UnshardHandle, fully_shard,

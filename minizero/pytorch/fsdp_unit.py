@@ -13,9 +13,9 @@ states (ShardState: FREE / IN_FLIGHT / GATHERED) and the same events on the stre
   * pre_backward (a hook on its outputs: their gradient is known, its backward is next): gather it
     again, start the all-gather of the unit that ran before it;
   * post_backward (an autograd node on its inputs, [Note: post-backward]): reduce-scatter its
-    gradients and free it. A reduce-scatter is finished (waited, this rank's rows added to the
-    shards' .grad) when the next one starts or backward ends: one in flight, overlapping the
-    backward of the units before it.
+    gradients (fsdp_reduce.py) and free it. A reduce-scatter is finished (waited, this rank's rows
+    added to the shards' .grad) when the next one starts or backward ends: one in flight,
+    overlapping the backward of the units before it.
 What the per-parameter layout costs against zero3.Unit's flat buckets: a copy on each side of
 each collective. The all-gather moves every parameter's padded shard side by side, a [N, Σ
 chunk·row] buffer whose row r is rank r's shards, then copies each parameter's column out into
@@ -32,6 +32,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from minizero import comm, events
+from minizero.pytorch.fsdp_reduce import Reduction
 from minizero.zero3 import ShardState     # FREE: the module holds its shards (DTensors)
 
 
@@ -226,7 +227,7 @@ class Unit:
         if self.reshard_after_backward:
             self.free()
         if grads:
-            self.root.reduce(self, grads)
+            self.root.reduce(Reduction(self, grads))
 
     def end_backward(self) -> None:
         """Backward is over: IDLE; a prefetched all-gather nobody used is dropped."""
@@ -239,63 +240,23 @@ class Unit:
         if last_backward:
             self.post_forward_indices.clear()
 
-    # --- its gradients: reduce-scatter, then (HSDP) all-reduce, then into the shards' .grad -------
-    def reduce_scatter(self, grads: list) -> "Reduction":
-        """Start averaging the gradients [(ShardedParam, whole gradient padded)] over the shard
-        group: laid out by rank, [N, Σ chunk·row], so rank r receives its rows of every one."""
-        sizes = [sp.chunk * sp.row for sp, _ in grads]
-        staging = torch.empty(self.groups.shard_size, sum(sizes), dtype=self.dtypes[1],
-                              device=self.device)                       # [N, Σ chunk·row]
-        for (sp, grad), columns in zip(grads, staging.split(sizes, dim=1)):
-            sp.copy_grad_into(columns, grad)                            # copy-in, by rank
-        events.emit("bucket ready", engine=self.owner, bucket=self, unit=self)
-        events.emit("staging", engine=self.owner, bucket=self, nbytes=staging.nbytes)
-        pre, post, op = _divisors(self.groups.data_parallel_size, staging.dtype,
-                                  self.divide_factor)
-        if pre != 1:
-            staging.div_(pre)
-        output = staging.new_empty(staging.shape[1])                        # [Σ chunk·row]
-        # <- the essential line of the backward: each rank's rows of every gradient, averaged
-        handle = comm.reduce_scatter(output, staging.view(-1), op=op, async_op=True,
-                                     group=self.groups.shard, tag=self.tag)
-        return Reduction([sp for sp, _ in grads], staging, output, handle, op, post)
-
-    def finish(self, r: "Reduction") -> None:
-        """Wait for a reduce-scatter; all-reduce across replicas (HSDP); add each parameter's rows
-        to its shard's .grad, in the parameter's dtype, where the shard lives."""
-        r.handle.wait()
-        events.emit("staging", engine=self.owner, bucket=self, nbytes=-r.staging.nbytes)
-        output = r.output
-        if self.groups.replicate is not None:
-            if not self.all_reduce_grads:                # set_requires_all_reduce(False)
-                self.partial = output if self.partial is None else self.partial.add_(output)
-                return
-            if self.partial is not None:
-                output.add_(self.partial)
-                self.partial = None
-            comm.all_reduce(output, op=r.op, group=self.groups.replicate, tag=self.tag)
-        if r.post != 1:
-            output.div_(r.post)
-        output = output.to(self.home, self.params[0].dtype)
-        offset = 0
-        for sp in r.params:
-            sp.add_grad(output[offset:offset + sp.rows * sp.row].view(sp.rows, *sp.shape[1:]))
-            offset += sp.chunk * sp.row
+    def across_replicas(self, output: torch.Tensor, op: str) -> torch.Tensor | None:
+        """HSDP: this rank's reduce-scatter result, all-reduced down its mesh column (with the
+        results kept while set_requires_all_reduce(False)); None while it keeps them."""
+        if not self.all_reduce_grads:
+            self.partial = output if self.partial is None else self.partial.add_(output)
+            return None
+        if self.partial is not None:
+            output.add_(self.partial)
+            self.partial = None
+        comm.all_reduce(output, op=op, group=self.groups.replicate, tag=self.tag)
+        return output
 
     def _cast(self, args, kwargs):
         """cast_forward_inputs: the floating inputs to param_dtype."""
         if not (self.mp.cast_forward_inputs and self.mp.param_dtype is not None):
             return args, kwargs
         return tree_map(lambda t: _cast(t, self.mp.param_dtype), (args, kwargs))
-
-
-class Reduction:
-    """A reduce-scatter in flight: its parameters, buffers, handle, and what finishes the average
-    (op "avg", or "sum" then a division by post)."""
-
-    def __init__(self, params, staging, output, handle, op: str, post: float):
-        self.params, self.staging, self.output, self.handle = params, staging, output, handle
-        self.op, self.post = op, post
 
 
 class _PostBackward(torch.autograd.Function):
@@ -331,16 +292,3 @@ class _PostBackward(torch.autograd.Function):
 
 def _cast(t, dtype: torch.dtype):
     return t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t
-
-
-def _divisors(n: int, dtype: torch.dtype, factor: float | None) -> tuple[float, float, str]:
-    """(pre, post, op) for averaging over n ranks, or dividing by `factor` instead of n. fp32 and
-    bf16 average in the collective (op "avg"). fp16's range is narrow: a sum over many ranks may
-    overflow, and dividing each gradient by n first may underflow; so it divides by a power of
-    two p near √n before the sum and by n / p after it (PyTorch's FSDP2 does the same)."""
-    if dtype != torch.float16:
-        return (1, 1, "avg") if factor is None else (1, factor, "sum")
-    total, pre = factor or n, 1
-    while total % pre == 0 and total / pre > pre:
-        pre *= 2
-    return pre, total / pre, "sum"

@@ -12,17 +12,18 @@
         optimizer.step()
         optimizer.zero_grad()
 
-Run its tests:  python -m pytest tests/test_fully_shard.py tests/test_fully_shard_scenarios.py
+Run its tests:  python -m pytest tests/test_fully_shard.py tests/test_fully_shard_scenarios.py \
+                    tests/test_fully_shard_state.py
 
 FSDP2 (torch.distributed.fsdp.fully_shard) is ZeRO stage 3 with each parameter sharded on its own,
 along dim 0 ([Note: dim-0 shards] in fsdp_param.py), where FairScale, DeepSpeed and FSDP1 (and
 minizero.wrap) cut flat buffers. The module's own parameters become the shards: DTensors that the
 user's optimizer, clip_grad_norm_, state_dict() and torch.distributed.checkpoint take as they are,
 and .full_tensor() gives a parameter whole. Each call makes a unit (fsdp_unit.py: its lifecycle,
-read beside zero3.py's), hooked on the module; the units under a root share a Root (its first
-forward finds them). The collectives are minizero.comm's, so they are tallied and on the event
-stream with every other stage's; DTensor is only the container (its own collectives run where the
-user asks for them: .full_tensor(), clip_grad_norm_'s norm, redistribute()).
+read beside zero3.py's), hooked on the module; the units under a root share a Root (fsdp_root.py:
+its first forward finds them). The collectives are minizero.comm's, so they are tallied and on the
+event stream with every other stage's; DTensor is only the container (its own collectives run where
+the user asks for them: .full_tensor(), clip_grad_norm_'s norm, redistribute()).
 
 Arguments, as torch 2.13's: mesh (a DeviceMesh, 1-D or 2-D for HSDP: fsdp_mesh.py; default every
 rank), reshard_after_forward (None: True except for the root; True; False; or k ranks to keep 1/k
@@ -42,7 +43,8 @@ from torch.distributed.tensor import DTensor
 from minizero import comm, owners
 from minizero.pytorch.fsdp_mesh import MeshGroups
 from minizero.pytorch.fsdp_param import ShardedParam
-from minizero.pytorch.fsdp_unit import ShardState, TrainingState, Unit
+from minizero.pytorch.fsdp_root import Root
+from minizero.pytorch.fsdp_unit import Unit
 from minizero.pytorch.policies import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
                                        resolve)
 
@@ -81,7 +83,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | i
     params = [ShardedParam(p, places, groups.mesh, groups.placements, groups.shard_rank,
                            groups.shard_size, home, pin) for p, places, _ in found]
     for (original, _, _), sp in zip(found, params):
-        original._minizero_sharded_in = module          # a tied copy elsewhere is refused
+        original._minizero_sharded_in = type(module).__name__   # a tied copy elsewhere: refused
         sp.register(gathered=False)
     owners.claim([sp.sharded for sp in params], OWNER, {id(sp.sharded): names[id(p)]
                                                          for (p, _, _), sp in zip(found, params)})
@@ -115,8 +117,8 @@ def _parameters(module: nn.Module, ignored: set[int]) -> list[tuple]:
             if hasattr(p, "_minizero_sharded_in"):
                 raise ValueError(
                     f"fully_shard: {qualified} is tied to a parameter that fully_shard("
-                    f"{type(p._minizero_sharded_in).__name__}) already shards: modules that share "
-                    "a parameter must be in one unit (shard their common parent)")
+                    f"{p._minizero_sharded_in}) already shards: modules that share a parameter "
+                    "must be in one unit (shard their common parent)")
             if isinstance(p, DTensor):
                 raise ValueError(f"fully_shard: {qualified} is a DTensor already (tensor "
                                  "parallelism): minizero's fully_shard shards plain parameters")
@@ -144,103 +146,6 @@ def _ignored(ignored_params) -> set[int]:
     if not all(isinstance(p, torch.Tensor) for p in ignored):
         raise TypeError("fully_shard: ignored_params must be a set of parameters")
     return {id(p) for p in ignored}
-
-
-class Root:
-    """What the units under one root module share for an iteration (FSDP2's state context): their
-    order, the forward under way, the reduce-scatter in flight, the end of backward. Every unit
-    has its own until the first forward through it, when the outermost one adopts the others."""
-
-    def __init__(self, module: nn.Module, units: list[Unit]):
-        self.module, self.units = module, units
-        self.started = False
-        self.forward_order: list[Unit] = []     # the root's first forward's pre-forward order
-        self.recorded = False                   # ... once that forward has ended
-        self.post_forward_order: list[Unit] = []   # this iteration's: backward prefetches back
-        self.iteration_root: Unit | None = None    # the unit whose forward began this one
-        self.pending: list = []                    # (unit, Reduction): the reduce-scatter running
-        self.callback_queued = False
-        self.is_last_backward = True               # set_is_last_backward
-
-    def start(self) -> None:
-        """The first forward: adopt every unit at or below this module, in module order."""
-        named = [(name, m) for name, m in self.module.named_modules() if isinstance(m, FSDPModule)]
-        for name, m in named[1:]:
-            if m._fsdp_unit.root.started:
-                raise RuntimeError(f"fully_shard: {name} ran forward before its root "
-                                   f"{type(self.module).__name__}: run the root's forward first")
-        self.units = [m._fsdp_unit for _, m in named]
-        for index, (name, m) in enumerate(named):
-            m._fsdp_unit.adopt(self, index, name, is_root=index == 0)
-        self.started = True
-
-    # --- forward ----------------------------------------------------------------------------------
-    def forward_starts(self, unit: Unit) -> None:
-        if self.iteration_root is None:
-            self.iteration_root = unit
-        if (self.iteration_root is self.units[0] and not self.recorded
-                and unit not in self.forward_order):
-            self.forward_order.append(unit)
-
-    def ran_forward(self, unit: Unit) -> int:
-        """Its post-forward: where it stands in this iteration's order."""
-        self.post_forward_order.append(unit)
-        return len(self.post_forward_order) - 1
-
-    def forward_ends(self, unit: Unit) -> None:
-        if unit is self.iteration_root:
-            self.recorded = self.recorded or unit is self.units[0]
-            self.iteration_root = None
-            for u in self.units:                   # a prefetch this forward did not use
-                if u.state == ShardState.IN_FLIGHT:
-                    u.free()
-
-    def prefetch_targets(self, unit: Unit, forward: bool) -> list[Unit]:
-        """Which units to start gathering now: set_modules_to_*_prefetch's, else the next in the
-        first forward's order (forward) or the one that ran before it (backward)."""
-        explicit = unit.forward_prefetch if forward else unit.backward_prefetch
-        if explicit is not None:
-            return explicit
-        if forward:
-            order = self.forward_order
-            at = order.index(unit) + 1 if unit in order else len(order)
-            useful = self.recorded and self.iteration_root is self.units[0]
-            return order[at:at + 1] if useful else []
-        if not unit.post_forward_indices:
-            return []
-        at = unit.post_forward_indices.pop()
-        return [self.post_forward_order[at - 1]] if at > 0 else []
-
-    # --- backward ---------------------------------------------------------------------------------
-    def backward_starts(self) -> None:
-        if not self.callback_queued:
-            self.callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
-
-    def reduce(self, unit: Unit, grads: list) -> None:
-        """Start a unit's reduce-scatter, after finishing the one in flight."""
-        self.finish_reductions()
-        self.pending.append((unit, unit.reduce_scatter(grads)))
-
-    def finish_reductions(self) -> None:
-        while self.pending:
-            unit, reduction = self.pending.pop(0)
-            unit.finish(reduction)
-
-    def finish_backward(self) -> None:
-        """The end of loss.backward() (an autograd-engine callback): reduce what no input hook
-        reduced (the root's parameters, a unit fed no gradient-carrying input), finish every
-        reduce-scatter, and leave every unit idle."""
-        for unit in reversed(self.units):
-            if unit.training_state != TrainingState.POST_BACKWARD:
-                unit.post_backward()
-        self.finish_reductions()
-        for unit in self.units:
-            unit.end_backward()
-            unit.reset_iteration(self.is_last_backward)
-        if self.is_last_backward:
-            self.post_forward_order.clear()
-        self.callback_queued = False
 
 
 class UnshardHandle:
