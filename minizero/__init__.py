@@ -43,16 +43,18 @@ from minizero.units import (
 )
 from minizero.wrap import wrap
 
-__all__ = ["FullyShardedDataParallel", "fsdp_wrap", "fully_shard", "get_z3_leaf_modules",
-           "initialize", "launch", "set_z3_leaf_modules", "set_z3_leaf_modules_by_name",
-           "set_z3_leaf_modules_by_suffix", "sharded_init", "unset_z3_leaf_modules", "wrap",
-           "z3_leaf_module"]
+# PyTorch's FSDP2 (minizero/pytorch/): imported on first use, as it imports torch's DTensor (~1 s
+# a process here), which nothing else in minizero needs
+_FULLY_SHARD = ("fully_shard", "FSDPModule", "MixedPrecisionPolicy", "CPUOffloadPolicy",
+                "OffloadPolicy")
+
+__all__ = ["FullyShardedDataParallel", "fsdp_wrap", "get_z3_leaf_modules", "initialize", "launch",
+           "set_z3_leaf_modules", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix",
+           "sharded_init", "unset_z3_leaf_modules", "wrap", "z3_leaf_module", *_FULLY_SHARD]
 
 
 def __getattr__(name: str):
-    """minizero.fully_shard (FSDP2's, minizero/pytorch/): imported on first use, as it imports
-    torch's DTensor (~1 s), which nothing else here needs."""
-    if name == "fully_shard":
-        from minizero.pytorch import fully_shard
-        return fully_shard
+    if name in _FULLY_SHARD:
+        import minizero.pytorch
+        return getattr(minizero.pytorch, name)
     raise AttributeError(f"module 'minizero' has no attribute {name!r}")

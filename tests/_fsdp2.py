@@ -164,3 +164,12 @@ def counting(impl: str):
     with events.subscribed(lambda name, f: mode.counts.update([f["kind"]])
                            if name == "collective" else None):
         yield mode
+
+
+@contextlib.contextmanager
+def recorded(*names: str):
+    """[(name, fields)] of the events named (all when none) emitted inside the block."""
+    log: list = []
+    with events.subscribed(lambda name, f: log.append((name, f))
+                           if not names or name in names else None):
+        yield log

@@ -25,7 +25,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 import minizero
-from minizero import comm, events
+from minizero import comm
 from minizero.lab.reference import max_abs_diff
 from minizero.memory import measure
 from minizero.pytorch import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -97,13 +97,13 @@ def _events() -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     x, y = H.batch(0)
     comm.reset_tally()
-    with events.recorded() as log:
+    with H.recorded() as log:
         H.loss_of(model, x, y).backward()
         opt.step()
     units = {m._fsdp_unit.tag: m for m in model.modules() if isinstance(m, FSDPModule)}
     return {
         "stream": [(name, f.get("kind"), f.get("tag"), f.get("unit").tag if "unit" in f else None,
-                    f.get("nbytes"), f.get("prefetch")) for _, name, f in log],
+                    f.get("nbytes"), f.get("prefetch")) for name, f in log],
         "tally": comm.tally(),
         "units": {tag: [(tuple(sp.shape), sp.requires_grad) for sp in m._fsdp_unit.params]
                   for tag, m in units.items()},

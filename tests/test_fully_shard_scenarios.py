@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 import minizero
-from minizero import comm, events
+from minizero import comm
 from _fsdp2 import counting, seeded
 from minizero.lab.reference import max_abs_diff
 
@@ -251,9 +251,9 @@ def frozen_per_group(impl: str, reshard_after_forward, freeze_after_init: bool) 
         freeze(ref)
     pairs = [(ref, torch.optim.Adam(ref.parameters(), lr=1e-2)),
              (model, torch.optim.Adam(model.parameters(), lr=1e-2))]
-    with events.recorded("collective") as log:
+    with H.recorded("collective") as log:
         losses = lockstep(pairs, 3, lambda it: inputs(it, 4, 8))
-    numels = sorted({f["numel"] for _, _, f in log if f["kind"] == "reduce_scatter"})
+    numels = sorted({f["numel"] for _, f in log if f["kind"] == "reduce_scatter"})
     return {"losses": losses, "ddp": full(ref), "fsdp": full(model), "reduce-scatter numels":
             numels if impl == "minizero" else None}
 
@@ -334,7 +334,7 @@ def mixed_precision(impl: str, reduce_dtype, output_dtype) -> dict:
     for block in model.blocks:
         H.IMPLEMENTATIONS[impl].fully_shard(block, mp_policy=mp())
     H.IMPLEMENTATIONS[impl].fully_shard(model, mp_policy=mp(output_dtype=output_dtype))
-    with events.recorded("collective") as log:
+    with H.recorded("collective") as log:
         out = H.train(model, steps=2, lr=1e-2)
     dtypes = {p.dtype for p in model.parameters()}          # the shards (fp32: the masters)
     x, _ = H.batch(0)
@@ -342,7 +342,7 @@ def mixed_precision(impl: str, reduce_dtype, output_dtype) -> dict:
         logits = model(x)
     return {"fsdp": out["params"], "losses": out["losses"], "inside block": seen[0],
             "logits": logits.dtype, "param": dtypes,
-            "reduce dtypes": sorted({str(f["dtype"]) for _, _, f in log
+            "reduce dtypes": sorted({str(f["dtype"]) for _, f in log
                                      if f["kind"] == "reduce_scatter"})}
 
 
@@ -378,11 +378,11 @@ def explicit_prefetch(impl: str) -> dict:
         block.set_modules_to_backward_prefetch(blocks[max(0, i - 2):i][::-1])
     pairs = [(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2)),
              (model, torch.optim.AdamW(model.parameters(), lr=1e-2))]
-    with events.recorded("unit gather") as log:
+    with H.recorded("unit gather") as log:
         losses = lockstep(pairs, 3, lambda it: H.batch(it)[0],
                           set_to_none=lambda it: True)
     return {"losses": losses, "ddp": full(ref), "fsdp": full(model),
-            "prefetched": sum(f["prefetch"] for _, _, f in log)}
+            "prefetched": sum(f["prefetch"] for _, f in log)}
 
 
 def activation_checkpointing(impl: str, reshard_after_forward) -> dict:

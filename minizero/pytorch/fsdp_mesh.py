@@ -43,7 +43,7 @@ class MeshGroups:
     `after_forward` is True, False or k, as FSDP2 reads the argument."""
 
     def __init__(self, mesh: DeviceMesh | None, reshard_after_forward):
-        if not comm.is_initialized():
+        if not dist.is_initialized():
             raise ValueError("fully_shard needs a process group: run under minizero.launch or "
                              "torchrun (or torch.distributed.init_process_group first)")
         device = comm.device().type
