@@ -115,7 +115,8 @@ def _refusals() -> dict[str, str]:
     """What fully_shard refuses, each a one-line error."""
     from torch.distributed.device_mesh import init_device_mesh
     cases = {
-        "list": lambda: fully_shard([H.gpt().blocks[0], H.gpt().blocks[1]]),
+        "empty list": lambda: fully_shard([]),
+        "group as root": lambda: _group_as_root(),
         "not a module": lambda: fully_shard("model"),
         "shard_placement_fn": lambda: fully_shard(H.gpt(), shard_placement_fn=lambda p: None),
         "mesh type": lambda: fully_shard(H.gpt(), mesh="cpu"),
@@ -139,9 +140,15 @@ def _refusals() -> dict[str, str]:
         try:
             case()
             out[name] = "accepted"
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, RuntimeError) as e:
             out[name] = f"{type(e).__name__}: {e}"
     return out
+
+
+def _group_as_root():
+    model = H.gpt()
+    fully_shard([model.ln_f, model.head])
+    model.ln_f(torch.randn(2, 14))
 
 
 def _tied_apart():
@@ -296,8 +303,9 @@ def test_one_step_on_the_event_stream_and_the_tally(runs):
 
 
 REFUSED = {   # case -> (exception, the start of its message)
-    "list": ("TypeError", "fully_shard: one unit over a list of modules"),
-    "not a module": ("TypeError", "fully_shard: module must be a torch.nn.Module"),
+    "empty list": ("ValueError", "fully_shard: an empty list of modules"),
+    "group as root": ("RuntimeError", "fully_shard: a unit of several modules cannot be the root"),
+    "not a module": ("TypeError", "fully_shard: module must be a torch.nn.Module or a list"),
     "shard_placement_fn": ("ValueError", "fully_shard: shard_placement_fn is not supported"),
     "mesh type": ("TypeError", "fully_shard: mesh must be a torch DeviceMesh"),
     "3-D mesh": ("ValueError", "fully_shard: mesh must be 1-D (FSDP) or 2-D"),
@@ -307,7 +315,8 @@ REFUSED = {   # case -> (exception, the start of its message)
     "reshard_after_forward int": ("ValueError", "fully_shard: reshard_after_forward=4 must"),
     "reshard_after_forward type": ("TypeError", "fully_shard: reshard_after_forward must be"),
     "twice": ("ValueError", "fully_shard: this FSDPGPT is sharded already"),
-    "tied apart": ("ValueError", "fully_shard: tok_emb.weight is tied to a parameter"),
+    "tied apart": ("ValueError", "fully_shard: tok_emb.weight is tied to a parameter that "
+                   "fully_shard(Linear) already shards"),
     "scalar": ("ValueError", "fully_shard: temperature (of shape ()) cannot be sharded"),
     "deepcopy": ("TypeError", "fully_shard: a sharded module cannot be deep-copied"),
     "second owner": ("ValueError", "tok_emb.weight is already owned by minizero.fully_shard"),

@@ -158,6 +158,78 @@ def tied_uneven(impl: str) -> dict:
             "rows trained": int((last != first).any(dim=1).sum()), "vocab": vocab}
 
 
+def grouped_tied(impl: str) -> dict:
+    """test_train_shared_params_uneven_shard's grouping: the GPT's tied embedding and head as one
+    unit (fully_shard([tok_emb, head])), the blocks, then the root; DDP's parity."""
+    model = H.gpt()
+    ref = ddp(model)
+    fully_shard = H.IMPLEMENTATIONS[impl].fully_shard
+    fully_shard([model.tok_emb, model.head])
+    H.shard(impl, model)
+    pairs = [(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2)),
+             (model, torch.optim.AdamW(model.parameters(), lr=1e-2))]
+    with counting(impl) as count:
+        losses = lockstep(pairs, 3, lambda it: H.batch(it)[0])
+    return {"losses": losses, "ddp": full(ref), "fsdp": full(model),
+            "gathers": count.counts["all_gather"], "reductions": count.counts["reduce_scatter"]}
+
+
+class ChunkedHead(nn.Module):
+    """test_partial_group_forward_then_standalone's model: forward may skip the head, which the
+    loop then runs chunk by chunk (a chunked loss)."""
+
+    def __init__(self, dim: int = 8, vocab: int = 13):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.body = nn.Linear(dim, dim, bias=False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens, skip_head: bool = False):
+        h = self.norm(self.body(self.embed(tokens)))
+        return h if skip_head else self.head(h)
+
+
+def partial_group_forward(impl: str | None) -> dict:
+    """[norm, head] as one unit; forward skips the head, then the head runs per chunk, each chunk's
+    loss.backward() on its own, then the body's backward from the chunks' input gradients
+    (FSDP2's chunked-loss pattern). impl None: the model alone, gradients averaged by hand."""
+    model = seeded(ChunkedHead)
+    if impl is not None:
+        fully_shard = H.IMPLEMENTATIONS[impl].fully_shard
+        fully_shard(model.embed)
+        fully_shard(model.body)
+        fully_shard([model.norm, model.head])
+        fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for it in range(3):
+        tokens = torch.randint(0, 13, (2, 8), generator=torch.Generator().manual_seed(
+            100 * it + comm.rank()))
+        h = model(tokens, skip_head=True)
+        grads, total = [], 0.0
+        for chunk in torch.chunk(h.detach(), 2, dim=1):
+            chunk = chunk.contiguous().requires_grad_(True)
+            loss = model.head(chunk).sum()
+            loss.backward()
+            grads.append(chunk.grad)
+            total += loss.item()
+        h.backward(torch.cat(grads, dim=1))
+        if impl is None:
+            for p in model.parameters():
+                torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.AVG)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    out = {"losses": losses, "params": full(model)}
+    if impl is not None:           # test_double_partial_forward_then_backward: two partial
+        tokens = torch.randint(0, 13, (2, 8))          # forwards, one backward; the head unused
+        (model(tokens, skip_head=True).sum() + model(tokens, skip_head=True).sum()).backward()
+        out["head grad after two partial forwards"] = model.head.weight.grad
+        out["norm grad"] = model.norm.weight.grad is not None
+    return out
+
+
 MICRO, MLPS, DIM = 3, 3, 8
 
 
@@ -465,6 +537,8 @@ def worker() -> dict:
             out[impl, "accumulation", spec] = gradient_accumulation(impl, *spec)
         out[impl, "single group"] = single_group(impl)
         out[impl, "tied uneven"] = tied_uneven(impl)
+        out[impl, "grouped tied"] = grouped_tied(impl)
+        out[impl, "partial group"] = partial_group_forward(impl)
         for raf in (True, False):
             for after in (False, True):
                 out[impl, "frozen per group", raf, after] = frozen_per_group(impl, raf, after)
@@ -477,6 +551,8 @@ def worker() -> dict:
         out[impl, "clip"] = clip_grad_norm(impl)
         out[impl, "prefetch"] = explicit_prefetch(impl)
         out[impl, "non-root"] = non_root_forward(impl)
+    if n == 2:
+        out["alone", "partial group"] = partial_group_forward(None)
     return out
 
 
@@ -529,6 +605,34 @@ def test_a_tied_weight_with_a_padded_shard_trains_every_row(runs):
     for ours, theirs in cases(runs, "tied uneven"):
         same_as_ddp(ours, theirs)
         assert ours["rows trained"] == theirs["rows trained"] == ours["vocab"]
+
+
+def test_a_tied_embedding_and_head_as_one_unit(runs):
+    """One all-gather per forward and per backward for the group (not one per module), one
+    reduce-scatter: per step the root (kept from forward to backward), the group and the two
+    blocks forward, the group and the blocks again backward: 3 x 7 = 21 all-gathers, 3 x 4 = 12
+    reduce-scatters (seen 23 when the head's forward, the group's second module, prefetched)."""
+    for ours, theirs in cases(runs, "grouped tied"):
+        same_as_ddp(ours, theirs)
+        assert (ours["gathers"], ours["reductions"]) == (theirs["gathers"],
+                                                          theirs["reductions"]) == (21, 12)
+
+
+def test_a_unit_of_two_modules_whose_forward_skips_one(runs):
+    """The forward leaves the grouped head out; it runs later per chunk, each chunk a backward of
+    its own; the same losses and parameters as torch's, and as the model alone (averaged by
+    hand)."""
+    n, ranks = runs
+    if ("minizero", "partial group") not in ranks[0]:
+        pytest.skip(f"not run at N = {n}")
+    for rank in ranks:
+        ours, theirs, alone = (rank[k, "partial group"] for k in ("minizero", "torch", "alone"))
+        assert ours["losses"] == pytest.approx(alone["losses"], rel=1e-6)
+        assert max_abs_diff(ours["params"], alone["params"]) <= 1e-5
+        assert max_abs_diff(ours["params"], theirs["params"]) <= 1e-6
+        for result in (ours, theirs):
+            assert result["head grad after two partial forwards"] is None
+            assert result["norm grad"]
 
 
 @pytest.mark.parametrize("spec", ACCUMULATION, ids=str)

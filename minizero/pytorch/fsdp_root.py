@@ -39,16 +39,27 @@ class Root:
         self.is_last_backward = True               # set_is_last_backward
 
     def start(self) -> None:
-        """The first forward: adopt every unit at or below this module, in module order."""
-        named = [(name, m._fsdp_unit) for name, m in self.module.named_modules()
-                 if hasattr(m, "_fsdp_unit")]
-        for name, unit in named[1:]:
+        """The first forward: adopt every unit at or below this module, in module order (a unit
+        of several modules where the first of them is)."""
+        if len(self.units[0].modules) > 1:
+            raise RuntimeError("fully_shard: a unit of several modules cannot be the root: "
+                               "fully_shard their common parent too")
+        names: dict[int, list[str]] = {}
+        units: list[Unit] = []
+        for name, m in self.module.named_modules():
+            unit = getattr(m, "_fsdp_unit", None)
+            if unit is not None:
+                if id(unit) not in names:
+                    units.append(unit)
+                names.setdefault(id(unit), []).append(name)
+        for unit in units[1:]:
             if unit.root.started:
-                raise RuntimeError(f"fully_shard: {name} ran forward before its root "
-                                   f"{type(self.module).__name__}: run the root's forward first")
-        self.units = [unit for _, unit in named]
-        for index, (name, unit) in enumerate(named):
-            unit.adopt(self, index, name, is_root=index == 0)
+                raise RuntimeError(f"fully_shard: {names[id(unit)][0]} ran forward before its "
+                                   f"root {type(self.module).__name__}: run the root's forward "
+                                   "first")
+        self.units = units
+        for index, unit in enumerate(units):
+            unit.adopt(self, index, names[id(unit)], is_root=index == 0)
         self.started = True
 
     # --- forward ----------------------------------------------------------------------------------
@@ -64,11 +75,16 @@ class Root:
         self.post_forward_order.append(unit)
         return len(self.post_forward_order) - 1
 
-    def forward_ends(self, unit: Unit) -> None:
+    def forward_ends(self, unit: Unit, output) -> None:
+        """A unit's forward ended; if it began this one: a unit some of whose modules did not run
+        ends now, on this output (FSDP2's partial forward of a group), and a prefetch this
+        forward did not use is dropped."""
         if unit is self.iteration_root:
             self.recorded = self.recorded or unit is self.units[0]
             self.iteration_root = None
-            for u in self.units:                   # a prefetch this forward did not use
+            for u in self.units:
+                if u.training_state == TrainingState.FORWARD:
+                    u.end_forward(output)
                 if u.state == ShardState.IN_FLIGHT:
                     u.free()
 

@@ -55,24 +55,27 @@ class Unit:
     root            fully_shard.Root, shared with every unit under the root, from its first forward
     """
 
-    def __init__(self, module, params, groups, mp_policy, home: torch.device):
-        self.module, self.params, self.groups, self.mp = module, params, groups, mp_policy
+    def __init__(self, modules, params, groups, mp_policy, home: torch.device):
+        self.modules, self.params, self.groups, self.mp = tuple(modules), params, groups, mp_policy
+        self.module = self.modules[0]
         self.home, self.device = home, comm.device()        # home: where the shards live
         self.after_forward = groups.after_forward           # None: decided by the root's adopt()
         self.reduce_grads = self.all_reduce_grads = self.reshard_after_backward = True
         self.divide_factor: float | None = None             # set_gradient_divide_factor
         self.forward_prefetch = self.backward_prefetch = None   # explicit lists of units
-        self.root, self.index, self.name = None, -1, type(module).__name__
+        self.root, self.index = None, -1
+        self.name = ", ".join(type(m).__name__ for m in self.modules)
+        self._to_run: set[int] = set()       # its modules not run yet in this forward (ids)
         self.post_forward_indices: list[int] = []  # where it ran in root.post_forward_order
         self.state, self.training_state = ShardState.FREE, TrainingState.IDLE
         self.secondary: list[torch.Tensor] | None = None   # =k: its 1/k kept after forward
         self.partial: torch.Tensor | None = None   # HSDP: reduce-scatters summed, not all-reduced
         self._in_flight = None                     # (handle, buffer, sizes) while IN_FLIGHT
 
-    def adopt(self, root, index: int, name: str, is_root: bool) -> None:
+    def adopt(self, root, index: int, names: list[str], is_root: bool) -> None:
         """The root's first forward: it names the unit, and decides reshard_after_forward=None
         (False for the root, whose parameters backward needs first; True for the others)."""
-        self.root, self.index, self.name = root, index, name or "<root>"
+        self.root, self.index, self.name = root, index, ", ".join(n or "<root>" for n in names)
         if self.after_forward is None:
             self.after_forward = not is_root
 
@@ -176,32 +179,45 @@ class Unit:
             self.gather(backward=True)                            # checkpointing) in backward
             return self._cast(args, kwargs)
         entering = self.training_state != TrainingState.FORWARD
+        if entering:                                 # this forward runs all of its modules
+            self._to_run = {id(m) for m in self.modules}
         self.training_state = TrainingState.FORWARD
         self.root.forward_starts(self)
         args, kwargs = self._cast(args, kwargs)
         self.gather()
-        for unit in self.root.prefetch_targets(self, forward=True):
-            unit.gather(prefetch=True)
-        if entering and torch.is_grad_enabled():
-            args, kwargs = _PostBackward.around(self, args, kwargs)
+        if entering:                     # (a unit of several modules: at the first of them)
+            for unit in self.root.prefetch_targets(self, forward=True):
+                unit.gather(prefetch=True)
+            if torch.is_grad_enabled():
+                args, kwargs = _PostBackward.around(self, args, kwargs)
         return args, kwargs
 
     def post_forward(self, module, args, output):
-        if self.training_state != TrainingState.PRE_BACKWARD:   # not a recompute: backward needs
-            if self.after_forward is not False:                   # the parameters then
-                if self.after_forward is not True and torch.is_grad_enabled():
-                    self._keep_secondary()
-                self.free()                           # <- stage 3's saving: free after forward
-            self.post_forward_indices.append(self.root.ran_forward(self))
-            if torch.is_grad_enabled():
-                for t in tree_flatten(output)[0]:
-                    if torch.is_tensor(t) and t.requires_grad:
-                        t.register_hook(self.pre_backward)
-            self.training_state = TrainingState.IDLE
-            self.root.forward_ends(self)
+        """After one of its modules: its forward ends when the last of them ran (one module: at
+        once), or when the call stands alone (a module of the group called by itself)."""
+        if self.training_state != TrainingState.PRE_BACKWARD:   # not a recompute
+            self._to_run.discard(id(module))
+            if not self._to_run or self.root.iteration_root is self:
+                self.end_forward(output)
+                self.root.forward_ends(self, output)
         if self.mp.output_dtype is None:
             return output
         return tree_map(lambda t: _cast(t, self.mp.output_dtype), output)
+
+    def end_forward(self, output) -> None:
+        """Its forward is over: free it (or keep 1/k of it, or all), and hook `output` (its own,
+        or the root's when the forward skipped some of its modules) for its backward."""
+        if self.after_forward is not False:                   # backward needs the parameters
+            if self.after_forward is not True and torch.is_grad_enabled():
+                self._keep_secondary()
+            self.free()                           # <- stage 3's saving: free after forward
+        self.post_forward_indices.append(self.root.ran_forward(self))
+        if torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if torch.is_tensor(t) and t.requires_grad:
+                    t.register_hook(self.pre_backward)
+        self._to_run = set()
+        self.training_state = TrainingState.IDLE
 
     def pre_backward(self, grad=None) -> None:
         """Its outputs' gradient is known: gather it (backward needs its parameters) and start

@@ -28,8 +28,8 @@ the user asks for them: .full_tensor(), clip_grad_norm_'s norm, redistribute()).
 Arguments, as torch 2.13's: mesh (a DeviceMesh, 1-D or 2-D for HSDP: fsdp_mesh.py; default every
 rank), reshard_after_forward (None: True except for the root; True; False; or k ranks to keep 1/k
 among), mp_policy and offload_policy (policies.py), ignored_params (left as they are: neither
-sharded nor reduced). shard_placement_fn, dp_mesh_dims and a list of modules are refused in one
-line. The module's class becomes FSDP<Class>, with FSDPModule's methods.
+sharded nor reduced). shard_placement_fn and dp_mesh_dims are refused in one line. The module's
+class becomes FSDP<Class>, with FSDPModule's methods.
 """
 
 from __future__ import annotations
@@ -51,20 +51,24 @@ from minizero.pytorch.policies import (CPUOffloadPolicy, MixedPrecisionPolicy, O
 OWNER = owners.Owner("minizero.fully_shard")
 
 
-def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | int | None = None,
-                shard_placement_fn=None, mp_policy=MixedPrecisionPolicy(), offload_policy=None,
-                ignored_params=None, dp_mesh_dims=None) -> nn.Module:
+def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
+                reshard_after_forward: bool | int | None = None, shard_placement_fn=None,
+                mp_policy=MixedPrecisionPolicy(), offload_policy=None, ignored_params=None,
+                dp_mesh_dims=None):
     """Shard `module`'s parameters (those no earlier call on a submodule took) on dim 0 across the
-    mesh's ranks, in place; the module, now an FSDPModule. Collective: every rank calls it, in the
-    same order (blocks first, the root last)."""
-    if isinstance(module, (list, tuple)):
-        raise TypeError("fully_shard: one unit over a list of modules is not supported: shard "
-                        "their common parent (or each module) instead")
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard: module must be a torch.nn.Module, got "
-                        f"{type(module).__name__}")
-    if isinstance(module, FSDPModule):
-        raise ValueError(f"fully_shard: this {type(module).__name__} is sharded already")
+    mesh's ranks, in place; the module, now an FSDPModule. A list of modules is one unit (gathered
+    and reduced together: a tied embedding and head, a final norm and head), each module an
+    FSDPModule; the list is returned. Collective: every rank calls it, in the same order (blocks
+    first, the root last)."""
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard: module must be a torch.nn.Module or a list of them, "
+                            f"got {type(m).__name__}")
+        if isinstance(m, FSDPModule):
+            raise ValueError(f"fully_shard: this {type(m).__name__} is sharded already")
+    if not modules:
+        raise ValueError("fully_shard: an empty list of modules")
     for name, value in (("shard_placement_fn", shard_placement_fn),
                         ("dp_mesh_dims", dp_mesh_dims)):
         if value is not None:
@@ -74,7 +78,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | i
     offload = resolve(OffloadPolicy() if offload_policy is None else offload_policy,
                       OffloadPolicy, "offload_policy")
     groups = MeshGroups(mesh, reshard_after_forward)
-    found = _parameters(module, _ignored(ignored_params))
+    found = _parameters(modules, _ignored(ignored_params))
     host = isinstance(offload, CPUOffloadPolicy)
     home = torch.device("cpu") if host else comm.device()      # where the shards live
     pin = host and offload.pinned()
@@ -82,20 +86,21 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | i
     owners.claim([p for p, _, _ in found], OWNER, names)
     params = [ShardedParam(p, places, groups.mesh, groups.placements, groups.shard_rank,
                            groups.shard_size, home, pin) for p, places, _ in found]
+    unit = Unit(modules, params, groups, mp, home)
     for (original, _, _), sp in zip(found, params):
-        original._minizero_sharded_in = type(module).__name__   # a tied copy elsewhere: refused
+        original._minizero_sharded_in = unit.name          # a tied copy elsewhere is refused
         sp.register(gathered=False)
     owners.claim([sp.sharded for sp in params], OWNER, {id(sp.sharded): names[id(p)]
                                                          for (p, _, _), sp in zip(found, params)})
-    unit = Unit(module, params, groups, mp, home)
-    unit.root = Root(module, [unit])
-    module._fsdp_unit = unit
-    module.register_forward_pre_hook(functools.partial(_pre_forward, unit), prepend=True,
-                                     with_kwargs=True)
-    module.register_forward_hook(unit.post_forward)
-    module.register_state_dict_pre_hook(lambda *args: unit.free())       # the shards, as DTensors
-    module.register_load_state_dict_pre_hook(lambda *args: unit.free())  # loaded into them
-    module.__class__ = _fsdp_class(type(module))
+    unit.root = Root(modules[0], [unit])
+    for m in modules:
+        m._fsdp_unit = unit
+        m.register_forward_pre_hook(functools.partial(_pre_forward, unit), prepend=True,
+                                    with_kwargs=True)
+        m.register_forward_hook(unit.post_forward)
+        m.register_state_dict_pre_hook(lambda *args: unit.free())       # the shards, as DTensors
+        m.register_load_state_dict_pre_hook(lambda *args: unit.free())  # loaded into them
+        m.__class__ = _fsdp_class(type(m))
     return module
 
 
@@ -105,11 +110,14 @@ def _pre_forward(unit: Unit, module, args, kwargs):
     return unit.pre_forward(module, args, kwargs)
 
 
-def _parameters(module: nn.Module, ignored: set[int]) -> list[tuple]:
+def _parameters(modules: list[nn.Module], ignored: set[int]) -> list[tuple]:
     """(parameter, its places [(module, name)], its name) for each parameter this call shards:
-    in module.parameters() order, without those a unit below holds and the ignored ones."""
+    in parameters() order, without those a unit below holds and the ignored ones."""
     found: dict[int, tuple] = {}
-    for prefix, sub in module.named_modules(remove_duplicate=False):
+    named = [(f"[{i}]" + (prefix and f".{prefix}") if len(modules) > 1 else prefix, sub)
+             for i, module in enumerate(modules)
+             for prefix, sub in module.named_modules(remove_duplicate=False)]
+    for prefix, sub in named:
         for name, p in sub._parameters.items():
             if p is None or id(p) in ignored or hasattr(p, "_minizero_shard"):
                 continue
@@ -118,7 +126,7 @@ def _parameters(module: nn.Module, ignored: set[int]) -> list[tuple]:
                 raise ValueError(
                     f"fully_shard: {qualified} is tied to a parameter that fully_shard("
                     f"{p._minizero_sharded_in}) already shards: modules that share a parameter "
-                    "must be in one unit (shard their common parent)")
+                    "must be in one unit (fully_shard([a, b]), or their common parent)")
             if isinstance(p, DTensor):
                 raise ValueError(f"fully_shard: {qualified} is a DTensor already (tensor "
                                  "parallelism): minizero's fully_shard shards plain parameters")
