@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
@@ -495,6 +496,113 @@ def non_root_forward(impl: str) -> dict:
     return {"losses": [losses[0::2], losses[1::2]], "ddp": full(ref), "fsdp": full(model)}
 
 
+def embedding_not_gathered_in_backward(impl: str) -> dict:
+    """set_unshard_in_backward(False) on an embedding's unit (its backward needs the indices, not
+    the weight): one all-gather less a step, the same training."""
+    model = seeded(ChunkedHead)
+    ref = ddp(model)
+    fully_shard = H.IMPLEMENTATIONS[impl].fully_shard
+    for m in (model.embed, model.body, model):
+        fully_shard(m)
+    model.embed.set_unshard_in_backward(False)
+    pairs = [(ref, torch.optim.Adam(ref.parameters(), lr=1e-2)),
+             (model, torch.optim.Adam(model.parameters(), lr=1e-2))]
+    tokens = lambda it: torch.randint(0, 13, (2, 8), generator=torch.Generator().manual_seed(  # noqa: E731
+        10 * it + comm.rank()))
+    with counting(impl) as count:
+        losses = lockstep(pairs, 3, tokens)
+    return {"losses": losses, "ddp": full(ref), "fsdp": full(model),
+            "gathers": count.counts["all_gather"]}
+
+
+def unused_on_one_rank(impl: str) -> dict:
+    """set_reduce_scatter_unused_params(True): a parameter only rank 0's forward uses is reduced
+    as zeros elsewhere, so every rank issues the same reduce-scatter; its gradient is rank 0's
+    divided by N, as DDP's with find_unused_parameters."""
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.trunk = nn.Linear(6, 6)
+            self.branch = nn.Linear(6, 6)
+
+        def forward(self, x):
+            x = self.trunk(x)
+            return self.branch(x) if comm.rank() == 0 else x
+
+    model = seeded(Branchy)
+    ref = DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    H.IMPLEMENTATIONS[impl].fully_shard(model)         # one unit: every rank gathers the branch
+    model.set_reduce_scatter_unused_params(True)
+    pairs = [(ref, torch.optim.SGD(ref.parameters(), lr=0.1)),
+             (model, torch.optim.SGD(model.parameters(), lr=0.1))]
+    losses = lockstep(pairs, 3, lambda it: inputs(it, 4, 6), set_to_none=lambda it: False)
+    return {"losses": losses, "ddp": full(ref), "fsdp": full(model)}
+
+
+def reset_after_a_failure(impl: str) -> dict:
+    """reset_iter_state() after a forward that raised half way (a unit gathered, a backward
+    hook registered): the next steps train as a run that never failed."""
+    class Flaky(nn.Linear):
+        fail = False
+
+        def forward(self, x):             # fails inside its unit's forward, gathered
+            if self.fail:
+                raise RuntimeError("boom")
+            return super().forward(x)
+
+    out = {}
+    for failing in (False, True):
+        model = seeded(lambda: nn.Sequential(nn.Linear(6, 6), Flaky(6, 6)))
+        for m in (model[0], model[1], model):
+            H.IMPLEMENTATIONS[impl].fully_shard(m)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if failing:
+            model[1].fail = True
+            try:
+                model(inputs(99, 4, 6)).sum().backward()
+            except RuntimeError:
+                model.reset_iter_state()
+            out["shards after reset"] = all(isinstance(p, DTensor) for p in model.parameters())
+            model[1].fail = False
+        for it in range(2):
+            model(inputs(it, 4, 6)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        out[failing] = full(model)
+    return out
+
+
+def setters_without_effect(impl: str) -> list[str]:
+    """set_post_optim_event (stream synchronisation: nothing to do here) is a warning, and the
+    old set_reduce_scatter_divide_factor a deprecation warning that still sets the factor."""
+    model = seeded(lambda: nn.Linear(4, 4))
+    H.IMPLEMENTATIONS[impl].fully_shard(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.set_post_optim_event(None)
+        model.set_reduce_scatter_divide_factor(1.0)
+    return [str(w.message) for w in caught]
+
+
+def divide_factor(impl: str) -> dict | str:
+    """set_gradient_divide_factor(1): the gradients summed over the ranks, not averaged. (torch's
+    reduces with ReduceOp.PREMUL_SUM, which gloo refuses: its message.)"""
+    model = seeded(lambda: nn.Linear(4, 3))
+    ref = copy.deepcopy(model)
+    H.IMPLEMENTATIONS[impl].fully_shard(model)
+    model.set_gradient_divide_factor(1.0)
+    x = inputs(0, 2, 4)
+    try:
+        model(x).sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    ref(x).sum().backward()
+    for p in ref.parameters():
+        torch.distributed.all_reduce(p.grad)
+    return {"diff": max((p.grad.full_tensor() - q.grad).abs().max().item()
+                        for p, q in zip(model.parameters(), ref.parameters()))}
+
+
 def offload_pinned(impl: str) -> dict | str:
     """CPUOffloadPolicy() (pin_memory=True) without an accelerator: minizero warns once and
     trains; PyTorch raises."""
@@ -533,6 +641,12 @@ def worker() -> dict:
             out[impl, "parity", raf] = parity_with_ddp(impl, raf)
         out[impl, "offload"] = parity_with_ddp(impl, offload=True)
         out[impl, "pinned"] = offload_pinned(impl)
+        out[impl, "embedding"] = embedding_not_gathered_in_backward(impl)
+        out[impl, "unused"] = unused_on_one_rank(impl)
+        out[impl, "reset"] = reset_after_a_failure(impl)
+        out[impl, "factor"] = divide_factor(impl)
+        if impl == "minizero":
+            out[impl, "no effect"] = setters_without_effect(impl)
         for spec in ACCUMULATION:
             out[impl, "accumulation", spec] = gradient_accumulation(impl, *spec)
         out[impl, "single group"] = single_group(impl)
@@ -593,6 +707,41 @@ def test_pin_memory_without_an_accelerator_is_a_warning(runs):
     for ours, theirs in cases(runs, "pinned"):
         assert len(ours) == 1 and "has no effect without an accelerator" in ours[0]
         assert theirs.startswith("RuntimeError: Cannot access accelerator device")
+
+
+def test_an_embedding_not_gathered_in_backward(runs):
+    for ours, theirs in cases(runs, "embedding"):
+        same_as_ddp(ours, theirs)
+        # a step: root, embed, body forward; body backward (embed not; the root kept): 4
+        assert ours["gathers"] == theirs["gathers"] == 3 * 4
+
+
+def test_a_parameter_unused_on_one_rank_is_reduced_as_zeros(runs):
+    for ours, theirs in cases(runs, "unused"):
+        same_as_ddp(ours, theirs, atol=1e-6)
+
+
+def test_reset_iter_state_after_a_failed_forward(runs):
+    for ours, theirs in cases(runs, "reset"):
+        for result in (ours, theirs):
+            assert result["shards after reset"]
+            assert max_abs_diff(result[True], result[False]) == 0.0
+
+
+def test_gradient_divide_factor(runs):
+    for ours, theirs in cases(runs, "factor"):
+        assert ours["diff"] <= 1e-6
+        assert theirs == "Cannot use ReduceOp.PREMUL_SUM with Gloo"
+
+
+def test_setters_that_cannot_take_effect_say_so(runs):
+    n, ranks = runs
+    if n != 2:
+        pytest.skip("run at N = 2")
+    for rank in ranks:
+        messages = rank["minizero", "no effect"]
+        assert messages[0].startswith("set_post_optim_event has no effect")
+        assert messages[1].startswith("set_reduce_scatter_divide_factor is deprecated")
 
 
 def test_one_unit_with_uneven_and_even_rows(runs):

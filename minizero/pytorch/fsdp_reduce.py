@@ -3,9 +3,10 @@ then each parameter's rows into its shard's .grad.
 
     python -m pytest tests/test_fully_shard.py tests/test_fully_shard_scenarios.py
 
-Unit.post_backward (fsdp_unit.py) starts a Reduction when its backward is done; the unit's Root
-finishes it when the next one starts or backward ends (one in flight, as FSDP2's default). The
-layout is the all-gather's mirror ([Note: dim-0 shards] in fsdp_param.py): each whole gradient,
+When: PostBackward, an autograd node on a unit's inputs ([Note: post-backward]), calls
+Unit.post_backward (fsdp_unit.py), which starts a Reduction when the unit's backward is done; its
+Root finishes it when the next one starts or backward ends (one in flight, as FSDP2's default).
+The layout is the all-gather's mirror ([Note: dim-0 shards] in fsdp_param.py): each whole gradient,
 padded to N·chunk rows, laid out by rank into `staging` [N, Σ chunk·row], so that rank r's part of
 the reduce-scatter is its rows of every gradient, side by side: `output` [Σ chunk·row]. On a 2-D
 mesh (HSDP) that part is then all-reduced across the replicas. The average is the collective's
@@ -17,6 +18,7 @@ added to its shard's gradient (which zero_grad(set_to_none=False) left in place)
 from __future__ import annotations
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from minizero import comm, events
 
@@ -62,6 +64,37 @@ class Reduction:
         for sp in self.params:
             sp.add_grad(output[offset:offset + sp.rows * sp.row].view(sp.rows, *sp.shape[1:]))
             offset += sp.chunk * sp.row
+
+
+class PostBackward(torch.autograd.Function):
+    """[Note: post-backward] An identity on a unit's inputs. Its backward runs when the gradients
+    of the inputs are complete, which is after every parameter of the unit got its gradient:
+    the unit's last backward operation is what computes the inputs' gradient, and autograd
+    accumulates a parameter's gradient (AccumulateGrad) as soon as it is computed, before the
+    node waiting for the inputs' gradient runs. A unit whose inputs need no gradient (the root,
+    fed token ids) is reduced at the end of backward instead (Root.finish_backward)."""
+
+    @staticmethod
+    def forward(ctx, unit, *inputs):
+        ctx.unit = unit
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.unit.post_backward()
+        return (None, *grads)
+
+    @staticmethod
+    def around(unit, args, kwargs):
+        """(args, kwargs) with the tensors that need a gradient passed through the identity."""
+        flat, spec = tree_flatten((args, kwargs))
+        where = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
+        if not where:
+            return args, kwargs
+        outputs = PostBackward.apply(unit, *(flat[i] for i in where))
+        for i, t in zip(where, outputs):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
 
 
 def divisors(n: int, dtype: torch.dtype, factor: float | None) -> tuple[float, float, str]:

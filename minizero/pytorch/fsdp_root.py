@@ -119,6 +119,16 @@ class Root:
         while self.pending:
             self.pending.pop(0).finish()
 
+    def reset(self) -> None:
+        """After a forward or backward that raised (FSDPModule.reset_iter_state): the
+        reduce-scatter in flight waited for and dropped, every unit reset, the orders cleared."""
+        for reduction in self.pending:
+            reduction.handle.wait()
+        self.pending, self.iteration_root, self.callback_queued = [], None, False
+        for unit in self.units:
+            unit.reset()
+        self.post_forward_order.clear()
+
     def finish_backward(self) -> None:
         """The end of loss.backward() (an autograd-engine callback): reduce what no input hook
         reduced (the root's parameters, a unit fed no gradient-carrying input), finish every

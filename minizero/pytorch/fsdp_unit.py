@@ -12,10 +12,10 @@ states (ShardState: FREE / IN_FLIGHT / GATHERED) and the same events on the stre
     hook its outputs;
   * pre_backward (a hook on its outputs: their gradient is known, its backward is next): gather it
     again, start the all-gather of the unit that ran before it;
-  * post_backward (an autograd node on its inputs, [Note: post-backward]): reduce-scatter its
-    gradients (fsdp_reduce.py) and free it. A reduce-scatter is finished (waited, this rank's rows
-    added to the shards' .grad) when the next one starts or backward ends: one in flight,
-    overlapping the backward of the units before it.
+  * post_backward (an autograd node on its inputs, [Note: post-backward] in fsdp_reduce.py):
+    reduce-scatter its gradients (fsdp_reduce.py) and free it. A reduce-scatter is finished
+    (waited, this rank's rows added to the shards' .grad) when the next one starts or backward
+    ends: one in flight, overlapping the backward of the units before it.
 What the per-parameter layout costs against zero3.Unit's flat buckets: a copy on each side of
 each collective. The all-gather moves every parameter's padded shard side by side, a [N, Σ
 chunk·row] buffer whose row r is rank r's shards, then copies each parameter's column out into
@@ -29,10 +29,10 @@ from __future__ import annotations
 from enum import Enum
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from minizero import comm, events
-from minizero.pytorch.fsdp_reduce import Reduction
+from minizero.pytorch.fsdp_reduce import PostBackward, Reduction
 from minizero.zero3 import ShardState     # FREE: the module holds its shards (DTensors)
 
 
@@ -61,6 +61,7 @@ class Unit:
         self.home, self.device = home, comm.device()        # home: where the shards live
         self.after_forward = groups.after_forward           # None: decided by the root's adopt()
         self.reduce_grads = self.all_reduce_grads = self.reshard_after_backward = True
+        self.unshard_in_backward, self.reduce_unused = True, False      # FSDPModule's setters
         self.divide_factor: float | None = None             # set_gradient_divide_factor
         self.forward_prefetch = self.backward_prefetch = None   # explicit lists of units
         self.root, self.index = None, -1
@@ -100,8 +101,8 @@ class Unit:
     def gather(self, prefetch: bool = False, backward: bool = False) -> None:
         """FREE -> IN_FLIGHT -> GATHERED: all-gather every parameter whole (prefetch: start it)."""
         if self.state == ShardState.GATHERED or (self.state == ShardState.IN_FLIGHT and prefetch) \
-                or not self.params:                    # a root with no parameters of its own
-            return
+                or not self.params or (backward and not self.unshard_in_backward):
+            return                                     # (no parameters of its own: a root)
         if self.state == ShardState.FREE:
             group, secondary = self._route(backward)
             size, mine, compute = comm.group_size(group), comm.group_rank(group), self.dtypes[0]
@@ -189,7 +190,7 @@ class Unit:
             for unit in self.root.prefetch_targets(self, forward=True):
                 unit.gather(prefetch=True)
             if torch.is_grad_enabled():
-                args, kwargs = _PostBackward.around(self, args, kwargs)
+                args, kwargs = PostBackward.around(self, args, kwargs)
         return args, kwargs
 
     def post_forward(self, module, args, output):
@@ -238,8 +239,13 @@ class Unit:
         if not self.reduce_grads:                        # set_requires_gradient_sync(False)
             for sp in self.params:
                 sp.accumulate(reduce)
-        grads = [] if not self.reduce_grads else [
-            (sp, g) for sp in self.params if (g := sp.take_grad()) is not None]
+        grads = []
+        for sp in self.params if self.reduce_grads else ():
+            grad = sp.take_grad()
+            if grad is None and self.reduce_unused and sp.requires_grad:   # unused on this rank
+                grad = torch.zeros(sp.shape, dtype=self.dtypes[0], device=self.device)
+            if grad is not None:
+                grads.append((sp, grad))
         if self.reshard_after_backward:
             self.free()
         if grads:
@@ -255,6 +261,17 @@ class Unit:
     def reset_iteration(self, last_backward: bool) -> None:
         if last_backward:
             self.post_forward_indices.clear()
+
+    def reset(self) -> None:
+        """reset_iter_state: after a failed forward or backward, FREE and IDLE, the gradients of
+        this iteration not reduced yet dropped."""
+        self.free()
+        self.drop_secondary()
+        self.training_state = TrainingState.IDLE
+        self._to_run, self.partial = set(), None
+        self.post_forward_indices.clear()
+        for sp in self.params:
+            sp.take_grad()
 
     def across_replicas(self, output: torch.Tensor, op: str) -> torch.Tensor | None:
         """HSDP: this rank's reduce-scatter result, all-reduced down its mesh column (with the
@@ -273,37 +290,6 @@ class Unit:
         if not (self.mp.cast_forward_inputs and self.mp.param_dtype is not None):
             return args, kwargs
         return tree_map(lambda t: _cast(t, self.mp.param_dtype), (args, kwargs))
-
-
-class _PostBackward(torch.autograd.Function):
-    """[Note: post-backward] An identity on a unit's inputs. Its backward runs when the gradients
-    of the inputs are complete, which is after every parameter of the unit got its gradient:
-    the unit's last backward operation is what computes the inputs' gradient, and autograd
-    accumulates a parameter's gradient (AccumulateGrad) as soon as it is computed, before the
-    node waiting for the inputs' gradient runs. A unit whose inputs need no gradient (the root,
-    fed token ids) is reduced at the end of backward instead (Root.finish_backward)."""
-
-    @staticmethod
-    def forward(ctx, unit, *inputs):
-        ctx.unit = unit
-        return inputs
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.unit.post_backward()
-        return (None, *grads)
-
-    @staticmethod
-    def around(unit, args, kwargs):
-        """(args, kwargs) with the tensors that need a gradient passed through the identity."""
-        flat, spec = tree_flatten((args, kwargs))
-        where = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
-        if not where:
-            return args, kwargs
-        outputs = _PostBackward.apply(unit, *(flat[i] for i in where))
-        for i, t in zip(where, outputs):
-            flat[i] = t
-        return tree_unflatten(flat, spec)
 
 
 def _cast(t, dtype: torch.dtype):
