@@ -92,6 +92,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
                                                          for (p, _, _), sp in zip(found, params)})
     unit.root = Root(modules[0], [unit])
     for m in modules:
+        _move_buffers(m, comm.device())
         m._fsdp_unit = unit
         m.register_forward_pre_hook(functools.partial(pre_forward_hook, unit), prepend=True,
                                     with_kwargs=True)
@@ -134,6 +135,15 @@ def _parameters(modules: list[nn.Module], ignored: set[int]) -> list[tuple]:
         raise ValueError(f"fully_shard: the parameters of one unit must share a dtype, found "
                          f"{sorted(map(str, dtypes))}: shard the modules apart")
     return params
+
+
+def _move_buffers(module: nn.Module, device) -> None:
+    """The module's buffers onto the device it computes on (its parameters' shards are there
+    already), as torch's fully_shard moves them; on the CPU nothing moves."""
+    for sub in module.modules():
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and not buffer.is_meta and buffer.device != device:
+                sub._buffers[name] = buffer.to(device)
 
 
 def _ignored(ignored_params) -> set[int]:
