@@ -603,6 +603,27 @@ def divide_factor(impl: str) -> dict | str:
                         for p, q in zip(model.parameters(), ref.parameters()))}
 
 
+def hugging_face(impl: str, name: str, checkpointing: bool = False) -> dict:
+    """Hugging Face models as FSDP2's users shard them: each decoder layer, then the model (GPT-2's
+    head tied to its embedding, Llama, GPT-2 with a peft LoRA adapter on a frozen base; keyword
+    inputs, a ModelOutput back; optionally HF's non-reentrant activation checkpointing)."""
+    import _hf
+    case = _hf.Case(model=name, stage=3, checkpointing=checkpointing)
+    model = _hf.build(case)
+    H.shard(impl, model, units=_hf.decoder_layers(model))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    losses = []
+    for step in range(3):
+        x, y = H.local_batch(*H.global_batch(step, case.batch_size, _hf.BLOCK, seed=case.seed),
+                             comm.rank(), comm.world_size())
+        loss = _hf.lm_loss(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": full(model)}
+
+
 def offload_pinned(impl: str) -> dict | str:
     """CPUOffloadPolicy() (pin_memory=True) without an accelerator: minizero warns once and
     trains; PyTorch raises."""
@@ -645,6 +666,9 @@ def worker() -> dict:
         out[impl, "unused"] = unused_on_one_rank(impl)
         out[impl, "reset"] = reset_after_a_failure(impl)
         out[impl, "factor"] = divide_factor(impl)
+        for name, checkpointing in (("gpt2", False), ("llama", False), ("lora", False),
+                                    ("gpt2", True)):
+            out[impl, "hf", name, checkpointing] = hugging_face(impl, name, checkpointing)
         if impl == "minizero":
             out[impl, "no effect"] = setters_without_effect(impl)
         for spec in ACCUMULATION:
@@ -742,6 +766,14 @@ def test_setters_that_cannot_take_effect_say_so(runs):
         messages = rank["minizero", "no effect"]
         assert messages[0].startswith("set_post_optim_event has no effect")
         assert messages[1].startswith("set_reduce_scatter_divide_factor is deprecated")
+
+
+@pytest.mark.parametrize("name, checkpointing", [("gpt2", False), ("llama", False),
+                                                  ("lora", False), ("gpt2", True)])
+def test_hugging_face_models(runs, name, checkpointing):
+    for ours, theirs in cases(runs, "hf", name, checkpointing):
+        assert max_abs_diff(ours["params"], theirs["params"]) <= 1e-6
+        assert ours["losses"] == pytest.approx(theirs["losses"], abs=1e-6)
 
 
 def test_one_unit_with_uneven_and_even_rows(runs):
