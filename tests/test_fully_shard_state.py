@@ -121,6 +121,26 @@ def dcp_load(impl: str, directory: str, saved_by: str) -> dict:
     return H.whole(model)
 
 
+def full_state_dicts(impl: str) -> dict:
+    """torch.distributed.checkpoint.state_dict's whole (unsharded) state dicts: the model's and the
+    optimizer's gathered to plain tensors on rank 0 (full_state_dict=True, cpu_offload=True; the
+    other ranks get none), loaded back into a freshly sharded model from rank 0's
+    (broadcast_from_rank0=True)."""
+    model, opt = _checkpointed(impl)
+    _steps(model, opt, 0, 2)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    whole_model = get_model_state_dict(model, options=options)
+    whole_optim = get_optimizer_state_dict(model, opt, options=options)
+    momentum = [v for s in whole_optim.get("state", {}).values() for v in s.values()]
+    out = {"plain": all(type(v) is torch.Tensor for v in [*whole_model.values(), *momentum])
+           and (comm.rank() > 0 or len(momentum) > 0),
+           "model": {k: v.clone() for k, v in whole_model.items()}}
+    fresh, _ = _checkpointed(impl, seed=3)       # (loading turns the dict's values into DTensors)
+    set_model_state_dict(fresh, whole_model, options=StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=True))
+    return {**out, "loaded": max_abs_diff(H.whole(fresh), H.whole(model))}
+
+
 def meta_init(impl: str) -> dict:
     """torchtitan's initialisation: build on the meta device, shard, to_empty(), then load the
     whole initial weights (broadcast from rank 0) or assign DTensors piece by piece; trains as a
@@ -221,6 +241,7 @@ def worker(directory: str) -> dict:
             out[impl, "round trip"] = round_trip(impl)
             out[impl, "saved"] = dcp_save(impl, directory)
             out[impl, "meta"] = meta_init(impl)
+            out[impl, "full"] = full_state_dicts(impl)
             out[impl, "unshard"] = unshard_ahead(impl)
             out[impl, "cast"] = cast_after_init(impl)
         comm.barrier()                                   # every rank's part is written
@@ -286,6 +307,17 @@ def test_dcp_save_and_load_across_implementations(at_2, impl, saved_by):
 def test_dcp_loads_a_checkpoint_saved_at_another_world_size(at_2, at_4, impl):
     for rank in at_4:
         assert max_abs_diff(rank[impl, "loaded", impl], at_2[0][impl, "saved"]) <= 1e-5
+
+
+def test_whole_state_dicts_through_torch_distributed_checkpoint(at_2):
+    for r, rank in enumerate(at_2):
+        ours, theirs = rank["minizero", "full"], rank["torch", "full"]
+        assert ours["plain"] and theirs["plain"]
+        assert (len(ours["model"]) > 0) == (r == 0)
+        assert ours["model"].keys() == theirs["model"].keys()
+        if r == 0:
+            assert max_abs_diff(ours["model"], theirs["model"]) == 0.0
+        assert ours["loaded"] == theirs["loaded"] == 0.0
 
 
 @pytest.mark.parametrize("impl", IMPLS)
