@@ -2,10 +2,10 @@
 
     python -m pytest tests/test_fully_shard.py tests/test_fully_shard_scenarios.py
 
-One fully_shard(module) call makes one Unit: the module's parameters that no unit below it holds,
-each a ShardedParam ([Note: dim-0 shards] in fsdp_param.py). Its life is zero3.Unit's, with the same
-states (ShardState: FREE / IN_FLIGHT / GATHERED) and the same events on the stream ("unit gather",
-"unit gathered", "unit freed", "secondary", "bucket ready", "staging"):
+One fully_shard(module) call (or fully_shard([a, b])) makes one Unit: the module's parameters that
+no unit below it holds, each a ShardedParam ([Note: dim-0 shards] in fsdp_param.py). Its life is
+zero3.Unit's, with the same states (ShardState: FREE / IN_FLIGHT / GATHERED) and the same events on
+the stream ("unit gather", "unit gathered", "unit freed", "secondary", "bucket ready", "staging"):
   * pre_forward: all-gather the unit (GATHERED: the module's parameters are whole), start the
     next unit's all-gather (prefetch);
   * post_forward: free it (reshard_after_forward=True), keep 1/k of it (=k) or all of it (False);
@@ -52,7 +52,7 @@ class Unit:
     groups          fsdp_mesh.MeshGroups: shard, replicate (HSDP), post_forward (=k)
     after_forward   True, False or k: what post_forward keeps (FSDP2's reshard_after_forward)
     reduce_grads, all_reduce_grads, reshard_after_backward: set by FSDPModule's setters
-    root            fully_shard.Root, shared with every unit under the root, from its first forward
+    root            fsdp_root.Root, shared with every unit under the root, from its first forward
     """
 
     def __init__(self, modules, params, groups, mp_policy, home: torch.device):
