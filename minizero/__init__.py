@@ -8,8 +8,8 @@
     with minizero.sharded_init(): model = MyModel()      # stage 3: built partitioned, never whole
     minizero.set_z3_leaf_modules(model, [MoEBlock])      # stage 3: gathered whole (DeepSpeed's)
 
-This folder is the ZeRO implementation, read in this order (3,114 lines, docstrings included):
-    comm.py (656) -> events.py (116) -> flat.py (233) -> reducer.py (120) -> optim.py (344)
+This folder is the ZeRO implementation, read in this order (3,118 lines, docstrings included):
+    comm.py (656) -> events.py (116) -> flat.py (233) -> reducer.py (120) -> optim.py (348)
     -> engine.py (541) -> stages.py (78, the paper's table: one row per stage) -> ddp.py (126)
     -> zero1.py (76) -> zero2.py (115) -> zero3.py (350, with units.py 287, leaf modules included)
     -> offload.py (72).

@@ -269,22 +269,26 @@ class ShardOptimizer:
     def state_dict(self) -> dict:
         """The torch optimizer's state_dict with one entry per bucket (the views joined back): what
         a checkpoint saves. A state with one value per element is concatenated over a master's
-        views (zeros where a view is not stepped: padding, parameters in no group); any other
-        (Adam's step, the same for every view) is the first stepped view's. param_groups: the
-        torch optimizer's, one per user group, "params" the buckets with views in it."""
+        views (zeros where a view has none: padding, parameters in no group, views another kind
+        of group steps); any other (Adam's step, the same for every view) is the first stepped
+        view's. param_groups: the torch optimizer's, one per user group, "params" the buckets with
+        views in it."""
         saved, state = self.optimizer.state_dict(), {}
         for b, views in enumerate(self.views):
             parts = [saved["state"].get(self._index.get(id(v)), {}) for v in views]
-            first = next((j for j, s in enumerate(parts) if s), None)
-            if first is None:
-                continue
-            state[b] = {
-                name: torch.cat([s[name] if s else torch.zeros(v.shape, dtype=value.dtype)
-                                 for s, v in zip(parts, views)])
-                if _per_element(value, views[first])
-                else value
-                for name, value in parts[first].items()
-            }
+            first = {}                                 # each state's name -> the first view with it
+            for j, view_state in enumerate(parts):
+                for name in view_state:
+                    first.setdefault(name, j)
+            if first:
+                state[b] = {
+                    name: torch.cat([s[name] if name in s else
+                                     torch.zeros(v.shape, dtype=parts[j][name].dtype)
+                                     for s, v in zip(parts, views)])
+                    if _per_element(parts[j][name], views[j])
+                    else parts[j][name]
+                    for name, j in first.items()
+                }
         bucket_of = {self._index[id(v)]: b for b, views in enumerate(self.views)
                      for v in views if id(v) in self._index}
         groups = [{**g, "params": sorted({bucket_of[i] for i in g["params"]})}
