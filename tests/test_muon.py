@@ -9,6 +9,7 @@ Run: python -m pytest tests/test_muon.py -q"""
 from __future__ import annotations
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from minizero import comm, events
 from minizero.beyond.muon import update
 from minizero.beyond.muon.pieces import Design, matrices_of
 from minizero.flat import FlatLayout
+from minizero.lab import deepspeed_peer
 
 N = 3
 STEPS = 3
@@ -35,21 +37,21 @@ class Net(nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.emb = nn.Embedding(VOCAB, 6)
+        self.embed = nn.Embedding(VOCAB, 6)
         self.up = nn.Linear(6, 9)
         self.blocks = nn.ModuleList(nn.Linear(9, 9, bias=False) for _ in range(3))
         self.frozen = nn.Linear(9, 9, bias=False)
         self.frozen.requires_grad_(False)
         self.down = nn.Linear(9, 6)
         self.norm = nn.LayerNorm(6)
-        self.head = nn.Linear(6, VOCAB, bias=False)
-        self.head.weight = self.emb.weight                    # tied
+        self.lm_head = nn.Linear(6, VOCAB, bias=False)
+        self.lm_head.weight = self.embed.weight              # tied
 
     def forward(self, idx):
-        x = torch.tanh(self.up(self.emb(idx)))
+        x = torch.tanh(self.up(self.embed(idx)))
         for block in self.blocks:
             x = x + torch.tanh(block(x))
-        return self.head(self.norm(self.down(self.frozen(x))))
+        return self.lm_head(self.norm(self.down(self.frozen(x))))
 
     def hidden(self) -> list[nn.Parameter]:
         return [self.up.weight, *(b.weight for b in self.blocks), self.down.weight]
@@ -86,14 +88,18 @@ def my_rows(t: torch.Tensor) -> torch.Tensor:
     return t.chunk(comm.world_size())[comm.rank()]
 
 
-def reference(adamw_settings: bool = True) -> dict[str, torch.Tensor]:
-    """One process, the global batch: torch.optim.Muon and torch.optim.AdamW, as torch's docs
-    pair them (AdamW with the groups' settings, or its defaults: what use_muon flags give)."""
+def reference(split=groups, adamw_defaults: bool = False) -> dict[str, torch.Tensor]:
+    """One process, the global batch: torch.optim.Muon over split(model)'s use_muon groups and
+    torch.optim.AdamW over the others, as torch's docs pair them (adamw_defaults: AdamW's own
+    settings, what use_muon flags give)."""
     model = Net()
-    muon_group, adamw_group = groups(model)
-    muon = torch.optim.Muon(muon_group["params"], lr=MUON_LR)
-    adamw = torch.optim.AdamW(adamw_group["params"], **(
-        {"lr": ADAMW_LR, "betas": adamw_group["betas"]} if adamw_settings else {}))
+    kinds = {True: [], False: []}
+    for group in split(model):
+        settings = {k: v for k, v in group.items() if k != "use_muon"}
+        use_muon = group.get("use_muon", True)
+        kinds[use_muon].append(settings if use_muon or not adamw_defaults
+                               else {"params": settings["params"]})
+    muon, adamw = torch.optim.Muon(kinds[True]), torch.optim.AdamW(kinds[False])
     for step in range(STEPS):
         loss_of(model, step).backward()
         muon.step()
@@ -200,7 +206,7 @@ def max_diff(state: dict, expected: dict) -> float:
 
 @pytest.fixture(scope="module")
 def expected():
-    return {"groups": reference(), "flags": reference(adamw_settings=False)}
+    return {"groups": reference(), "flags": reference(adamw_defaults=True)}
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if "slice" not in n])
@@ -237,6 +243,138 @@ def test_each_design_sends_and_keeps_what_its_formula_says(runs, name):
 def test_a_muon_checkpoint_resumes_bit_exact(runs):
     uninterrupted = runs[0]["stage 2 (a)"]["state"]
     assert max_diff(runs[0]["resumed"], uninterrupted) == 0
+
+
+# --- DeepSpeed's "optimizer": {"type": "Muon"} (minizero/deepspeed/muon.py), N = 2 ---------------
+DS_PARAMS = {"lr": 0.02, "adam_lr": 3e-3, "momentum": 0.9, "weight_decay": 0.01, "torch_adam": True}
+
+
+def ds_config(stage: int) -> dict:
+    """DeepSpeed's stage 3 refuses Muon with its reduce-scatter on: reduce_scatter false (minizero
+    warns that it always reduce-scatters)."""
+    return {"train_micro_batch_size_per_gpu": ROWS // 2, "gradient_accumulation_steps": 1,
+            "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
+            "zero_force_ds_cpu_optimizer": False,
+            "optimizer": {"type": "Muon", "params": DS_PARAMS},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
+                                  "reduce_scatter": stage != 3}}
+
+
+def deepspeeds_split(model: Net) -> list[dict]:
+    """What DeepSpeed 0.19.8 makes of DS_PARAMS, written out: Muon for the matrices named neither
+    embed nor lm_head, AdamW for the rest, each half with its settings."""
+    muon = [p for name, p in model.named_parameters() if p.requires_grad and p.ndim == 2
+            and "embed" not in name and "lm_head" not in name]
+    rest = [p for p in model.parameters() if p.requires_grad and all(p is not m for m in muon)]
+    return [{"params": muon, "lr": 0.02, "momentum": 0.9, "weight_decay": 0.01},
+            {"params": rest, "use_muon": False, "lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-10,
+             "weight_decay": 0.01}]
+
+
+def group_settings(optimizer: torch.optim.Optimizer) -> list[tuple]:
+    """Each group's half and the settings DeepSpeed gives that half (torch's Muon has an eps too:
+    Newton-Schulz's, not Adam's)."""
+    keys = {True: ("lr", "momentum", "weight_decay"),
+            False: ("lr", "betas", "eps", "weight_decay")}
+    return [(g["use_muon"], *(tuple(g[k]) if k == "betas" else g[k] for k in keys[g["use_muon"]]))
+            for g in optimizer.param_groups]
+
+
+def deepspeed_worker(stages: tuple[int, ...]) -> dict:
+    """Per stage: minizero.initialize (torch's Newton-Schulz), minizero with DeepSpeed's own
+    Newton-Schulz plugged in as a design's kernel, and deepspeed.initialize, on the same data."""
+    torch._dynamo.config.disable = True      # DeepSpeed compiles its Muon kernels: ~45 s of g++
+    from deepspeed.runtime.zero.muon.original_muon import zeropower_via_gram_newtonschulz
+
+    from minizero.beyond.muon.straddle import GatherStraddlers
+    from minizero.deepspeed.muon import factory_and_groups
+    from minizero.lab.deepspeed_peer import full_state_dict, join
+
+    class DeepSpeedsKernel(GatherStraddlers):
+        wire = torch.float32            # its Gram iteration normalizes in fp32: U must not round
+        kernel = staticmethod(lambda u, group: zeropower_via_gram_newtonschulz(u, steps=5))
+
+    def train(engine):
+        for step in range(STEPS):
+            engine.backward(loss_of(engine, step, my_rows))
+            engine.step()
+
+    deepspeed, out = join(), {}
+    for stage in stages:
+        with warnings.catch_warnings(record=True) as notes:             # rank 0 says them
+            warnings.simplefilter("always")
+            ours, optimizer, _, _ = minizero.initialize(model=Net(), config=ds_config(stage))
+        train(ours)
+        model = Net()
+        factory, split = factory_and_groups(model, DS_PARAMS, None)
+        kernel = minizero.wrap(model, stage, factory, param_groups=split,
+                               muon_design=DeepSpeedsKernel)
+        train(kernel)
+        model = Net()
+        theirs, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=ds_config(stage), dist_init_required=False)
+        train(theirs)
+        out[stage] = {"initialize": ours.engine.full_state_dict(),
+                      "notes": [str(note.message) for note in notes],
+                      "groups": group_settings(optimizer),
+                      "kernel": kernel.full_state_dict(), "deepspeed": full_state_dict(theirs),
+                      "deepspeed groups": group_settings(theirs.optimizer.optimizer)}
+        theirs.destroy()
+    return out
+
+
+@pytest.fixture(scope="module")
+def deepspeed_runs():
+    if not deepspeed_peer.available():
+        pytest.skip("DeepSpeed is not installed (pip install -e '.[peers]')")
+    return minizero.launch(deepspeed_worker, 2, (1, 2, 3))[0]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeeds_muon_config_is_read_as_deepspeed_reads_it(deepspeed_runs, stage):
+    """The same two halves with the same settings (DeepSpeed's names and defaults), and minizero
+    trains them as one process with torch's Muon and AdamW would."""
+    run = deepspeed_runs[stage]
+    assert run["groups"] == run["deepspeed groups"]
+    assert max_diff(run["initialize"], reference(deepspeeds_split)) < TOLERANCE
+    if stage == 3:                         # what DeepSpeed needs for Muon, and minizero ignores
+        assert any("reduce_scatter" in note for note in run["notes"])
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_with_deepspeeds_newton_schulz_minizero_ends_where_deepspeed_ends(deepspeed_runs, stage):
+    """Everything but the kernel is DeepSpeed's: 3.7e-9 apart (measured). With torch's kernel
+    (initialize) the runs differ by the kernels' rounding, bf16 quintic against fp32 Gram."""
+    run = deepspeed_runs[stage]
+    assert max_diff(run["kernel"], run["deepspeed"]) < 1e-6
+    assert 1e-5 < max_diff(run["initialize"], run["deepspeed"]) < 1e-2
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"per_head_muon": True}, "per_head_muon is not implemented"),
+    ({"adam_w_mode": False}, "adam_w_mode false"),
+    ({"muon_lr": 0}, "muon_lr must be > 0"),
+    ({"nesterov": True}, "not a parameter of Muon"),
+])
+def test_what_deepspeeds_muon_cannot_do_here_is_refused(params, message):
+    from minizero.deepspeed.config import ConfigError, load_deepspeed_config
+    config = {**ds_config(1), "optimizer": {"type": "Muon", "params": params}}
+    with pytest.raises(ConfigError, match=message):
+        load_deepspeed_config(config, 1, flags=False)
+
+
+def test_ns_method_warns_that_it_has_no_effect():
+    from minizero.deepspeed.config import load_deepspeed_config
+    config = {**ds_config(1), "optimizer": {"type": "Muon", "params": {"ns_method": "gram"}}}
+    _, notes = load_deepspeed_config(config, 1, flags=False)
+    assert any("ns_method" in note for note in notes)
+
+
+def test_a_convolution_deepspeed_would_flatten_is_refused():
+    from minizero.deepspeed.muon import factory_and_groups
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Flatten(), nn.Linear(3, 2))
+    with pytest.raises(ValueError, match=r"0.weight is \[3, 2, 3, 3\]"):
+        factory_and_groups(model, {}, None)
 
 
 # --- one process ----------------------------------------------------------------------------------
