@@ -3,7 +3,8 @@ running torch.optim.Muon (hidden matrices) plus torch.optim.AdamW (the rest) end
 1e-5, on an awkward model at N = 3 (matrices that straddle a partition boundary, a tied embedding,
 a frozen matrix, three matrices of one shape for design (b)); orthogonalizing a partition's slice
 instead is far off; each design sends the bytes and keeps the momentum its formula says; a Muon
-checkpoint resumes bit-exact; what Muon cannot take is refused in one line. One launch.
+checkpoint resumes bit-exact and reshards to another stage and N; what Muon cannot take is refused
+in one line. Launches: N = 3 (every case), N = 2 (the resharded checkpoint; DeepSpeed's parity).
 Run: python -m pytest tests/test_muon.py -q"""
 
 from __future__ import annotations
@@ -195,9 +196,24 @@ def worker(folder: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("muon") / "ckpt")
+def folder(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("muon") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def runs(folder):
     return minizero.launch(worker, N, folder)
+
+
+def resharded(folder: str) -> dict:
+    """Stage 1 at N = 2 loads the stage-2 checkpoint saved at N = 3 and takes the third step."""
+    model = Net()
+    engine = minizero.wrap(model, 1, functools.partial(torch.optim.Muon, lr=MUON_LR),
+                           param_groups=groups(model))
+    engine.load(folder)
+    engine.backward(loss_of(engine, 2, my_rows))
+    engine.step()
+    return engine.full_state_dict()
 
 
 def max_diff(state: dict, expected: dict) -> float:
@@ -243,6 +259,12 @@ def test_each_design_sends_and_keeps_what_its_formula_says(runs, name):
 def test_a_muon_checkpoint_resumes_bit_exact(runs):
     uninterrupted = runs[0]["stage 2 (a)"]["state"]
     assert max_diff(runs[0]["resumed"], uninterrupted) == 0
+
+
+def test_a_muon_checkpoint_reshards_to_another_stage_and_n(runs, folder, expected):
+    """Saved at stage 2 on N = 3, loaded at stage 1 on N = 2: each rank's momentum and AdamW's
+    moments are cut again (a rank may hold only one kind: checkpoint.universal fills zeros)."""
+    assert max_diff(minizero.launch(resharded, 2, folder)[0], expected["groups"]) < TOLERANCE
 
 
 # --- DeepSpeed's "optimizer": {"type": "Muon"} (minizero/deepspeed/muon.py), N = 2 ---------------
