@@ -168,7 +168,25 @@ def run_case(name: str) -> dict:
             "sent per step": sent["bytes"] / STEPS,
             "formula": orthogonalize.sent_bytes(),
             "momentum": momentum,
-            "momentum formula": 4 * sum(p.numel for pieces in layout.pieces for p in pieces)}
+            "momentum formula": 4 * sum(p.numel for pieces in layout.pieces for p in pieces),
+            "optimizer memory": engine.memory()["offloaded" if "offload" in options
+                                                else "optimizer"],
+            "optimizer memory formula": optimizer_bytes(engine, layout, options.get("offload"))}
+
+
+def optimizer_bytes(engine, layout, offload) -> int:
+    """This rank's optimizer bytes by their formula: 4 per element of its Muon pieces (momentum),
+    8 per element AdamW steps (two moments) and AdamW's 4-byte step per view; offloaded, the fp32
+    masters and gradients on the host too (8 per element of its part), and with "params" stage
+    3's parameter shard (4 more) and its partition of the frozen matrix (Ψ_f/N, one unit)."""
+    home = engine.optimizer
+    adamw = [v for views, kinds in zip(home.views, home.view_groups) for v, g in zip(views, kinds)
+             if g is not None and not layout.muon_group(g)]
+    muon = sum(p.numel for pieces in layout.pieces for p in pieces)
+    part = sum(p.numel() for p in home.param_parts)
+    frozen = sum(-(-p.numel() // N) for p in engine.frozen)
+    host = {None: 0, True: 8 * part, "params": 12 * part + 4 * frozen}[offload]
+    return 4 * muon + 8 * sum(v.numel() for v in adamw) + 4 * len(adamw) + host
 
 
 def resume(folder: str) -> dict:
@@ -246,12 +264,15 @@ def test_orthogonalizing_a_slice_is_wrong(runs, expected):
     assert max_diff(runs[0]["stage 1, each slice alone"]["state"], expected["groups"]) > 1e-3
 
 
-@pytest.mark.parametrize("name", [n for n in CASES if n != "stage 0"])
+@pytest.mark.parametrize("name", list(CASES))
 def test_each_design_sends_and_keeps_what_its_formula_says(runs, name):
+    """Muon's bytes per step (the tally of its collectives), its momentum, and the engine's
+    measured optimizer bytes (memory(): the optimizer's, or offloaded) on every rank."""
     for rank in range(N):
         run = runs[rank][name]
         assert run["sent per step"] == run["formula"], (rank, run["sent per step"], run["formula"])
         assert run["momentum"] == run["momentum formula"], rank
+        assert run["optimizer memory"] == run["optimizer memory formula"], rank
     if "(b)" in name:            # the whole-matrix buckets need nothing: what is left straddles
         assert runs[0][name]["formula"] < runs[0][name.replace("(b)", "(a)")]["formula"]
 
