@@ -96,6 +96,18 @@ def users_loops() -> dict:
             out[stage, "fp16 loss.backward()"] = "trained"
         except RuntimeError as e:
             out[stage, "fp16 loss.backward()"] = str(e)
+    # FairScale's FullyShardedDataParallel: the user's optimizer and zero_grad(), both spellings
+    for set_to_none in (True, False):
+        model = minizero.FullyShardedDataParallel(make_model(CFG.model_config(), seed=CFG.seed))
+        optimizer = torch.optim.SGD(model.parameters(), lr=CFG.lr)
+        for step in range(STEPS):
+            x, y = global_batch(step, BATCH, CFG.model_config().block_size, seed=CFG.seed)
+            x, y = local_batch(x, y, comm.rank(), comm.world_size())
+            optimizer.zero_grad(set_to_none=set_to_none)
+            loss_fn(model(x), y).backward()
+            optimizer.step()
+        out["fsdp", f"zero_grad(set_to_none={set_to_none})"] = {
+            k: v.float() for k, v in model.state_dict().items()}
     # two owners: a stage-0 engine for the gradients, then a stage-1 engine as the optimizer
     model = make_model(CFG.model_config(), seed=CFG.seed)
     sgd = functools.partial(torch.optim.SGD, lr=CFG.lr)
@@ -125,6 +137,14 @@ def reference():
 def test_the_users_loop_ends_where_one_process_ends(runs, reference, stage, loop):
     for rank in runs:
         assert max_abs_diff(rank[stage, loop], reference) <= 1e-5, (stage, loop)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_fairscales_front_end_with_zero_grad_ends_where_one_process_ends(runs, reference,
+                                                                        set_to_none):
+    for rank in runs:
+        state = rank["fsdp", f"zero_grad(set_to_none={set_to_none})"]
+        assert max_abs_diff(state, reference) <= 1e-5
 
 
 @pytest.mark.parametrize("stage", range(4))
