@@ -45,6 +45,7 @@ import warnings
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from minizero import comm
 from minizero.deepspeed import deepspeed_checkpoint, muon
@@ -85,9 +86,24 @@ class DeepSpeedStyleEngine:
         self._micro_in_step = 0         # ... since the last optimizer step (a resume may change K)
         self.global_steps = 0           # optimizer steps so far (skipped fp16 ones too: DeepSpeed)
         self._step_applied = False      # whether the last step() updated the parameters
+        self._in_backward = False       # inside backward(): a plain loss.backward() is not
 
     def __call__(self, *inputs, **kwargs):
-        return self.engine(*inputs, **kwargs)
+        output = self.engine(*inputs, **kwargs)
+        if self._accumulation > 1 and torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if torch.is_tensor(t) and t.requires_grad:
+                    t.register_hook(self._refuse_plain_backward)
+        return output
+
+    def _refuse_plain_backward(self, grad):
+        """A loss.backward() that did not come through backward() misses the loss's 1/K: with
+        K > 1 it would step on K times the mean gradient. DeepSpeed's scripts call
+        engine.backward(loss); a plain one is refused in one line rather than trained wrong."""
+        if not self._in_backward:
+            raise RuntimeError(f"gradient_accumulation_steps is {self._accumulation}: call "
+                               "engine.backward(loss), which divides the loss by it, not "
+                               "loss.backward()")
 
     forward = __call__
 
@@ -114,8 +130,12 @@ class DeepSpeedStyleEngine:
         scaled loss."""
         loss = loss / self._accumulation                      # the step's gradient: the mean over K
         local = self.engine.stage <= 1 and not self.is_gradient_accumulation_boundary()
-        with self.engine.no_sync() if local else contextlib.nullcontext():
-            self.engine.backward(loss)
+        self._in_backward = True
+        try:
+            with self.engine.no_sync() if local else contextlib.nullcontext():
+                self.engine.backward(loss)
+        finally:
+            self._in_backward = False
         return loss
 
     def step(self) -> None:
