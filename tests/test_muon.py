@@ -476,3 +476,18 @@ def test_what_muon_cannot_take_is_refused_in_one_line(change, message):
         args["param_groups"] = [{"params": [p for p in model.parameters() if p.requires_grad]}]
     with pytest.raises(ValueError, match=message):
         minizero.wrap(model, **args)
+
+
+def test_the_commands_refuse_what_they_cannot_run(tmp_path, capsys):
+    """python -m minizero.bench --muon checks its options; python -m minizero.run refuses a Muon
+    config in one line (exit 2) instead of running it with the wrong memory table."""
+    import json
+
+    from minizero.cli import muon as muon_command
+    from minizero.cli.run import main as run
+    assert muon_command.main(["--sizes", "3M"]) == 2
+    assert muon_command.main(["--stages", "0"]) == 2
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps(ds_config(1)))
+    assert run(["--config", str(config), "--world-size", "2"]) == 2
+    assert "Muon trains through minizero.initialize" in capsys.readouterr().err
