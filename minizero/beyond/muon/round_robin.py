@@ -1,7 +1,7 @@
 """Design (c): gather U of every matrix, orthogonalize whole matrices round-robin, scatter back.
 
     engine = minizero.wrap(model, 3, functools.partial(torch.optim.Muon, lr=0.02),
-                           muon="round_robin")
+                           muon_design="round_robin")
     python -m pytest tests/test_muon.py -k round_robin
 
 DeepSpeed's stage 3 (0.19.8, Stage3ZeroOptimizer's Muon sub-groups). Stage 3's buckets are its

@@ -1,6 +1,6 @@
 """Design (a): keep ZeRO's partitions, gather only the matrices that straddle a boundary.
 
-    engine = minizero.wrap(model, 2, functools.partial(torch.optim.Muon, lr=0.02), muon="straddle")
+    engine = minizero.wrap(model, 2, functools.partial(torch.optim.Muon, lr=0.02))  # the default
     python -m pytest tests/test_muon.py -k straddle
 
 Moonlight's distributed Muon (Liu et al. 2025, "Muon is Scalable for LLM Training") and, in spirit,

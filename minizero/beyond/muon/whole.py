@@ -1,6 +1,7 @@
 """Design (b): bend the layout so that no matrix straddles: each rank owns whole matrices.
 
-    engine = minizero.wrap(model, 2, functools.partial(torch.optim.Muon, lr=0.02), muon="whole")
+    engine = minizero.wrap(model, 2, functools.partial(torch.optim.Muon, lr=0.02),
+                           muon_design="whole")
     python -m pytest tests/test_muon.py -k whole
 
 nanochat's DistMuon, Megatron's layer-wise distributed optimizer, torch's ZeroRedundancyOptimizer
