@@ -21,7 +21,8 @@ The folders around it plug into it, each named for what it is:
     deepspeed/   DeepSpeed's front end: initialize, its JSON config, its checkpoints' tags
     fairscale/   FairScale's FullyShardedDataParallel (flat parameters) and its wrap helpers
     beyond/      what came after the paper: ZeRO-R's activations, ZeRO++, ZeRO-Infinity's disk tier,
-                 a modelled network, desync detection, tensor parallelism on a 2-D mesh
+                 a modelled network, desync detection, tensor parallelism on a 2-D mesh,
+                 Muon (an optimizer that needs whole matrices)
 Beside it, never imported by it (tests/test_layout.py checks): lab/ (the small GPT, the data, the
 training loop, the single-process reference, PyTorch's and DeepSpeed's peers, the experiments
 behind the notebooks, the benchmark) and cli/ (every command: python -m minizero <command>; the
