@@ -479,6 +479,38 @@ def test_shown_code_is_read_from_the_file_as_it_is_now(tmp_path):
     assert (code.function, code.first, code.lines[-1]) == ("step", 4, "    return 2")
 
 
+def test_the_momentum_row_holds_the_optimizers_momentum():
+    """With SGD momentum, the step-through's momentum row is empty until the step; from the step
+    on, each rank's row holds what one process's torch.optim.SGD holds for the elements that rank
+    steps (every element at stage 0, its partition at stages 1-3), and nothing elsewhere."""
+    import torch
+    for stage in range(4):
+        steps = stepthrough.record(stepthrough.StepConfig(stage=stage, world_size=2))
+        cfg = stepthrough.StepConfig(**steps["config"])
+        model = stepthrough.tiny_model(cfg.seed)
+        x, y = stepthrough.global_batch(cfg)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        sgd = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+        sgd.step()
+        params = dict(model.named_parameters())
+        want = {start + i: v for name, start, numel in steps["segments"] for i, v in
+                enumerate(sgd.state[params[name]]["momentum_buffer"].reshape(-1).tolist())}
+        stepped = next(k for k, p in enumerate(steps["phases"]) if p["kind"] == "step")
+        for k, phase in enumerate(steps["phases"]):
+            for r, rank in enumerate(phase["ranks"]):
+                row = rank["momentum"]
+                for j, value in want.items():
+                    b = next(b for b in steps["buckets"]
+                             if b["start"] <= j < b["start"] + b["padded"])
+                    mine = not steps["partitioned"] or (j - b["start"]) // b["shard"] == r
+                    where = f"stage {stage}, phase {k} ({phase['label']}), rank {r}, element {j}"
+                    if k < stepped or not mine:
+                        assert row[j] is None, f"{where}: momentum {row[j]} shown"
+                    else:
+                        assert row[j] is not None and abs(row[j] - value) <= 1e-6, (
+                            f"{where}: momentum {row[j]}, torch's SGD holds {value}")
+
+
 def test_each_phase_names_the_line_that_produced_it():
     """The recorder walks the stack of each event to minizero's line (no copy of the source): at
     stage 3 the all-gathers are Unit.gather's, the frees Unit.free's, the reduce-scatters the

@@ -199,12 +199,15 @@ class _Recorder:
         if hasattr(opt, "host_grads"):
             out["gradients (host)"] = empty()          # offload: what the host steps on
         out["momentum" + where] = empty()
+        # the state as the optimizer home hands it to a checkpoint: one entry per bucket's part
+        # (optim.ShardOptimizer.state_dict; torch's own state is keyed by the cache-sized views)
+        state = opt.state_dict()["state"]
         for i, (b, master) in enumerate(zip(layout.buckets, opt.masters)):
             if "master weights" + where in out:
                 put(out["master weights" + where], self.owned(b), master)
             if "gradients (host)" in out:
                 put(out["gradients (host)"], self.owned(b), opt.host_grads[i])
-            momentum = opt.optimizer.state.get(master, {}).get("momentum_buffer")
+            momentum = state.get(i, {}).get("momentum_buffer")
             if momentum is not None:
                 put(out["momentum" + where], self.owned(b), momentum)
         for key in GRADIENTS:                    # what a reduce-scatter used as workspace (comm.py)
@@ -393,8 +396,9 @@ def record(cfg: StepConfig = StepConfig(), backend: str = "gloo") -> dict:
 # --------------------------------------------------------------------------------------------------
 
 def reference(cfg: StepConfig, segments, padded: int) -> dict[str, list]:
-    """One process, the whole batch, plain torch.optim: the gradient and the stepped parameters,
-    laid out in the engine's flat coordinates (None at padding)."""
+    """One process, the whole batch, plain torch.optim: the gradient, the stepped parameters and
+    the optimizer's momentum after the step, laid out in the engine's flat coordinates (None at
+    padding)."""
     model = tiny_model(cfg.seed)
     x, y = global_batch(cfg)
     nn.functional.mse_loss(model(x), y).backward()
@@ -403,10 +407,13 @@ def reference(cfg: StepConfig, segments, padded: int) -> dict[str, list]:
     for name, start, numel in segments:
         out["start"][start: start + numel] = params[name].detach().reshape(-1).tolist()
         out["grad"][start: start + numel] = params[name].grad.reshape(-1).tolist()
-    _optimizer(cfg)(model.parameters()).step()
-    out["stepped"] = [None] * padded
+    optimizer = _optimizer(cfg)(model.parameters())
+    optimizer.step()
+    out["stepped"], out["momentum"] = [None] * padded, [None] * padded
     for name, start, numel in segments:
         out["stepped"][start: start + numel] = params[name].detach().reshape(-1).tolist()
+        momentum = optimizer.state[params[name]]["momentum_buffer"]
+        out["momentum"][start: start + numel] = momentum.reshape(-1).tolist()
     return out
 
 
@@ -523,6 +530,18 @@ def check(steps: dict) -> None:
                             f"{where}: rank {r}, parameter element {j}: {held[j]}, "
                             f"expected {'the stepped ' if mine else 'the unchanged '}{want}"
                         )
+    # the optimizer state: none before the step; after it, torch's momentum where the rank steps
+    stepped = next(k for k, p in enumerate(phases) if p["kind"] == "step")
+    for k, phase in enumerate(phases):
+        for r, rank in enumerate(phase["ranks"]):
+            row = next(v for name, v in rank.items() if name.startswith("momentum"))
+            for j in real:
+                if k < stepped or not owns(r, j):
+                    assert row[j] is None, f"phase {k} ({phase['label']}): rank {r}, momentum {j}"
+                else:
+                    assert _close(row[j], ref["momentum"][j]), (
+                        f"phase {k} ({phase['label']}): rank {r}, momentum element {j}: "
+                        f"{row[j]}, one process's optimizer holds {ref['momentum'][j]}")
     last = phases[-1]["ranks"]
     for r, rank in enumerate(last):
         held = rank[params]
