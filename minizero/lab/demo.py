@@ -33,7 +33,7 @@ from minizero.lab.train import (
 )
 from minizero.launcher import launch
 from minizero.loss_scale import LossScaler
-from minizero.memory import CATEGORIES, within_padding
+from minizero.memory import CATEGORIES, within_padding, wire
 from minizero.wrap import check as check_settings
 from minizero.wrap import wrap
 
@@ -130,8 +130,11 @@ def check(records: dict) -> None:
 
 def collectives_worker(numel: int, repeats: int = 3) -> dict:
     """Worker: every collective on a small rank-dependent tensor (to see what it does), then on
-    `numel` fp32 elements (rounded up to a multiple of N) for the byte tally and the time; and the
-    teaching ring all-reduce (minizero.comm.ring_all_reduce) against all_reduce on the same data."""
+    `numel` fp32 elements (rounded up to a multiple of N): the bytes comm's tally books for it (the
+    ring formula: modelled), the bytes gloo's threads put on the wire for it (memory/wire.py:
+    measured; None where it cannot measure, "wire_unavailable" says why) and the time; and the
+    teaching ring all-reduce (minizero.comm.ring_all_reduce) against all_reduce on the same
+    data."""
     r, n, dev = comm.rank(), comm.world_size(), comm.device()
     # rank 2 of 4: [20, 21, 22, 23]
     small = 10.0 * r + torch.arange(n, dtype=torch.float32, device=dev)
@@ -154,31 +157,40 @@ def collectives_worker(numel: int, repeats: int = 3) -> dict:
     ops = {
         "all_reduce": lambda: comm.all_reduce(big.clone(), op="sum"),
         "reduce_scatter": lambda: comm.reduce_scatter(
-            torch.empty(numel // n, device=dev), big, op="sum"
+            torch.empty(numel // n, device=dev), big.clone(), op="sum"
         ),
         "all_gather": lambda: comm.all_gather(torch.empty(numel, device=dev), big[: numel // n]),
         "broadcast": lambda: comm.broadcast(big.clone(), src=0),
         "ring_all_reduce": lambda: comm.ring_all_reduce(big.clone()),
     }
-    sent, seconds = {}, {}
+    unavailable = wire.unavailable()
+    sent, on_wire, seconds = {}, {}, {}
     for kind, op in ops.items():
-        times = []
-        for _ in range(repeats):
-            comm.barrier()
-            comm.reset_tally()
-            start = time.perf_counter()
-            op()
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-            sent[kind] = comm.tally()[kind]
+        # the ring's point-to-point sends are written by this thread too, and are no collective
+        # event: everything written while it runs is the ring's (memory/wire.py)
+        ring = kind == "ring_all_reduce"
+        with contextlib.nullcontext() if unavailable else wire.WireMeter(ring) as meter:
+            times = []
+            for _ in range(repeats):
+                comm.barrier()
+                comm.reset_tally()
+                if meter:
+                    meter.reset()
+                start = time.perf_counter()
+                op()                                  # each one blocks: measured alone, exactly
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+                sent[kind] = comm.tally()[kind]
+                if meter:
+                    on_wire[kind] = meter.bytes()["outside" if ring else kind]
         seconds[kind] = statistics.median(times)
     expected, ring = big.clone(), big.clone()
     comm.all_reduce(expected, op="sum")
     comm.ring_all_reduce(ring)
     return {"rank": r, "world_size": n, "shown": shown, "numel": numel, "full_bytes": numel * 4,
-            "sent": sent, "seconds": seconds,
-            "ring_max_abs_diff": (ring - expected).abs().max().item()}
+            "sent": sent, "wire": None if unavailable else on_wire, "wire_unavailable": unavailable,
+            "seconds": seconds, "ring_max_abs_diff": (ring - expected).abs().max().item()}
 
 
 def measure_collectives(
@@ -192,6 +204,7 @@ def measure_collectives(
     for n in world_sizes:
         per_rank = launch(collectives_worker, n, numel, backend=backend)
         out[n] = {**per_rank[0], "shown_all": [p["shown"] for p in per_rank],
+                  "wire_all": [p["wire"] for p in per_rank],
                   "ring_max_abs_diff": max(p["ring_max_abs_diff"] for p in per_rank)}
     return out
 
