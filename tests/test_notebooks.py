@@ -651,6 +651,7 @@ def check_collectives(results: list[dict]) -> None:
                 f"N={n} {kind}: {res['sent'][kind]}"
             )
         assert res["ring_max_abs_diff"] < 1e-4
+        check_wire(res)
         shown = res["shown_all"]
         inputs = [s["input"] for s in shown]
         sums = [sum(col) for col in zip(*inputs)]
@@ -659,6 +660,27 @@ def check_collectives(results: list[dict]) -> None:
             assert s["reduce_scatter"] == pytest.approx([sums[r]])
             assert s["all_gather"] == pytest.approx([x[0] for x in inputs])
             assert s["broadcast"] == pytest.approx(inputs[0])
+
+
+def check_wire(res: dict) -> None:
+    """Notebook 00's measured bytes (memory/wire.py): each collective alone sent what gloo sends
+    for it, within 1 kB of headers per peer (measured: 1,728 B for an all-reduce of 40 kB on 4
+    ranks): the ring's bytes, twice them for a reduce-scatter (an
+    all-reduce underneath), the ring's own sends for ring_all_reduce; a broadcast's bytes summed
+    over the ranks are (N-1)·S (a tree from the root)."""
+    if res["wire"] is None:
+        assert res["wire_unavailable"], "no measured bytes, and no reason why"
+        return
+    n, size = res["world_size"], res["full_bytes"]
+    headers = 1024 * (n - 1)
+    for r, wire in enumerate(res["wire_all"]):
+        expected = {"all_reduce": 2 * (n - 1) / n * size,
+                    "reduce_scatter": 2 * (n - 1) / n * size, "all_gather": (n - 1) / n * size,
+                    "ring_all_reduce": res["sent"]["ring_all_reduce"]}    # the same on every rank
+        for kind, want in expected.items():
+            assert want <= wire[kind] <= want + headers, f"N={n}, rank {r}, {kind}: {wire[kind]}"
+    broadcast = sum(w["broadcast"] for w in res["wire_all"])
+    assert (n - 1) * size <= broadcast <= (n - 1) * size + n * headers, f"N={n}: {broadcast}"
 
 
 def check_timeline(data: dict) -> None:
