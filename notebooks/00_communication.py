@@ -63,17 +63,7 @@ for kind in ("input", "all_reduce", "reduce_scatter", "all_gather", "broadcast")
 # N-1 steps of reduce-scatter every rank adds the chunk its left neighbour sends into its own copy;
 # after them rank r owns the complete sum of one chunk. N-1 steps of all-gather then pass the
 # finished chunks around. Each rank sends 2(N-1) chunks of S/N bytes: $2\frac{N-1}{N}S$, almost
-# independent of N. Here is the function, read from `minizero/comm.py` now (marked: the two loops'
-# exchanges, the add of phase 1 and the copy of phase 2):
-
-# %%
-from minizero import comm
-from minizero.lab import source
-
-source.show(comm.ring_all_reduce, mark=("exchange((", "+= incoming", ".copy_(incoming)"))
-
-# %% [markdown]
-# It must give exactly what the library's all-reduce gives:
+# independent of N. It must give exactly what the library's all-reduce gives:
 
 # %%
 for n, res in results.items():
@@ -96,6 +86,16 @@ from minizero.lab import stepthrough
 ring = stepthrough.ring(3)                     # one launch, 3 ranks
 stepthrough.check_ring(ring)                   # each exchange adds (or copies) the chunk sent
 print(plots.ring_table(ring))
+
+# %% [markdown]
+# Here is the function, read from `minizero/comm.py` now. Marked: the lines that ran the exchanges
+# above, recorded from the call stack of each one (phase 1's loop, then phase 2's); the line after
+# each adds the received chunk (phase 1) or copies it (phase 2).
+
+# %%
+from minizero.lab import source
+
+source.show(*[(where["file"], where["line"]) for where in ring["sources"]])
 
 # %% [markdown]
 # Green: the chunk the last exchange wrote; orange frame: the chunk each rank sends next. Press play

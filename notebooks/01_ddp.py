@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -90,15 +90,17 @@ plots.step_widget(steps, stage=[0, 1, 2, 3], world_size=[2, 3, 4])
 # sees that backward has completed every gradient of a bucket, it calls the gradients' `reduce`
 # (`AllReducedGradients`, DDP's row of the table in `minizero/stages.py`), which starts the
 # all-reduce of the bucket's flat gradients with `op="avg"` and returns at once
-# (`async_op=True`): phases 2-5 above. The step (`Engine.step` in `minizero/engine.py`) then runs
-# the same optimizer on the same averaged gradients on every rank. Read from the files now:
+# (`async_op=True`): the all-reduce phases above. The step (`Engine.step` in
+# `minizero/engine.py`) then runs the same optimizer on the same averaged gradients on every rank.
+# Below, those functions read from the files now; marked are the lines that ran in the recording
+# above and led to its phases (`stepthrough.ran` finds them on the call stacks of the events the
+# recorder saw, so they stay right when the code moves). Unmarked lines did not run here, or ran
+# without leading to a phase.
 
 # %%
-from minizero.ddp import AllReducedGradients
-from minizero.engine import Engine
 from minizero.lab import source
 
-source.show(AllReducedGradients.reduce, Engine.step, mark=("all_reduce(", "optimizer.step("))
+source.show(*stepthrough.ran(steps, "AllReducedGradients.reduce", "Engine.step"))
 
 # %% [markdown]
 # ## The code every rank runs

@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -75,19 +75,28 @@ plots.step_widget(steps, stage=[0, 1, 2, 3], world_size=[2, 3, 4])
 # %% [markdown]
 # ### The lines that did it
 #
-# Stage 1 changes what happens at the step (`minizero/zero1.py`): `GradientsReducedAtStep.parts`
-# reduce-scatters each bucket of the full gradients backward left, so rank r holds the average of
-# its own partition (the reduce-scatter phases above); the optimizer steps only those partitions;
-# `ReplicatedParameters.after_step` (`minizero/ddp.py`) all-gathers every rank's updated partition
-# into everyone's flat parameters (the all-gather phases). Read from the files now:
+# Stage 1 changes what happens at the step. `Engine.step` (`minizero/engine.py`) does three things,
+# marked below: it asks the gradients for the parts this rank steps, steps them, and hands the
+# updated partitions back to the parameters. At stage 1 the first is
+# `GradientsReducedAtStep.parts` (`minizero/zero1.py`): it reduce-scatters each bucket of the full
+# gradients backward left, in place, so rank r's partition holds the average (the reduce-scatter
+# phases). The second is the heart of ZeRO-1, the **partitioned optimizer step**:
+# `ShardOptimizer.step` (`minizero/optim.py`) runs torch's optimizer over what this rank was handed
+# when the engine was built, its own partition of each bucket (Ψ/N elements:
+# `ReplicatedParameters.optimizer_parts`, the essential line of P_os in `Engine.__init__`), so
+# momentum exists for that partition only and only it changes (the step phase). The third,
+# `ReplicatedParameters.after_step` (`minizero/ddp.py`), all-gathers every rank's updated partition
+# into everyone's flat parameters (the all-gather phases). Marked: the lines that ran in the
+# recording above and led to its phases (`stepthrough.ran`, from the events' call stacks);
+# `optimizer_parts` ran when the engine was built, so it is shown unmarked.
 
 # %%
 from minizero.ddp import ReplicatedParameters
 from minizero.lab import source
-from minizero.zero1 import GradientsReducedAtStep
 
-source.show(GradientsReducedAtStep.parts, ReplicatedParameters.after_step,
-            mark=("reduce_scatter(", "all_gather("))
+source.show(*stepthrough.ran(steps, "Engine.step", "GradientsReducedAtStep.parts",
+                             "ShardOptimizer.step", "ReplicatedParameters.after_step"),
+            ReplicatedParameters.optimizer_parts)
 
 # %% [markdown]
 # ## The code every rank runs

@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -73,17 +73,20 @@ plots.step_widget(steps, stage=[0, 1, 2, 3], world_size=[2, 3, 4])
 #
 # Stage 2 moves the reduce-scatter into backward (`minizero/zero2.py`, `GradientShard`): as each
 # parameter's gradient is complete, `stage` copies it into its bucket's staging buffer and frees
-# `p.grad` (*gradients in flight* above); when the bucket is complete, `reduce` starts its
-# reduce-scatter (the reduce-scatter phases); when that arrives, `arrived` adds rank r's partition
-# into the gradient shard and drops the staging buffer. The step and the all-gather after it are
-# stage 1's. Read from the file now:
+# `p.grad` on the next line (*gradients in flight* above); when the bucket is complete, `reduce`
+# starts its reduce-scatter (the reduce-scatter phases); when that arrives, `arrived` adds rank r's
+# partition into the gradient shard and drops the staging buffer. The step and the all-gather
+# after it are stage 1's. Marked: the lines that ran in the recording above and led to its phases
+# or to an event (`stepthrough.ran`, from the events' call stacks: the first gradient of a bucket
+# allocates its staging buffer); `arrived` is shown unmarked, as no event's stack passes through
+# it.
 
 # %%
 from minizero.lab import source
 from minizero.zero2 import GradientShard
 
-source.show(GradientShard.stage, GradientShard.reduce, GradientShard.arrived,
-            mark=("p.grad = None", "reduce_scatter(", ".add_("))
+source.show(*stepthrough.ran(steps, "GradientShard.stage", "GradientShard.reduce"),
+            GradientShard.arrived)
 
 # %% [markdown]
 # ## The code every rank runs

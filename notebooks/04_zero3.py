@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -54,11 +54,14 @@ BACKEND, WORLD_SIZES = demo.backend_and_world_sizes()   # gloo on CPU; NCCL with
 #
 # What to look for: between uses a rank holds only its *parameter shard* (phase [0]: the
 # parameters row is empty, every rank holds partition r of each unit); the parameters row fills only
-# while a unit is gathered. Each unit is all-gathered for its
-# forward and freed, gathered again for its backward, its gradients reduce-scattered into the
-# gradient shard, and freed. The step updates the shard in place and nothing is gathered after it:
-# the next forward gathers what it needs. (Prefetch is off here, so each gather is its own phase;
-# with prefetch the next unit's all-gather would already be in flight.)
+# while a unit is gathered. Each unit is all-gathered for its forward and freed, gathered again for
+# its backward, its gradients reduce-scattered into the gradient shard, and freed. The step updates
+# the shard in place and nothing is gathered after it: the next forward gathers what it needs.
+# Prefetch is on: in backward, as unit l2 is gathered, the all-gather of unit l1, next in
+# backward's order, starts too (the phase marked "a prefetch"). In forward it starts from the
+# second step: the first step records the order the units run in. (The recorder lets each
+# collective complete as it is issued, so the prefetch is its own phase; in a real step it is in
+# flight while l2 computes.)
 
 # %%
 from minizero.lab import stepthrough
@@ -77,18 +80,23 @@ plots.step_widget(steps, stage=[0, 1, 2, 3], world_size=[2, 3, 4])
 # %% [markdown]
 # ### The lines that did it
 #
-# Stage 3's unit (`minizero/zero3.py`): `gather` allocates the unit's full buffer and all-gathers
-# every rank's shard into it (the all-gather phases above), `free` gives the storage back, 0 bytes,
-# the shape kept (the free phases), and `post_backward` reduce-scatters the unit's gradients, stage
-# 2's `GradientShard.reduce`, then frees it. The module's forward pre-hook calls `pre_forward`
-# (gather, prefetch the next), its forward hook `post_forward` (free). Read from the file now:
+# Stage 3 is what happens to a unit (`minizero/zero3.py`). The module's forward pre-hook calls
+# `pre_forward`, which gathers the unit (and, from the second step, prefetches the next one);
+# `gather` allocates the unit's full buffer and all-gathers every rank's shard into it (the
+# all-gather phases); the forward hook calls `post_forward`, which frees it (the free phases: the
+# storage goes back, 0 bytes, the shape kept). In backward a hook on the unit's output calls
+# `pre_backward`: gather again, and `_prefetch` starts the next unit's all-gather. When the unit's
+# gradients are complete, `post_backward` hands its bucket to stage 2's `GradientShard.reduce`,
+# whose marked line is the reduce-scatter itself (the reduce-scatter phases), and frees the unit.
+# Marked: the lines that ran in the recording above and led to its phases (`stepthrough.ran`, from
+# the events' call stacks); a line of `pre_forward` that did not run here stays unmarked.
 
 # %%
 from minizero.lab import source
-from minizero.zero3 import Unit
 
-source.show(Unit.gather, Unit.free, Unit.post_forward, Unit.post_backward,
-            mark=("all_gather(", "resize_(", "self.free()", "reduce_scatter(self.bucket"))
+source.show(*stepthrough.ran(steps, "Unit.pre_forward", "Unit.post_forward", "Unit.pre_backward",
+                             "Unit._prefetch", "Unit.gather", "Unit.post_backward",
+                             "GradientShard.reduce"))
 
 # %% [markdown]
 # ## The code every rank runs

@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -81,17 +81,17 @@ plots.step_widget(steps, stage=[1, 2, 3], world_size=[2, 3, 4], offload=[True, F
 #
 # Offload changes only where the optimizer's tensors live and two copies (`minizero/offload.py`,
 # `minizero/optim.py`): `HostShardOptimizer._grads_for_masters` copies this rank's averaged
-# gradient partition into host buffers (*gradients (host)*), `ShardOptimizer.step` steps the host's
-# fp32 masters and copies each updated partition back into the device parameters, which stage 2's
-# all-gather then shares. Read from the files now:
+# gradient partition into host buffers (*gradients (host)*), `ShardOptimizer.step` steps the
+# host's fp32 masters (marked: the line that ran in the recording above, found on the optimizer
+# step's call stack) and then copies each updated partition back into the device parameters,
+# which stage 2's all-gather shares. `_grads_for_masters` ran just before, in the loop's header;
+# no event's stack passes through it, so it is shown unmarked.
 
 # %%
 from minizero.lab import source
 from minizero.offload import HostShardOptimizer
-from minizero.optim import ShardOptimizer
 
-source.show(HostShardOptimizer._grads_for_masters, ShardOptimizer.step,
-            mark=("host.copy_(", "self.optimizer.step()", "part.copy_("))
+source.show(HostShardOptimizer._grads_for_masters, *stepthrough.ran(steps, "ShardOptimizer.step"))
 
 # %% [markdown]
 # ## The code every rank runs

@@ -263,7 +263,12 @@ def test_notebook_runs_and_its_plots_match_the_formulas(name, tmp_path):
                                               f"    _json.dump({{{entries}}}, _f)"))
     nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                             resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+    recorded = set()               # the minizero lines on the stacks of the events the run recorded
+    recordings = []
     for export, data in json.loads(found.read_text()).items():
+        recordings += [data["steps"]] if "steps" in data else []
+        recorded |= {(r["file"], r["line"]) for r in data.get("steps", {}).get("ran", [])}
+        recorded |= {(w["file"], w["line"]) for w in data.get("ring", {}).get("sources", [])}
         if "runs" in data:
             check_training_runs(data["runs"])
         if "collectives" in data:
@@ -290,6 +295,52 @@ def test_notebook_runs_and_its_plots_match_the_formulas(name, tmp_path):
             check_mesh(data["mesh"])
         if "muon" in data:
             check_muon(data["muon"])
+    if recorded:
+        check_marked_lines_ran(nb, recorded, name, recordings)
+
+
+# what a notebook's "lines that did it" must mark: a line of each function, or ("phase", kind) the
+# line a phase of that kind names (the collective's own line)
+MUST_MARK = {"02_zero1": ["ShardOptimizer.step", ("phase", "reduce_scatter")],
+             "04_zero3": ["Unit.pre_forward", "Unit._prefetch", "Unit.pre_backward",
+                          ("phase", "reduce_scatter")]}
+
+
+def marked_lines(nb) -> list[tuple[str, int, str, str]]:
+    """(file, line, function, text) of every line a source.Code shown in the executed notebook
+    marks (its text form: a "# file:line, in function" title, "▶" before a marked line's
+    number)."""
+    found = []
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            file = function = None
+            shown = out.get("data", {}).get("text/plain") or out.get("text") or ""
+            for text in shown.split("\n"):
+                title = re.match(r"# (minizero/\S+\.py):\d+, in (\S+)$", text)
+                file, function = title.groups() if title else (file, function)
+                marked = re.match(r"▶ +(\d+)  (.*)", text)
+                if marked and file:
+                    found.append((file, int(marked.group(1)), function, marked.group(2).strip()))
+    return found
+
+
+def check_marked_lines_ran(nb, recorded: set[tuple[str, int]], name: str, steps: list) -> None:
+    """Every line of minizero a notebook highlights ran in that notebook's own recording and led to
+    an event there (it is on the call stack of one): no line of another setting (notebook 01 once
+    marked Engine.step's all-reduce across shard groups, which DDP never runs). And MUST_MARK's
+    lines are among them."""
+    shown = marked_lines(nb)
+    assert shown or not any("source.show(" in c.source for c in nb.cells), "no marked line found"
+    for file, line, _, text in shown:
+        assert (file, line) in recorded, (
+            f"{file}:{line} ({text!r}) is highlighted, but led to no event in this notebook's run")
+    for must in MUST_MARK.get(name, []):
+        if isinstance(must, tuple):
+            lines = {(p["source"]["file"], p["source"]["line"]) for s in steps
+                     for p in s["phases"] if p["kind"] == must[1]}
+            assert lines & {(f, n) for f, n, _, _ in shown}, f"{name}: no {must[1]} line marked"
+        else:
+            assert any(f == must for _, _, f, _ in shown), f"{name}: nothing of {must} marked"
 
 
 # the backend would end the hang after comm.DEFAULT_TIMEOUT_S (120 s): the verdict comes long before

@@ -26,15 +26,21 @@ with nothing in the engine replaced:
     them is a phase of its own, "all_reduce_across";
   * wrap(..., buckets_in_flight=1): one bucket in flight (minizero lets two overlap), so the phases
     come bucket by bucket;
-  * stage 3: "unit freed" (its gathers are the all-gathers above), prefetch off;
+  * stage 3: "unit freed" (its gathers are the all-gathers above); prefetch on, so backward's
+    pre_backward starts the next unit's all-gather (forward's from the second step, once the
+    first has recorded the order; inside comm.synchronous() it completes as it is issued);
   * "optimizer step", and the end of forward and of backward.
 None of it changes a value: `check` compares every phase with one process stepping the whole batch.
 
-Each phase also names the line of minizero that produced it ("source": file, line, function), found
-by walking the call stack of the event being observed (source.origin: the subscriber runs inside
-events.emit, so the emitting frame is on the stack): for a collective the stage's call to it, for a
-free Unit.free. The recorder's own snapshots (start, end of forward, end of backward) name the
-engine method that had just run. plots.step_widget shows that function with the line marked.
+Each phase also names the line of minizero that produced it ("source": file, line, function) and
+the lines that led there ("stack"), found by walking the call stack of the event being observed
+(source.stack: the subscriber runs inside events.emit, so the emitting frames are on the stack):
+for a collective the stage's call to it, for a free Unit.free, for the step the optimizer home's
+call of torch's optimizer (seen from torch's own step hook). The recorder's own snapshots (start,
+end of forward, end of backward) name the engine method that had just run. plots.step_widget shows
+that function with the line marked; `ran(steps, "Unit.pre_forward", ...)` finds every line of a
+function that led to an event, for a notebook to show with source.show: only lines that ran are
+marked, wherever they move.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import linecache
 import math
 from collections import OrderedDict
 
@@ -96,6 +103,9 @@ def _optimizer(cfg: StepConfig):
 class _Recorder:
     def __init__(self, engine):
         self.engine, self.phases, self.in_backward = engine, [], False
+        # every minizero line on the stack of an event seen: (file, line, function) -> event names
+        self.ran: dict[tuple[str, int, str], set[str]] = {}
+        self.step_stack: list[dict] = []       # where the optimizer stepped (its torch hook)
         self.issued: dict[int, tuple] = {}       # collective seq -> (kind, group, bucket) till done
         # flat ranges a reduce-scatter left undefined: None
         self.workspace: list[tuple[int, int]] = []
@@ -130,12 +140,12 @@ class _Recorder:
         return b.start + (e.layout.rank * b.shard_numel if e.sharded else 0)
 
     def _name(self, b) -> str:
-        units = getattr(self.engine, "_unit_of_bucket", None)
-        return f"unit {units[b.index].name}" if units else f"bucket {b.index}"
+        unit = next((u for u in getattr(self.engine, "units", []) if u.bucket is b), None)
+        return f"bucket {b.index}" if unit is None else f"unit {unit.index} ({unit.name})"
 
-    def snap(self, label: str, kind: str, bucket=None, where: dict | None = None) -> None:
-        """Record every buffer now, as the end of a phase; `where`: the line of minizero that
-        produced it (source.origin or source.of)."""
+    def snap(self, label: str, kind: str, bucket=None, where: list[dict] = ()) -> None:
+        """Record every buffer now, as the end of a phase; `where`: the lines of minizero that
+        produced it, innermost first (source.stack, or [source.of(...)])."""
         self.phases.append(
             {
                 "label": label,
@@ -143,7 +153,8 @@ class _Recorder:
                 "bucket": None if bucket is None else bucket.index,
                 "buffers": self.state(),
                 "activations": self.engine.activations.alive,
-                "source": where,
+                "source": where[0] if where else None,
+                "stack": list(where),
             }
         )
 
@@ -224,8 +235,19 @@ class _Recorder:
         with comm.synchronous(), events.subscribed(self._on_event):
             yield
 
+    def saw(self, name: str, frames: list[dict]) -> None:
+        for f in frames:             # (a line that only announces the event is no mechanism)
+            if "events.emit(" not in linecache.getline(str(source.ROOT / f["file"]), f["line"]):
+                self.ran.setdefault((f["file"], f["line"], f["function"]), set()).add(name)
+
+    def optimizer_stepped(self, optimizer, args, kwargs) -> None:
+        """torch's step post-hook on the optimizer home's torch optimizer: where it stepped."""
+        self.step_stack = source.stack()
+        self.saw("torch optimizer step", self.step_stack)
+
     def _on_event(self, name: str, fields: dict) -> None:
-        e, where = self.engine, source.origin()       # the line of minizero that emitted it
+        e, where = self.engine, source.stack()        # the lines of minizero that emitted it
+        self.saw(name, where)
         if name == "collective" and fields["kind"] in KINDS and fields["numel"]:
             b = self._bucket_of(fields["tensor"])
             self.issued[fields["seq"]] = (fields["kind"], fields["group"], b)
@@ -239,17 +261,22 @@ class _Recorder:
         elif name == "collective done" and fields["seq"] in self.issued:
             self._after_collective(*self.issued.pop(fields["seq"]), where)
         elif name == "unit freed" and fields["engine"] is e:
+            unit = fields["unit"]
             self.snap(
-                f"free unit {fields['unit'].name}: only the shard is left",
+                f"free unit {unit.index} ({unit.name}): only the shard is left",
                 "free",
                 fields["unit"].bucket,
                 where,
             )
         elif name == "optimizer step" and fields["engine"] is e:
             what = "its partition" if e.sharded else "every parameter (all ranks the same)"
-            self.snap(f"optimizer step: each rank updates {what}", "step", where=where)
+            self.snap(f"optimizer step: each rank updates {what}", "step",
+                      where=self.step_stack or where)
+        elif name == "unit gather" and fields["engine"] is e and fields["prefetch"]:
+            self.phases[-1]["label"] += (" (a prefetch: started while the unit before it in "
+                                         "backward computes)")
 
-    def _after_collective(self, kind: str, group, b, where: dict | None) -> None:
+    def _after_collective(self, kind: str, group, b, where: list[dict]) -> None:
         e, name = self.engine, self._name(b)
         snap = functools.partial(self.snap, where=where)
         if kind == "reduce_scatter":                   # only this rank's partition is defined now
@@ -306,7 +333,7 @@ def worker(cfg: StepConfig) -> dict:
     r, n = comm.rank(), comm.world_size()
     options = {0: {"bucket_size": 4 * cfg.bucket_elems, "buckets_in_flight": 1}, 1: {},
                2: {"bucket_size": 4 * cfg.bucket_elems, "buckets_in_flight": 1},
-               3: {"prefetch": False, "buckets_in_flight": 1}}[cfg.stage]
+               3: {"prefetch": True, "buckets_in_flight": 1}}[cfg.stage]
     groups = {"shard_group_size": cfg.shard_group_size, "hpz_group_size": cfg.hpz_group_size}
     options.update({name: size for name, size in groups.items() if size is not None})
     engine = wrap(tiny_model(cfg.seed), cfg.stage, _optimizer(cfg), offload=cfg.offload,
@@ -314,20 +341,24 @@ def worker(cfg: StepConfig) -> dict:
     x, y = (t[r * cfg.rows // n: (r + 1) * cfg.rows // n] for t in global_batch(cfg))
     rec, kind = _Recorder(engine), type(engine)
     built = type(engine.params).__init__                      # where the parameters were laid out
+    # torch's own hook on the optimizer the home steps (optim.SteppedHome.optimizer): the stack of
+    # the partitioned step, ShardOptimizer.step's call of it
+    hook = engine.optimizer.optimizer.register_step_post_hook(rec.optimizer_stepped)
     with rec.watching():
         rec.snap("start: each rank holds only its parameter shard, partition r of every unit"
                  if cfg.stage == 3 else "start: every rank holds rank 0's initial parameters",
-                 "start", where=source.of(built))
+                 "start", where=[source.of(built)])
         loss = nn.functional.mse_loss(engine(x), y)
         rec.snap("end of forward: each rank has its loss on its own rows; every unit was gathered "
                  "for it and freed again (the phases above)" if cfg.stage == 3 else
                  "end of forward: each rank has its loss on its own rows (nothing communicated)",
-                 "forward", where=source.of(kind.__call__))
+                 "forward", where=[source.of(kind.__call__)])
         rec.in_backward = True
         engine.backward(loss)
         rec.in_backward = False
-        rec.snap("end of backward", "backward", where=source.of(kind.backward))
+        rec.snap("end of backward", "backward", where=[source.of(kind.backward)])
         engine.step()
+    hook.remove()
     # The last phase against the engine's own result: full_state_dict all-gathers the masters.
     final, state = rec.phases[-1]["buffers"], engine.full_state_dict()
     held = final["parameters" if cfg.stage < 3 else "parameter shard"]
@@ -336,7 +367,9 @@ def worker(cfg: StepConfig) -> dict:
             assert got is None or got == want, (
                 f"rank {r}, {name}: recorded {got}, the engine holds {want}"
             )
-    return {"phases": rec.phases, "segments": rec.segments, "loss": loss.item(),
+    ran = [{"file": f, "line": line, "function": fn, "events": sorted(names)}
+           for (f, line, fn), names in sorted(rec.ran.items())]
+    return {"phases": rec.phases, "segments": rec.segments, "loss": loss.item(), "ran": ran,
             "buckets": [
                 {
                     "index": b.index,
@@ -353,7 +386,9 @@ def worker(cfg: StepConfig) -> dict:
 def record(cfg: StepConfig = StepConfig(), backend: str = "gloo") -> dict:
     """One launch: {"config", "buckets", "segments", "padded", "partitioned", "phases":
     [{"label", "kind", "bucket", "source": {"file", "line", "function"} of the minizero line that
-    produced it, "ranks": [rank r's buffers], "activations": [bytes per rank]}]};
+    produced it, "stack": the minizero lines that led to it, innermost first, "ranks": [rank r's
+    buffers], "activations": [bytes per rank]}], "ran": [{"file", "line", "function", "events"}:
+    every minizero line on the stack of an event of the step, and those events]};
     the end of backward is left out where it changed nothing on any rank (DDP: the last
     all-reduce ended it)."""
     # one line, no launch
@@ -376,6 +411,7 @@ def record(cfg: StepConfig = StepConfig(), backend: str = "gloo") -> dict:
                 "kind": phase["kind"],
                 "bucket": phase["bucket"],
                 "source": phase["source"],        # rank 0's: every rank runs the same code
+                "stack": phase["stack"],
                 "ranks": ranks,
                 "activations": activations,
             }
@@ -388,7 +424,20 @@ def record(cfg: StepConfig = StepConfig(), backend: str = "gloo") -> dict:
         "partitioned": first["partitioned"],
         "phases": phases,
         "losses": [res["loss"] for res in per_rank],
+        "ran": first["ran"],
     }
+
+
+def ran(steps: dict, *functions: str) -> list[tuple[str, int]]:
+    """(file, line) of every line of the named functions (qualified names: "Unit.pre_forward")
+    that was on the call stack of an event in the recorded step: the lines that ran and led to
+    what the phases show, found wherever they are now, for source.show to mark. A function none
+    of whose lines did: ValueError (renamed, or not run at this setting)."""
+    missing = [f for f in functions if not any(r["function"] == f for r in steps["ran"])]
+    if missing:
+        raise ValueError(f"{', '.join(missing)}: no line of it led to an event in this step "
+                         f"(stage {steps['config']['stage']})")
+    return [(r["file"], r["line"]) for f in functions for r in steps["ran"] if r["function"] == f]
 
 
 # --------------------------------------------------------------------------------------------------
