@@ -176,10 +176,10 @@ for when, nbytes in seen:
 
 # %% [markdown]
 # 32 bytes while the unit runs: the weight is a view of the unit's whole gathered buffer, the
-# weight's 3 × 2 and the bias's 2 fp32 elements. 4 bytes otherwise, not 0: a released parameter
-# points at one NaN element shared by every absent parameter of that dtype (`absent_like` in
-# `minizero/absent.py`), so that reading it gives NaN instead of freed memory (notebook 09, section
-# 2). Its shape stays (3 × 2 here) and so does `numel()`.
+# weight's 2 × 3 (out × in, `nn.Linear(3, 2)`) and the bias's 2 fp32 elements. 4 bytes otherwise,
+# not 0: a released parameter points at one NaN element shared by every absent parameter of that
+# dtype (`absent_like` in `minizero/absent.py`), so that reading it gives NaN instead of freed
+# memory (notebook 09, section 2). Its shape stays ((2, 3) here) and so does `numel()`.
 
 # %% [markdown]
 # ## Run it
@@ -223,13 +223,15 @@ plots.memory_by_category(runs, "stage 3");
 # computation waits; with prefetch the next unit's all-gather is already in flight while the current
 # one computes (hatched bars), at the cost of one more unit in memory.
 #
-# Read the bars for *when* each unit exists, not the two panels' lengths for speed. Here the
-# network is loopback between processes on the same cores: an all-gather of a unit takes about as
-# long as the Python around it, so prefetch has little waiting to hide. The prefetch-off step is
-# also recorded first, in the same processes, and the first configuration is slower: with the order
-# swapped, prefetch on took 100 ms and off 89 ms (measured on this project's 2-core machine, N =
-# 4). Notebook 08 runs stage 3 on a modelled network (`minizero/beyond/network.py`), where an
-# all-gather takes a real link's time and prefetch's overlap shows as time saved.
+# Read the bars for *when* each unit exists, not the two panels' lengths for speed (both panels
+# share one time axis; the cell prints each step's length). Here the network is loopback between
+# processes on the same cores: an all-gather of a unit takes about as long as the Python around it,
+# so prefetch has little waiting to hide, and what else the machine runs decides the lengths. Three
+# runs of this cell's launch at N = 4 on this project's shared 2-core machine gave (prefetch off,
+# on) = (230, 148), (113, 472) and (342, 109) ms: the lengths vary more from run to run than from
+# one setting to the other. Notebook 08 runs stage 3 on a modelled network
+# (`minizero/beyond/network.py`), where an all-gather takes a real link's time and prefetch's
+# overlap shows as time saved.
 
 # %%
 timelines = demo.zero3_timelines(max(WORLD_SIZES), model=MODEL, backend=BACKEND)   # one launch
@@ -239,7 +241,8 @@ for p, ivs in intervals.items():
     for b, name in enumerate(names):   # every unit: gathered once for forward, once for backward
         assert [iv["phase"] for iv in ivs if iv["unit"] == b] == ["forward", "backward"], name
     print(f"prefetch {'on ' if p else 'off'}: {len(ivs)} gather->free spans over "
-          f"{len(names)} units, peak parameters {timelines[p]['peak_params'] / 1e3:.1f} kB")
+          f"{len(names)} units, peak parameters {timelines[p]['peak_params'] / 1e3:.1f} kB, "
+          f"step {timelines[p]['marks']['end'] * 1e3:.0f} ms")
 plots.unit_timeline(timelines, intervals);
 
 # %% [markdown]
@@ -276,11 +279,15 @@ for r in lora:
 plots.lora_memory(lora);
 
 # %% [markdown]
-# At N = 1 building under `sharded_init` holds a little *more* than building normally: one rank's
-# chunks are the whole model, and while a module is built its weight also exists in full until it
-# is partitioned (at the peak, one MLP weight of 32 × 128 fp32 elements: 16 kB here, against the
-# finished model's count for the normal build). From N = 2 the chunks are 1/N of the model, and
-# that saving outgrows the one module in construction.
+# Both builds are measured the same way: the parameter bytes alive at once while the model is built
+# (`minizero.lab.demo.ParameterBytes` for the normal build, `sharded_init`'s own count for the
+# other). The normal build holds the whole model at the end, base and adapters. At N = 1 building
+# under `sharded_init` holds *more* (223,488 B against 215,296 B): one rank's chunks are the whole
+# model, and transformers initializes each weight after its module is built, a call that gathers
+# the weight in full. The peak comes during that pass over the base model: its chunks (207,104 B)
+# plus one MLP weight of 32 × 128 fp32 elements (16,384 B). The LoRA adapters (2,048 parameters,
+# 8,192 B) are built only after it, so the gap is 16,384 - 8,192 = 8,192 B. From N = 2 the chunks
+# are 1/N of the model, and that saving outgrows the one weight in flight.
 
 # %% [markdown]
 # ## What to try

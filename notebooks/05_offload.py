@@ -187,15 +187,10 @@ plots.memory_by_category(measured["stage 2 + offload"], "stage 2 + offload");
 # rank's 0/1 flag goes through one all-reduce (max) and every rank takes the same decision.
 #
 # Below: stage 2, an inf injected into one element of one rank's partition at steps 3, 4, 5 and 12
-# (alternating ranks; the experiment's fault, `minizero.lab.demo.loss_scale_worker`). Window 4,
-# hysteresis 2: step 3 uses up the credit, steps 4 and 5 halve S; steps 6-9 are 4 good steps, so the
-# 5th good step, step 10, doubles S after it (step 11 is the first to use it), which restores the
-# credit, so step 12 is skipped at the same S.
-
-# %% [markdown]
-# **Exercise 10**: [`exercises/ex10_global_overflow.py`](../exercises/ex10_global_overflow.py),
-# graded with `pytest exercises -k ex10`: the global overflow check of fp16's loss scale: one
-# collective over the ranks' flags.
+# (of ranks 1, 0, 1 and 1: `FAULTS`; the experiment's fault, `minizero.lab.demo.loss_scale_worker`).
+# Window 4, hysteresis 2: step 3 uses up the credit, steps 4 and 5 halve S; steps 6-9 are 4 good
+# steps, so the 5th good step, step 10, doubles S after it (step 11 is the first to use it), which
+# restores the credit, so step 12 is skipped at the same S.
 
 # %%
 FAULTS = {3: 1, 4: 0, 5: 1, 12: 1}       # step: the rank whose gradient partition gets an inf

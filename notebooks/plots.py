@@ -182,8 +182,9 @@ def _device_bytes(memory: dict) -> float:
 
 def unit_timeline(timelines: dict, intervals: dict):
     """One row per stage-3 unit: when its full parameters exist, forward then backward, prefetch off
-    (left) and on (right). A hatched bar was started by a prefetch (gathered ahead of its use)."""
-    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8), sharey=True)
+    (left) and on (right), on one time scale. A hatched bar was started by a prefetch (gathered
+    ahead of its use)."""
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8), sharey=True, sharex=True)
     for ax, prefetch in zip(axes, (False, True)):
         rec = timelines[prefetch]
         names = rec["unit_names"]

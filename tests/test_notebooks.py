@@ -751,7 +751,8 @@ def check_timeline(data: dict) -> None:
 
 def check_lora(rows: list[dict]) -> None:
     """Frozen weights sharded: parameter bytes per rank = (Ψ + Ψ_f)·4/N up to padding, recomputed
-    here; and building under sharded_init held less than the whole model (N > 1)."""
+    here; building normally held the whole model at most (measured); and building under
+    sharded_init held less than half of it (N > 1)."""
     for r in rows:
         n = r["world_size"]
         formula = estimate_breakdown(

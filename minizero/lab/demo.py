@@ -20,6 +20,7 @@ import os
 import statistics
 import time
 import warnings
+import weakref
 
 import torch
 
@@ -295,13 +296,43 @@ def unit_intervals(record: dict) -> list[dict]:
 # 04_zero3: fine-tuning (frozen weights sharded too) and sharded construction
 # --------------------------------------------------------------------------------------------------
 
+class ParameterBytes:
+    """Context manager: the most bytes of parameters alive at once while modules are built inside it
+    (`peak`), counted as sharded_init counts its own (construct.py): a parameter adds its bytes when
+    a module registers it and gives them back when it is freed. For the normal build's figure,
+    measured the same way as sharded_init's peak_bytes."""
+
+    def __init__(self):
+        self.held = self.peak = 0
+        self._seen: set[int] = set()
+
+    def _on_parameter(self, module, name, param) -> None:
+        if param is None or id(param) in self._seen:
+            return
+        self._seen.add(id(param))
+        nbytes = param.numel() * param.element_size()
+        self.held += nbytes
+        self.peak = max(self.peak, self.held)
+        weakref.finalize(param, self._freed, id(param), nbytes)
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)
+        self.held -= nbytes
+
+    def __enter__(self) -> ParameterBytes:
+        self._hook = torch.nn.modules.module.register_module_parameter_registration_hook(
+            self._on_parameter)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hook.remove()
+
+
 def lora_worker(n_embd: int = 32, n_layer: int = 4) -> dict:
     """Worker: a Hugging Face GPT-2 with LoRA adapters (peft; the base frozen), built normally and
     under minizero.sharded_init, each wrapped at stage 3 (units: the decoder layers) and trained
-    one step. Returns what building held at most, and the model-state bytes after backward, for
-    both builds."""
-    import contextlib
-
+    one step. Returns what building held at most (parameter bytes, measured: ParameterBytes,
+    sharded_init.peak_bytes), and the model-state bytes after backward, for both builds."""
     from peft import LoraConfig, get_peft_model
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -310,7 +341,7 @@ def lora_worker(n_embd: int = 32, n_layer: int = 4) -> dict:
     out = {}
     for sharded in (False, True):
         torch.manual_seed(0)
-        with sharded_init() if sharded else contextlib.nullcontext() as init:
+        with sharded_init() if sharded else ParameterBytes() as init:
             base = GPT2LMHeadModel(
                 GPT2Config(
                     vocab_size=VOCAB_SIZE,
@@ -334,7 +365,7 @@ def lora_worker(n_embd: int = 32, n_layer: int = 4) -> dict:
             t: sum(p.numel() for p in model.parameters() if p.requires_grad == t)
             for t in (True, False)
         }
-        held = init.peak_bytes if sharded else 4 * (counts[True] + counts[False])
+        held = init.peak_bytes if sharded else init.peak           # both measured
         engine = wrap(
             model, 3, functools.partial(torch.optim.AdamW, lr=1e-3), units=list(base.transformer.h)
         )
