@@ -126,13 +126,17 @@ import minizero
 importlib.reload(ranks)              # your edits to ranks.py, in this kernel too
 N, OPTIONS = 2, {"bucket_size": 25e6}    # ranks; bytes per gradient bucket (PyTorch DDP's 25 MB)
 for r in minizero.launch(ranks.train, N, 0, MODEL, OPTIONS, backend=BACKEND):
+    on_wire = "n/a" if r["on_wire"] is None else f"{r['on_wire']:,}"
     print(f"rank {r['rank']}: loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}, "
           f"params {r['memory']['params']:,} B, optimizer {r['memory']['optimizer']:,} B, "
-          f"sent {r['sent']:,.0f} B in the last step")
+          f"last step sent {r['sent']:,.0f} B (ring model), {on_wire} B (on the wire)")
 
 # %% [markdown]
 # Every rank holds the same bytes whatever N: the whole model, its gradients and Adam's two moments.
 # Only the rows differ, so each rank's own loss differs, and after the all-reduce the step does not.
+# The last step's bytes are counted twice: the ring model's, 2(N-1)/N·4Ψ (`comm.tally()`), and what
+# this rank put on the wire (`minizero.memory.wire`): the same, plus gloo's message headers
+# (notebook 00 measures each collective).
 # The optimizer's bytes are 2 × 4Ψ and 4 more: AdamW's step count, a one-element fp32 tensor for
 # each tensor it steps (minizero hands it one flat buffer per bucket; here one bucket). Every
 # notebook's optimizer figure carries those few bytes.

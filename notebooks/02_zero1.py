@@ -25,7 +25,9 @@
 # All parameters are laid end to end in one flat buffer, padded to a multiple of N and cut into N
 # partitions (`minizero/flat.py`). After backward a **reduce-scatter** gives rank r the averaged
 # gradient of its partition (half an all-reduce: Ψ); it steps that partition; an **all-gather** (Ψ)
-# shares the updated parameters. Total 2Ψ per step: the same as DDP.
+# shares the updated parameters. Total 2Ψ per step in a ring (what NCCL sends): the same as DDP. On
+# gloo minizero runs the reduce-scatter as an all-reduce (faster there), so 3Ψ go on the wire: the
+# worker cell below prints both figures, notebook 00 measures each collective.
 
 # %% [markdown]
 # **Exercise 04**: [`exercises/ex04_zero1_partition.py`](../exercises/ex04_zero1_partition.py),
@@ -114,10 +116,11 @@ import ranks
 importlib.reload(ranks)               # your edits to ranks.py, in this kernel too
 N = 2                                 # ranks: the optimizer bytes are 1/N of DDP's
 for r in minizero.launch(ranks.train, N, 1, MODEL, backend=BACKEND):
+    on_wire = "n/a" if r["on_wire"] is None else f"{r['on_wire']:,}"
     m = r["memory"]
     print(f"rank {r['rank']}: loss {r['losses'][-1]:.4f}, params {m['params']:,} B, "
           f"grads {m['grads']:,} B, optimizer {m['optimizer']:,} B, "
-          f"sent {r['sent']:,.0f} B in the last step")
+          f"last step sent {r['sent']:,.0f} B (ring model), {on_wire} B (on the wire)")
 
 # %% [markdown]
 # Change `N` to 4: the optimizer bytes per rank halve (KΨ/N), parameters and gradients stay.

@@ -24,9 +24,9 @@
 # $$M_{P_{os+g}} = b_p\,\Psi + \frac{(b_g + K)\,\Psi}{N} \qquad
 # (2\Psi + 14\Psi/N\text{ in the paper})$$
 #
-# Communication is unchanged: reduce-scatter Ψ + all-gather Ψ = 2Ψ per step, now overlapped with
-# backward. (The measured *peak* during backward adds the buckets in flight; the plot shows what
-# persists.)
+# Communication is unchanged: reduce-scatter Ψ + all-gather Ψ = 2Ψ per step in a ring (3Ψ on gloo's
+# wire, as in notebook 02), now overlapped with backward. (The measured *peak* during backward adds
+# the buckets in flight; the plot shows what persists.)
 
 # %% [markdown]
 # **Exercise 06**:
@@ -104,10 +104,11 @@ import ranks
 importlib.reload(ranks)               # your edits to ranks.py, in this kernel too
 N, OPTIONS = 2, {"bucket_size": 25e6}   # ranks; bytes per gradient bucket
 for r in minizero.launch(ranks.train, N, 2, MODEL, OPTIONS, backend=BACKEND):
+    on_wire = "n/a" if r["on_wire"] is None else f"{r['on_wire']:,}"
     m = r["memory"]
     print(f"rank {r['rank']}: loss {r['losses'][-1]:.4f}, params {m['params']:,} B, "
           f"grads {m['grads']:,} B, optimizer {m['optimizer']:,} B, peak {m['peak']:,} B, "
-          f"sent {r['sent']:,.0f} B in the last step")
+          f"last step sent {r['sent']:,.0f} B (ring model), {on_wire} B (on the wire)")
 
 # %% [markdown]
 # The peak is what persists (parameters, gradient shard, optimizer) plus the full gradients in

@@ -25,7 +25,8 @@
 # $$M_{P_{os+g+p}} = \frac{(b_p + b_g + K)\,\Psi}{N} \qquad (16\Psi/N\text{ in the paper})$$
 #
 # plus the few units gathered at a time. Communication: all-gather Ψ (forward) + all-gather Ψ
-# (backward) + reduce-scatter Ψ = **3Ψ**, 1.5× DDP, the price of not replicating parameters.
+# (backward) + reduce-scatter Ψ = **3Ψ**, 1.5× DDP, the price of not replicating parameters (in a
+# ring; on gloo's wire 4Ψ, as its reduce-scatter is an all-reduce: notebook 00).
 
 # %% [markdown]
 # **Exercise 07**: [`exercises/ex07_zero3_hooks.py`](../exercises/ex07_zero3_hooks.py), graded with
@@ -120,11 +121,12 @@ block = 4 * sum(p.numel() for p in net.blocks[0].parameters())           # one b
 whole = 4 * sum(p.numel() for p in net.parameters())                     # 4Ψ, the tied weight once
 root = whole - block * len(net.blocks)      # the root unit: embeddings, final LayerNorm, the head
 for r in minizero.launch(ranks.train, N, 3, MODEL, OPTIONS, backend=BACKEND):
+    on_wire = "n/a" if r["on_wire"] is None else f"{r['on_wire']:,}"
     m = r["memory"]
     gathered = m["peak_params"] - m["params"]
     print(f"rank {r['rank']}: loss {r['losses'][-1]:.4f}, params {m['params']:,} B (the shard), "
           f"grads {m['grads']:,} B, optimizer {m['optimizer']:,} B, "
-          f"sent {r['sent']:,.0f} B in the last step\n"
+          f"last step sent {r['sent']:,.0f} B (ring model), {on_wire} B (on the wire)\n"
           f"    parameters at most {m['peak_params']:,} B = the shard + {gathered:,} B gathered "
           f"at once: the root unit ({root:,} B) + {(gathered - root) / block:.2f} blocks of "
           f"{block:,} B; the whole model is {whole:,} B")

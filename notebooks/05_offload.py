@@ -110,10 +110,11 @@ importlib.reload(ranks)               # your edits to ranks.py, in this kernel t
 N, OFFLOAD = 2, "optimizer"          # ranks; False: the optimizer stays on the device
 for r in minizero.launch(ranks.train, N, 2, MODEL, {"offload": OFFLOAD, "dtype": DTYPE},
                          backend=BACKEND):
+    on_wire = "n/a" if r["on_wire"] is None else f"{r['on_wire']:,}"
     m = r["memory"]
     print(f"rank {r['rank']}: loss {r['losses'][-1]:.4f}, params {m['params']:,} B, "
           f"grads {m['grads']:,} B, optimizer {m['optimizer']:,} B, host {m['offloaded']:,} B, "
-          f"sent {r['sent']:,.0f} B in the last step")
+          f"last step sent {r['sent']:,.0f} B (ring model), {on_wire} B (on the wire)")
 
 # %% [markdown]
 # Set `OFFLOAD = False`: the optimizer bytes come back to the device and the host holds nothing. Set

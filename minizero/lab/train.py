@@ -289,7 +289,7 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
                   f"{step_times[-1] * 1e3:.1f} ms/step", flush=True)
         if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step == cfg.steps - 1):
             checkpoint.save_numbered(engine, cfg.save_dir, cfg.keep_last)
-        bar.set_postfix(loss=f"{step_loss:.4f}", refresh=False)
+        bar.set_postfix(rank0_loss=f"{step_loss:.4f}", refresh=False)
         bar.update()
     bar.close()
     if meter:
