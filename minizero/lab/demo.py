@@ -167,8 +167,8 @@ def collectives_worker(numel: int, repeats: int = 3) -> dict:
     unavailable = wire.unavailable()
     sent, on_wire, seconds = {}, {}, {}
     for kind, op in ops.items():
-        # the ring's point-to-point sends are written by this thread too, and are no collective
-        # event: everything written while it runs is the ring's (memory/wire.py)
+        # the ring's point-to-point sends are written by this thread too (memory/wire.py), and
+        # none of them is a collective of comm's: everything written while it runs is the ring's
         ring = kind == "ring_all_reduce"
         with contextlib.nullcontext() if unavailable else wire.WireMeter(ring) as meter:
             times = []
@@ -184,7 +184,8 @@ def collectives_worker(numel: int, repeats: int = 3) -> dict:
                 times.append(time.perf_counter() - start)
                 sent[kind] = comm.tally()[kind]
                 if meter:
-                    on_wire[kind] = meter.bytes()["outside" if ring else kind]
+                    measured = meter.bytes()
+                    on_wire[kind] = measured.get(kind, 0) + (measured["outside"] if ring else 0)
         seconds[kind] = statistics.median(times)
     expected, ring = big.clone(), big.clone()
     comm.all_reduce(expected, op="sum")

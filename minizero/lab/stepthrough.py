@@ -140,8 +140,9 @@ class _Recorder:
         return b.start + (e.layout.rank * b.shard_numel if e.sharded else 0)
 
     def _name(self, b) -> str:
-        unit = next((u for u in getattr(self.engine, "units", []) if u.bucket is b), None)
-        return f"bucket {b.index}" if unit is None else f"unit {unit.index} ({unit.name})"
+        """Stage 3: the unit whose bucket b is, as its tag names it (units in forward order)."""
+        units = {u.bucket.index: u for u in getattr(self.engine, "units", []) if u.bucket}
+        return units[b.index].tag if b.index in units else f"bucket {b.index}"
 
     def snap(self, label: str, kind: str, bucket=None, where: list[dict] = ()) -> None:
         """Record every buffer now, as the end of a phase; `where`: the lines of minizero that
@@ -261,9 +262,8 @@ class _Recorder:
         elif name == "collective done" and fields["seq"] in self.issued:
             self._after_collective(*self.issued.pop(fields["seq"]), where)
         elif name == "unit freed" and fields["engine"] is e:
-            unit = fields["unit"]
             self.snap(
-                f"free unit {unit.index} ({unit.name}): only the shard is left",
+                f"free {fields['unit'].tag}: only the shard is left",
                 "free",
                 fields["unit"].bucket,
                 where,

@@ -281,8 +281,8 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
         step_times.append(clock() - start)
         phase_times.append(phases)
         comm_per_step.append(comm.tally())
-        wire_per_step.append(meter.bytes() if meter else None)
         losses.append(step_loss)
+        wire_per_step.append(meter.bytes() if meter else None)
         loss_scales.append(engine.loss_scale)     # S after the step (fp16; 1.0 otherwise)
         if cfg.log_every and rank == 0 and (step % cfg.log_every == 0 or step == cfg.steps - 1):
             print(f"step {step + 1:>4}/{cfg.steps}  rank 0's loss {step_loss:.4f}  "
