@@ -169,8 +169,8 @@ def collectives_worker(numel: int, repeats: int = 3) -> dict:
     for kind, op in ops.items():
         # the ring's point-to-point sends are written by this thread too (memory/wire.py), and
         # none of them is a collective of comm's: everything written while it runs is the ring's
-        ring = kind == "ring_all_reduce"
-        with contextlib.nullcontext() if unavailable else wire.WireMeter(ring) as meter:
+        point_to_point = kind == "ring_all_reduce"
+        with contextlib.nullcontext() if unavailable else wire.WireMeter(point_to_point) as meter:
             times = []
             for _ in range(repeats):
                 comm.barrier()
@@ -185,7 +185,8 @@ def collectives_worker(numel: int, repeats: int = 3) -> dict:
                 sent[kind] = comm.tally()[kind]
                 if meter:
                     measured = meter.bytes()
-                    on_wire[kind] = measured.get(kind, 0) + (measured["outside"] if ring else 0)
+                    outside = measured["outside"] if point_to_point else 0
+                    on_wire[kind] = measured.get(kind, 0) + outside
         seconds[kind] = statistics.median(times)
     expected, ring = big.clone(), big.clone()
     comm.all_reduce(expected, op="sum")
