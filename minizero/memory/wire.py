@@ -17,8 +17,8 @@ What it reads: Linux counts, per thread, the bytes each one hands to write(), wr
 ("gloo_tcp_loop", "pt_gloo_runloop"), which do nothing else, so their counters are this rank's
 bytes on the wire, payload and headers. Another thread's writes (a print, a file, the desync
 watchdog's store updates) are not counted; point-to-point sends are written from the calling
-thread (WireMeter(calling_thread=True)). Measured on 2 gloo ranks: a 3 MiB all-reduce wrote
-2(N-1)/N·S + 304 B on each rank (docs/performance.md has the table and its command).
+thread (WireMeter(calling_thread=True)). Measured on 2 gloo ranks: an all-reduce of S = 4 MB
+wrote 2(N-1)/N·S + 576 B on each rank (docs/performance.md has the table and its command).
 
 How the bytes become a collective's: the meter reads those counters at each "collective" (issued)
 and "collective done" (waited) event (events.py). What was written between two readings went out
