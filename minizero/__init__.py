@@ -9,11 +9,11 @@
     with minizero.sharded_init(): model = MyModel()      # stage 3: built partitioned, never whole
     minizero.set_z3_leaf_modules(model, [MoEBlock])      # stage 3: gathered whole (DeepSpeed's)
 
-This folder is the ZeRO implementation, read in this order (3,085 lines, docstrings included):
-    comm.py (656) -> events.py (116) -> flat.py (233) -> reducer.py (120) -> optim.py (324)
-    -> engine.py (535) -> stages.py (78, the paper's table: one row per stage) -> ddp.py (126)
+This folder is the ZeRO implementation, read in this order (3,118 lines, docstrings included):
+    comm.py (656) -> events.py (116) -> flat.py (233) -> reducer.py (120) -> optim.py (348)
+    -> engine.py (541) -> stages.py (78, the paper's table: one row per stage) -> ddp.py (126)
     -> zero1.py (76) -> zero2.py (115) -> zero3.py (350, with units.py 287, leaf modules included)
-    -> offload.py (69).
+    -> offload.py (72).
 Then the stage helpers beside it: options.py (which stage takes what), absent.py (a stage-3
 parameter between uses), loss_scale.py for fp16, owners.py (one engine per parameter),
 checkpoint.py, memory/ (the paper's formulas and the byte counter), and the public entry points
@@ -22,7 +22,8 @@ The folders around it plug into it, each named for what it is:
     deepspeed/   DeepSpeed's front end: initialize, its JSON config, its checkpoints' tags
     fairscale/   FairScale's FullyShardedDataParallel (flat parameters) and its wrap helpers
     beyond/      what came after the paper: ZeRO-R's activations, ZeRO++, ZeRO-Infinity's disk tier,
-                 a modelled network, desync detection, tensor parallelism on a 2-D mesh
+                 a modelled network, desync detection, tensor parallelism on a 2-D mesh,
+                 Muon (an optimizer that needs whole matrices)
 Beside it, never imported by it (tests/test_layout.py checks): lab/ (the small GPT, the data, the
 training loop, the single-process reference, PyTorch's and DeepSpeed's peers, the experiments
 behind the notebooks, the benchmark) and cli/ (every command: python -m minizero <command>; the

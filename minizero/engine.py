@@ -75,7 +75,7 @@ from minizero.absent import refuse_dropped_writes
 from minizero.loss_scale import scaler_for
 from minizero.memory.meter import ModelStateMeter
 from minizero.offload import optimizer_home
-from minizero.optim import Grouping, SteppedHome, group_runs, parse_param_groups
+from minizero.optim import Grouping, Placement, SteppedHome, group_runs, parse_param_groups
 from minizero.options import (Offload, Precision, Sharding, StageOptions, check_options)
 from minizero.reducer import GradBuckets
 
@@ -171,10 +171,13 @@ class Engine:
             on_grad=self.grads.on_grad, max_in_flight=self.options.buckets_in_flight,
             overlap=self.options.overlap, owner=self) if self.grads.in_backward else None
         # P_os: the optimizer gets what this rank steps: Ψ/N (stages 1-3) or Ψ (DDP)
+        # (a row may bring its own home: beyond/muon/ for matrices, FSDP's for the user's optimizer)
         home = self.row.optimizer or optimizer_home(self.offload, self.offloading.path)
+        buckets = self.layout.buckets                               # where each part sits:
+        placement = Placement(buckets, [self._start(b) for b in buckets], self.shard_group)
         # <- the essential line of P_os: it is handed Ψ/N parameters (optim.OptimizerHome)
         self.optimizer: SteppedHome = home(self.params.optimizer_parts(), optimizer,
-                                           self._grouping())
+                                           self._grouping(), placement)
 
         # ZeRO-R: what forward saves (beyond/activations.py); model states: memory/meter.py
         self.activations = activations.SavedTensorMeter(self.params.param_tensors)
@@ -235,6 +238,10 @@ class Engine:
                     comm.broadcast(t.data, src=src, group=self.data_group,
                                    tag="rank 0's initial values")
 
+    def _start(self, b) -> int:
+        """Where the part of bucket b this rank steps starts: its partition, or 0 unsharded."""
+        return self.layout.rank * b.shard_numel if self.sharded else 0
+
     def _grouping(self) -> Grouping | None:
         """The parameter groups as this rank's optimizer sees them: for each bucket, the runs of
         its elements that this rank steps (its partition, or the whole bucket unsharded), cut where
@@ -243,10 +250,9 @@ class Engine:
             return None
         runs = []
         for b in self.layout.buckets:
-            start = self.layout.rank * b.shard_numel if self.sharded else 0
             size = b.shard_numel if self.sharded else b.padded_numel
-            runs.append(group_runs(b, start, start + size, self.group_of))
-        return Grouping(self.param_groups, runs)
+            runs.append(group_runs(b, self._start(b), self._start(b) + size, self.group_of))
+        return Grouping(self.param_groups, runs, self.group_of)
 
     def keeps_gathered(self, unit) -> bool:
         """Whether a stage-3 unit stays gathered after its forward (FSDP's

@@ -76,6 +76,18 @@ class Grouping:
     """The user's parameter groups as one rank's optimizer sees them [Note: parameter groups]."""
     settings: list[dict]       # each group's hyperparameters (no "params"), in the user's order
     runs: list[list[Run]]      # for each part: its elements cut where the group changes
+    group_of: dict[int, int]   # {id(parameter): its group}, every rank's parameters
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the parts an optimizer home is handed sit: part i is elements [starts[i], starts[i] +
+    part.numel()) of buckets[i] (a flat.Bucket), the ranks of `group` (None: all N) hold the rest.
+    The element-wise homes below do not need it; a home that needs whole parameters does
+    (beyond/muon/: Muon orthogonalizes whole matrices)."""
+    buckets: list          # flat.Bucket, one per part
+    starts: list[int]
+    group: comm.Group | None
 
 
 def parse_param_groups(param_groups, named: list[tuple[str, nn.Parameter]]):
@@ -164,6 +176,13 @@ def fp32_master(part: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(part.detach().float().clone())             # fp32 master copy [part.numel()]
 
 
+def cache_sized(part: int, start: int, stop: int, group: int | None) -> int:
+    """How ShardOptimizer cuts elements [start, stop) of part `part` (one group's run) into views:
+    into this many of about VIEW_NUMEL elements [Note: cache-sized views]. A home may cut
+    elsewhere (`cut`: a count or the split points, as torch.tensor_split takes them)."""
+    return max(1, round((stop - start) / VIEW_NUMEL))
+
+
 class ShardOptimizer:
     """Steps `param_parts` (views into the model's parameter storage) with the user's optimizer.
 
@@ -172,22 +191,23 @@ class ShardOptimizer:
     parameters: set master.grad and call self.optimizer.step(). It sees each master as equal views
     of about VIEW_NUMEL elements (`views[i]`: the views of masters[i]) [Note: cache-sized views],
     cut where grouping's runs change group, one torch param_group per user group [Note: parameter
-    groups]. masters: where they live (offload.py: host memory; beyond/disk.py: a file),
-    fp32_master's when not given.
+    groups]. placement: where each part sits (unused here). masters: where they live (offload.py:
+    host memory; beyond/disk.py: a file), fp32_master's when not given. cut: how a run is cut into
+    views (cache_sized).
     """
 
     def __init__(self, param_parts: list[torch.Tensor], optimizer_factory: OptimizerFactory,
-                 grouping: Grouping | None = None, masters: list[nn.Parameter] | None = None):
+                 grouping: Grouping | None = None, placement: Placement | None = None, *,
+                 masters: list[nn.Parameter] | None = None, cut=cache_sized):
         self.param_parts = param_parts
         self.masters = masters if masters is not None else [fp32_master(p) for p in param_parts]
         runs = [[(0, m.numel(), 0)] for m in self.masters] if grouping is None else grouping.runs
         self.views: list[list[nn.Parameter]] = []      # no copy: they share the masters' storage
         self.view_groups: list[list[int | None]] = []  # each view's group (None: not stepped)
-        for master, master_runs in zip(self.masters, runs):
+        for i, (master, master_runs) in enumerate(zip(self.masters, runs)):
             views, groups = [], []
             for start, stop, group in master_runs:
-                pieces = master.detach()[start:stop].tensor_split(
-                    max(1, round((stop - start) / VIEW_NUMEL)))
+                pieces = master.detach()[start:stop].tensor_split(cut(i, start, stop, group))
                 views += [nn.Parameter(v) for v in pieces]
                 groups += [group] * len(pieces)
             self.views.append(views)
@@ -249,22 +269,26 @@ class ShardOptimizer:
     def state_dict(self) -> dict:
         """The torch optimizer's state_dict with one entry per bucket (the views joined back): what
         a checkpoint saves. A state with one value per element is concatenated over a master's
-        views (zeros where a view is not stepped: padding, parameters in no group); any other
-        (Adam's step, the same for every view) is the first stepped view's. param_groups: the
-        torch optimizer's, one per user group, "params" the buckets with views in it."""
+        views (zeros where a view has none: padding, parameters in no group, views another kind
+        of group steps); any other (Adam's step, the same for every view) is the first stepped
+        view's. param_groups: the torch optimizer's, one per user group, "params" the buckets with
+        views in it."""
         saved, state = self.optimizer.state_dict(), {}
         for b, views in enumerate(self.views):
             parts = [saved["state"].get(self._index.get(id(v)), {}) for v in views]
-            first = next((j for j, s in enumerate(parts) if s), None)
-            if first is None:
-                continue
-            state[b] = {
-                name: torch.cat([s[name] if s else torch.zeros(v.shape, dtype=value.dtype)
-                                 for s, v in zip(parts, views)])
-                if _per_element(value, views[first])
-                else value
-                for name, value in parts[first].items()
-            }
+            first = {}                                 # each state's name -> the first view with it
+            for j, view_state in enumerate(parts):
+                for name in view_state:
+                    first.setdefault(name, j)
+            if first:
+                state[b] = {
+                    name: torch.cat([s[name] if name in s else
+                                     torch.zeros(v.shape, dtype=parts[j][name].dtype)
+                                     for s, v in zip(parts, views)])
+                    if _per_element(parts[j][name], views[j])
+                    else parts[j][name]
+                    for name, j in first.items()
+                }
         bucket_of = {self._index[id(v)]: b for b, views in enumerate(self.views)
                      for v in views if id(v) in self._index}
         groups = [{**g, "params": sorted({bucket_of[i] for i in g["params"]})}

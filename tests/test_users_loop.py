@@ -34,6 +34,7 @@ LOOPS = {
     "loss.backward()": (lambda model, engine: None, "loss"),
     "model.zero_grad() + loss.backward()": (lambda model, engine: model.zero_grad(), "loss"),
 }
+# initialize's engine (DeepSpeed's): engine.zero_grad() each step, engine.backward and loss.backward
 
 
 def _train(stage: int, clear, backward: str) -> dict:
@@ -67,9 +68,24 @@ def users_loops() -> dict:
             x, y = global_batch(step, BATCH, CFG.model_config().block_size, seed=CFG.seed)
             x, y = local_batch(x, y, comm.rank(), comm.world_size())
             engine.zero_grad()
-            engine.backward(loss_fn(engine(x), y))
+            if step % 2:
+                loss_fn(engine(x), y).backward()        # without accumulation the same step
+            else:
+                engine.backward(loss_fn(engine(x), y))
             engine.step()
         out[stage, "initialize: engine.zero_grad()"] = engine.engine.full_state_dict()
+        # with accumulation, loss.backward() would miss the loss's 1/K: refused
+        model = make_model(CFG.model_config(), seed=CFG.seed)
+        engine, *_ = minizero.initialize(
+            model=model, model_parameters=model.parameters(),
+            config={**config, "gradient_accumulation_steps": 2, "train_batch_size": BATCH})
+        x, y = local_batch(*global_batch(0, BATCH, CFG.model_config().block_size), comm.rank(),
+                           2 * N)
+        try:
+            loss_fn(engine(x), y).backward()
+            out[stage, "accumulation: loss.backward()"] = "trained"
+        except RuntimeError as e:
+            out[stage, "accumulation: loss.backward()"] = str(e)
         # fp16 needs its loss scaled: loss.backward() alone is refused
         model = make_model(CFG.model_config(), seed=CFG.seed)
         engine = minizero.wrap(model, stage, functools.partial(torch.optim.SGD, lr=0.1),
@@ -80,6 +96,18 @@ def users_loops() -> dict:
             out[stage, "fp16 loss.backward()"] = "trained"
         except RuntimeError as e:
             out[stage, "fp16 loss.backward()"] = str(e)
+    # FairScale's FullyShardedDataParallel: the user's optimizer and zero_grad(), both spellings
+    for set_to_none in (True, False):
+        model = minizero.FullyShardedDataParallel(make_model(CFG.model_config(), seed=CFG.seed))
+        optimizer = torch.optim.SGD(model.parameters(), lr=CFG.lr)
+        for step in range(STEPS):
+            x, y = global_batch(step, BATCH, CFG.model_config().block_size, seed=CFG.seed)
+            x, y = local_batch(x, y, comm.rank(), comm.world_size())
+            optimizer.zero_grad(set_to_none=set_to_none)
+            loss_fn(model(x), y).backward()
+            optimizer.step()
+        out["fsdp", f"zero_grad(set_to_none={set_to_none})"] = {
+            k: v.float() for k, v in model.state_dict().items()}
     # two owners: a stage-0 engine for the gradients, then a stage-1 engine as the optimizer
     model = make_model(CFG.model_config(), seed=CFG.seed)
     sgd = functools.partial(torch.optim.SGD, lr=CFG.lr)
@@ -109,6 +137,22 @@ def reference():
 def test_the_users_loop_ends_where_one_process_ends(runs, reference, stage, loop):
     for rank in runs:
         assert max_abs_diff(rank[stage, loop], reference) <= 1e-5, (stage, loop)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_fairscales_front_end_with_zero_grad_ends_where_one_process_ends(runs, reference,
+                                                                        set_to_none):
+    for rank in runs:
+        state = rank["fsdp", f"zero_grad(set_to_none={set_to_none})"]
+        assert max_abs_diff(state, reference) <= 1e-5
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_loss_backward_with_deepspeeds_accumulation_is_refused_in_one_line(runs, stage):
+    for rank in runs:
+        message = rank[stage, "accumulation: loss.backward()"]
+        assert message.startswith("gradient_accumulation_steps is 2: call engine.backward(loss)")
+        assert "\n" not in message
 
 
 @pytest.mark.parametrize("stage", range(4))

@@ -45,9 +45,10 @@ import warnings
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from minizero import comm
-from minizero.deepspeed import deepspeed_checkpoint
+from minizero.deepspeed import deepspeed_checkpoint, muon
 from minizero.beyond import tensor_parallel_hf
 from minizero.deepspeed.config import (
     OPTIMIZERS,
@@ -85,9 +86,24 @@ class DeepSpeedStyleEngine:
         self._micro_in_step = 0         # ... since the last optimizer step (a resume may change K)
         self.global_steps = 0           # optimizer steps so far (skipped fp16 ones too: DeepSpeed)
         self._step_applied = False      # whether the last step() updated the parameters
+        self._in_backward = False       # inside backward(): a plain loss.backward() is not
 
     def __call__(self, *inputs, **kwargs):
-        return self.engine(*inputs, **kwargs)
+        output = self.engine(*inputs, **kwargs)
+        if self._accumulation > 1 and torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if torch.is_tensor(t) and t.requires_grad:
+                    t.register_hook(self._refuse_plain_backward)
+        return output
+
+    def _refuse_plain_backward(self, grad):
+        """A loss.backward() that did not come through backward() misses the loss's 1/K: with
+        K > 1 it would step on K times the mean gradient. DeepSpeed's scripts call
+        engine.backward(loss); a plain one is refused in one line rather than trained wrong."""
+        if not self._in_backward:
+            raise RuntimeError(f"gradient_accumulation_steps is {self._accumulation}: call "
+                               "engine.backward(loss), which divides the loss by it, not "
+                               "loss.backward()")
 
     forward = __call__
 
@@ -114,8 +130,12 @@ class DeepSpeedStyleEngine:
         scaled loss."""
         loss = loss / self._accumulation                      # the step's gradient: the mean over K
         local = self.engine.stage <= 1 and not self.is_gradient_accumulation_boundary()
-        with self.engine.no_sync() if local else contextlib.nullcontext():
-            self.engine.backward(loss)
+        self._in_backward = True
+        try:
+            with self.engine.no_sync() if local else contextlib.nullcontext():
+                self.engine.backward(loss)
+        finally:
+            self._in_backward = False
         return loss
 
     def step(self) -> None:
@@ -267,7 +287,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         for note in notes:
             warnings.warn(note, stacklevel=2)
     factory, groups = _optimizer_factory(optimizer, settings,
-                                         _check_parameters(model, model_parameters))
+                                         _check_parameters(model, model_parameters), model)
     stage = settings.get("stage", 0)                       # DeepSpeed's default: no ZeRO
     options = {name: settings[name] for name in ENGINE_OPTIONS if name in settings}
     for name in SIZE_OPTIONS:
@@ -321,11 +341,12 @@ def _check_parameters(model: nn.Module, model_parameters) -> list[dict] | None:
     return [{"params": given}]
 
 
-def _optimizer_factory(optimizer, settings: dict, groups: list[dict] | None):
+def _optimizer_factory(optimizer, settings: dict, groups: list[dict] | None, model: nn.Module):
     """(params -> torch optimizer, parameter groups for wrap): from the object or factory given,
     else from the config's section. An optimizer object gives its class, its defaults and its own
     groups (settings and parameters; model_parameters then only chose what it was built over, as
-    in DeepSpeed)."""
+    in DeepSpeed). Muon's section tags the model's parameters and splits the groups in two
+    (deepspeed/muon.py)."""
     if optimizer is not None and "optimizer" in settings:
         raise ConfigError("the config has an optimizer section and optimizer= was passed too: "
                           "choose one")
@@ -345,12 +366,18 @@ def _optimizer_factory(optimizer, settings: dict, groups: list[dict] | None):
     else:
         lr = {"lr": settings["lr"]} if "lr" in settings else {}
         params = settings.get("optimizer_params", {})
+        if settings["optimizer"] == "muon":
+            return muon.factory_and_groups(model, {**lr, **params}, _nonempty(groups))
         factory = functools.partial(OPTIMIZERS[settings["optimizer"]], **lr, **params)
-    if groups is not None:                # DeepSpeed removes the groups with no parameters
-        groups = [g for g in groups
-                  if not (isinstance(g, dict) and isinstance(g.get("params"), list)
-                          and not g["params"])]
-    return factory, groups
+    return factory, _nonempty(groups)
+
+
+def _nonempty(groups: list[dict] | None) -> list[dict] | None:
+    """DeepSpeed removes the groups with no parameters."""
+    if groups is None:
+        return None
+    return [g for g in groups if not (isinstance(g, dict) and isinstance(g.get("params"), list)
+                                      and not g["params"])]
 
 
 def _listed(group):
