@@ -4,6 +4,7 @@
     engine = minizero.wrap(model, stage=2, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
     engine, optimizer, _, scheduler = minizero.initialize(model=model, config="ds.json") # DeepSpeed
     model = minizero.FullyShardedDataParallel(model)     # FairScale's: you build the optimizer
+    minizero.fully_shard(block); minizero.fully_shard(model)   # PyTorch's FSDP2: per parameter
     results = minizero.launch(worker_fn, world_size=4)   # run a function on 4 ranks
     with minizero.sharded_init(): model = MyModel()      # stage 3: built partitioned, never whole
     minizero.set_z3_leaf_modules(model, [MoEBlock])      # stage 3: gathered whole (DeepSpeed's)
@@ -43,6 +44,18 @@ from minizero.units import (
 )
 from minizero.wrap import wrap
 
+# PyTorch's FSDP2 (minizero/pytorch/): imported on first use, as it imports torch's DTensor (~1 s
+# a process here), which nothing else in minizero needs
+_FULLY_SHARD = ("fully_shard", "FSDPModule", "MixedPrecisionPolicy", "CPUOffloadPolicy",
+                "OffloadPolicy")
+
 __all__ = ["FullyShardedDataParallel", "fsdp_wrap", "get_z3_leaf_modules", "initialize", "launch",
            "set_z3_leaf_modules", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix",
-           "sharded_init", "unset_z3_leaf_modules", "wrap", "z3_leaf_module"]
+           "sharded_init", "unset_z3_leaf_modules", "wrap", "z3_leaf_module", *_FULLY_SHARD]
+
+
+def __getattr__(name: str):
+    if name in _FULLY_SHARD:
+        import minizero.pytorch
+        return getattr(minizero.pytorch, name)
+    raise AttributeError(f"module 'minizero' has no attribute {name!r}")

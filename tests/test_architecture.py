@@ -3,10 +3,11 @@
     python -m pytest tests/test_architecture.py
 
 1. A unit's lifecycle states (zero3.py: ShardState, TrainingState, held_for_user) change only in
-   the methods of zero3.Unit, and only on the unit itself (`self.state = ...`). Everything else
-   asks a unit to do something (gather, free, hold_for_user) and reads its state; so the states a
-   unit can be in, and how it moves between them, are one class's business, as in FSDP2's param
-   group.
+   the methods of zero3.Unit (and of fully_shard's Unit, minizero/pytorch/fsdp_unit.py: the same
+   lifecycle for per-parameter shards), and only on the unit itself (`self.state = ...`).
+   Everything else asks a unit to do something (gather, free, hold_for_user) and reads its state;
+   so the states a unit can be in, and how it moves between them, are one class's business, as in
+   FSDP2's param group.
 2. No `__init__` calls a method that a subclass overrides. A constructor that calls `self.m()`
    runs the subclass's m on a half-built object (the subclass's own __init__ has not run yet);
    the engine used to be built that way (`_make_grads`, `_make_optimizer`, ... overridden stage by
@@ -23,6 +24,7 @@ import pathlib
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "minizero"
 LIFECYCLE_ATTRIBUTES = {"training_state", "held_for_user"}
 LIFECYCLE_ENUMS = {"ShardState", "TrainingState"}
+UNIT_FILES = ("minizero/zero3.py", "minizero/pytorch/fsdp_unit.py")     # each defines a Unit
 
 
 def _sources() -> dict[str, str]:
@@ -66,8 +68,7 @@ def lifecycle_writes(source: str, owner: str | None = None) -> list[str]:
 
 def test_only_a_unit_moves_its_lifecycle_states():
     bad = {path: lines for path, source in _sources().items()
-           if (lines := lifecycle_writes(source, owner="Unit" if path == "minizero/zero3.py"
-                                         else None))}
+           if (lines := lifecycle_writes(source, owner="Unit" if path in UNIT_FILES else None))}
     assert not bad, (f"unit lifecycle states set outside the unit ({bad}): ask the unit "
                      "(gather, free, hold_for_user, ...) and let zero3.Unit move its state")
 

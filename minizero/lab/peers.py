@@ -11,6 +11,8 @@ The tests check that minizero ends where PyTorch ends, and the benchmark times b
 (FSDP2 shards gradients as stage 2 does; without resharding after forward it keeps full
 parameters from forward to backward, the closest PyTorch has to stage 2.) Same model, initial
 weights, data, optimizer.
+minizero.fully_shard  <->  FSDP2 fully_shard, both per block and at the root (build_front_end,
+    front_end_worker: minizero's front ends run in PyTorch's loop too)
 shard_group_size=S  <->  FSDP2 HSDP: fully_shard on a 2-D DeviceMesh (N/S, S) ("replicate",
                          "shard"),
     ("fsdp2_hsdp"): shards in rows of S consecutive ranks, replicates across them, as comm.mesh(S).
@@ -40,6 +42,7 @@ from minizero.beyond import tensor_parallel
 from minizero.lab.model import make_model
 from minizero.lab.train import OPTIMIZERS, TrainConfig, clock, forward_backward, timed_step
 from minizero.memory import measure
+from minizero.pytorch import fully_shard as minizero_fully_shard
 
 PEER_OF_STAGE = {0: "ddp", 1: "zero_redundancy", 2: "fsdp2_no_reshard", 3: "fsdp2"}
 TENSOR_PARALLEL_PEER = "tp_fsdp2"         # stage 3 on a mesh (TrainConfig.tensor_parallel > 1)
@@ -78,15 +81,8 @@ def build_peer(cfg: TrainConfig, peer: str):
             fully_shard(block, reshard_after_forward=reshard, mesh=mesh)
         fully_shard(model, reshard_after_forward=reshard, mesh=mesh)
 
-        @contextlib.contextmanager
-        def no_sync():
-            model.set_requires_gradient_sync(False)
-            try:
-                yield
-            finally:
-                model.set_requires_gradient_sync(True)
         optimizer = opt_cls([p for p in model.parameters() if p.requires_grad], **opt_kwargs)
-        return model, optimizer, no_sync
+        return model, optimizer, functools.partial(_without_sync, model)
     if peer == TENSOR_PARALLEL_PEER:
         m = cfg.tensor_parallel
         mesh = init_device_mesh(device.type, (comm.world_size() // m, m),
@@ -132,14 +128,15 @@ def _tensor_parallel_part(state: dict, cfg: TrainConfig) -> dict:
     return tensor_parallel.parallelize_gpt(model, row).state_dict()
 
 
-def peer_worker(cfg: TrainConfig, peer: str) -> dict:
+def peer_worker(cfg: TrainConfig, peer: str, build=build_peer) -> dict:
     """The loop of minizero.lab.train.train_worker, with PyTorch's implementation instead of
-    an engine."""
+    an engine (build: build_peer, or build_front_end for minizero's imitation of it)."""
     rank = comm.rank()
-    module, optimizer, no_sync = build_peer(cfg, peer)
+    module, optimizer, no_sync = build(cfg, peer)
     params = [p for p in module.parameters() if p.requires_grad]
-    losses, step_times, phase_times, memory = [], [], [], None
+    losses, step_times, phase_times, memory, tally = [], [], [], None, {}
     for step in range(cfg.steps):
+        comm.reset_tally()                  # minizero's collectives only: a peer's are not in it
         start, phases = clock(), {}
         step_loss = forward_backward(cfg, step, module, torch.Tensor.backward, no_sync, phases)
         if step == cfg.steps - 1:
@@ -148,13 +145,52 @@ def peer_worker(cfg: TrainConfig, peer: str) -> dict:
         step_times.append(clock() - start)
         phase_times.append(phases)
         losses.append(step_loss)
+        tally = comm.tally()
     result = {"rank": rank, "losses": losses, "step_times": step_times, "phase_times": phase_times,
-              "memory": memory}
+              "memory": memory, "comm_bytes_per_step": tally,
+              "num_params": sum(p.numel() for p in module.parameters())}
     if cfg.return_state:
         result["state_dict"] = full_state_dict(module)
         if peer == TENSOR_PARALLEL_PEER:
             result["state_dict"] = _tensor_parallel_part(result["state_dict"], cfg)
     return result
+
+
+# minizero's front ends that take what a PyTorch implementation takes -> that implementation's peer
+FRONT_ENDS = {"fully_shard": "fsdp2"}
+
+
+def build_front_end(cfg: TrainConfig, front_end: str):
+    """(module, optimizer, no_sync) for minizero's front end, built as build_peer builds its peer:
+    minizero.fully_shard per block, then at the root, as the "fsdp2" peer (the same units)."""
+    if front_end != "fully_shard":
+        raise ValueError(f"unknown front end {front_end!r}; choose from {sorted(FRONT_ENDS)}")
+    if cfg.dtype != "fp32":
+        raise ValueError("front ends are compared with their peers in fp32")
+    model = make_model(cfg.model_config(), seed=cfg.seed).to(comm.device())
+    for block in model.blocks:
+        minizero_fully_shard(block)
+    minizero_fully_shard(model)
+    optimizer = OPTIMIZERS[cfg.optimizer]([p for p in model.parameters() if p.requires_grad],
+                                          lr=cfg.lr, **cfg.optimizer_params)
+    return model, optimizer, functools.partial(_without_sync, model)
+
+
+def front_end_worker(cfg: TrainConfig, front_end: str) -> dict:
+    """peer_worker's loop and report, for minizero's front end (FRONT_ENDS): what the bench pairs
+    with the peer it imitates. Its comm_bytes_per_step is minizero's tally; it has no engine,
+    so no counted peak (None)."""
+    return {**peer_worker(cfg, front_end, build=build_front_end), "peak": None}
+
+
+@contextlib.contextmanager
+def _without_sync(model):
+    """FSDP2's no_sync: set_requires_gradient_sync(False) inside."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def _step(optimizer, params, clip_grad_norm) -> None:
