@@ -336,7 +336,7 @@ def format_features(found: list[dict]) -> str:
          f"{said(per['clip']['collectives'])}"),
         ("  one process's norm", f"{flat['clip']['one_process_norm']:.4f}",
          f"{per['clip']['one_process_norm']:.4f}"),
-        ("tensors the optimizer steps",
+        ("the tensors Muon is given (flat: the optimizer's views; per-parameter: the matrices)",
          *(f"{len(d['optimizer']['shapes'])}: {d['optimizer']['shapes'][:3]}"
            + (f", local {d['optimizer']['local'][:3]}" if d["optimizer"]["local"] else "")
            + ("..." if len(d["optimizer"]["shapes"]) > 3 else "") for d in (flat, per))),
