@@ -9,7 +9,9 @@ real engine.
 
 Notebooks 01-05, 07 and 08 (hierarchical sharding: StepConfig(shard_group_size=2, world_size=4))
 draw `record` (notebooks/plots.py: step_table, step_grid, step_widget), notebook 00 draws `ring`;
-tests/test_notebooks.py runs `check` and `check_ring` on what the notebooks export.
+tests/test_notebooks.py runs `check` and `check_ring` on what the notebooks export. Notebook 12
+also records minizero.fully_shard: StepConfig(stage=3, layout="per-parameter") hands record and
+check to stepthrough_fully_shard.py (FSDP2's dim-0 shards, drawn in the same grid).
 
 The model is tiny on purpose: Linear(2, 3), tanh, Linear(3, 2), Ψ = 17, which none of N = 2, 3, 4
 divides, so every value fits on screen and padding shows. Every buffer is drawn in the coordinates
