@@ -141,15 +141,17 @@ def _kinds(seen: list[str]) -> dict[str, int]:
     return {kind: seen.count(kind) for kind in sorted(set(seen))}
 
 
-def _step(design, module, backward, step_fn, step: int) -> None:
+def _step(design, module, backward, stepper, step: int) -> None:
+    """One training step on this rank's rows (stepper: the flat engine, or the user's optimizer)."""
     x, y = _batch(step)
     backward(loss_fn(module(x), y))
-    step_fn.step()
+    stepper.step()
     if design == "per-parameter":
-        step_fn.zero_grad()
+        stepper.zero_grad()
 
 
 def mixed_and_unfreeze(design: str) -> dict:
+    """"mixed" and "unfreeze" above: one step with FROZEN frozen, then UNFROZEN unfrozen."""
     module, backward, model, stepper = build(design)
     before = comm.tally()
     _, collectives = counted(lambda: _step(design, module, backward, stepper, 0), dtensor=False)
@@ -176,6 +178,7 @@ def _value(design: str, module, model) -> torch.Tensor:
 
 
 def state_dict(design: str) -> dict:
+    """"state dict" above, after one step."""
     module, backward, model, stepper = build(design)
     _step(design, module, backward, stepper, 0)
     own, own_counts = counted(model.state_dict)
@@ -205,6 +208,7 @@ def _cut_inside_a_row(engine) -> list[str]:
 
 
 def clip(design: str) -> dict:
+    """"clip" above, after one backward."""
     module, backward, model, _ = build(design)
     x, y = _batch(0)
     backward(loss_fn(module(x), y))
@@ -225,6 +229,7 @@ def clip(design: str) -> dict:
 
 
 def optimizer(design: str) -> dict:
+    """"optimizer" above, on the tiny GPT with nothing frozen."""
     module, backward, model, stepper = build(design, frozen=())
     tensors = (stepper.optimizer.optimizer.param_groups[0]["params"] if design == "flat"
                else _matrices(model))
