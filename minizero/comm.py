@@ -143,11 +143,14 @@ class Group:
     two kinds of group.
     """
 
-    def __init__(self, ranks: list[int]):
+    def __init__(self, ranks: list[int], process_group=None):
         self.ranks = tuple(ranks)
         self.index = self.ranks.index(rank()) if rank() in self.ranks else -1
-        # dist.new_group is collective: every rank must create every group, in the same order.
-        self.process_group = dist.new_group(list(ranks)) if world_size() > 1 else None
+        # dist.new_group is collective: every rank must create every group, in the same order
+        # (not for a process group the user made already: group_of)
+        if process_group is None and world_size() > 1:
+            process_group = dist.new_group(list(ranks))
+        self.process_group = process_group
 
     @property
     def size(self) -> int:
@@ -155,6 +158,20 @@ class Group:
 
     def __repr__(self) -> str:
         return f"Group{list(self.ranks)}"
+
+
+def group_of(process_group) -> Group | None:
+    """A process group as PyTorch's front ends take it (minizero/pytorch/): None or the world
+    (dist.group.WORLD) as None; a torch ProcessGroup (dist.new_group) or a 1-D DeviceMesh as a
+    Group around it, which makes no new one (only its members need to be here)."""
+    if process_group is None or isinstance(process_group, Group):
+        return process_group
+    if hasattr(process_group, "get_group"):             # a DeviceMesh (2-D: raises, naming it)
+        process_group = process_group.get_group()
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a ProcessGroup, got {type(process_group)}")
+    ranks = dist.get_process_group_ranks(process_group)
+    return None if ranks == list(range(world_size())) else Group(ranks, process_group)
 
 
 def mesh(shard_size: int) -> tuple[Group, Group]:

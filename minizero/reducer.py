@@ -71,9 +71,15 @@ class GradBuckets:
         self._next = 0                                            # next bucket to launch, in order
 
     def _on_grad_ready(self, p) -> None:
-        i = self._bucket_of[p]
         if self.on_grad is not None:
-            self.on_grad(p, self.buckets[i])
+            self.on_grad(p, self.buckets[self._bucket_of[p]])
+        self.mark_ready(p)
+
+    def mark_ready(self, p) -> None:
+        """p's gradient for this backward is complete, or p will get none (an unused parameter that
+        a front end found before backward, as torch's DDP does with find_unused_parameters: its
+        bucket need not wait for finish())."""
+        i = self._bucket_of[p]
         self._missing[i] -= 1
         if self.overlap:
             self._launch_ready()
