@@ -4,12 +4,14 @@
     engine = minizero.wrap(model, stage=2, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
     engine, optimizer, _, scheduler = minizero.initialize(model=model, config="ds.json") # DeepSpeed
     model = minizero.FullyShardedDataParallel(model)     # FairScale's: you build the optimizer
+    model = minizero.DistributedDataParallel(model)      # PyTorch's DDP: your optimizer, your loop
+    optimizer = minizero.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
     results = minizero.launch(worker_fn, world_size=4)   # run a function on 4 ranks
     with minizero.sharded_init(): model = MyModel()      # stage 3: built partitioned, never whole
     minizero.set_z3_leaf_modules(model, [MoEBlock])      # stage 3: gathered whole (DeepSpeed's)
 
-This folder is the ZeRO implementation, read in this order (3,085 lines, docstrings included):
-    comm.py (656) -> events.py (116) -> flat.py (233) -> reducer.py (120) -> optim.py (324)
+This folder is the ZeRO implementation, read in this order (3,108 lines, docstrings included):
+    comm.py (673) -> events.py (116) -> flat.py (233) -> reducer.py (126) -> optim.py (324)
     -> engine.py (535) -> stages.py (78, the paper's table: one row per stage) -> ddp.py (126)
     -> zero1.py (76) -> zero2.py (115) -> zero3.py (350, with units.py 287, leaf modules included)
     -> offload.py (69).
@@ -20,6 +22,7 @@ wrap.py, launcher.py and construct.py, which holds sharded_init.
 The folders around it plug into it, each named for what it is:
     deepspeed/   DeepSpeed's front end: initialize, its JSON config, its checkpoints' tags
     fairscale/   FairScale's FullyShardedDataParallel (flat parameters) and its wrap helpers
+    pytorch/     PyTorch's DistributedDataParallel and ZeroRedundancyOptimizer (whole parameters)
     beyond/      what came after the paper: ZeRO-R's activations, ZeRO++, ZeRO-Infinity's disk tier,
                  a modelled network, desync detection, tensor parallelism on a 2-D mesh
 Beside it, never imported by it (tests/test_layout.py checks): lab/ (the small GPT, the data, the
@@ -32,6 +35,7 @@ from minizero.construct import sharded_init
 from minizero.deepspeed import initialize
 from minizero.fairscale import FullyShardedDataParallel, fsdp_wrap  # fsdp_wrap: auto_wrap & co.
 from minizero.launcher import launch
+from minizero.pytorch import DistributedDataParallel, ZeroRedundancyOptimizer
 from minizero.units import (
     get_z3_leaf_modules,
     set_z3_leaf_modules,
@@ -42,6 +46,7 @@ from minizero.units import (
 )
 from minizero.wrap import wrap
 
-__all__ = ["FullyShardedDataParallel", "fsdp_wrap", "get_z3_leaf_modules", "initialize", "launch",
+__all__ = ["DistributedDataParallel", "FullyShardedDataParallel", "ZeroRedundancyOptimizer",
+           "fsdp_wrap", "get_z3_leaf_modules", "initialize", "launch",
            "set_z3_leaf_modules", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix",
            "sharded_init", "unset_z3_leaf_modules", "wrap", "z3_leaf_module"]

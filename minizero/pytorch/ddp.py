@@ -1,0 +1,363 @@
+"""torch.nn.parallel.DistributedDataParallel as PyTorch users write it, on minizero's stage 0.
+
+    model = minizero.DistributedDataParallel(model)              # in minizero.launch or torchrun
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)   # your optimizer, your loop
+    optimizer.zero_grad()
+    loss_fn(model(x), y).backward()           # each p.grad: the gradient averaged over the ranks
+    optimizer.step()
+
+Run its tests:  python -m pytest tests/test_pytorch_ddp.py
+
+This is ddp.py's stage 0 (the first row of stages.py's table) without the engine around it: the
+gradients live in ddp.AllReducedGradients' flat buffer, cut into buckets in reverse parameter
+order (flat.py), and reducer.GradBuckets starts each bucket's all-reduce the moment its last
+gradient is complete, while backward goes on. So a learner sees the all-reduce, bucket by bucket,
+that `minizero.wrap(model, 0, ...)` runs. What torch's DDP adds is in this file:
+
+  * your optimizer: nothing here steps. After loss.backward() each p.grad holds the average, and
+    optimizer.zero_grad() (set_to_none True or False) is safe (flat.FlatLayout.reclaim_grads);
+  * loss.backward() finishes the reduction inside backward: the first gradient of the module's
+    output queues a callback on autograd's engine for the end of backward (torch's Reducer queues
+    its own the same way);
+  * no_sync() (decided at forward, as torch does), find_unused_parameters, static_graph, buffers
+    broadcast from the group's first rank before each forward, init_sync, and the `module.` prefix
+    of state_dict keys (this is an nn.Module holding `module`). Every other keyword of torch 2.13's
+    constructor is implemented or refused in one line (_check_keywords).
+
+Where it differs from torch's (docs/pytorch.md): p.grad is always a view of its bucket, the memory
+of gradient_as_bucket_view=True (torch's default, False, copies each gradient into its bucket and
+back); buckets follow the parameters' reverse order, where torch rebuilds them after the first
+iteration in the order the gradients arrived; static_graph=True all-reduces after backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from minizero import comm, events, owners
+from minizero.ddp import AllReducedGradients
+from minizero.flat import FlatLayout
+from minizero.reducer import GradBuckets
+
+MIB = 2**20                     # torch's bucket_cap_mb counts MiB
+DEFAULT_BUCKET_MB = 25          # torch's default bucket_cap_mb
+# With the default cap torch's first bucket (the last layers' gradients) is small, so that its
+# all-reduce starts early in backward
+FIRST_BUCKET_BYTES = MIB
+OWNER = owners.Owner("minizero.DistributedDataParallel", ("minizero.ZeroRedundancyOptimizer",))
+
+
+class DistributedDataParallel(nn.Module):
+    """torch 2.13's DistributedDataParallel(module, device_ids=None, ...), its keywords in its
+    order. Collective: every rank of the process group builds it."""
+
+    def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0,
+                 broadcast_buffers: bool | None = None, init_sync: bool = True,
+                 process_group=None, bucket_cap_mb: float | None = None,
+                 find_unused_parameters: bool = False, check_reduction: bool = False,
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False,
+                 delay_all_reduce_named_params=None, param_to_hook_all_reduce=None,
+                 mixed_precision=None, device_mesh=None,
+                 skip_all_reduce_unused_params: bool = False,
+                 bucket_cap_mb_list: list[float] | None = None, batched_grad_copy: bool = False,
+                 forward_sync_buffers: bool | None = None):
+        super().__init__()
+        _check_keywords(delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
+                        skip_all_reduce_unused_params, check_reduction, batched_grad_copy,
+                        process_group, device_mesh)
+        self.module = module
+        self.dim, self.gradient_as_bucket_view = dim, gradient_as_bucket_view
+        self.find_unused_parameters, self.static_graph = find_unused_parameters, static_graph
+        # torch 2.13: broadcast_buffers=False also skips the buffers at construction;
+        # forward_sync_buffers (its new name) never does
+        self.forward_sync_buffers = (forward_sync_buffers if forward_sync_buffers is not None
+                                     else broadcast_buffers is not False)
+        init_sync_buffers = forward_sync_buffers is not None or broadcast_buffers is not False
+        self.process_group = process_group if device_mesh is None else device_mesh
+        self.group = comm.group_of(self.process_group)           # None: every rank
+        if self.group is not None and self.group.index < 0:
+            raise ValueError(f"rank {comm.rank()} is not in process_group (ranks "
+                             f"{list(self.group.ranks)}): only its members build the module")
+        self.src = 0 if self.group is None else self.group.ranks[0]     # torch's rank 0
+        # what torch names _ddp_params_and_buffers_to_ignore: neither reduced nor broadcast
+        self.ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        named = [(n, p) for n, p in module.named_parameters() if n not in self.ignored]
+        self.names = {p: n for n, p in named}
+        self.trainable = [p for _, p in named if p.requires_grad]
+        self.device = _check_module(module, self.trainable, self.names)
+        self.device_ids, self.output_device = _check_devices(self.device, device_ids,
+                                                             output_device)
+        owners.claim(self.trainable, OWNER, {id(p): n for p, n in self.names.items()})
+        if init_sync:                             # every replica starts from the first rank's
+            self._check_same_model()
+            _broadcast([p for _, p in named] + (self._buffers_synced() if init_sync_buffers
+                                                 else []), self.src, self.group, "initial values")
+
+        # stage 0's gradient family (ddp.py): one flat buffer in buckets, each all-reduced as soon
+        # as its gradients are complete. Its engine attributes are this module's: grad_dtype,
+        # device, sync (below) and shard_group, the ranks it averages over.
+        self.grad_dtype, self.shard_group = self.trainable[0].dtype, self.group
+        self.bucket_bytes_cap = _bucket_caps(bucket_cap_mb, bucket_cap_mb_list)
+        self.layout = FlatLayout.build(_buckets(self.trainable[::-1], self.bucket_bytes_cap),
+                                       comm.group_size(self.group), comm.group_rank(self.group),
+                                       pad=False)
+        before = [p.grad for p in self.trainable]
+        self.grads = AllReducedGradients(self, self.layout)        # makes each p.grad a view
+        for p, grad in zip(self.trainable, before):
+            p.grad = grad                  # as torch: None until the first backward, then a view
+        # static_graph: the hooks of one backward may fire more than once per parameter (reentrant
+        # checkpointing), so every bucket waits for the end of backward
+        self.reducer = GradBuckets(self.layout.buckets, launch=self._launch, on_grad=self._arrived,
+                                   max_in_flight=len(self.layout.buckets),
+                                   overlap=not static_graph, owner=self)
+        self.require_backward_grad_sync = True        # False inside no_sync()
+        self.require_forward_param_sync = True        # the last forward synced: buffers are due
+        self._sync = True                             # what the last forward decided
+        self._in_backward = False
+        self._unused: list[nn.Parameter] = []          # find_unused_parameters: from forward
+        self._fired: set = set()                        # parameters whose gradient arrived
+        self._was_none: set = set()                     # ... and those without one before
+
+    @property
+    def sync(self) -> bool:
+        """Whether this backward all-reduces (AllReducedGradients asks): what the forward
+        decided, as in torch, where no_sync() must hold the forward."""
+        return self._sync
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        return self.forward_sync_buffers
+
+    # --- forward ----------------------------------------------------------------------------------
+    def forward(self, *inputs, **kwargs):
+        if self.require_forward_param_sync and self.forward_sync_buffers:
+            _broadcast(self._buffers_synced(), self.src, self.group, "buffers")
+        if self.device_ids:
+            inputs, kwargs = tree_map(self._to_device, (inputs, kwargs))
+        output = self.module(*inputs, **kwargs)
+        grad = torch.is_grad_enabled()
+        self._sync = self.require_forward_param_sync = grad and self.require_backward_grad_sync
+        if grad:
+            outputs = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
+            if self._sync and self.find_unused_parameters and not self.static_graph:
+                reached = _parameters_reached(outputs)
+                self._unused = [p for p in self.trainable if p not in reached]
+            for t in outputs:
+                t.register_hook(self._backward_starts)
+        return output
+
+    def _to_device(self, t):
+        return t.to(self.device) if torch.is_tensor(t) else t
+
+    # --- backward: [Note: loss.backward()] in engine.py, the same callback ------------------------
+    def _backward_starts(self, grad: torch.Tensor) -> None:
+        if self._in_backward:                            # a second output of the same forward
+            return
+        self._in_backward = True
+        self._fired, self._was_none = set(), set()
+        if self._sync:
+            for p in self._unused:            # no gradient will come: their buckets need not wait
+                self.reducer.mark_ready(p)
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
+
+    def _arrived(self, p: nn.Parameter, bucket) -> None:
+        """The reducer, as p's gradient is complete."""
+        if self._sync and not self.static_graph and (p in self._fired or p in self._unused):
+            raise RuntimeError(
+                f"DistributedDataParallel: {self.names[p]}'s gradient arrived twice in one "
+                "backward, or after forward found it unused (a module checkpointed with "
+                "use_reentrant=True?): pass static_graph=True, or checkpoint with "
+                "use_reentrant=False")
+        self._fired.add(p)
+
+    def _launch(self, bucket):
+        """The reducer, inside backward: bucket's gradients are complete; start its all-reduce."""
+        if self._sync and (self.find_unused_parameters or self.static_graph):
+            self._was_none.update(p for p in bucket.params if p.grad is None)
+        return self.grads.reduce(bucket)        # ddp.py: the essential line of DDP
+
+    def _backward_ends(self) -> None:
+        self._in_backward = False
+        self.reducer.finish()          # launch what is left (unused parameters: zeros), wait all
+        if self._sync and (self.find_unused_parameters or self.static_graph):
+            self._leave_globally_unused()
+        elif self._sync and len(self._fired) < len(self.trainable):
+            missing = [self.names[p] for p in self.trainable if p not in self._fired]
+            raise RuntimeError(
+                f"DistributedDataParallel: {len(missing)} parameter(s) got no gradient in this "
+                f"backward ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): "
+                "pass find_unused_parameters=True (torch's DDP needs it too), or use them")
+        events.emit("backward done", engine=self)
+
+    def _leave_globally_unused(self) -> None:
+        """torch's rule: a parameter no rank used keeps its grad untouched (None stays None, so
+        the optimizer skips it); one that some rank used gets the average, zeros from the rest."""
+        used = torch.tensor([p in self._fired for p in self.trainable], dtype=torch.int32,
+                            device=self.device)
+        comm.all_reduce(used, op="max", group=self.group, tag="used parameters")
+        for p, anywhere in zip(self.trainable, used.tolist()):
+            if not anywhere and p in self._was_none:
+                p.grad = None
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Forward and backward inside the block only accumulate p.grad locally; the first
+        forward-backward after it all-reduces the sum."""
+        previous, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    # --- what torch's DDP also has, not here ------------------------------------------------------
+    def join(self, *args, **kwargs):
+        raise NotImplementedError("DistributedDataParallel.join() (uneven inputs) is not "
+                                  "supported: give every rank the same number of batches")
+
+    def register_comm_hook(self, state, hook):
+        raise NotImplementedError("DistributedDataParallel.register_comm_hook is not supported: "
+                                  "minizero all-reduces each bucket with comm.all_reduce")
+
+    # --- helpers ----------------------------------------------------------------------------------
+    def _buffers_synced(self) -> list[torch.Tensor]:
+        """The buffers broadcast from the first rank (read each time: a module may reassign one)."""
+        return [b for n, b in self.module.named_buffers() if n not in self.ignored]
+
+    def _check_same_model(self) -> None:
+        """torch's _verify_param_shape_across_processes: every rank holds the same parameters
+        (their count and elements), or each raises one line instead of hanging."""
+        sizes = [len(self.names), sum(p.numel() for p in self.names)]
+        both = torch.tensor(sizes + [-s for s in sizes], dtype=torch.int64, device=self.device)
+        comm.all_reduce(both, op="max", group=self.group, tag="model sizes")
+        if both[:2].tolist() != sizes or (-both[2:]).tolist() != sizes:
+            raise ValueError(f"DistributedDataParallel: the model differs across ranks (rank "
+                             f"{comm.rank()}: {sizes[0]} parameters, {sizes[1]:,} elements)")
+
+
+# --- construction -------------------------------------------------------------------------------
+
+def _check_keywords(delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
+                    skip_all_reduce_unused_params, check_reduction, batched_grad_copy,
+                    process_group, device_mesh) -> None:
+    """torch's keywords that minizero does not implement: refused in one line each."""
+    refused = {
+        "delay_all_reduce_named_params": delay_all_reduce_named_params is not None,
+        "param_to_hook_all_reduce": param_to_hook_all_reduce is not None,
+        "mixed_precision": mixed_precision is not None,
+        "skip_all_reduce_unused_params": bool(skip_all_reduce_unused_params),
+    }
+    for name, given in refused.items():
+        if given:
+            raise ValueError(f"DistributedDataParallel: {name} is not supported by minizero "
+                             "(docs/pytorch.md); leave it at its default")
+    if process_group is not None and device_mesh is not None:
+        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+    if check_reduction:                                                   # as torch 2.13 does
+        warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is "
+                      "deprecated. Please avoid using it.", FutureWarning, stacklevel=3)
+    if batched_grad_copy:
+        warnings.warn("DistributedDataParallel: batched_grad_copy=True has no effect here: "
+                      "gradients are views of their buckets, nothing is copied", stacklevel=3)
+
+
+def _check_module(module: nn.Module, trainable: list, names: dict) -> torch.device:
+    """The one device of the trainable parameters, or one line on what minizero cannot reduce."""
+    if not trainable:
+        raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any "
+                           "parameter that requires a gradient.")
+    sparse = [n for n, m in module.named_modules()
+              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+    if sparse:
+        raise ValueError(f"DistributedDataParallel: sparse gradients ({sparse[0]}: "
+                         "nn.Embedding(sparse=True)) are not supported by minizero")
+    dtypes = sorted({str(p.dtype) for p in trainable})
+    if len(dtypes) > 1:
+        raise ValueError(f"DistributedDataParallel: trainable parameters of several dtypes "
+                         f"({', '.join(dtypes)}): minizero reduces one flat buffer of one dtype")
+    devices = {p.device for p in trainable}
+    if len(devices) > 1:
+        raise ValueError(f"DistributedDataParallel: parameters on several devices "
+                         f"({', '.join(sorted(map(str, devices)))}): one device per process")
+    return devices.pop()
+
+
+def _check_devices(device: torch.device, device_ids, output_device):
+    """torch's rule: device_ids and output_device only for a module on one GPU."""
+    if device.type == "cpu" or not device_ids:
+        if device_ids or output_device is not None:
+            raise ValueError("DistributedDataParallel device_ids and output_device arguments only "
+                             f"work with single-device GPU modules, but got device_ids "
+                             f"{device_ids}, output_device {output_device}, and module parameters "
+                             f"on {device}.")
+        return None, None
+    ids = [torch.device(device.type, d) if isinstance(d, int) else torch.device(d)
+           for d in device_ids]
+    if len(ids) != 1 or ids[0] != device:
+        raise ValueError(f"DistributedDataParallel: device_ids must be [the module's device] "
+                         f"({device}), got {device_ids}")
+    return [device.index], device.index if output_device is None else output_device
+
+
+def _bucket_caps(bucket_cap_mb: float | None, bucket_cap_mb_list) -> list[int]:
+    """Bytes per bucket, the last repeating: torch's rule (the default cap starts with a 1 MiB
+    bucket; bucket_cap_mb_list gives each bucket its own)."""
+    if bucket_cap_mb_list:
+        return [int(mb * MIB) for mb in bucket_cap_mb_list]
+    if bucket_cap_mb is None:
+        return [FIRST_BUCKET_BYTES, DEFAULT_BUCKET_MB * MIB]
+    if not bucket_cap_mb >= 0:
+        raise ValueError(f"DistributedDataParallel: bucket_cap_mb must be >= 0, "
+                         f"got {bucket_cap_mb!r}")
+    return [int(bucket_cap_mb * MIB)]
+
+
+def _buckets(params: list[nn.Parameter], caps: list[int]) -> list[list[nn.Parameter]]:
+    """Consecutive parameters until a bucket holds at least its cap (flat.split_into_buckets' rule,
+    with a cap per bucket)."""
+    groups, current, size = [], [], 0
+    for p in params:
+        current.append(p)
+        size += p.numel() * p.element_size()
+        if size >= caps[min(len(groups), len(caps) - 1)]:
+            groups.append(current)
+            current, size = [], 0
+    return groups + [current] if current else groups
+
+
+def _parameters_reached(outputs: list[torch.Tensor]) -> set:
+    """The leaves autograd reaches from `outputs`: the parameters this forward used (torch's
+    find_unused_parameters walks the same graph)."""
+    seen, found = set(), set()
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    found.update(t for t in outputs if t.grad_fn is None)                  # an output is a leaf
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):                                      # AccumulateGrad
+            found.add(node.variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+def _broadcast(tensors: list[torch.Tensor], src: int, group, tag: str) -> None:
+    """The first rank's values of `tensors` on every rank of the group: one broadcast per dtype
+    (torch's _broadcast_coalesced), without bumping the tensors' version counters (a buffer saved
+    for a backward still to come stays valid, as in torch)."""
+    by_kind: dict = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(tensors)):
+        for same in by_kind.values():
+            flat = torch.cat([t.reshape(-1) for t in same])
+            comm.broadcast(flat, src=src, group=group, tag=tag)
+            offset = 0
+            for t in same:
+                t.copy_(flat[offset: offset + t.numel()].view_as(t))
+                offset += t.numel()
