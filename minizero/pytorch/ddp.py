@@ -119,7 +119,7 @@ class DistributedDataParallel(nn.Module):
         self.require_forward_param_sync = True        # the last forward synced: buffers are due
         self._sync = True                             # what the last forward decided
         self._in_backward = False
-        self._unused: list[nn.Parameter] = []          # find_unused_parameters: from forward
+        self._unused: dict = {}                   # find_unused_parameters: from forward, in order
         self._fired: set = set()                        # parameters whose gradient arrived
         self._was_none: set = set()                     # ... and those without one before
 
@@ -146,7 +146,7 @@ class DistributedDataParallel(nn.Module):
             outputs = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
             if self._sync and self.find_unused_parameters and not self.static_graph:
                 reached = _parameters_reached(outputs)
-                self._unused = [p for p in self.trainable if p not in reached]
+                self._unused = dict.fromkeys(p for p in self.trainable if p not in reached)
             for t in outputs:
                 t.register_hook(self._backward_starts)
         return output
