@@ -493,11 +493,13 @@ REFUSALS = {
     "mixed_precision": "ValueError: DistributedDataParallel: mixed_precision is not supported",
     "skip_all_reduce_unused_params": "ValueError: DistributedDataParallel: "
                                      "skip_all_reduce_unused_params is not supported",
-    "device_ids": "ValueError: DistributedDataParallel device_ids and output_device arguments",
-    "output_device": "ValueError: DistributedDataParallel device_ids and output_device arguments",
-    "process_group and device_mesh": "RuntimeError: Cannot specify both process_group and "
-                                     "device_mesh",
-    "nothing to train": "RuntimeError: DistributedDataParallel is not needed when a module",
+    "device_ids": "ValueError: DistributedDataParallel: device_ids and output_device are for a "
+                  "module on one GPU; this one is on cpu (device_ids=[0]",
+    "output_device": "ValueError: DistributedDataParallel: device_ids and output_device are for",
+    "process_group and device_mesh": "RuntimeError: DistributedDataParallel: pass process_group "
+                                     "or device_mesh, not both",
+    "nothing to train": "RuntimeError: DistributedDataParallel: no parameter of the module "
+                        "requires a gradient",
     "sparse": "ValueError: DistributedDataParallel: sparse gradients",
     "twice": "ValueError: tok_emb.weight is already owned by minizero.DistributedDataParallel; "
              "minizero.DistributedDataParallel cannot take it too",

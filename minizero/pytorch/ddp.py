@@ -256,10 +256,10 @@ def _check_keywords(delay_all_reduce_named_params, param_to_hook_all_reduce, mix
             raise ValueError(f"DistributedDataParallel: {name} is not supported by minizero "
                              "(docs/pytorch.md); leave it at its default")
     if process_group is not None and device_mesh is not None:
-        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+        raise RuntimeError("DistributedDataParallel: pass process_group or device_mesh, not both")
     if check_reduction:                                                   # as torch 2.13 does
-        warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is "
-                      "deprecated. Please avoid using it.", FutureWarning, stacklevel=3)
+        warnings.warn("DistributedDataParallel: check_reduction is deprecated (by torch) and has "
+                      "no effect", FutureWarning, stacklevel=3)
     if batched_grad_copy:
         warnings.warn("DistributedDataParallel: batched_grad_copy=True has no effect here: "
                       "gradients are views of their buckets, nothing is copied", stacklevel=3)
@@ -268,8 +268,8 @@ def _check_keywords(delay_all_reduce_named_params, param_to_hook_all_reduce, mix
 def _check_module(module: nn.Module, trainable: list, names: dict) -> torch.device:
     """The one device of the trainable parameters, or one line on what minizero cannot reduce."""
     if not trainable:
-        raise RuntimeError("DistributedDataParallel is not needed when a module doesn't have any "
-                           "parameter that requires a gradient.")
+        raise RuntimeError("DistributedDataParallel: no parameter of the module requires a "
+                           "gradient, so there is nothing to average")
     sparse = [n for n, m in module.named_modules()
               if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
     if sparse:
@@ -290,10 +290,9 @@ def _check_devices(device: torch.device, device_ids, output_device):
     """torch's rule: device_ids and output_device only for a module on one GPU."""
     if device.type == "cpu" or not device_ids:
         if device_ids or output_device is not None:
-            raise ValueError("DistributedDataParallel device_ids and output_device arguments only "
-                             f"work with single-device GPU modules, but got device_ids "
-                             f"{device_ids}, output_device {output_device}, and module parameters "
-                             f"on {device}.")
+            raise ValueError(f"DistributedDataParallel: device_ids and output_device are for a "
+                             f"module on one GPU; this one is on {device} (device_ids="
+                             f"{device_ids}, output_device={output_device})")
         return None, None
     ids = [torch.device(device.type, d) if isinstance(d, int) else torch.device(d)
            for d in device_ids]

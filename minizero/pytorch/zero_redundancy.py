@@ -54,8 +54,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._all_params = [p for group in self.param_groups for p in group["params"]]
         kinds = {(p.dtype, p.device.type, p.layout) for p in self._all_params}
         if len(kinds) > 1 or self._all_params[0].is_sparse:
-            raise ValueError("ZeroRedundancyOptimizer only supports using the same dense type for "
-                             f"all parameters but got {sorted(map(str, kinds))}")
+            raise ValueError("ZeroRedundancyOptimizer: every parameter must be dense and of one "
+                             f"dtype and device type, got {sorted(map(str, kinds))}")
         self.process_group = process_group
         self.group = comm.group_of(process_group)                     # None: every rank
         self.world_size, self.rank = comm.group_size(self.group), comm.group_rank(self.group)
@@ -185,9 +185,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """The consolidated state, indexed as torch's optimizers index it: by position over all
         groups' parameters, as you passed them."""
         if not self._all_state_dicts:
-            raise RuntimeError("Optimizer state has not been consolidated on this rank. Please "
-                               f"call `consolidate_state_dict(to={self.rank})` on all ranks "
-                               "beforehand if you meant to save the global state.")
+            raise RuntimeError(f"ZeroRedundancyOptimizer.state_dict(): no consolidated state on "
+                               f"rank {self.rank}: call consolidate_state_dict(to={self.rank}) on "
+                               "every rank first")
         index = {p: i for i, p in enumerate(self._all_params)}
         state = {}
         for local, groups in zip(self._all_state_dicts, self.partition):
@@ -204,12 +204,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         plain optimizer's over the same parameter groups): each rank keeps its parameters' state,
         every rank the groups' settings."""
         saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError("loaded state dict has a different number of parameter groups")
-        if any(len(s["params"]) != len(g["params"])
-               for s, g in zip(saved_groups, self.param_groups)):
-            raise ValueError("loaded state dict contains a parameter group that doesn't match the "
-                             "size of optimizer's group")
+        if [len(s["params"]) for s in saved_groups] != [len(g["params"])
+                                                         for g in self.param_groups]:
+            raise ValueError(f"ZeroRedundancyOptimizer.load_state_dict: the state's parameter "
+                             f"groups hold {[len(s['params']) for s in saved_groups]} parameters, "
+                             f"this optimizer's {[len(g['params']) for g in self.param_groups]}")
         position = {p: i for i, p in enumerate(itertools.chain.from_iterable(
             local["params"] for local in self._local_groups()))}
         local_state = {}
@@ -227,22 +226,22 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
 def _checked(params) -> list:
     """params as a list of tensors or of groups, or torch's TypeError / ValueError."""
+    wrong = TypeError(f"ZeroRedundancyOptimizer: params must be an iterable of tensors or of "
+                      f"parameter groups (dicts), got {torch.typename(params)}")
     if isinstance(params, torch.Tensor):
-        raise TypeError("`params` argument should be an iterable of Tensors, but got "
-                        f"{torch.typename(params)}")
+        raise wrong
     try:
         params = list(params)
     except TypeError:
-        raise TypeError("`params` argument should be an iterable of Tensors or dicts, but got "
-                        f"{torch.typename(params)}") from None
+        raise wrong from None
     if not params:
-        raise ValueError("ZeroRedundancyOptimizer got an empty parameter list")
+        raise ValueError("ZeroRedundancyOptimizer: params is empty")
     if not (all(isinstance(p, torch.Tensor) for p in params)
             or all(isinstance(p, dict) for p in params)):
-        raise TypeError("`params` argument should be an iterable of Tensors or dicts")
+        raise TypeError("ZeroRedundancyOptimizer: params must be all tensors or all parameter "
+                        "groups (dicts)")
     if any(isinstance(g, dict) and "params" not in g for g in params):
-        raise ValueError("Each parameter group passed-in via `params` must have a 'params' key "
-                         "mapping to the parameters in the group")
+        raise ValueError("ZeroRedundancyOptimizer: a parameter group without 'params'")
     return params
 
 
