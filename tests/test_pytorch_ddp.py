@@ -517,3 +517,22 @@ def test_what_minizero_does_not_do_is_refused_in_one_line(runs, case):
         message = rank["refusals"][case]
         assert message.startswith(REFUSALS[case]), message
         assert "\n" not in message
+
+
+# --- the benchmark's pairs ------------------------------------------------------------------------
+
+def test_the_bench_runs_both_front_ends_next_to_torchs():
+    """python -m minizero.bench --stages ddp ddp+zero: each front end in the user's loop next to
+    the original, same data, ratio in the same run (one launch)."""
+    from minizero.lab import bench
+    report = bench.compare((2,), sizes=("tiny",), steps=2, repeats=1, variants=("ddp", "ddp+zero"),
+                           peers=("torch",), meter=False)
+    pairs = {p["variant"]: p for p in report["pairs"]}
+    assert {v: p["peer"] for v, p in pairs.items()} == {"ddp": "ddp",
+                                                        "ddp+zero": "zero_redundancy"}
+    for p in pairs.values():
+        assert p["max_param_diff"] <= TORCH_ATOL and p["ratio"] > 0
+        # the same ring bytes as the peer's collectives, and the buffers' broadcast before forward
+        assert 0 < p["comm_bytes_per_step"]["minizero"] - p["comm_bytes_per_step"]["peer"] < 1e3
+    text = bench.format_table(report)
+    assert "ddp+zero zero_redundancy" in text

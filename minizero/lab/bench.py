@@ -25,6 +25,8 @@ trained by the same loop as minizero.lab.train):
                                                                                blocks as leaves
     stage 2 + offload   (PyTorch has no optimizer offload without stage 3)     DeepSpeed
                                                                                offload_optimizer cpu
+    ddp            minizero.DistributedDataParallel <-> torch's, the user's optimizer (on request)
+    ddp+zero       ... with minizero.ZeroRedundancyOptimizer <-> both of torch's (on request)
 Stage 3 gathers the same units on every side: minizero's default units are the GPT's blocks, FSDP2
 is fully_shard-ed per block, DeepSpeed fetches each block at once (set_z3_leaf_modules). DeepSpeed
 pairs run when it is installed (pip install -e ".[peers]"). Same GPT (--sizes:
@@ -66,7 +68,8 @@ import torch
 from minizero import comm
 from minizero.lab import deepspeed_peer
 from minizero.lab.model import GPTConfig, count_params, make_model
-from minizero.lab.peers import PEER_OF_STAGE, TENSOR_PARALLEL_PEER, peer_worker
+from minizero.lab.peers import (FRONT_ENDS, PEER_OF_STAGE, TENSOR_PARALLEL_PEER, front_end_worker,
+                                peer_worker)
 from minizero.lab.reference import max_abs_diff
 from minizero.lab.rss import release_freed_memory
 from minizero.lab.throughput import peak_worker, throughput
@@ -96,7 +99,12 @@ VARIANTS = {
 # in engine.py), next to PyTorch's TP + FSDP2 (peers.TENSOR_PARALLEL_PEER). Not by default: the
 # tiny model's one head does not split.
 TENSOR_PARALLEL_VARIANTS = {"3+tp2": (3, False, 2)}
-ALL_VARIANTS = {**VARIANTS, **{v: spec[:2] for v, spec in TENSOR_PARALLEL_VARIANTS.items()}}
+# On request (--stages ddp ddp+zero): minizero's PyTorch front ends (minizero/pytorch/) next to
+# the originals they imitate, both in the loop a PyTorch user writes (peers.front_end_worker);
+# the stage is the row of the table they compare with.
+FRONT_END_VARIANTS = {"ddp": (0, "minizero_ddp"), "ddp+zero": (1, "minizero_zero_redundancy")}
+ALL_VARIANTS = {**VARIANTS, **{v: spec[:2] for v, spec in TENSOR_PARALLEL_VARIANTS.items()},
+                **{v: (stage, False) for v, (stage, _) in FRONT_END_VARIANTS.items()}}
 PEER_FAMILIES = ("torch", "deepspeed")
 PEER_DTYPE = "fp32"                          # the one precision the peer wrappers build
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}   # --device: one process per rank, on the CPU or a GPU
@@ -133,6 +141,8 @@ def peers_of(variant: str, families=PEER_FAMILIES) -> list[str]:
     if installed."""
     if variant in TENSOR_PARALLEL_VARIANTS:
         return [TENSOR_PARALLEL_PEER] if "torch" in families else []
+    if variant in FRONT_END_VARIANTS:
+        return [FRONT_ENDS[FRONT_END_VARIANTS[variant][1]]] if "torch" in families else []
     stage, offload = VARIANTS[variant]
     out = [PEER_OF_STAGE[stage]] if "torch" in families and not offload else []
     if "deepspeed" in families and deepspeed_peer.available():
@@ -180,21 +190,24 @@ def _run(impl: str, cfg: TrainConfig) -> dict:
     return peer_worker(cfg, impl)
 
 
-def bench_worker(jobs: list[tuple[TrainConfig, list[str]]], repeats: int, meter: bool,
+def bench_worker(jobs: list[tuple], repeats: int, meter: bool,
                  progress: bool = False) -> list[dict]:
-    """Per (configuration, its peers): step times of every repeat of every side (and of minizero
-    with the activation meter on and off), memory and comm of the first repeat, and the max
-    |minizero - peer| over all parameters after it (full state dicts, on this rank)."""
+    """Per (configuration, its peers[, variant]): step times of every repeat of every side (and of
+    minizero with the activation meter on and off), memory and comm of the first repeat, and the
+    max |minizero - peer| over all parameters after it (full state dicts, on this rank). A
+    FRONT_END_VARIANTS variant's minizero side is its front end."""
     torch.set_num_threads(1)
     out = []
-    for cfg, peers in jobs:
-        impls = ["minizero", *peers] + (list(METER) if meter else [])
+    front_ends = [FRONT_END_VARIANTS.get(job[2] if len(job) > 2 else None) for job in jobs]
+    jobs = [job[:2] for job in jobs]
+    for (cfg, peers), front_end in zip(jobs, front_ends):
+        impls = ["minizero", *peers] + (list(METER) if meter and not front_end else [])
         out.append({"impls": impls, "times": {impl: [] for impl in impls},
                     "phases": {impl: [] for impl in impls if impl not in METER}, "skipped": {}})
     bar = progress_bar(repeats * len(jobs), f"N = {comm.world_size()}",
                        progress and comm.rank() == 0, unit="config")
     for rep in range(repeats):
-        for (cfg, peers), record in zip(jobs, out):
+        for (cfg, peers), record, front_end in zip(jobs, out, front_ends):
             bar.update()
             run_cfg = dataclasses.replace(cfg, return_state=rep == 0)
             results = {}
@@ -202,7 +215,9 @@ def bench_worker(jobs: list[tuple[TrainConfig, list[str]]], repeats: int, meter:
                 release_freed_memory()          # the last run's memory back to the OS (lab/rss.py)
                 comm.barrier()                  # every side starts from the same line
                 try:
-                    results[impl] = _run(impl, cfg if impl in METER else run_cfg)
+                    results[impl] = (front_end_worker(run_cfg, front_end[1])
+                                     if front_end and impl == "minizero"
+                                     else _run(impl, cfg if impl in METER else run_cfg))
                 except Exception as e:
                     if not _may_skip(impl):
                         raise
@@ -218,7 +233,7 @@ def bench_worker(jobs: list[tuple[TrainConfig, list[str]]], repeats: int, meter:
             peers = [p for p in peers if p not in record["skipped"]]
             if rep > 0:
                 continue
-            if meter:
+            if meter and not front_end:
                 record["meter_losses"] = {m: results[m]["losses"] for m in METER}
                 record["meter_activations"] = {m: results[m]["activations"] for m in METER}
             mz = results["minizero"]
@@ -288,8 +303,7 @@ def compare(world_sizes=(2, 4), *, sizes=("default",), steps: int = 10, repeats:
                     backend=backend,
                 )
                 jobs.append((cfg, peers_of(v, peers) if dtype == PEER_DTYPE else [], v))
-        per_rank = launch(bench_worker, n, [(cfg, ps) for cfg, ps, _ in jobs], repeats, meter,
-                          progress, backend=backend)
+        per_rank = launch(bench_worker, n, jobs, repeats, meter, progress, backend=backend)
         device_name = per_rank[0][0]["device_name"]
         for out, records in zip((pairs, alone, skipped, meters), _records(jobs, per_rank, meter)):
             out += records
@@ -332,7 +346,7 @@ def _records(jobs: list, per_rank: list[list[dict]], meter: bool) -> tuple[list,
         pairs += [_pair_record(cfg, v, p, ranks) for p in ran]
         if not ran:
             alone.append(_alone_record(cfg, v, _alone_reason(cfg, refused), ranks))
-        if meter:
+        if meter and v not in FRONT_END_VARIANTS:
             meters.append(_meter_record(cfg, v, ranks))
     return pairs, alone, skipped, meters
 

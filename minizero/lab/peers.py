@@ -19,6 +19,9 @@ stage 3, tensor_parallel=M  <->  PyTorch's tensor parallelism (parallelize_modul
     parallel dimension of a 2-D DeviceMesh (N/M, M) ("dp", "tp") ("tp_fsdp2"), as torchtitan
     combines them. Its embedding and head stay whole on each row (minizero splits them by
     vocabulary), so the two send different bytes for them; the blocks are split alike.
+minizero's PyTorch front ends (minizero/pytorch/) run in the same loop as the originals they
+imitate (front_end_worker): minizero.DistributedDataParallel ("minizero_ddp") next to "ddp", and
+it with minizero.ZeroRedundancyOptimizer ("minizero_zero_redundancy") next to "zero_redundancy".
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
+import minizero
 from minizero import comm
 from minizero.beyond import tensor_parallel
 from minizero.lab.model import make_model
@@ -42,6 +46,8 @@ from minizero.lab.train import OPTIMIZERS, TrainConfig, clock, forward_backward,
 from minizero.memory import measure
 
 PEER_OF_STAGE = {0: "ddp", 1: "zero_redundancy", 2: "fsdp2_no_reshard", 3: "fsdp2"}
+# minizero's front end -> the original it imitates (a peer above)
+FRONT_ENDS = {"minizero_ddp": "ddp", "minizero_zero_redundancy": "zero_redundancy"}
 TENSOR_PARALLEL_PEER = "tp_fsdp2"         # stage 3 on a mesh (TrainConfig.tensor_parallel > 1)
 
 
@@ -132,14 +138,35 @@ def _tensor_parallel_part(state: dict, cfg: TrainConfig) -> dict:
     return tensor_parallel.parallelize_gpt(model, row).state_dict()
 
 
-def peer_worker(cfg: TrainConfig, peer: str) -> dict:
+def build_front_end(cfg: TrainConfig, name: str):
+    """(module, optimizer, no_sync) for one of minizero's PyTorch front ends (FRONT_ENDS), built as
+    build_peer builds the original: the same model, bucket size and optimizer."""
+    model = make_model(cfg.model_config(), seed=cfg.seed).to(comm.device())
+    ddp = minizero.DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_size / 1e6)
+    params = [p for p in ddp.parameters() if p.requires_grad]
+    opt_cls, opt_kwargs = OPTIMIZERS[cfg.optimizer], {"lr": cfg.lr, **cfg.optimizer_params}
+    if name == "minizero_ddp":
+        return ddp, opt_cls(params, **opt_kwargs), ddp.no_sync
+    return ddp, minizero.ZeroRedundancyOptimizer(params, opt_cls, **opt_kwargs), ddp.no_sync
+
+
+def front_end_worker(cfg: TrainConfig, name: str) -> dict:
+    """peer_worker's loop over a minizero front end, with the one field the bench reads from
+    minizero's side besides (train_worker's): the peak of the model states, counted at the end."""
+    result = peer_worker(cfg, name, build_front_end)
+    result["peak"] = sum(result["memory"][k] for k in ("params", "grads", "optimizer"))
+    return result
+
+
+def peer_worker(cfg: TrainConfig, peer: str, build=build_peer) -> dict:
     """The loop of minizero.lab.train.train_worker, with PyTorch's implementation instead of
-    an engine."""
+    an engine (or, build=build_front_end, one of minizero's PyTorch front ends)."""
     rank = comm.rank()
-    module, optimizer, no_sync = build_peer(cfg, peer)
+    module, optimizer, no_sync = build(cfg, peer)
     params = [p for p in module.parameters() if p.requires_grad]
     losses, step_times, phase_times, memory = [], [], [], None
     for step in range(cfg.steps):
+        comm.reset_tally()                     # minizero's front ends send through comm.py
         start, phases = clock(), {}
         step_loss = forward_backward(cfg, step, module, torch.Tensor.backward, no_sync, phases)
         if step == cfg.steps - 1:
@@ -149,7 +176,8 @@ def peer_worker(cfg: TrainConfig, peer: str) -> dict:
         phase_times.append(phases)
         losses.append(step_loss)
     result = {"rank": rank, "losses": losses, "step_times": step_times, "phase_times": phase_times,
-              "memory": memory}
+              "memory": memory, "comm_bytes_per_step": comm.tally(),
+              "num_params": sum(p.numel() for p in _unwrapped(module).parameters())}
     if cfg.return_state:
         result["state_dict"] = full_state_dict(module)
         if peer == TENSOR_PARALLEL_PEER:
@@ -165,19 +193,24 @@ def _step(optimizer, params, clip_grad_norm) -> None:
     optimizer.zero_grad(set_to_none=False)
 
 
+def _unwrapped(module):
+    """The model inside a DDP (torch's or minizero's), or the module itself."""
+    wrappers = (DistributedDataParallel, minizero.DistributedDataParallel)
+    return module.module if isinstance(module, wrappers) else module
+
+
 def full_state_dict(module) -> dict[str, torch.Tensor]:
     """Plain CPU tensors with the unwrapped model's keys (DDP's 'module.' prefix dropped,
     DTensors gathered)."""
-    inner = module.module if isinstance(module, DistributedDataParallel) else module
     return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
-            for k, v in inner.state_dict().items()}
+            for k, v in _unwrapped(module).state_dict().items()}
 
 
 def _memory(module, optimizer) -> dict[str, int]:
     """This rank's resident bytes, counted the way minizero counts its own (each storage once)."""
     params = list(module.parameters())
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        state = optimizer.optim.state.values()
+    if isinstance(optimizer, (ZeroRedundancyOptimizer, minizero.ZeroRedundancyOptimizer)):
+        state = optimizer.optim.state.values()                   # this rank's optimizer's
     else:
         state = optimizer.state.values()
     return measure(
