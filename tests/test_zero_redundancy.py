@@ -479,3 +479,35 @@ def test_a_second_owner_is_refused_in_one_line(runs):
                                      "by minizero.ZeroRedundancyOptimizer")
         assert i["over an engine's"].startswith("ValueError: a parameter of shape (12, 14) is "
                                                 "already owned by a minizero stage-0 engine")
+
+
+# --- python -m minizero.bench --partitions --------------------------------------------------------
+
+def test_whole_parameters_leave_a_large_embedding_alone_on_one_rank():
+    """GPT-2 small's shapes (modelled, no training): at N = 4 one rank holds the 50,257 x 768
+    embedding and nothing else, 1.36 x the least loaded; the flat partition is ceil(Ψ/N) each."""
+    from minizero.lab.partitions import gpt2_small_shapes, modelled
+    rows = {row["world_size"]: row for row in modelled(gpt2_small_shapes(), (2, 4, 8))}
+    psi = 124_439_808
+    for n, row in rows.items():
+        assert sum(row["whole"]) == psi and row["flat"] == -(-psi // n)
+    assert rows[4]["whole"][0] == rows[8]["whole"][0] == 50_257 * 768
+    assert 1.3 < rows[4]["imbalance"] < 1.4 and rows[8]["imbalance"] > 3
+
+
+def test_the_partitions_command_measures_both_sides(capsys):
+    from minizero.cli import partitions
+    from minizero.lab.partitions import measure_partitions
+    assert partitions.main(["--world-size", "5"]) == 2
+    assert "every N must be >= 2 and split the 12 rows" in capsys.readouterr().err
+    flat, whole = measure_partitions((3,), "tiny")["rows"]              # Ψ = 4,690, 28 tensors
+    psi, n = 4690, 3
+    # flat: equal partitions of the buffer padded to 4,692; whole: each parameter once, no padding
+    assert [r["stepped"] for r in flat["ranks"]] == [1564] * 3 and flat["ranks"][0]["padding"] == 2
+    assert sum(r["stepped"] for r in whole["ranks"]) == psi and whole["ranks"][0]["padding"] == 0
+    # a reduce-scatter and an all-gather, against DDP's all-reduce, the buffers' broadcast before
+    # forward and one broadcast per parameter; their ring bytes 2(N-1)/N and 3(N-1)/N of 4 Ψ
+    assert flat["ranks"][0]["collectives"] == 2 and whole["ranks"][0]["collectives"] == 30
+    masks = 2 * 17 * 17                                                    # bool causal masks
+    assert flat["ranks"][0]["sent"]["total"] == pytest.approx(2 * (n - 1) / n * 4692 * 4)
+    assert whole["ranks"][0]["sent"]["total"] == pytest.approx((n - 1) / n * (3 * psi * 4 + masks))

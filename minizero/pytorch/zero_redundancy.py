@@ -70,23 +70,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._all_state_dicts: list[dict] = []       # consolidate_state_dict's, on its target
         self.initialized = True
 
-    # --- the partition: torch's greedy rule -------------------------------------------------
     def _partition(self) -> list[list[list[torch.Tensor]]]:
-        """Each group's parameters, largest first (a stable sort: ties keep their order), each to
-        the rank with the fewest elements so far (the first such rank), counting over all groups:
-        torch's _partition_parameters. Deterministic, so every rank computes the same one, and an
-        added group leaves the earlier groups' owners as they were."""
-        held = [0] * self.world_size
-        out = [[] for _ in range(self.world_size)]
-        for group in self.param_groups:
-            mine = [[] for _ in range(self.world_size)]
-            for p in sorted(group["params"], key=torch.Tensor.numel, reverse=True):
-                rank = held.index(min(held))
-                mine[rank].append(p)
-                held[rank] += p.numel()
-            for rank in range(self.world_size):
-                out[rank].append(mine[rank])
-        return out
+        return whole_parameters([g["params"] for g in self.param_groups], self.world_size)
 
     def rank_of(self, p: torch.Tensor) -> int:
         """The rank (in the process group) that steps p and broadcasts it."""
@@ -222,6 +207,24 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             local_groups.append({**saved, "params": list(range(start, start + len(mine)))})
             start += len(mine)
         self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
+
+
+def whole_parameters(groups: list[list[torch.Tensor]], n: int) -> list[list[list[torch.Tensor]]]:
+    """torch's partition ([rank][group] -> parameters): each group's parameters, largest first (a
+    stable sort: ties keep their order), each to the rank with the fewest elements so far (the
+    first such rank), counting over all groups. Deterministic, so every rank computes the same, and
+    a group added later leaves the earlier groups' owners where they were."""
+    held = [0] * n
+    out = [[] for _ in range(n)]
+    for params in groups:
+        mine = [[] for _ in range(n)]
+        for p in sorted(params, key=torch.Tensor.numel, reverse=True):
+            rank = held.index(min(held))
+            mine[rank].append(p)
+            held[rank] += p.numel()
+        for rank in range(n):
+            out[rank].append(mine[rank])
+    return out
 
 
 def _checked(params) -> list:
