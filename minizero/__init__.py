@@ -10,8 +10,8 @@
     with minizero.sharded_init(): model = MyModel()      # stage 3: built partitioned, never whole
     minizero.set_z3_leaf_modules(model, [MoEBlock])      # stage 3: gathered whole (DeepSpeed's)
 
-This folder is the ZeRO implementation, read in this order (3,108 lines, docstrings included):
-    comm.py (673) -> events.py (116) -> flat.py (233) -> reducer.py (126) -> optim.py (324)
+This folder is the ZeRO implementation, read in this order (3,126 lines, docstrings included):
+    comm.py (691) -> events.py (116) -> flat.py (233) -> reducer.py (126) -> optim.py (324)
     -> engine.py (535) -> stages.py (78, the paper's table: one row per stage) -> ddp.py (126)
     -> zero1.py (76) -> zero2.py (115) -> zero3.py (350, with units.py 287, leaf modules included)
     -> offload.py (69).

@@ -596,11 +596,29 @@ def agree(value: int) -> bool:
     its answer would wait for the GPU. Not tallied, not an event: it is not part of ZeRO's
     algorithm, and it is not a collective of the stream it checks. Blocks until every rank calls
     it (open_agreement first)."""
+    return agree_later(value).wait()
+
+
+class Agreement:
+    """agree_later's answer, once every rank has given its value: wait() -> whether all agree."""
+
+    def __init__(self, value: int, pair: torch.Tensor | None = None, work=None):
+        self.value, self.pair, self.work = value, pair, work
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+        return self.pair is None or int(self.pair[0]) == self.value == -int(self.pair[1])
+
+
+def agree_later(value: int) -> Agreement:
+    """agree() without waiting: the answer is read later, when every rank has long given its value
+    (desync.py agrees so at the end of a backward, where waiting would cost a round trip a step)."""
     if world_size() == 1:
-        return True
+        return Agreement(value)
     pair = torch.tensor([value, -value], dtype=torch.int64)
-    dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=_agreement_group)
-    return int(pair[0]) == value == -int(pair[1])
+    return Agreement(value, pair, dist.all_reduce(pair, op=dist.ReduceOp.MAX, async_op=True,
+                                                  group=_agreement_group))
 
 
 def all_gather_object(obj) -> list:
