@@ -191,13 +191,17 @@ class FlatLayout:
         it (at stage 1 the parameters stopped moving). So what autograd made is copied back, and a
         gradient the user dropped (None) is zero. Only where p.grad is a view (point_grads_into);
         the fp32-reduce hooks add into the buffer whatever p.grad is."""
-        for p, view in b.views(bucket_grads):
-            if view.dtype != p.dtype or p.grad is view:
-                continue
-            if p.grad is None:
+        start, size = bucket_grads.data_ptr(), bucket_grads.element_size()
+        for p, offset in zip(b.params, b.offsets):
+            grad = p.grad
+            if p.dtype != bucket_grads.dtype or (
+                    grad is not None and grad.data_ptr() == start + offset * size):
+                continue                      # added by a hook, or still its view: nothing to do
+            view = bucket_grads[offset: offset + p.numel()].view(p.shape)
+            if grad is None:
                 view.zero_()
-            elif p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad)
+            else:
+                view.copy_(grad)
             p.grad = view
 
 

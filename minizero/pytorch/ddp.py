@@ -136,7 +136,7 @@ class DistributedDataParallel(nn.Module):
     # --- forward ----------------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         if self.require_forward_param_sync and self.forward_sync_buffers:
-            _broadcast(self._buffers_synced(), self.src, self.group, "buffers")
+            _broadcast(self._buffers_synced(), self.src, self.group, "buffers", wait_later=True)
         if self.device_ids:
             inputs, kwargs = tree_map(self._to_device, (inputs, kwargs))
         output = self.module(*inputs, **kwargs)
@@ -199,7 +199,8 @@ class DistributedDataParallel(nn.Module):
         the optimizer skips it); one that some rank used gets the average, zeros from the rest."""
         used = torch.tensor([p in self._fired for p in self.trainable], dtype=torch.int32,
                             device=self.device)
-        comm.all_reduce(used, op="max", group=self.group, tag="used parameters")
+        comm.all_reduce(used, op="max", async_op=True, group=self.group,
+                        tag="used parameters").wait()           # async: [Note: every forward]
         for p, anywhere in zip(self.trainable, used.tolist()):
             if not anywhere and p in self._was_none:
                 p.grad = None
@@ -345,17 +346,25 @@ def _parameters_reached(outputs: list[torch.Tensor]) -> set:
     return found
 
 
-def _broadcast(tensors: list[torch.Tensor], src: int, group, tag: str) -> None:
+def _broadcast(tensors: list[torch.Tensor], src: int, group, tag: str,
+               wait_later: bool = False) -> None:
     """The first rank's values of `tensors` on every rank of the group: one broadcast per dtype
     (torch's _broadcast_coalesced), without bumping the tensors' version counters (a buffer saved
-    for a backward still to come stays valid, as in torch)."""
+    for a backward still to come stays valid, as in torch).
+
+    [Note: every forward] wait_later: issued asynchronously and waited for at once, which is the
+    same for the values. The difference is beyond/desync.py's: it agrees with the other ranks
+    before every *blocking* collective, a round trip that torch's DDP does not make before each
+    forward; the broadcast's fingerprint is still in the agreement at the end of backward."""
     by_kind: dict = {}
     for t in tensors:
         by_kind.setdefault((t.dtype, t.device), []).append(t)
     with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(tensors)):
         for same in by_kind.values():
             flat = torch.cat([t.reshape(-1) for t in same])
-            comm.broadcast(flat, src=src, group=group, tag=tag)
+            handle = comm.broadcast(flat, src=src, async_op=wait_later, group=group, tag=tag)
+            if handle is not None:
+                handle.wait()
             offset = 0
             for t in same:
                 t.copy_(flat[offset: offset + t.numel()].view_as(t))
