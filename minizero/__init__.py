@@ -10,10 +10,10 @@
     with minizero.sharded_init(): model = MyModel()      # stage 3: built partitioned, never whole
     minizero.set_z3_leaf_modules(model, [MoEBlock])      # stage 3: gathered whole (DeepSpeed's)
 
-This folder is the ZeRO implementation, read in this order (3,126 lines, docstrings included):
-    comm.py (691) -> events.py (116) -> flat.py (233) -> reducer.py (126) -> optim.py (324)
+This folder is the ZeRO implementation, read in this order (3,131 lines, docstrings included):
+    comm.py (691) -> events.py (116) -> flat.py (237) -> reducer.py (126) -> optim.py (324)
     -> engine.py (535) -> stages.py (78, the paper's table: one row per stage) -> ddp.py (126)
-    -> zero1.py (76) -> zero2.py (115) -> zero3.py (350, with units.py 287, leaf modules included)
+    -> zero1.py (77) -> zero2.py (115) -> zero3.py (350, with units.py 287, leaf modules included)
     -> offload.py (69).
 Then the stage helpers beside it: options.py (which stage takes what), absent.py (a stage-3
 parameter between uses), loss_scale.py for fp16, owners.py (one engine per parameter),

@@ -12,7 +12,8 @@ Stage 1's row of the table (stages.py): DDP's replicated parameters (ddp.py), th
 this rank's partition (P_os: optim.py steps whatever it is given), and the one class this file
 adds, GradientsReducedAtStep. Layout (flat.py): all trainable parameters end to end in one bucket,
 padded to a multiple of N, cut into N equal partitions; rank r owns partition r (a parameter may
-straddle two ranks, as in DeepSpeed).
+straddle two ranks, as in DeepSpeed). torch's ZeroRedundancyOptimizer gives each rank whole
+parameters instead (minizero/pytorch/zero_redundancy.py): docs/pytorch.md measures both ways.
 
 Communication per step, 2Ψ·(N-1)/N in a ring, the same as DDP (the paper's point: P_os is free):
   * in step(): reduce-scatter the gradients. Not an all-reduce: a rank only steps its partition, so
