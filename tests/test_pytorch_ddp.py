@@ -291,6 +291,18 @@ def state_dicts() -> dict:
     return out
 
 
+def through_the_module() -> dict:
+    """A backward through model.module(x), bypassing DDP's forward: torch's DDP leaves it local;
+    minizero reduces it all the same rather than leave its buckets half counted."""
+    model = minizero.DistributedDataParallel(gpt(), bucket_cap_mb=0.002)
+    x, y = gpt_batch(0, comm.rank())
+    loss_fn(model.module(x), y).backward()
+    direct = grads(model)
+    model.zero_grad()
+    loss_fn(model(x), y).backward()
+    return {"direct": direct, "through forward": grads(model)}
+
+
 def buckets_in_backward() -> dict:
     model = minizero.DistributedDataParallel(gpt(), bucket_cap_mb=0.002)
     x, y = gpt_batch(0, comm.rank())
@@ -351,7 +363,8 @@ def subgroup() -> dict | None:
 def scenarios() -> dict:
     out = {"parity": parity(), "accumulation": accumulation(), "unused": unused(),
            "buffers": buffers(), "checkpointing": checkpointing(), "state dicts": state_dicts(),
-           "buckets": buckets_in_backward(), "refusals": refusals()}
+           "buckets": buckets_in_backward(), "refusals": refusals(),
+           "through the module": through_the_module()}
     if comm.world_size() == 3:
         out["subgroup"] = subgroup()
     return out
@@ -398,6 +411,12 @@ def test_no_sync_accumulates_without_communicating(runs):
                             acc["torch", "forward in no_sync"]) <= TORCH_ATOL
         assert max_abs_diff(acc["minizero"], acc["torch"]) <= TORCH_ATOL
         assert max_abs_diff(acc["minizero"], acc["one process"]) <= SGD_ATOL
+
+
+def test_a_backward_through_the_module_itself_is_reduced_too(runs):
+    for n, r, rank in each_rank(runs):
+        t = rank["through the module"]
+        assert max_abs_diff(t["direct"], t["through forward"]) <= TORCH_ATOL
 
 
 def test_buckets_are_all_reduced_during_backward(runs):

@@ -167,6 +167,8 @@ class DistributedDataParallel(nn.Module):
 
     def _arrived(self, p: nn.Parameter, bucket) -> None:
         """The reducer, as p's gradient is complete."""
+        if not self._in_backward:       # a backward through self.module(...), not through forward:
+            self._backward_starts(None)      # reduced all the same, not left half counted
         if self._sync and not self.static_graph and (p in self._fired or p in self._unused):
             raise RuntimeError(
                 f"DistributedDataParallel: {self.names[p]}'s gradient arrived twice in one "
@@ -184,6 +186,7 @@ class DistributedDataParallel(nn.Module):
     def _backward_ends(self) -> None:
         self._in_backward = False
         self.reducer.finish()          # launch what is left (unused parameters: zeros), wait all
+        self._unused = {}                    # forward's, for its backward only (not a later one)
         if self._sync and (self.find_unused_parameters or self.static_graph):
             self._leave_globally_unused()
         elif self._sync and len(self._fired) < len(self.trainable):
