@@ -506,8 +506,8 @@ def test_the_partitions_command_measures_both_sides(capsys):
     assert [r["stepped"] for r in flat["ranks"]] == [1564] * 3 and flat["ranks"][0]["padding"] == 2
     assert sum(r["stepped"] for r in whole["ranks"]) == psi and whole["ranks"][0]["padding"] == 0
     # a reduce-scatter and an all-gather, against DDP's all-reduce, the buffers' broadcast before
-    # forward and one broadcast per parameter; their ring bytes 2(N-1)/N and 3(N-1)/N of 4 Ψ
-    assert flat["ranks"][0]["collectives"] == 2 and whole["ranks"][0]["collectives"] == 30
+    # forward and one broadcast per rank; their ring bytes 2(N-1)/N and 3(N-1)/N of 4 Ψ
+    assert flat["ranks"][0]["collectives"] == 2 and whole["ranks"][0]["collectives"] == 2 + n
     masks = 2 * 17 * 17                                                    # bool causal masks
     assert flat["ranks"][0]["sent"]["total"] == pytest.approx(2 * (n - 1) / n * 4692 * 4)
     assert whole["ranks"][0]["sent"]["total"] == pytest.approx((n - 1) / n * (3 * psi * 4 + masks))
