@@ -30,6 +30,7 @@ import io
 import itertools
 
 import torch
+from torch.utils._pytree import tree_map
 
 from minizero import comm, owners
 
@@ -182,7 +183,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """Collect every rank's optimizer state on rank `to` of the group (collective: every rank
         calls it). Then state_dict() there is the whole optimizer's, in torch's format."""
         _copy_settings(self.param_groups, self.optim.param_groups)
-        states = _all_gather_objects(self.optim.state_dict(), self.group)
+        on_cpu = tree_map(lambda t: t.cpu() if torch.is_tensor(t) else t, self.optim.state_dict())
+        states = _all_gather_objects(on_cpu, self.group)            # (a GPU's tensors: on the CPU)
         self._all_state_dicts = states if self.rank == to else []
 
     def state_dict(self) -> dict:
