@@ -277,6 +277,23 @@ def checkpointing() -> dict:
         out[kind] = state(model)
     model = minizero.DistributedDataParallel(CheckpointedTwice())
     out["without static_graph"] = one_line(lambda: model(x).square().mean().backward())
+    # a static graph with a parameter nobody uses: learned in the first backward (no all-reduce of
+    # the used parameters after it), and every later backward overlaps its buckets
+    for kind in ("minizero", "torch"):
+        model = WRAPPERS[kind](IgnoredHead(), static_graph=True, bucket_cap_mb=0.0001)
+        opt = sgd(model.parameters())
+        launched = []
+        for step in range(STEPS):
+            opt.zero_grad()
+            torch.manual_seed(10 + step + comm.rank())
+            with events.recorded("collective", "bucket launched") as log:
+                F.cross_entropy(model(torch.rand(4, 2)), torch.randint(0, 4, (4,))).backward()
+            launched.append([f.get("in_backward") for _, name, f in log if name != "collective"])
+            out[kind, "static collectives"] = [f["tag"] for _, name, f in log
+                                               if name == "collective"]
+            opt.step()
+        out[kind, "static"], out[kind, "static fc3"] = state(model), model.module.fc3.weight.grad
+        out[kind, "static launched"] = launched
     return out
 
 
@@ -483,6 +500,17 @@ def test_reentrant_checkpointing_twice_with_static_graph_and_without(runs):
         assert max_abs_diff(c["minizero"], c["torch"]) <= TORCH_ATOL
         assert c["without static_graph"].startswith("RuntimeError: DistributedDataParallel: l2.")
         assert "gradient arrived twice in one backward" in c["without static_graph"]
+
+
+def test_a_static_graph_is_learned_once_then_overlapped(runs):
+    for n, r, rank in each_rank(runs):
+        c = rank["checkpointing"]
+        assert max_abs_diff(c["minizero", "static"], c["torch", "static"]) <= TORCH_ATOL
+        assert c["minizero", "static fc3"] is None and c["torch", "static fc3"] is None
+        first, *later = c["minizero", "static launched"]
+        assert len(first) == 2 and not any(first)             # [fc3, fc2], [fc1]: after backward
+        assert all(launches == [True] * 2 for launches in later)
+        assert "used parameters" not in c["minizero", "static collectives"]    # the last step's
 
 
 def test_state_dict_keys_are_torchs_and_load_back(runs):

@@ -27,7 +27,8 @@ that `minizero.wrap(model, 0, ...)` runs. What torch's DDP adds is in this file:
 Where it differs from torch's (docs/pytorch.md): p.grad is always a view of its bucket, the memory
 of gradient_as_bucket_view=True (torch's default, False, copies each gradient into its bucket and
 back); buckets follow the parameters' reverse order, where torch rebuilds them after the first
-iteration in the order the gradients arrived; static_graph=True all-reduces after backward.
+iteration in the order the gradients arrived; with static_graph=True and a gradient that arrives
+twice a backward, every backward all-reduces after its end (torch overlaps from the second).
 """
 
 from __future__ import annotations
@@ -110,8 +111,8 @@ class DistributedDataParallel(nn.Module):
         self.grads = AllReducedGradients(self, self.layout)        # makes each p.grad a view
         for p, grad in zip(self.trainable, before):
             p.grad = grad                  # as torch: None until the first backward, then a view
-        # static_graph: the hooks of one backward may fire more than once per parameter (reentrant
-        # checkpointing), so every bucket waits for the end of backward
+        # static_graph: in the first backward every bucket waits for its end, as the hooks may fire
+        # more than once per parameter (reentrant checkpointing); _learn decides about the rest
         self.reducer = GradBuckets(self.layout.buckets, launch=self._launch, on_grad=self._arrived,
                                    max_in_flight=len(self.layout.buckets),
                                    overlap=not static_graph, owner=self)
@@ -119,9 +120,10 @@ class DistributedDataParallel(nn.Module):
         self.require_forward_param_sync = True        # the last forward synced: buffers are due
         self._sync = True                             # what the last forward decided
         self._in_backward = False
-        self._unused: dict = {}                   # find_unused_parameters: from forward, in order
-        self._fired: set = set()                        # parameters whose gradient arrived
-        self._was_none: set = set()                     # ... and those without one before
+        self._unused: dict = {}              # none will get a gradient: from forward, in order
+        self._fired: dict = {}               # parameters whose gradient arrived: how many times
+        self._was_none: set = set()          # parameters whose grad was None before the reduce
+        self._learned = None                 # static_graph, after its first backward: _learn
 
     @property
     def sync(self) -> bool:
@@ -144,7 +146,9 @@ class DistributedDataParallel(nn.Module):
         self._sync = self.require_forward_param_sync = grad and self.require_backward_grad_sync
         if grad:
             outputs = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
-            if self._sync and self.find_unused_parameters and not self.static_graph:
+            if self._sync and self._learned is not None:                     # static_graph
+                self._unused = dict.fromkeys(self._learned[0])
+            elif self._sync and self.find_unused_parameters and not self.static_graph:
                 reached = _parameters_reached(outputs)
                 self._unused = dict.fromkeys(p for p in self.trainable if p not in reached)
             for t in outputs:
@@ -159,7 +163,7 @@ class DistributedDataParallel(nn.Module):
         if self._in_backward:                            # a second output of the same forward
             return
         self._in_backward = True
-        self._fired, self._was_none = set(), set()
+        self._fired, self._was_none = {}, set()
         if self._sync:
             for p in self._unused:            # no gradient will come: their buckets need not wait
                 self.reducer.mark_ready(p)
@@ -169,13 +173,15 @@ class DistributedDataParallel(nn.Module):
         """The reducer, as p's gradient is complete."""
         if not self._in_backward:       # a backward through self.module(...), not through forward:
             self._backward_starts(None)      # reduced all the same, not left half counted
-        if self._sync and not self.static_graph and (p in self._fired or p in self._unused):
+        if self._sync and self.reducer.overlap and (p in self._fired or p in self._unused):
+            why = ("static_graph=True promised the graph of the first iteration" if
+                   self.static_graph else "pass static_graph=True, or checkpoint with "
+                   "use_reentrant=False")
             raise RuntimeError(
                 f"DistributedDataParallel: {self.names[p]}'s gradient arrived twice in one "
                 "backward, or after forward found it unused (a module checkpointed with "
-                "use_reentrant=True?): pass static_graph=True, or checkpoint with "
-                "use_reentrant=False")
-        self._fired.add(p)
+                f"use_reentrant=True?): {why}")
+        self._fired[p] = self._fired.get(p, 0) + 1
 
     def _launch(self, bucket):
         """The reducer, inside backward: bucket's gradients are complete; start its all-reduce."""
@@ -200,13 +206,26 @@ class DistributedDataParallel(nn.Module):
     def _leave_globally_unused(self) -> None:
         """torch's rule: a parameter no rank used keeps its grad untouched (None stays None, so
         the optimizer skips it); one that some rank used gets the average, zeros from the rest."""
-        used = torch.tensor([p in self._fired for p in self.trainable], dtype=torch.int32,
-                            device=self.device)
-        comm.all_reduce(used, op="max", async_op=True, group=self.group,
-                        tag="used parameters").wait()           # async: [Note: every forward]
-        for p, anywhere in zip(self.trainable, used.tolist()):
-            if not anywhere and p in self._was_none:
-                p.grad = None
+        if self._learned is not None:                  # static_graph: the first backward's answer
+            nobody = self._learned[1]
+        else:
+            used = torch.tensor([p in self._fired for p in self.trainable], dtype=torch.int32,
+                                device=self.device)
+            comm.all_reduce(used, op="max", async_op=True, group=self.group,
+                            tag="used parameters").wait()           # async: [Note: every forward]
+            nobody = {p for p, anywhere in zip(self.trainable, used.tolist()) if not anywhere}
+            if self.static_graph:
+                self._learn(nobody)
+        for p in self._was_none & nobody:
+            p.grad = None
+
+    def _learn(self, nobody: set) -> None:
+        """static_graph, after the first backward (torch's rule: the graph stays the same): the
+        parameters this rank does not use are ready when backward starts, and nobody's grad stays
+        None, without asking the others again. If every gradient arrived once, later buckets are
+        all-reduced during backward; if one arrived twice (reentrant checkpointing), after it."""
+        self._learned = ([p for p in self.trainable if p not in self._fired], nobody)
+        self.reducer.overlap = all(times == 1 for times in self._fired.values())
 
     @contextlib.contextmanager
     def no_sync(self):
