@@ -22,7 +22,7 @@ that `minizero.wrap(model, 0, ...)` runs. What torch's DDP adds is in this file:
   * no_sync() (decided at forward, as torch does), find_unused_parameters, static_graph, buffers
     broadcast from the group's first rank before each forward, init_sync, and the `module.` prefix
     of state_dict keys (this is an nn.Module holding `module`). Every other keyword of torch 2.13's
-    constructor is implemented or refused in one line (_check_keywords).
+    constructor is implemented or refused in one line (ddp_options.py).
 
 Where it differs from torch's (docs/pytorch.md): p.grad is always a view of its bucket, the memory
 of gradient_as_bucket_view=True (torch's default, False, copies each gradient into its bucket and
@@ -34,7 +34,6 @@ twice a backward, every backward all-reduces after its end (torch overlaps from 
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import torch
 from torch import nn
@@ -43,13 +42,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 from minizero import comm, events, owners
 from minizero.ddp import AllReducedGradients
 from minizero.flat import FlatLayout
+from minizero.pytorch import ddp_options
 from minizero.reducer import GradBuckets
 
-MIB = 2**20                     # torch's bucket_cap_mb counts MiB
-DEFAULT_BUCKET_MB = 25          # torch's default bucket_cap_mb
-# With the default cap torch's first bucket (the last layers' gradients) is small, so that its
-# all-reduce starts early in backward
-FIRST_BUCKET_BYTES = MIB
 OWNER = owners.Owner("minizero.DistributedDataParallel", ("minizero.ZeroRedundancyOptimizer",))
 
 
@@ -68,9 +63,9 @@ class DistributedDataParallel(nn.Module):
                  bucket_cap_mb_list: list[float] | None = None, batched_grad_copy: bool = False,
                  forward_sync_buffers: bool | None = None):
         super().__init__()
-        _check_keywords(delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
-                        skip_all_reduce_unused_params, check_reduction, batched_grad_copy,
-                        process_group, device_mesh)
+        ddp_options.check_keywords(delay_all_reduce_named_params, param_to_hook_all_reduce,
+                                   mixed_precision, skip_all_reduce_unused_params,
+                                   check_reduction, batched_grad_copy, process_group, device_mesh)
         self.module = module
         self.dim, self.gradient_as_bucket_view = dim, gradient_as_bucket_view
         self.find_unused_parameters, self.static_graph = find_unused_parameters, static_graph
@@ -90,9 +85,9 @@ class DistributedDataParallel(nn.Module):
         named = [(n, p) for n, p in module.named_parameters() if n not in self.ignored]
         self.names = {p: n for n, p in named}
         self.trainable = [p for _, p in named if p.requires_grad]
-        self.device = _check_module(module, self.trainable, self.names)
-        self.device_ids, self.output_device = _check_devices(self.device, device_ids,
-                                                             output_device)
+        self.device = ddp_options.check_module(module, self.trainable)
+        self.device_ids, self.output_device = ddp_options.check_devices(self.device, device_ids,
+                                                                        output_device)
         owners.claim(self.trainable, OWNER, {id(p): n for p, n in self.names.items()})
         if init_sync:                             # every replica starts from the first rank's
             self._check_same_model()
@@ -103,10 +98,10 @@ class DistributedDataParallel(nn.Module):
         # as its gradients are complete. Its engine attributes are this module's: grad_dtype,
         # device, sync (below) and shard_group, the ranks it averages over.
         self.grad_dtype, self.shard_group = self.trainable[0].dtype, self.group
-        self.bucket_bytes_cap = _bucket_caps(bucket_cap_mb, bucket_cap_mb_list)
-        self.layout = FlatLayout.build(_buckets(self.trainable[::-1], self.bucket_bytes_cap),
-                                       comm.group_size(self.group), comm.group_rank(self.group),
-                                       pad=False)
+        self.bucket_bytes_cap = ddp_options.bucket_caps(bucket_cap_mb, bucket_cap_mb_list)
+        buckets = ddp_options.buckets(self.trainable[::-1], self.bucket_bytes_cap)   # reversed
+        self.layout = FlatLayout.build(buckets, comm.group_size(self.group),
+                                       comm.group_rank(self.group), pad=False)
         before = [p.grad for p in self.trainable]
         self.grads = AllReducedGradients(self, self.layout)        # makes each p.grad a view
         for p, grad in zip(self.trainable, before):
@@ -260,95 +255,6 @@ class DistributedDataParallel(nn.Module):
         if both[:2].tolist() != sizes or (-both[2:]).tolist() != sizes:
             raise ValueError(f"DistributedDataParallel: the model differs across ranks (rank "
                              f"{comm.rank()}: {sizes[0]} parameters, {sizes[1]:,} elements)")
-
-
-# --- construction -------------------------------------------------------------------------------
-
-def _check_keywords(delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
-                    skip_all_reduce_unused_params, check_reduction, batched_grad_copy,
-                    process_group, device_mesh) -> None:
-    """torch's keywords that minizero does not implement: refused in one line each."""
-    refused = {
-        "delay_all_reduce_named_params": delay_all_reduce_named_params is not None,
-        "param_to_hook_all_reduce": param_to_hook_all_reduce is not None,
-        "mixed_precision": mixed_precision is not None,
-        "skip_all_reduce_unused_params": bool(skip_all_reduce_unused_params),
-    }
-    for name, given in refused.items():
-        if given:
-            raise ValueError(f"DistributedDataParallel: {name} is not supported by minizero "
-                             "(docs/pytorch.md); leave it at its default")
-    if process_group is not None and device_mesh is not None:
-        raise RuntimeError("DistributedDataParallel: pass process_group or device_mesh, not both")
-    if check_reduction:                                                   # as torch 2.13 does
-        warnings.warn("DistributedDataParallel: check_reduction is deprecated (by torch) and has "
-                      "no effect", FutureWarning, stacklevel=3)
-    if batched_grad_copy:
-        warnings.warn("DistributedDataParallel: batched_grad_copy=True has no effect here: "
-                      "gradients are views of their buckets, nothing is copied", stacklevel=3)
-
-
-def _check_module(module: nn.Module, trainable: list, names: dict) -> torch.device:
-    """The one device of the trainable parameters, or one line on what minizero cannot reduce."""
-    if not trainable:
-        raise RuntimeError("DistributedDataParallel: no parameter of the module requires a "
-                           "gradient, so there is nothing to average")
-    sparse = [n for n, m in module.named_modules()
-              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
-    if sparse:
-        raise ValueError(f"DistributedDataParallel: sparse gradients ({sparse[0]}: "
-                         "nn.Embedding(sparse=True)) are not supported by minizero")
-    dtypes = sorted({str(p.dtype) for p in trainable})
-    if len(dtypes) > 1:
-        raise ValueError(f"DistributedDataParallel: trainable parameters of several dtypes "
-                         f"({', '.join(dtypes)}): minizero reduces one flat buffer of one dtype")
-    devices = {p.device for p in trainable}
-    if len(devices) > 1:
-        raise ValueError(f"DistributedDataParallel: parameters on several devices "
-                         f"({', '.join(sorted(map(str, devices)))}): one device per process")
-    return devices.pop()
-
-
-def _check_devices(device: torch.device, device_ids, output_device):
-    """torch's rule: device_ids and output_device only for a module on one GPU."""
-    if device.type == "cpu" or not device_ids:
-        if device_ids or output_device is not None:
-            raise ValueError(f"DistributedDataParallel: device_ids and output_device are for a "
-                             f"module on one GPU; this one is on {device} (device_ids="
-                             f"{device_ids}, output_device={output_device})")
-        return None, None
-    ids = [torch.device(device.type, d) if isinstance(d, int) else torch.device(d)
-           for d in device_ids]
-    if len(ids) != 1 or ids[0] != device:
-        raise ValueError(f"DistributedDataParallel: device_ids must be [the module's device] "
-                         f"({device}), got {device_ids}")
-    return [device.index], device.index if output_device is None else output_device
-
-
-def _bucket_caps(bucket_cap_mb: float | None, bucket_cap_mb_list) -> list[int]:
-    """Bytes per bucket, the last repeating: torch's rule (the default cap starts with a 1 MiB
-    bucket; bucket_cap_mb_list gives each bucket its own)."""
-    if bucket_cap_mb_list:
-        return [int(mb * MIB) for mb in bucket_cap_mb_list]
-    if bucket_cap_mb is None:
-        return [FIRST_BUCKET_BYTES, DEFAULT_BUCKET_MB * MIB]
-    if not bucket_cap_mb >= 0:
-        raise ValueError(f"DistributedDataParallel: bucket_cap_mb must be >= 0, "
-                         f"got {bucket_cap_mb!r}")
-    return [int(bucket_cap_mb * MIB)]
-
-
-def _buckets(params: list[nn.Parameter], caps: list[int]) -> list[list[nn.Parameter]]:
-    """Consecutive parameters until a bucket holds at least its cap (flat.split_into_buckets' rule,
-    with a cap per bucket)."""
-    groups, current, size = [], [], 0
-    for p in params:
-        current.append(p)
-        size += p.numel() * p.element_size()
-        if size >= caps[min(len(groups), len(caps) - 1)]:
-            groups.append(current)
-            current, size = [], 0
-    return groups + [current] if current else groups
 
 
 def _parameters_reached(outputs: list[torch.Tensor]) -> set:
