@@ -60,16 +60,15 @@ of it waiting, because an asynchronous collective (a prefetched unit, a gradient
 rank run ahead while it is in flight, and a check before it takes that away. A blocking collective
 waits for every rank anyway, and so does the end of backward: agreeing there costs a round trip,
 not the overlap. Still, a round trip a step, with the ranks in lockstep after it, made stage 0 (one
-all-reduce a step) 6-8 % slower at 2M parameters, N = 2 (docs/performance.md): so the end of a
-backward agrees without waiting, and reads the answer at the next check (the next blocking
-collective, the next backward's end, or minizero.launch's end of the work). (Not the end of the
-step: an fp16 step skipped on overflow emits no "step", so the ranks would not meet there the same
-number of times if one skipped alone.) Before collective
-#1 it stops a model of another size before anything moves; before a blocking one, a different size
-before gloo sees it. The asynchronous collectives in between are in the next check's hash, so
-the first one that differs is still the one named; what is given up is that their data may have
-moved (same-size units exchanged in each other's place), until the next blocking collective or the
-end of the backward.
+all-reduce a step) 3-13 % slower at 2M parameters, N = 2, on a loaded machine (docs/performance.md):
+so the end of a backward agrees without waiting, and reads the answer at the next check (the next
+blocking collective, the next backward's end, or minizero.launch's end of the work). (Not the end
+of the step: an fp16 step skipped on overflow emits no "step", so the ranks would not meet there
+the same number of times if one skipped alone.) Before collective #1 it stops a model of another
+size before anything moves; before a blocking one, a different size before gloo sees it. The
+asynchronous collectives in between are in the next check's hash, so the first one that differs is
+still the one named; what is given up is that their data may have moved (same-size units exchanged
+in each other's place), until the next blocking collective or the end of the backward.
 """
 
 from __future__ import annotations
