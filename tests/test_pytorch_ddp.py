@@ -308,6 +308,37 @@ def state_dicts() -> dict:
     return out
 
 
+def awkward_and_real() -> dict:
+    """The awkward GPT (a frozen embedding, a parameter forward never uses, tied weights, odd
+    sizes) and a Hugging Face GPT-2 with a LoRA adapter (frozen base, ModelOutput), three ways."""
+    out = {}
+    awkward = lambda: make_model(GPTConfig.named("tiny", frozen=("pos_emb.weight",),   # noqa: E731
+                                                 unused_param=True), seed=0)
+    out["awkward"] = three_ways(make=awkward, optimizer=adamw, find_unused_parameters=True,
+                                bucket_cap_mb=0.002)
+    try:
+        from peft import LoraConfig, get_peft_model
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        return out
+
+    class LoRAGPT2(nn.Module):
+        """GPT-2 with LoRA on c_attn, logits out (the loss is the test's)."""
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            base = GPT2LMHeadModel(GPT2Config(  # no dropout: one process draws other masks
+                vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2, bos_token_id=0,
+                eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+            self.hf = get_peft_model(base, LoraConfig(r=2, target_modules=["c_attn"]))
+
+        def forward(self, x):
+            return self.hf(input_ids=x).logits[:, :, :12]
+
+    out["lora"] = three_ways(make=LoRAGPT2, optimizer=adamw)
+    return out
+
+
 def through_the_module() -> dict:
     """A backward through model.module(x), bypassing DDP's forward: torch's DDP leaves it local;
     minizero reduces it all the same rather than leave its buckets half counted."""
@@ -381,7 +412,7 @@ def scenarios() -> dict:
     out = {"parity": parity(), "accumulation": accumulation(), "unused": unused(),
            "buffers": buffers(), "checkpointing": checkpointing(), "state dicts": state_dicts(),
            "buckets": buckets_in_backward(), "refusals": refusals(),
-           "through the module": through_the_module()}
+           "through the module": through_the_module(), "awkward and real": awkward_and_real()}
     if comm.world_size() == 3:
         out["subgroup"] = subgroup()
     return out
@@ -428,6 +459,20 @@ def test_no_sync_accumulates_without_communicating(runs):
                             acc["torch", "forward in no_sync"]) <= TORCH_ATOL
         assert max_abs_diff(acc["minizero"], acc["torch"]) <= TORCH_ATOL
         assert max_abs_diff(acc["minizero"], acc["one process"]) <= SGD_ATOL
+
+
+@pytest.mark.parametrize("case", ["awkward", "lora"])
+def test_an_awkward_model_and_a_hugging_face_lora_model(runs, case):
+    if case == "lora":
+        pytest.importorskip("transformers")
+        pytest.importorskip("peft")
+    for n, r, rank in each_rank(runs):
+        ways = rank["awkward and real"][case]
+        (mine, mine_grads), (theirs, their_grads) = ways["minizero"], ways["torch"]
+        assert max_abs_diff(mine, theirs) <= ADAMW_ATOL and max_abs_diff(
+            mine, ways["one process"][0]) <= ADAMW_ATOL, (n, r, case)
+        frozen = [k for k, g in their_grads.items() if g is None]      # torch's: frozen, unused
+        assert frozen and [k for k, g in mine_grads.items() if g is None] == frozen
 
 
 def test_a_backward_through_the_module_itself_is_reduced_too(runs):
