@@ -14,9 +14,9 @@ it adds, in the file of the stage that adds it:
   gradients  (P_g)   ddp.AllReducedGradients: averaged everywhere, bucket by bucket in backward
                      zero1.GradientsReducedAtStep: accumulated whole, reduce-scattered at the step
                      zero2.GradientShard: reduce-scattered bucket by bucket in backward; Ψ/N kept
-  optimizer  (P_os)  the optimizer is handed Ψ/N (partitioned) or Ψ; where its state lives is
-                     offload=: the device, the host or a file (offload.optimizer_home)
-  buckets            how the flat layout groups the parameters (flat.py)
+  optimizer  (P_os)  handed Ψ/N (partitioned) or Ψ; it lives on the device or, with offload=,
+                     the host (offload.optimizer_home)
+  buckets            how the flat layout cuts the parameters into buckets (flat.py)
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class Stage:
     parameters: type                   # P_p's family
     gradients: type                    # P_g's family
     partitioned: bool                  # P_os: the optimizer steps this rank's partition
-    buckets: Callable | None           # (trainable, bucket_size) -> groups; None: stage 3's units
+    buckets: Callable | None           # (trainable, bucket_size) -> buckets; None: stage 3's units
     optimizer: Callable | None = None  # (parts, factory, grouping) -> optimizer; None: by offload
 
 
@@ -68,11 +68,11 @@ class Zero3(Engine):
 
     @property
     def units(self) -> list:
-        return self.params.units                      # zero3.ShardedUnits's, in bucket order
+        return self.params.units                  # zero3.ShardedUnits's, in forward order
 
     @property
     def unit_names(self) -> list[str]:
-        return [unit.name for unit in self.params.units]   # by index, as in unit events
+        return [unit.name for unit in self.params.units]       # by index, as in unit events
 
 
 ENGINES = {0: DDP, 1: Zero1, 2: Zero2, 3: Zero3}

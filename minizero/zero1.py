@@ -4,34 +4,25 @@
     engine = minizero.wrap(model, 1, functools.partial(torch.optim.AdamW, lr=1e-3))
 
 What each rank holds (paper, section 5.1): parameters 2Ψ and gradients 2Ψ still replicated,
-optimizer states KΨ/N: 4Ψ + KΨ/N bytes (16Ψ -> 4.75Ψ for Adam with N = 64). The optimizer states
+optimizer states KΨ/N: 4Ψ + KΨ/N bytes (16Ψ -> 4.19Ψ for Adam with N = 64). The optimizer states
 were the biggest term (K = 12 of 16), and they are only ever *used* elementwise, so each rank can
 own a partition.
 
 Stage 1's row of the table (stages.py): DDP's replicated parameters (ddp.py), the optimizer given
-this rank's partition (P_os: optim.py steps whatever it is given), and the one class this file
-adds, GradientsReducedAtStep. Layout (flat.py): all trainable parameters end to end in one bucket,
-padded to a multiple of N, cut into N equal partitions; rank r owns partition r (a parameter may
-straddle two ranks, as in DeepSpeed).
-
-Communication per step, 2Ψ·(N-1)/N in a ring, the same as DDP (the paper's point: P_os is free):
-  * in step(): reduce-scatter the gradients. Not an all-reduce: a rank only steps its partition, so
-    it only needs *that* partition averaged, and reduce-scatter is exactly half of an all-reduce (Ψ;
-    in bytes: on gloo comm.py runs it as an all-reduce, faster there, [Note: collectives on gloo]).
-    It runs in place: rank r's partition of its full gradient buffer receives the average.
-  * after the optimizer step: all-gather the updated partitions into every rank's parameters (Ψ;
-    ddp.ReplicatedParameters.after_step).
-Stage 1 keeps it simple: one reduce-scatter per step, no overlap with backward (stage 2 adds that).
-Gradient accumulation is free: backward only adds into the full gradient buffer, so any number of
-micro-batches (inside no_sync() or not) are reduced together, once, at the step.
-Why not reduce-scatter bucket by bucket during backward, as DDP and stage 2 do: it needs stage 2's
-layout (a partition in every bucket; stage 1 has one bucket), and a bucket reduce-scattered in place
-holds the average in this rank's partition but local gradients everywhere else, so a second backward
-before the step would add into a mixed buffer; keeping the reduced partitions apart from the buffer
-backward adds into is exactly stage 2's gradient shard. So stage 1 pays knowingly: its
-reduce-scatter (Ψ(N-1)/N per rank) waits at the step instead of hiding behind backward, where
-DDP + ZeroRedundancyOptimizer overlaps its all-reduce (twice the bytes): docs/performance.md
-measures what that costs. Stage 2 is the answer when it matters.
+this rank's partition (optim.py steps whatever it is given), and the one class this file adds.
+Layout (flat.py): all trainable parameters in one bucket, padded to a multiple of N, cut into N
+partitions; rank r owns partition r. Communication per step, 2Ψ(N-1)/N, the same as DDP (the
+paper's point: P_os is free):
+  * in step(): reduce-scatter the gradients, in place. Not an all-reduce: a rank only steps its
+    partition, so it only needs *that* partition averaged, and a reduce-scatter is half an
+    all-reduce (in bytes: on gloo comm.py runs it as one, [Note: collectives on gloo]).
+  * after the optimizer step: all-gather the updated partitions (ddp.ReplicatedParameters).
+Gradient accumulation is free: backward only adds into the full gradient buffer, reduced once at
+the step. Why not reduce-scatter bucket by bucket during backward: a bucket reduced in place holds
+the average in this rank's partition and local gradients elsewhere, so the next backward would add
+into a mixed buffer; keeping the reduced partitions apart is exactly stage 2's gradient shard. So
+stage 1's reduce-scatter waits at the step instead of hiding behind backward (docs/performance.md
+measures the cost); stage 2 is the answer.
 """
 
 from __future__ import annotations
@@ -44,21 +35,18 @@ from minizero.flat import FlatLayout
 
 class GradientsReducedAtStep:
     """P_g off, ZeRO's way: every rank accumulates every gradient in one flat buffer; at the step
-    each bucket is reduce-scattered, so that this rank holds the average of the partition it
-    steps."""
+    each bucket is reduce-scattered, so that this rank holds the average of its partition."""
     in_backward = False              # nothing is sent during backward: no reducer
     on_grad = arrived = None
 
     def __init__(self, engine, layout: FlatLayout, options=None):
-        self.layout, self.group = layout, engine.shard_group
-        # [padded Ψ] in reduce_dtype; p.grad are views of it, or added into it
-        # (flat.point_grads_into)
+        self.layout, self.group = layout, engine.group
+        # [padded Ψ] in reduce_dtype; p.grad are views of it (flat.point_grads_into)
         self.flat = torch.zeros(layout.padded_numel, dtype=engine.grad_dtype, device=engine.device)
         layout.point_grads_into(self.flat)
 
     def parts(self) -> list[torch.Tensor]:
-        """At the start of step(): average this rank's partition over ranks, the only part it
-        steps."""
+        """At the start of step(): average this rank's partition over ranks, all it steps."""
         parts = []
         for b in self.layout.buckets:
             full = self.layout.full(self.flat, b)

@@ -59,18 +59,17 @@ for kind in ("input", "all_reduce", "reduce_scatter", "all_gather", "broadcast")
 # %% [markdown]
 # ## The ring all-reduce, from point-to-point messages
 #
-# `minizero.comm.ring_all_reduce` cuts the tensor into N chunks and passes chunks around a ring. In
-# N-1 steps of reduce-scatter every rank adds the chunk its left neighbour sends into its own copy;
-# after them rank r owns the complete sum of one chunk. N-1 steps of all-gather then pass the
+# `minizero.lab.ring.ring_all_reduce` cuts the tensor into N chunks and passes chunks around a ring.
+# In N-1 steps of reduce-scatter every rank adds the chunk its left neighbour sends into its own
+# copy; after them rank r owns the complete sum of one chunk. N-1 steps of all-gather then pass the
 # finished chunks around. Each rank sends 2(N-1) chunks of S/N bytes: $2\frac{N-1}{N}S$, almost
-# independent of N. Here is the function, read from `minizero/comm.py` now (marked: the two loops'
-# exchanges, the add of phase 1 and the copy of phase 2):
+# independent of N. Here is the function, read from `minizero/lab/ring.py` now (marked: the two
+# loops' exchanges, the add of phase 1 and the copy of phase 2):
 
 # %%
-from minizero import comm
-from minizero.lab import source
+from minizero.lab import ring, source
 
-source.show(comm.ring_all_reduce, mark=("exchange((", "+= incoming", ".copy_(incoming)"))
+source.show(ring.ring_all_reduce, mark=("exchange((", "+= incoming", ".copy_(incoming)"))
 
 # %% [markdown]
 # It must give exactly what the library's all-reduce gives:
@@ -83,9 +82,9 @@ for n, res in results.items():
 # %% [markdown]
 # ### The ring, exchange by exchange
 #
-# `minizero.lab.stepthrough.ring` runs `minizero.comm.ring_all_reduce` on N processes and watches
-# its point-to-point exchanges: before each one, every rank's padded buffer and the chunk it sends
-# to its right neighbour. Rank r starts with 10 r + [1, 2, 3, 4, 5]: 5 elements in N chunks of
+# `minizero.lab.stepthrough.ring` runs `minizero.lab.ring.ring_all_reduce` on N processes and
+# watches its point-to-point exchanges: before each one, every rank's padded buffer and the chunk it
+# sends to its right neighbour. Rank r starts with 10 r + [1, 2, 3, 4, 5]: 5 elements in N chunks of
 # ⌈5/N⌉, padded. In the first N-1 exchanges the received chunk is *added*; after them rank r holds
 # the complete sum of chunk r+1. In the last N-1 it *replaces* the local chunk, and the finished
 # sums travel once around the ring.

@@ -9,6 +9,8 @@ import time
 import torch
 
 from minizero import comm
+from minizero.beyond import mesh, quantize
+from minizero.lab.ring import ring_all_reduce
 
 
 def collectives() -> dict:
@@ -35,16 +37,16 @@ def collectives() -> dict:
     expected = y.clone()
     comm.all_reduce(expected, op="sum")
     comm.reset_tally()
-    comm.ring_all_reduce(y.t())
+    ring_all_reduce(y.t())
     out["ring_matches"] = torch.allclose(y, expected, atol=1e-6)
     out["tally_ring"] = comm.tally()["ring_all_reduce"]
     # all_to_all: chunk j of rank r's input [r*10 + j] lands as chunk r of rank j's output.
     sent = torch.arange(n, dtype=torch.float32) + 10 * r
     received = torch.empty(n)
-    comm.all_to_all(received, sent)
+    quantize.all_to_all(received, sent)
     out["all_to_all"] = received
     if n % 2 == 0:                                                 # a 2-D mesh: rows of 2 ranks
-        shard, replicate = comm.mesh(2)
+        shard, replicate = mesh.mesh(2)
         z = torch.full((3,), float(r))
         comm.all_reduce(z, op="sum", group=shard)
         out["row_sum"], out["row"] = z, shard.ranks

@@ -201,12 +201,12 @@ def test_an_all_reduce_of_another_tag_or_size_on_one_rank_is_named_at_once(what,
 
 def train_every_way_counting_checks() -> list[tuple[int, int]]:
     """Stages 0-3 and offload, trained with the check on: (collectives, agreements) of each."""
-    agree, counts = comm.agree, []
+    agree, counts = desync.agree, []
 
     def counted(value):
         counted.calls += 1
         return agree(value)
-    comm.agree = counted
+    desync.agree = counted
     ways = [(0, False), (1, False), (2, False), (3, False), (2, True), (3, "params")]
     for stage, offload in ways:
         counted.calls = 0
@@ -214,7 +214,7 @@ def train_every_way_counting_checks() -> list[tuple[int, int]]:
             train_worker(TrainConfig(stage=stage, offload=offload, steps=2, model="tiny",
                                      batch_size=8))
         counts.append((len(log), counted.calls))
-    comm.agree = agree
+    desync.agree = agree
     return counts
 
 

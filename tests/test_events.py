@@ -39,7 +39,7 @@ def test_a_stage_3_step_tells_its_story_in_order():
     assert names.count("unit freed") >= names.count("unit gathered")
     assert names.count("bucket ready") == names.count("bucket launched") == len(engine.units)
     tags = [f["tag"] for _, name, f in log if name == "collective"]
-    assert "unit 1 (blocks.2)" in tags and all(tags), tags          # every collective says what for
+    assert "unit 3 (blocks.2)" in tags and all(tags), tags          # every collective says what for
     assert names.index("backward done") < names.index("optimizer step") < names.index("step")
     assert [f["seq"] for _, name, f in log if name == "collective"] == \
         sorted(f["seq"] for _, name, f in log if name == "collective done")
@@ -91,10 +91,13 @@ def _emitted() -> dict[str, set[str]]:
 
 
 def _catalogue() -> dict[str, str]:
-    """events.py's docstring: each event's name and the text that describes it."""
+    """events.py's docstring (the core's events) and assembled.py's (what the pieces around it
+    emit): each event's name and the text that describes it."""
     import re
+
+    from minizero import assembled
     entries, name = {}, None
-    for line in events.__doc__.splitlines():
+    for line in (events.__doc__ + assembled.__doc__).splitlines():
         head = re.match(r"    (\S.{0,17}?)\s{1,}(\S+\.py\b.*)$", line)
         if head and not line.startswith("     "):
             name = head.group(1).strip()
@@ -107,8 +110,8 @@ def _catalogue() -> dict[str, str]:
 
 
 def test_every_event_emitted_is_in_the_catalogue_with_its_fields():
-    """events.py's list is the stream's documentation: every name minizero emits is there, nothing
-    else is, and each field an emit passes is named in its entry (engine, unit and bucket: in the
+    """events.py's list (and assembled.py's) is the stream's documentation: every name minizero
+    emits is there, nothing else is, and each field an emit passes is named in its entry (engine, unit and bucket: in the
     sentence after the list)."""
     emitted, catalogue = _emitted(), _catalogue()
     assert set(emitted) == set(catalogue), set(emitted) ^ set(catalogue)

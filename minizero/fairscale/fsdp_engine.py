@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from minizero import comm, owners
-from minizero.stages import Zero3
+from minizero.assembled import Zero3
 
 class FlatParameters:
     """What sits in the engine's optimizer slot: the FlatParameters the user's optimizer steps, one
@@ -146,7 +146,7 @@ class FSDPEngine(Zero3):
         return state
 
     def _step_starts(self, module, args) -> None:
-        if not self._in_backward:                 # not a recompute ([Note: recompute], zero3.py)
+        if not self._in_backward:                 # not a recompute ([Note: recompute], units.py)
             self.optimizer.refresh()       # 16-bit partitions from the masters the user stepped
 
     def _grad_of(self) -> list[tuple[nn.Parameter, torch.Tensor]]:

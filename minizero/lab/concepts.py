@@ -181,7 +181,7 @@ CONCEPTS = [
         (
             "wrap(shard_group_size=S), stages 1-3: shard in "
             "rows of S ranks, replicate across the N/S columns "
-            "([Note: hierarchical sharding], engine.py); tested against FSDP2's HSDP"
+            "([Note: hierarchical sharding], beyond/hierarchical.py); tested against FSDP2's HSDP"
         ),
     ),
     (

@@ -24,6 +24,7 @@ import warnings
 import torch
 
 from minizero import comm, events
+from minizero.lab.ring import ring_all_reduce
 from minizero.lab.data import global_batch, local_batch
 from minizero.lab.model import make_model
 from minizero.lab.reference import max_abs_diff, reference_train, tolerance
@@ -131,7 +132,7 @@ def check(records: dict) -> None:
 def collectives_worker(numel: int, repeats: int = 3) -> dict:
     """Worker: every collective on a small rank-dependent tensor (to see what it does), then on
     `numel` fp32 elements (rounded up to a multiple of N) for the byte tally and the time; and the
-    teaching ring all-reduce (minizero.comm.ring_all_reduce) against all_reduce on the same data."""
+    teaching ring all-reduce (minizero.lab.ring) against all_reduce on the same data."""
     r, n, dev = comm.rank(), comm.world_size(), comm.device()
     # rank 2 of 4: [20, 21, 22, 23]
     small = 10.0 * r + torch.arange(n, dtype=torch.float32, device=dev)
@@ -158,7 +159,7 @@ def collectives_worker(numel: int, repeats: int = 3) -> dict:
         ),
         "all_gather": lambda: comm.all_gather(torch.empty(numel, device=dev), big[: numel // n]),
         "broadcast": lambda: comm.broadcast(big.clone(), src=0),
-        "ring_all_reduce": lambda: comm.ring_all_reduce(big.clone()),
+        "ring_all_reduce": lambda: ring_all_reduce(big.clone()),
     }
     sent, seconds = {}, {}
     for kind, op in ops.items():
@@ -175,7 +176,7 @@ def collectives_worker(numel: int, repeats: int = 3) -> dict:
         seconds[kind] = statistics.median(times)
     expected, ring = big.clone(), big.clone()
     comm.all_reduce(expected, op="sum")
-    comm.ring_all_reduce(ring)
+    ring_all_reduce(ring)
     return {"rank": r, "world_size": n, "shown": shown, "numel": numel, "full_bytes": numel * 4,
             "sent": sent, "seconds": seconds,
             "ring_max_abs_diff": (ring - expected).abs().max().item()}

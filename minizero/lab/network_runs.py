@@ -28,7 +28,8 @@ from minizero import comm, events
 from minizero.lab.model import make_model
 from minizero.lab.train import TrainConfig, forward_backward, model_num_params
 from minizero.launcher import launch
-from minizero.beyond.network import Network
+from minizero.beyond.network import Network, set_network
+from minizero.beyond.network import tally as network_tally
 from minizero.wrap import wrap
 
 # Several gradient buckets (stage 0) and four blocks as units (stage 3): something to overlap.
@@ -94,7 +95,7 @@ def _train(cfg: TrainConfig, block_sleep: float = 0.0) -> dict:
         "step_time_s": times[fastest],
         "timeline": timelines[fastest],
         "losses": losses,
-        "comm": comm.tally(),
+        "comm": network_tally(),
         "num_params": model_num_params(engine),
         "world_size": cfg.world_size,
     }
@@ -118,11 +119,11 @@ def step_time_worker(base: TrainConfig, runs: list[tuple[str, dict, float | None
                 bandwidth=sent / (ratio * compute), latency=latency, ranks_per_node=ranks_per_node
             )
         )
-        comm.set_network(network)
+        set_network(network)
         try:
             result = _train(dataclasses.replace(base, **overrides), block_sleep)
         finally:
-            comm.set_network(None)
+            set_network(None)
         out["runs"].append(
             {
                 "label": label,

@@ -13,7 +13,8 @@ parameters from forward to backward, the closest PyTorch has to stage 2.) Same m
 weights, data, optimizer.
 shard_group_size=S  <->  FSDP2 HSDP: fully_shard on a 2-D DeviceMesh (N/S, S) ("replicate",
                          "shard"),
-    ("fsdp2_hsdp"): shards in rows of S consecutive ranks, replicates across them, as comm.mesh(S).
+    ("fsdp2_hsdp"): shards in rows of S consecutive ranks, replicates across them, as
+    beyond/mesh.py's mesh(S).
 stage 3, tensor_parallel=M  <->  PyTorch's tensor parallelism (parallelize_module with
     ColwiseParallel / RowwiseParallel on each block's qkv, proj and MLP) and FSDP2 on the data-
     parallel dimension of a 2-D DeviceMesh (N/M, M) ("dp", "tp") ("tp_fsdp2"), as torchtitan

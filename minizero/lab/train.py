@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from minizero import checkpoint, comm
-from minizero.beyond import tensor_parallel
+from minizero.beyond import network, tensor_parallel
 from minizero.deepspeed.config import OPTIMIZERS, build_scheduler
 from minizero.flat import DEFAULT_BUCKET_BYTES
 from minizero.lab.data import IGNORE, global_batch, local_batch
@@ -257,7 +257,7 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
             schedule.step()
         step_times.append(clock() - start)
         phase_times.append(phases)
-        comm_per_step.append(comm.tally())
+        comm_per_step.append(network.tally())   # by kind, and intra/inter-node
         losses.append(step_loss)
         loss_scales.append(engine.loss_scale)     # S after the step (fp16; 1.0 otherwise)
         if cfg.log_every and rank == 0 and (step % cfg.log_every == 0 or step == cfg.steps - 1):

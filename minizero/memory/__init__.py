@@ -23,7 +23,7 @@ model states: ZeRO-R (section 6) is about them, and `activation_bytes` estimates
 minizero's GPT.
 
 Beyond the paper, shard_group_size=S (HSDP / MiCS, [Note: hierarchical sharding] in
-minizero/engine.py): S replaces N in every sharded term (stage 3: (2 + 2 + K)Ψ/S), and a step
+beyond/hierarchical.py): S replaces N in every sharded term (stage 3: (2 + 2 + K)Ψ/S), and a step
 sends, as the ring tally counts it, a reduce-scatter (S-1)/S·Ψ in the shard group, an
 all-reduce 2(N/S-1)/(N/S)·Ψ/S of this rank's partition across the N/S groups, and the
 all-gathers (S-1)/S·Ψ each (`step_collectives`). ZeRO++'s hpZ (hpz_group_size=R, zero3.py):
@@ -42,7 +42,9 @@ from typing import Iterable
 import torch
 
 from minizero.beyond import quantize
-from minizero.comm import column_of, ranks_span_nodes, ring_bytes, row_of
+from minizero.beyond.mesh import column_of, row_of
+from minizero.beyond.network import ranks_span_nodes
+from minizero.comm import ring_bytes
 from minizero.optim import DTYPES
 from minizero.options import check_stage
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 
 from minizero import events
 from minizero.memory import measure
@@ -48,7 +49,7 @@ class ModelStateMeter:
         self.engine, self.groups = engine, groups
         self.peaks = {"peak": 0, "peak_params": 0}
         self._now: dict[str, int] | None = None            # bytes by category, counted on
-        events.subscribe_weakly(self._on_event)
+        _subscribe_weakly(self._on_event)
 
     def now(self) -> dict[str, int]:
         return measure(self.groups())
@@ -91,3 +92,17 @@ class ModelStateMeter:
                                  {**self.now(), "activations": activations.alive}))
         with events.subscribed(record):
             yield timeline
+
+
+def _subscribe_weakly(method) -> None:
+    """Subscribe a bound method without keeping its object alive (an engine's meter): once the
+    object is garbage, the subscription removes itself."""
+    ref = weakref.WeakMethod(method)
+
+    def call(name: str, fields: dict) -> None:
+        live = ref()
+        if live is None:
+            stop()
+        else:
+            live(name, fields)
+    stop = events.subscribe(call)
