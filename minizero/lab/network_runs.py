@@ -59,8 +59,8 @@ def _instrument(blocks, events: list, sleep: float) -> None:
 
 def _train(cfg: TrainConfig, block_sleep: float = 0.0) -> dict:
     """cfg.steps steps, each timed and recorded: its blocks' forward and backward events
-    (_instrument) and the transfers on this rank's modelled link (the "collective" events' `modeled`
-    times). The step time reported is the fastest after the first (a warm-up), with its timeline:
+    (_instrument) and the transfers on this rank's modelled link (beyond/network.py's "collective
+    modeled" events). The step time reported is the fastest after the first (a warm-up), with its timeline:
     other work on a shared CPU slows steps down at random and never speeds one up, so the minimum of
     a few steps is the steadiest statistic (timeit's)."""
     model = make_model(cfg.model_config(), seed=cfg.seed)
@@ -79,14 +79,13 @@ def _train(cfg: TrainConfig, block_sleep: float = 0.0) -> dict:
         comm.reset_tally()
         marks.clear()
         start = time.perf_counter()
-        with events.recorded("collective") as issued:
+        with events.recorded("collective modeled") as issued:
             losses.append(forward_backward(cfg, step, engine, backward, engine.no_sync))
             engine.step()
         if engine.device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-        transfers = [(f["modeled"][0] - start, f["modeled"][1] - start, f["kind"])
-                     for _, _, f in issued if f["modeled"] is not None]
+        transfers = [(f["start"] - start, f["end"] - start, f["kind"]) for _, _, f in issued]
         timelines.append({"events": [(t - start, event) for t, event in marks],
                           "transfers": transfers, "end": times[-1]})
     fastest = min(range(1, cfg.steps), key=times.__getitem__)
