@@ -22,7 +22,7 @@ the core keeps no branch and no state for any of them:
     HSDP / MiCS shard groups               the core's group=, hierarchical.average_across
     tensor parallelism on a 2-D mesh       group= the column, tensor_parallel.squared_norm
     ZeRO++ qwZ, qgZ, hpZ                   routes: units.ModelUnit, quantize.Int8GradientShard
-    the disk tier                          the core's home= (disk.DiskShardOptimizer)
+    checkpointable optimizer homes         the core's home= (homes.py; the disk tier's: beyond/)
 
 The events these pieces emit, beside the core's (events.py):
 
@@ -51,6 +51,7 @@ from minizero import checkpoint, comm, construct, events, owners, stages
 from minizero.absent import refuse_dropped_writes
 from minizero.beyond import activations, hierarchical, quantize, tensor_parallel
 from minizero.beyond.disk import DiskShardOptimizer
+from minizero.homes import DeviceHome, HostHome
 from minizero.loss_scale import scaler_for
 from minizero.memory.meter import ModelStateMeter
 from minizero.options import Offload, Options, Precision, Sharding, check_options
@@ -110,7 +111,9 @@ class Assembled:
             param_groups, list(model.named_parameters()))
         self.param_groups = None if parsed is None else parsed.settings
         self.group_of = None if parsed is None else parsed.group_of
-        home = partial(DiskShardOptimizer, folder=offload_path) if offload == "disk" else None
+        # where P_os lives, checkpointable (homes.py): the device, host memory or a file
+        home = partial(DiskShardOptimizer, folder=offload_path) if offload == "disk" \
+            else HostHome if offload else DeviceHome
         super().__init__(model, optimizer, dtype=dtype, reduce_dtype=reduce_dtype,
                          offload=offload, clip_grad_norm=clip_grad_norm, group=self.shard_group,
                          param_groups=parsed, home=home, **stage_options)
@@ -382,6 +385,14 @@ class Zero2(Assembled, stages.Zero2):
 
 class Zero3(Assembled, stages.Zero3):
     row = TABLE[3]
+
+    @property
+    def units(self) -> list:
+        return self.params.units                  # zero3.ShardedUnits's, in forward order
+
+    @property
+    def unit_names(self) -> list[str]:
+        return [unit.name for unit in self.params.units]       # by index, as in unit events
 
 
 ENGINES = {0: DDP, 1: Zero1, 2: Zero2, 3: Zero3}

@@ -1,23 +1,17 @@
-"""The communication layer: the only module in minizero that calls torch.distributed collectives.
+"""The communication layer: every collective of minizero passes through here.
 
-Run its tests:      python -m pytest tests/test_comm.py
-See it explained:   notebooks/00_communication.ipynb
+    python -m pytest tests/test_comm.py          # notebooks/00_communication.ipynb explains it
 
-Every stage talks to the other ranks through the collectives below (all_reduce, reduce_scatter,
-all_gather, broadcast), each of which passes through `issue`. Keeping them in one place buys:
-
-1. A byte tally: each call adds the bytes a bandwidth-optimal *ring* sends per rank for it. With N
-   ranks and a tensor of S bytes (always the *full* size):
-       all-reduce                 2(N-1)/N * S     (= a reduce-scatter followed by an all-gather)
-       reduce-scatter, all-gather  (N-1)/N * S     (broadcast: the same)
-   The unit the ZeRO paper uses when it says DDP and stages 1-2 move 2Ψ per step and stage 3 3Ψ
-   (section 7). A model of what the algorithm must move, not a measurement of the backend.
+Every stage talks to the other ranks through four collectives (all_reduce, reduce_scatter,
+all_gather, broadcast), each of which passes through `issue`. One place buys three things:
+1. A byte tally: each call adds the bytes a bandwidth-optimal *ring* sends per rank for it, with N
+   ranks and a tensor of S bytes (its full size): 2(N-1)/N * S for an all-reduce (a reduce-scatter
+   then an all-gather), (N-1)/N * S for the others. The paper's unit when it says DDP and stages
+   1-2 move 2Ψ per step and stage 3 3Ψ (section 7): a model of what the algorithm must move.
 2. One event per collective (events.py): what it is for (`tag`), its size, when it is done.
-3. One switch between gloo (CPU processes) and NCCL (one process per GPU), and the place that knows
-   their costs ([Note: collectives on gloo]).
-
-`minizero.launch` calls `init(rank, world_size, ...)` in each process it starts; under torchrun,
-`init()` reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment.
+3. One switch between gloo (CPU processes) and NCCL (a GPU per process) ([Note: collectives on
+   gloo]). `minizero.launch` calls `init(rank, world_size)` in each process; under torchrun,
+   `init()` reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment.
 """
 
 from __future__ import annotations
@@ -37,7 +31,6 @@ from minizero.flat import partition
 DEFAULT_TIMEOUT_S = float(os.environ.get("MINIZERO_TIMEOUT_S", "120"))
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX}
-
 
 # --- the process group ----------------------------------------------------------------------------
 def init(rank: int | None = None, world_size: int | None = None, *, backend: str | None = None,
@@ -63,16 +56,12 @@ def init(rank: int | None = None, world_size: int | None = None, *, backend: str
 
 
 def destroy(wait_for_peers: bool = False) -> None:
-    """Leave the process group. wait_for_peers: a barrier first, so that no rank closes its
-    connections while another still finishes a collective with it (only on success)."""
+    """Leave the process group (wait_for_peers: a barrier first, so no rank closes a connection
+    another still uses)."""
     if dist.is_initialized():
         if wait_for_peers:
             barrier()
         dist.destroy_process_group()
-
-
-def is_initialized() -> bool:
-    return dist.is_initialized()
 
 
 def rank() -> int:
@@ -87,11 +76,9 @@ def backend() -> str:
     return dist.get_backend() if dist.is_initialized() else "gloo"
 
 
-def device() -> torch.device:
-    """Where this rank computes: its GPU under NCCL, the CPU under gloo."""
-    if backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def device() -> torch.device:                          # its GPU under NCCL, the CPU under gloo
+    nccl = backend() == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
 def barrier() -> None:
@@ -106,15 +93,14 @@ def all_reduce(tensor: torch.Tensor, op: str = "avg", async_op: bool = False,
                group: Group | None = None, tag: str = ""):
     """In place: every rank ends with op(tensor over ranks). DDP's gradient averaging."""
     return issue("all_reduce", tensor, group, tag, async_op,
-                  lambda: dist.all_reduce(tensor, op=_OPS[op], async_op=True, group=_pg(group)))
+                 lambda: dist.all_reduce(tensor, op=_OPS[op], async_op=True, group=_pg(group)))
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "avg",
                    async_op: bool = False, group: Group | None = None, tag: str = ""):
     """input [N * n] on every rank -> output [n] on rank r = op over ranks of input[r*n:(r+1)*n].
-
-    `output` may be rank r's slice of `input` (in place: stage 1 averages its own partition of the
-    gradient that way). The rest of `input` is workspace: undefined after."""
+    `output` may be rank r's slice of `input` (in place: stage 1's). The rest of `input` is
+    workspace: undefined after."""
     assert input.numel() == output.numel() * group_size(group), "reduce_scatter: input: N x output"
 
     def run():
@@ -150,7 +136,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, async_op: bool = False,
               group: Group | None = None, tag: str = ""):
     """In place: every rank ends with rank `src`'s tensor (a global rank). Starts replicas equal."""
     return issue("broadcast", tensor, group, tag, async_op,
-                  lambda: dist.broadcast(tensor, src=src, async_op=True, group=_pg(group)))
+                 lambda: dist.broadcast(tensor, src=src, async_op=True, group=_pg(group)))
 
 
 class Group:
@@ -158,25 +144,18 @@ class Group:
     not one): every collective's `group=`. None, everywhere in the paper's ZeRO, is all N ranks."""
 
     def __init__(self, ranks: list[int]):
-        self.ranks = tuple(ranks)
+        self.ranks, self.size = tuple(ranks), len(ranks)
         self.index = self.ranks.index(rank()) if rank() in self.ranks else -1
         # collective: every rank creates every group, in the same order
         self.process_group = dist.new_group(list(ranks)) if world_size() > 1 else None
 
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
-
-    def __repr__(self) -> str:
-        return f"Group{list(self.ranks)}"
 
 
 def group_size(group: Group | None) -> int:
     return world_size() if group is None else group.size
 
 
-def group_rank(group: Group | None) -> int:
-    """This rank's position in `group` (its rank when group is None): which partition it owns."""
+def group_rank(group: Group | None) -> int:            # which partition of the group's it owns
     return rank() if group is None else group.index
 
 
@@ -191,18 +170,15 @@ def reset_tally() -> None:
     _by_ranks.clear()
 
 
-def tally() -> dict[str, float]:
-    """Bytes this rank has sent (by the ring model) since the last reset, by kind, and 'total'."""
+def tally() -> dict[str, float]:           # bytes sent since the reset (ring model), by kind, total
     return {**_tally, "total": sum(_tally.values())}
 
 
-def tally_by_ranks() -> dict[tuple[int, ...] | None, float]:
-    """The same bytes by the ranks each ring ran over (None: all of them)."""
+def tally_by_ranks() -> dict[tuple[int, ...] | None, float]:     # by the ranks of each ring
     return dict(_by_ranks)
 
 
-def ring_bytes(kind: str, full_bytes: int, n: int) -> float:
-    """Bytes one rank sends in a bandwidth-optimal ring for a collective over `full_bytes`."""
+def ring_bytes(kind: str, full_bytes: int, n: int) -> float:    # what one rank sends in a ring
     factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
               "all_gather": (n - 1) / n, "broadcast": (n - 1) / n, "all_to_all": (n - 1) / n}[kind]
     return factor * full_bytes
@@ -210,8 +186,7 @@ def ring_bytes(kind: str, full_bytes: int, n: int) -> float:
 
 # --- issuing a collective: tally, event, run, handle ----------------------------------------------
 class Joined:
-    """One handle for several collectives in flight: wait() waits for each, then runs `finish` once
-    (what is left to do locally: a copy out)."""
+    """One handle for several in flight: wait() waits for each, then runs `finish` once."""
 
     def __init__(self, handles: list, finish=None):
         self.handles, self.finish = handles, finish
@@ -225,29 +200,13 @@ class Joined:
         return True
 
 
-class _Issued:
-    """A collective's handle: wait() waits for the backend, then says so on the event stream."""
-
-    def __init__(self, handle, seq: int, kind: str, tag: str):
-        self.handle, self.seq, self.kind, self.tag = handle, seq, kind, tag
-        self.done = False
-
-    def wait(self) -> bool:
-        if not self.done:
-            if self.handle is not None:
-                self.handle.wait()
-            self.done = True
-            events.emit("collective done", seq=self.seq, kind=self.kind, tag=self.tag)
-        return True
-
-
 _blocking = False          # synchronous(): every collective completes before it returns
 
 
 @contextlib.contextmanager
 def synchronous():
-    """Inside the block every collective completes before its call returns, async_op or not: for
-    debugging, and for stepping through a step phase by phase (lab/stepthrough.py)."""
+    """Inside the block every collective completes before it returns, async_op or not: for
+    debugging and the step-through (lab/stepthrough.py)."""
     global _blocking
     previous, _blocking = _blocking, True
     try:
@@ -258,9 +217,8 @@ def synchronous():
 
 def issue(kind: str, full: torch.Tensor, group: Group | None, tag: str, async_op: bool, run,
           local=None, sent: float | None = None):
-    """Every collective passes here (beyond/'s and lab/'s too): tally the ring bytes of `kind` over
-    `full` (its whole size), tell the event stream, then run it (`run()`: the backend's async
-    handle; with one rank `local()`, if anything, instead)."""
+    """Every collective passes here (beyond/'s too): tally the ring bytes of `kind` over `full`,
+    tell the event stream, run it (`run()`: the backend's handle; one rank: `local()`, if any)."""
     global _seq
     n = group_size(group)
     if sent is None:
@@ -270,29 +228,29 @@ def issue(kind: str, full: torch.Tensor, group: Group | None, tag: str, async_op
     _seq += 1
     events.emit("collective", kind=kind, tag=tag, group=group, numel=full.numel(), dtype=full.dtype,
                 blocking=not async_op or _blocking, sent=sent, tensor=full, seq=_seq)
-    handle = run() if n > 1 else None
-    if n == 1 and local is not None:
+    if n > 1:
+        handles = [run()]
+    elif local is not None:
         local()                                        # one rank: a copy (or nothing at all)
-    issued = _Issued(handle, _seq, kind, tag)
+    seq = _seq              # its handle's wait() waits for it, then says so on the event stream
+    issued = Joined(handles if n > 1 else [],
+                    lambda: events.emit("collective done", seq=seq, kind=kind, tag=tag))
     if not async_op or _blocking:
         issued.wait()
     return issued if async_op else None
 
 
-# [Note: collectives on gloo] NCCL's collectives are bandwidth-optimal rings; gloo's are not all
-# equally good. On the machine this project is developed on, gloo's reduce-scatter (half an
-# all-reduce on paper) takes longer than its whole all-reduce, and its all-gather longer than one
-# broadcast per rank (docs/performance.md: python -m minizero.bench --collectives). So on gloo
-# reduce_scatter runs as an all-reduce of the input plus a copy of this rank's part, and all_gather
-# as N broadcasts: more bytes move, less time passes. The tally still books the collective the
-# algorithm asks for. The price: reduce_scatter's input is workspace, undefined afterwards, on every
-# backend. `backend_collectives()` turns this off.
+# [Note: collectives on gloo] NCCL's collectives are bandwidth-optimal rings; gloo's are not: here,
+# its reduce-scatter (half an all-reduce on paper) takes longer than its all-reduce, its all-gather
+# longer than N broadcasts (docs/performance.md: python -m minizero.bench --collectives). So on gloo
+# reduce_scatter runs as an all-reduce plus a copy of this rank's part, all_gather as N broadcasts:
+# more bytes move, less time passes; the tally books what the algorithm asks for. The price:
+# reduce_scatter's input is workspace on every backend. `backend_collectives()` turns this off.
 _gloo_workarounds = True
 
 
 @contextlib.contextmanager
-def backend_collectives():
-    """Inside the block reduce_scatter and all_gather run gloo's own collectives too."""
+def backend_collectives():                     # inside the block: gloo's own collectives too
     global _gloo_workarounds
     previous, _gloo_workarounds = _gloo_workarounds, False
     try:
@@ -309,16 +267,14 @@ def _pg(group: Group | None):
     return None if group is None else group.process_group
 
 
-def _copy_into(output: torch.Tensor, input: torch.Tensor):
-    """One rank's collective: the output is the input (unless it already is)."""
+def _copy_into(output: torch.Tensor, input: torch.Tensor):       # one rank's collective
     def local():
         if output.data_ptr() != input.data_ptr():
             output.copy_(input.view_as(output))
     return local
 
 
-def all_gather_object(obj) -> list:
-    """Every rank's `obj`, by rank: for reporting results under torchrun (not tallied)."""
+def all_gather_object(obj) -> list:          # every rank's obj, by rank (not tallied: reports)
     out = [obj] * world_size()
     if world_size() > 1:
         dist.all_gather_object(out, obj)

@@ -8,16 +8,12 @@ What each rank holds: *everything*. Parameters 2Ψ, gradients 2Ψ, optimizer sta
 gradients on its own B/N rows, and the average over ranks is the gradient of the global batch (the
 mean of N equal-sized means). Communication per step: one all-reduce, 2Ψ(N-1)/N in a ring.
 
-DDP is the first row of the table (stages.py): both families at their baseline, reused by the rows
-below it. How (PyTorch DDP's design, reduced to its essentials):
-  1. at construction, rank 0's weights are broadcast (engine.py) so all replicas start equal;
-  2. parameters and gradients are laid out in flat buffers, cut into buckets in *reverse*
-     parameter order, roughly the order in which backward produces gradients;
-  3. autograd writes gradients straight into the flat gradient buffer (p.grad is a view of it);
-  4. as soon as a bucket's gradients are all written, its all-reduce starts asynchronously
-     (reducer.GradBuckets), overlapping the rest of backward;
-  5. step: every rank takes the same optimizer step on the same averaged gradients.
-Inside `engine.no_sync()` backward only accumulates; the next synced backward reduces the sum.
+DDP is the first row of the table (stages.py): both families at their baseline, reused below it.
+PyTorch DDP's design, reduced to its essentials: rank 0's weights are broadcast (engine.py);
+parameters and gradients live in flat buffers, cut into buckets in *reverse* parameter order (the
+order backward produces gradients); autograd writes gradients straight into the flat buffer; a
+complete bucket's all-reduce starts at once (reducer.GradBuckets), overlapping the rest of
+backward; every rank then takes the same optimizer step on the same averaged gradients.
 """
 
 from __future__ import annotations
@@ -34,8 +30,7 @@ class ReplicatedParameters:
     partition (stages 1-2), which are then all-gathered."""
 
     def __init__(self, engine, buckets: list[list], options=None):
-        # N partitions over the engine's group (None: all ranks). DDP partitions nothing, so its
-        # buckets need no padding: its tally is exactly 2(N-1)/N·Ψ.
+        # N partitions; DDP partitions nothing, so no padding: its tally is exactly 2(N-1)/N·Ψ
         self.layout = FlatLayout.build(buckets, comm.group_size(engine.group),
                                        comm.group_rank(engine.group), pad=engine.sharded)
         self.partitioned, self.group = engine.sharded, engine.group
@@ -57,7 +52,6 @@ class ReplicatedParameters:
         return reduce(b)                  # inside backward: nothing happens to the parameters
 
     def after_step(self) -> None:
-        """Stages 1-2: every rank updated its partition; every rank needs all of them."""
         if not self.partitioned:
             return                                 # DDP: replicas took identical steps
         for b in self.layout.buckets:
@@ -80,8 +74,8 @@ class ReplicatedParameters:
 
 
 class AllReducedGradients:
-    """P_g off, DDP's way: every rank keeps every gradient, and each bucket is all-reduced (the
-    average over ranks) during backward, as soon as it is complete."""
+    """P_g off, DDP's way: every rank keeps every gradient; each bucket is all-reduced (averaged
+    over ranks) during backward, as soon as it is complete."""
     in_backward = True                     # the engine's reducer calls reduce() inside backward
     on_grad = arrived = None
 
@@ -95,7 +89,6 @@ class AllReducedGradients:
         return self.layout.full(self.flat, b)                                       # [Ψ_b]
 
     def reduce(self, b: Bucket, tag: str | None = None):
-        """Bucket b's gradients are complete: start averaging them over the ranks; the handle."""
         if not self.engine.sync:
             return None                                  # no_sync(): keep accumulating locally
         self.layout.reclaim_grads(b, self.bucket(b))    # after a zero_grad(): flat.py

@@ -5,20 +5,17 @@
     engine.backward(loss)            # backward + gradient communication
     engine.step()                    # clip, optimizer step on what this rank owns, share the result
 
-An engine is built from one row of the ZeRO paper's table (stages.py): a *parameters* family (P_p:
-ddp.ReplicatedParameters or zero3.ShardedUnits), a *gradients* family (P_g: ddp.AllReducedGradients,
-zero1.GradientsReducedAtStep or zero2.GradientShard), and whether the optimizer is given this
-rank's partition (P_os) or everything. __init__ builds them in that order, top to bottom;
-backward() and step() call each family at its moment:
+An engine is built from one row of the ZeRO paper's table (stages.py): a *parameters* family (P_p),
+a *gradients* family (P_g) and whether the optimizer is given this rank's partition (P_os).
+__init__ builds them in that order, top to bottom; backward() and step() call each at its moment:
 
     backward   params.before_backward -> loss.backward() [the reducer, per complete bucket b:
                params.bucket_ready(b, grads.reduce)] -> reducer.finish -> params.after_backward
     step       grads.parts() -> clip -> optimizer.step -> params.after_step -> grads.zero()
 
-Mixed precision: the model computes in `dtype` ("fp32", "bf16" or "fp16"), the optimizer keeps fp32
-masters (optim.py); reduce_dtype="fp32" reduces bf16 gradients in fp32 (flat.point_grads_into).
-This is the paper's engine; the engines users get (wrap, initialize, FullyShardedDataParallel) are
-it with what a user needs around it and what came after the paper: assembled.py composes them.
+The model computes in `dtype` ("fp32", "bf16" or "fp16"), the optimizer keeps fp32 masters
+(optim.py). This is the paper's engine; what users get is it with what they need around it and
+what came after the paper, composed in assembled.py.
 """
 
 from __future__ import annotations
@@ -57,7 +54,7 @@ class Engine:
                  param_groups=None, home=None, **stage_options):
         """optimizer: a factory params -> torch.optim.Optimizer. group: the ranks ZeRO partitions
         over (None: all N). param_groups: param_groups.ParamGroups or None. home: where P_os lives,
-        (parts, optimizer, grouping) -> optim.SteppedHome (None: offload.optimizer_home)."""
+        (parts, optimizer, grouping) -> the optimizer (None: offload.optimizer_home)."""
         self.module, self.optimizer_factory = model, optimizer
         self.options = self.options_class(**stage_options)
         self.dtype, self.grad_dtype = DTYPES[dtype], DTYPES[reduce_dtype or dtype]
@@ -67,8 +64,7 @@ class Engine:
         self.last_grad_norm: float | None = None
         self.step_count = 0                           # steps taken (a checkpoint saves it)
 
-        # Every rank starts from rank 0's weights and buffers, in the compute dtype (the optimizer
-        # keeps fp32 masters: optim.py).
+        # every rank starts from rank 0's weights and buffers, in the compute dtype
         model.to(device=self.device, dtype=self.dtype)
         self._broadcast_from_rank0()
         self.model_params = list(model.parameters())  # distinct: a tied weight appears once
@@ -88,9 +84,9 @@ class Engine:
             on_grad=self.grads.on_grad, max_in_flight=self.options.buckets_in_flight,
             overlap=self.options.overlap, owner=self) if self.grads.in_backward else None
         # P_os: the optimizer gets what this rank steps, Ψ/N (stages 1-3) or Ψ (DDP)
-        home = home or self.row.optimizer or optimizer_home(offload)
+        home = self.row.optimizer or home or optimizer_home(offload)   # a stage's own, first
         grouping = None if param_groups is None else param_groups.grouping(self)
-        # <- the essential line of P_os: it is handed Ψ/N parameters (optim.OptimizerHome)
+        # <- the essential line of P_os: it is handed Ψ/N parameters (homes.py)
         self.optimizer = home(self.params.optimizer_parts(), optimizer, grouping)
 
     @property
@@ -98,8 +94,7 @@ class Engine:
         return self.row.number
 
     @property
-    def sharded(self) -> bool:
-        """Stages 1-3: the optimizer steps a partition, gradients are partitioned."""
+    def sharded(self) -> bool:                    # stages 1-3: the optimizer steps a partition
         return self.row.partitioned
 
     def _broadcast_from_rank0(self) -> None:
@@ -126,12 +121,12 @@ class Engine:
         self.params.before_backward()
 
     def _bucket_ready(self, b):
-        """The reducer, inside backward: bucket b's gradients are complete. Parameters first (stage
-        3: the unit's post-backward), which hand it to the gradients' reduce."""
+        """The reducer: b's gradients are complete. Parameters first (stage 3: the unit's
+        post-backward), which hand b to the gradients' reduce."""
         return self.params.bucket_ready(b, self.grads.reduce)
 
     def end_backward(self) -> None:
-        """Launch the buckets not launched yet (unused parameters: zeros) and wait for all; stage 3
+        """Launch the buckets not launched yet (unused parameters: zeros), wait for all; stage 3
         frees its units."""
         if self.reducer is not None:
             self.reducer.finish()
@@ -139,8 +134,8 @@ class Engine:
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Gradient accumulation: backward inside this block only accumulates locally (no
-        communication); the first backward outside it reduces the sum of the micro-batches."""
+        """Gradient accumulation: backward inside the block only accumulates locally; the first
+        backward outside it reduces the sum of the micro-batches."""
         previous, self.sync = self.sync, False
         try:
             yield
@@ -162,8 +157,8 @@ class Engine:
 
     def averaged_gradients(self) -> list[torch.Tensor] | None:
         """What the optimizer steps: each bucket's gradient averaged over the ranks, this rank's
-        partition of it (stages 1-3) or all of it (DDP). Stage 1 reduce-scatters here. (None skips
-        the step: fp16's overflow does, assembled.py.)"""
+        partition (stages 1-3) or all (DDP); stage 1 reduce-scatters here. (None would skip the
+        step: fp16's overflow, assembled.py.)"""
         return self.grads.parts()
 
     def _clip(self, grads: list[torch.Tensor]) -> float:

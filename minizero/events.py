@@ -5,9 +5,9 @@
         engine.backward(loss)
         engine.step()
 
-minizero's code never looks at who is watching: at each moment a learner, a plot or a test may want
-to see, it calls `emit(name, **fields)`, and every subscriber of this process (one rank) is called
-with (name, fields). Subscribers must not change what they are shown. What is emitted:
+At each moment a learner, a plot or a test may want to see, minizero calls `emit(name, **fields)`
+and every subscriber of this process (one rank) gets (name, fields), to observe, never to change
+what it is shown. What is emitted:
 
     collective         comm.py, as one is issued: kind, tag ("unit 3 (blocks.2)", "bucket 0"),
                        group, numel, dtype, sent (ring bytes), tensor, seq (this rank's count),
@@ -25,16 +25,14 @@ with (name, fields). Subscribers must not change what they are shown. What is em
     optimizer step     engine.py, the optimizer stepped what this rank owns
     step               engine.py, the end of engine.step()
 
-Engine events carry `engine`, unit events `unit`, bucket events `bucket` (a flat.Bucket). The
-memory meter, the step-through, the graders and the bench subscribe; the pieces around the paper
-emit a few more (their list: assembled.py). With a torch.profiler running, each event is also a
-`minizero/<name>` label in the trace.
+Engine events carry `engine`, unit events `unit`, bucket events `bucket` (a flat.Bucket); the
+pieces around the paper emit a few more (assembled.py lists them). Under torch.profiler, each
+event is also a `minizero/<name>` label in the trace.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import Callable
 
 import torch
@@ -68,17 +66,3 @@ def subscribed(subscriber: Subscriber):
         yield subscriber
     finally:
         stop()
-
-
-@contextlib.contextmanager
-def recorded(*names: str):
-    """A list of (time.perf_counter(), name, fields) for the events named (all when none) inside the
-    block; no tensors (a record must not keep alive a buffer the engine freed)."""
-    log: list[tuple[float, str, dict]] = []
-
-    def keep(name: str, fields: dict) -> None:
-        if not names or name in names:
-            log.append((time.perf_counter(), name,
-                        {k: v for k, v in fields.items() if not torch.is_tensor(v)}))
-    with subscribed(keep):
-        yield log

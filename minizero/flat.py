@@ -1,6 +1,6 @@
 """Flatten, pad, partition: the one piece of bookkeeping every stage shares.
 
-Run its tests:  python -m pytest tests/test_flat.py
+    python -m pytest tests/test_flat.py
 
 ZeRO never communicates parameter by parameter. It lays parameters end to end in one 1-D buffer and
 cuts that buffer into N equal *partitions* (N = world size, the paper's N_d), one per rank:
@@ -8,12 +8,10 @@ cuts that buffer into N equal *partitions* (N = world size, the paper's N_d), on
     flat buffer  |  p0 (6)  | p1 (4) |  p2 (5)  |pad|      numel Ψ_b = 15, padded to 16 for N = 4
     partitions   | rank 0 | rank 1 | rank 2 | rank 3 | 4 elements each; each p straddles two
 
-A parameter may straddle two partitions (as in DeepSpeed's stage_1_and_2; FairScale's OSS assigns
-whole parameters to ranks, which balances worse). Padding to a multiple of N is what lets
+A parameter may straddle two partitions (as in DeepSpeed); padding to a multiple of N lets
 reduce-scatter and all-gather work on equal chunks. A `Bucket` is one such padded run; buckets sit
-back to back in a layout (DDP and stage 2 bucket gradients so that communication starts during
-backward; stage 3's buckets are its units). A rank's *shard* is its partition of every bucket, end
-to end in one buffer of `shard_numel` elements: where ZeRO keeps what it no longer replicates.
+back to back in a layout (DDP and stage 2 send gradients bucket by bucket during backward; stage 3's
+buckets are its units). A rank's *shard*: its partition of every bucket, end to end in one buffer.
 """
 
 from __future__ import annotations
@@ -28,14 +26,12 @@ DEFAULT_BUCKET_BYTES = 25e6      # PyTorch DDP's bucket_cap_mb = 25; used by DDP
 
 
 def partition(flat: torch.Tensor, index: int, parts: int) -> torch.Tensor:
-    """Piece `index` of a 1-D buffer cut into `parts` equal pieces: [numel / parts], a view. The
-    one rule for "rank r's slice" (of a bucket, of a collective's buffer), used everywhere."""
+    """Piece `index` of a 1-D buffer cut into `parts` equal pieces, a view: "rank r's slice"."""
     size = flat.numel() // parts
     return flat[index * size: (index + 1) * size]
 
 
-def padded_size(numel: int, parts: int) -> int:
-    """numel rounded up to a multiple of `parts`."""
+def padded_size(numel: int, parts: int) -> int:              # numel rounded up to N·⌈numel/N⌉
     return -(-numel // parts) * parts
 
 
@@ -98,18 +94,16 @@ class FlatLayout:
         return sum(b.shard_numel for b in self.buckets)
 
     @staticmethod
-    def full(flat: torch.Tensor, b: Bucket) -> torch.Tensor:
-        """Bucket b's range of a flat buffer: [padded_numel]."""
+    def full(flat: torch.Tensor, b: Bucket) -> torch.Tensor:        # b's range of a flat buffer
         return flat[b.start: b.start + b.padded_numel]
 
     def my_partition(self, bucket_buffer: torch.Tensor, b: Bucket) -> torch.Tensor:
-        """This rank's partition of a full bucket buffer: [shard_numel]. A view, so collectives can
+        """This rank's partition of a bucket's buffer [shard_numel]: a view, so collectives can
         work in place (reduce-scatter's output, all-gather's input)."""
         return partition(bucket_buffer, self.rank, b.world_size)
 
     @staticmethod
-    def shard(shard_buffer: torch.Tensor, b: Bucket) -> torch.Tensor:
-        """Bucket b's part of this rank's shard buffer: [shard_numel]."""
+    def shard(shard_buffer: torch.Tensor, b: Bucket) -> torch.Tensor:   # b's part of the shard
         return shard_buffer[b.shard_start: b.shard_start + b.shard_numel]
 
     def flatten(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

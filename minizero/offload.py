@@ -9,10 +9,9 @@ Used by stages 1-3 (`minizero.wrap(..., offload=True)`). Per step, for this rank
     host:   optimizer step on the fp32 master weights and their state (the KΨ/N of the paper)
     host   --(updated parameter partition, 2Ψ/N bytes)--> device parameters, rounded to bf16
 
-So the device drops the KΨ/N optimizer bytes (12Ψ/N for Adam) for two PCIe copies of Ψ/N and a CPU
-step (O(Ψ/N) elementwise work, the ZeRO-Offload paper's point). On CUDA the host buffers are pinned
-and the copies asynchronous; on a CPU-only run the code path is the same. Parameter offload
-(`offload="params"`, stage 3) is in zero3.py, where parameters are gathered.
+So the device drops the KΨ/N optimizer bytes (12Ψ/N for Adam) for two copies of Ψ/N and an O(Ψ/N)
+CPU step. On CUDA the host buffers are pinned, the copies asynchronous; on a CPU-only run the code
+path is the same. offload="params" (stage 3: the parameter shard too) is in zero3.py.
 """
 
 from __future__ import annotations

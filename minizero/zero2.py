@@ -7,18 +7,14 @@
 What each rank holds (paper, section 5.2): parameters 2Ψ, gradients (2/N)Ψ, optimizer states KΨ/N:
 2Ψ + (2 + K)Ψ/N bytes (16Ψ -> 2.2Ψ for Adam with N = 64).
 
-Read zero1.py first: stage 2 is stage 1's row of the table (stages.py) with the gradients family
-changed (P_g): this file is that class, GradientShard. A rank only ever *uses* its own partition
-of the gradient, so:
-  * the parameters are cut into buckets (flat.py), each padded and partitioned over the N ranks;
-  * during backward each gradient is copied into its bucket's staging buffer and freed the moment
-    it is complete; a complete bucket (reducer.GradBuckets, as in DDP) is reduce-scattered
-    asynchronously while backward goes on;
-  * when it arrives, rank r adds its partition into its gradient shard [Ψ/N], the only gradient
-    memory that persists. Peak gradient memory: the shard plus the buckets in flight.
-Communication is stage 1's (2Ψ per step), now overlapped with backward. Gradient accumulation:
-inside no_sync() gradients accumulate in full in p.grad (2Ψ of memory, as in FSDP's no_sync);
-outside it every micro-batch is reduce-scattered and summed into the shard (DeepSpeed's way).
+Read zero1.py first: stage 2 is stage 1's row with the gradients family changed (P_g), this file's
+GradientShard. A rank only ever *uses* its own partition of the gradient, so the parameters are
+cut into buckets (flat.py), each partitioned over the N ranks; during backward each gradient is
+copied into its bucket's staging buffer and freed the moment it is complete; a complete bucket is
+reduce-scattered at once (reducer.GradBuckets, as in DDP), and when it arrives rank r adds its
+partition into its gradient shard [Ψ/N], the only gradient memory that persists. Communication is
+stage 1's, now overlapped with backward. Inside no_sync() gradients accumulate in full in p.grad
+(2Ψ, as in FSDP); outside it every micro-batch is reduce-scattered into the shard (DeepSpeed's way).
 """
 
 from __future__ import annotations
@@ -31,7 +27,7 @@ from minizero.flat import Bucket, FlatLayout
 
 class GradientShard:
     """P_g: only this rank's partition of the gradients persists [Ψ/N]; each bucket is
-    reduce-scattered during backward, as soon as it is complete (stages 2 and 3)."""
+    reduce-scattered during backward, as soon as it is complete."""
     in_backward = True                     # the engine's reducer calls reduce() inside backward
     # DeepSpeed's contiguous_gradients: each gradient staged the moment it is complete. Off,
     # reduce() stages the whole bucket at once (exercise 6's grader turns it off).

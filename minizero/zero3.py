@@ -7,17 +7,16 @@ What each rank holds (paper, section 5.3): (2 + 2 + K)Ψ/N bytes (16Ψ -> 0.25Ψ
 plus the few *units* gathered at any moment. Per step: all-gather Ψ (forward) + all-gather Ψ
 (backward) + reduce-scatter Ψ = 3Ψ, 1.5x DDP: the price of not replicating parameters.
 
-Read zero2.py first. Stage 3 is stage 2's row of the table (stages.py) with the parameters family
-changed, P_p: what happens to a unit (Unit), then the family that drives the units from the model's
-hooks (ShardedUnits).
-  * A unit is a module (a transformer block; the model itself is unit 0 and holds the rest). Its
+Read zero2.py first: stage 3 is stage 2's row of the table with the parameters family changed (P_p):
+what happens to a unit (Unit), and the family that drives the units from the model's hooks.
+  * A unit is a module (a transformer block; the model itself, unit 0, holds the rest). Its
     parameters are one bucket (flat.py); rank r keeps its partition of every unit in `shard` [Ψ/N].
-    Units are numbered in forward order; their buckets lie in backward's order (the reducer's).
+    Units are numbered in forward order; their buckets lie in backward's (the reducer's) order.
   * Forward: pre-forward all-gathers the unit (and prefetches the next), post-forward frees it.
   * Backward: a hook on its outputs gathers it again; when its gradients are complete,
     post-backward reduce-scatters them as stage 2 does (the unit is the bucket), and frees it.
   * Frozen parameters (LoRA's base) are partitioned alike in a second buffer, never reduced.
-  * offload="params": the shard lives in host memory, copied to the device before each all-gather.
+    offload="params" keeps the shard in host memory, copied to the device before each all-gather.
 units.py is what wrap's engines plug into a unit (default units, engine.gathered(), ...).
 """
 
@@ -26,10 +25,8 @@ from __future__ import annotations
 import functools
 import math
 from enum import Enum
-from typing import Callable
 
 import torch
-from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from minizero import comm, events
@@ -53,16 +50,13 @@ class TrainingState(Enum):
 class Unit:
     """One unit: its module, its buffers, its states, and what each hook does to it. Only its own
     methods change its states (tests/test_architecture.py checks), as in FSDP2's FSDPParamGroup.
-
-    full [Ψ_u padded]  its trainable parameters end to end: 0 bytes while FREE (shape kept),
-                       allocated while IN_FLIGHT / GATHERED, when the parameters are views of it.
-    shard [Ψ_u / N]    this rank's partition, a view into ShardedUnits.shard: all that persists.
-    frozen_full, frozen_shard: the same for its frozen parameters (empty when it has none).
-    """
+    full [Ψ_u padded]: its trainable parameters end to end, 0 bytes while FREE; the parameters are
+    views of it while GATHERED. shard [Ψ_u / N]: this rank's partition, all that persists.
+    frozen_full, frozen_shard: the same for its frozen parameters (empty if it has none)."""
     route = comm        # whose all_gather gathers it: comm's (units.py picks others, beyond/'s)
 
-    def __init__(self, family: ShardedUnits, module: nn.Module, name: str, index: int,
-                 bucket: Bucket | None, frozen_bucket: Bucket | None):
+    def __init__(self, family: ShardedUnits, module, name: str, index: int, bucket: Bucket | None,
+                 frozen_bucket: Bucket | None):
         self.family, self.owner, self.module = family, family.engine, module
         self.name, self.index, self.tag = name, index, f"unit {index} ({name})"
         self.bucket, self.frozen_bucket = bucket, frozen_bucket
@@ -76,19 +70,17 @@ class Unit:
         self._in_flight: list = []                     # (handle, its input) while IN_FLIGHT
         self.free()                                    # built gathered; released right away
 
-    def buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(full, shard) for its trainable and its frozen parameters, those it has."""
+    def buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:     # (full, shard): those it has
         pairs = (self.full, self.shard), (self.frozen_full, self.frozen_shard)
         return [(full, shard) for full, shard in pairs if full.numel()]
 
     def full_bytes(self) -> int:
-        """The bytes its full buffers hold now: 0 while FREE."""
-        return sum(full.untyped_storage().nbytes() for full, _ in self.buffers())
+        return sum(full.untyped_storage().nbytes() for full, _ in self.buffers())   # 0 if FREE
 
     # --- its buffer: FREE -> IN_FLIGHT -> GATHERED -> FREE ----------------------------------------
     def gather(self, prefetch: bool = False, forward: bool = False) -> None:
-        """FREE -> IN_FLIGHT -> GATHERED: all-gather `full` from the shards (prefetch: start it).
-        forward: for a forward (units.py's route for those may differ)."""
+        """FREE -> IN_FLIGHT -> GATHERED: all-gather `full` from the shards (prefetch: start it;
+        forward: for a forward, units.py's route for those may differ)."""
         if self.state == ShardState.GATHERED or (self.state == ShardState.IN_FLIGHT and prefetch):
             return
         if self.state == ShardState.FREE:
@@ -117,16 +109,14 @@ class Unit:
             handle.wait()
         self._in_flight = []
 
-    def point_params(self, gathered: bool) -> None:
-        """The parameters: views of `full` while gathered, absent otherwise."""
+    def point_params(self, gathered: bool) -> None:     # views of `full`, or absent
         for p, view, absent in zip(self.params, self.views, self.absent):
             p.data = view if gathered else absent
 
-    def free(self) -> None:
-        """Release `full` (0 bytes); the parameters become absent."""
+    def free(self) -> None:                             # release `full`: 0 bytes
         if self.state == ShardState.FREE:
             return
-        self._wait()                                   # never free a buffer a collective is writing
+        self._wait()                                   # never free what a collective writes into
         nbytes = self.full_bytes()
         self.point_params(gathered=False)
         for full, _ in self.buffers():
@@ -155,7 +145,7 @@ class Unit:
         self.gather()
         self._prefetch(forward=False)
 
-    def post_backward(self, reduce_scatter: Callable):
+    def post_backward(self, reduce_scatter):
         """Its gradients are complete: reduce_scatter them (GradientShard.reduce), free it; the
         handle. Frozen parameters may still be needed (the input's gradient can flow through a
         frozen weight after the last trainable gradient, as LoRA's does): then it is freed later."""
@@ -167,14 +157,12 @@ class Unit:
             self.family.finished.append(self)     # freed by the next pre_backward, or the end
         return handle
 
-    def _prefetch(self, forward: bool) -> None:
-        """Start gathering the next unit, so that its all-gather runs while this one computes."""
+    def _prefetch(self, forward: bool) -> None:         # the next one gathers while this computes
         following = self.family.following(self, forward)
         if following is not None:
             following.gather(prefetch=True, forward=forward)
 
-    def end_backward(self) -> None:
-        """Backward is done: free it (prefetched after its last use, or frozen parameters kept)."""
+    def end_backward(self) -> None:      # free what a prefetch gathered late, or frozen kept
         self.free()
         self.training_state = TrainingState.IDLE
 
@@ -189,19 +177,18 @@ class ShardedUnits:
         self.engine, self.group, self.prefetch = engine, engine.group, options.prefetch
         model = engine.module
         modules, owned = zip(*(options.units or [(model, list(model.parameters()))]))
-        trains = [[p for p in ps if p.requires_grad] for ps in owned]
+        trains = [[p for p in params if p.requires_grad] for params in owned]
         # one bucket per unit that trains, in backward's order: the model's last
         self.layout = FlatLayout.build([t for t in reversed(trains) if t],
                                        comm.group_size(self.group), comm.group_rank(self.group))
+        bucket_of = dict(zip([id(m) for m, t in zip(modules, trains) if t][::-1],
+                             self.layout.buckets))
         self.host = engine.offload == "params"            # the shard on the host
-        self.home = torch.device("cpu") if self.host else engine.device
         self.shard = self.empty(self.layout.shard_numel)                               # [Ψ/N]
         self.forward_order: list[Unit] = []     # pre-forward order, recorded on the first step
         self.backward_order: list[Unit] = []    # reverse post-forward order: backward's order
         self.finished: list[Unit] = []          # backward done, frozen parameters still gathered
         names = {id(m): name or "<root>" for name, m in model.named_modules()}
-        bucket_of = dict(zip([id(m) for m, t in zip(modules, trains) if t][::-1],
-                             self.layout.buckets))
         self.units = []
         for module, params in zip(modules, owned):
             frozen = [p for p in params if not p.requires_grad]
@@ -216,23 +203,21 @@ class ShardedUnits:
                 unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit)),
                 unit.module.register_forward_hook(functools.partial(self._post_forward, unit))]
 
-    def empty(self, numel: int) -> torch.Tensor:
-        """A buffer where shards live (pinned host memory copies to a GPU asynchronously)."""
-        pin = self.host and self.engine.device.type == "cuda"
-        return torch.empty(numel, dtype=self.engine.dtype, device=self.home, pin_memory=pin)
+    def empty(self, numel: int) -> torch.Tensor:        # a shard buffer (pinned: async copies)
+        home = torch.device("cpu") if self.host else self.engine.device
+        return torch.empty(numel, dtype=self.engine.dtype, device=home,
+                           pin_memory=self.host and self.engine.device.type == "cuda")
 
     def buffers(self, b: Bucket | None, shard: torch.Tensor | None = None):
         """A unit's full [padded_numel] (the parameters made views of it) and shard [shard_numel]
-        for bucket b; empty ones for no b."""
+        for bucket b (empty ones for none)."""
         if b is None:
-            empty = torch.empty(0, dtype=self.engine.dtype, device=self.engine.device)
-            return empty, empty
+            return (torch.empty(0, dtype=self.engine.dtype, device=self.engine.device),) * 2
         full = FlatLayout.flatten_bucket(b, self.engine.dtype, self.engine.device, self.value_of)
         shard = self.empty(b.shard_numel) if shard is None else FlatLayout.shard(shard, b)
         return full, shard.copy_(partition(full, self.layout.rank, b.world_size))
 
-    def optimizer_parts(self) -> list[torch.Tensor]:
-        """What the optimizer steps: each unit's shard, updated in place."""
+    def optimizer_parts(self) -> list[torch.Tensor]:    # each unit's shard, stepped in place
         return [self._unit_of_bucket[b.index].shard for b in self.layout.buckets]
 
     def after_step(self) -> None:                      # the next forward gathers what it needs
@@ -248,17 +233,13 @@ class ShardedUnits:
         if unit not in self.backward_order:
             self.backward_order.insert(0, unit)
         unit.post_forward()
-        self.watch_backward(unit, output)
-
-    def watch_backward(self, unit: Unit, output) -> None:
-        """Backward needs the unit again: a hook on its outputs gathers it (pre_backward)."""
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled():                    # backward needs it again: pre_backward
             for t in tree_flatten(output)[0]:          # tensors in tuples, dicts, ModelOutputs
                 if torch.is_tensor(t) and t.requires_grad and t.grad_fn is not None:
                     t.register_hook(lambda grad: unit.pre_backward())
 
     def following(self, unit: Unit, forward: bool) -> Unit | None:
-        """The unit after `unit` in forward's (or backward's) order, as the first step ran."""
+        """The unit after `unit` in forward's (or backward's) order, as the first step ran it."""
         order = self.forward_order if forward else self.backward_order
         at = order.index(unit) + 1
         return order[at] if self.prefetch and at < len(order) else None
@@ -280,11 +261,9 @@ class ShardedUnits:
         for unit in self.units:            # and units a prefetch gathered after their last use
             unit.end_backward()
 
-    # --- memory -----------------------------------------------------------------------------------
     def param_tensors(self) -> list[torch.Tensor]:
         return [full for unit in self.units for full, _ in unit.buffers()]    # 0 bytes while free
 
-    def tensors(self, category: str) -> list[torch.Tensor]:
-        """The shards: on the device, or on the host with offload="params"."""
+    def tensors(self, category: str) -> list[torch.Tensor]:   # the shards (offload="params": host)
         shards = [self.shard] + [u.frozen_shard for u in self.units]
         return shards if category == ("offloaded" if self.host else "params") else []

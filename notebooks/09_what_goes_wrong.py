@@ -193,11 +193,11 @@ with engine.gathered([model.blocks[0]]):                             # every ran
 #   unit-by-unit gathering is what makes the generation possible at all (ZeRO-Inference).
 
 # %%
-from minizero import events
+from minizero.lab.record import recorded
 
 TOKENS = 3
 x = torch.zeros(1, 4, dtype=torch.long)
-with torch.no_grad(), events.recorded("collective") as log:
+with torch.no_grad(), recorded("collective") as log:
     for token in range(TOKENS):                     # one "generation" forward per new token
         engine(x)
 gathers = [fields for _, _, fields in log if fields["kind"] == "all_gather" and fields["numel"]]

@@ -8,6 +8,7 @@ import time
 
 import torch
 
+
 from minizero import comm
 from minizero.beyond import mesh, quantize
 from minizero.lab.ring import ring_all_reduce
@@ -133,9 +134,9 @@ def buckets_launched_during_backward(stage: int) -> tuple[int, int]:
         functools.partial(torch.optim.SGD, lr=0.1),
         bucket_size=100_000,
     )
-    from minizero import events
+    from minizero.lab.record import recorded
     x, y = local_batch(*global_batch(0, 8, 32), comm.rank(), comm.world_size())
-    with events.recorded("bucket launched") as launched:
+    with recorded("bucket launched") as launched:
         engine.backward(loss_fn(engine(x), y))
     return len(engine.layout.buckets), sum(f["in_backward"] for _, _, f in launched)
 

@@ -199,19 +199,18 @@ def missing_from(home: type, protocol: type) -> list[str]:
 
 
 def test_every_optimizer_home_implements_the_written_interface():
-    """optim.OptimizerHome: what the engine, checkpoints and memory use of wherever P_os lives.
+    """homes.OptimizerHome: what the engine, checkpoints and memory use of wherever P_os lives.
     Every home has all of it; those the engine steps have SteppedHome's too."""
     from minizero.beyond.disk import DiskShardOptimizer
     from minizero.fairscale.fsdp_engine import FlatParameters
-    from minizero.offload import HostShardOptimizer
-    from minizero.optim import OptimizerHome, ShardOptimizer, SteppedHome
-    for home in (ShardOptimizer, HostShardOptimizer, DiskShardOptimizer):
+    from minizero.homes import DeviceHome, HostHome, OptimizerHome, SteppedHome
+    for home in (DeviceHome, HostHome, DiskShardOptimizer):
         assert not missing_from(home, SteppedHome), (home, missing_from(home, SteppedHome))
     assert not missing_from(FlatParameters, OptimizerHome)
 
 
 def test_the_interface_rule_can_fail():
-    from minizero.optim import SteppedHome
+    from minizero.homes import SteppedHome
 
     class NoReload:
         def step(self, grads): ...              # another argument name, and reload() missing

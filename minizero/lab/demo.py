@@ -2,6 +2,7 @@
 collect what they return into the numbers a notebook both plots and checks (one source for the
 figure and the test).
 
+
     from minizero.lab.demo import measure_stage
     runs = measure_stage(2, world_sizes=(1, 2, 4))     # {N: record}, one minizero.launch per N
     runs[4]["max_abs_diff"], runs[4]["ranks"][0]["memory"], runs[4]["theory"]
@@ -23,7 +24,8 @@ import warnings
 
 import torch
 
-from minizero import comm, events
+from minizero import comm
+from minizero.lab.record import recorded
 from minizero.lab.ring import ring_all_reduce
 from minizero.lab.data import global_batch, local_batch
 from minizero.lab.model import make_model
@@ -206,7 +208,7 @@ def unit_timeline(engine):
     """Inside the block: a list of (time, "gather" | "prefetch" | "free", unit index) for each of a
     stage-3 engine's units, from the event stream ("unit gather" and "unit freed", events.py)."""
     timeline: list[tuple[float, str, int]] = []
-    with events.recorded("unit gather", "unit freed") as log:
+    with recorded("unit gather", "unit freed") as log:
         yield timeline
     timeline.extend(
         (

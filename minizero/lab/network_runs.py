@@ -24,7 +24,8 @@ import time
 
 import torch
 
-from minizero import comm, events
+from minizero import comm
+from minizero.lab.record import recorded
 from minizero.lab.model import make_model
 from minizero.lab.train import TrainConfig, forward_backward, model_num_params
 from minizero.launcher import launch
@@ -60,9 +61,9 @@ def _instrument(blocks, events: list, sleep: float) -> None:
 def _train(cfg: TrainConfig, block_sleep: float = 0.0) -> dict:
     """cfg.steps steps, each timed and recorded: its blocks' forward and backward events
     (_instrument) and the transfers on this rank's modelled link (beyond/network.py's "collective
-    modeled" events). The step time reported is the fastest after the first (a warm-up), with its timeline:
-    other work on a shared CPU slows steps down at random and never speeds one up, so the minimum of
-    a few steps is the steadiest statistic (timeit's)."""
+    modeled" events). The step time reported is the fastest after the first (a warm-up), with its
+    timeline: other work on a shared CPU slows steps down at random and never speeds one up, so the
+    minimum of a few steps is the steadiest statistic (timeit's)."""
     model = make_model(cfg.model_config(), seed=cfg.seed)
     engine = wrap(
         model, cfg.stage, cfg.optimizer_factory(), offload=cfg.offload, **cfg.engine_options()
@@ -79,7 +80,7 @@ def _train(cfg: TrainConfig, block_sleep: float = 0.0) -> dict:
         comm.reset_tally()
         marks.clear()
         start = time.perf_counter()
-        with events.recorded("collective modeled") as issued:
+        with recorded("collective modeled") as issued:
             losses.append(forward_backward(cfg, step, engine, backward, engine.no_sync))
             engine.step()
         if engine.device.type == "cuda":
