@@ -88,11 +88,9 @@ class Assembled:
         self.offloading = Offload(offload, offload_path)
         # this rank's process groups: the 2-D mesh's (tensor, data: beyond/tensor_parallel.py),
         # HSDP's (shard: who it partitions with, None for all N; replicate: hierarchical.py), hpZ's
-        self.process_groups = Sharding(shard_group_size, hpz_group_size).process_groups(mesh)
-        groups = self.process_groups
-        self.tensor_group, self.data_group = groups.tensor, groups.data
-        self.shard_group, self.replicate_group = groups.shard, groups.replicate
-        self.hpz_group = groups.hpz
+        pgs = self.process_groups = Sharding(shard_group_size, hpz_group_size).process_groups(mesh)
+        self.tensor_group, self.data_group = pgs.tensor, pgs.data
+        self.shard_group, self.replicate_group, self.hpz_group = pgs.shard, pgs.replicate, pgs.hpz
         self.accumulating = False                     # a no_sync() backward ran since the last step
         self.mid_step = False          # a backward() ran, its step() not yet: checkpoints refuse
         # from here on the parameters are this engine's (owners.py: a second one is refused)
@@ -119,7 +117,7 @@ class Assembled:
                          param_groups=parsed, home=home, **stage_options)
         # ZeRO-R: what forward saves (beyond/activations.py); model states: memory/meter.py
         self.activations = activations.SavedTensorMeter(self.params.param_tensors)
-        self.meter = ModelStateMeter(self, self._memory_groups)
+        self.meter = ModelStateMeter(self, self._tensors_by_category)
         # a plain loss.backward() is found from the model's output ([Note: loss.backward()])
         self._in_backward = False
         self.hooks = [model.register_forward_hook(self._forward_ends)]
@@ -325,7 +323,7 @@ class Assembled:
         return {**now, **self.meter.peaks, "activations": self.activations.peak,
                 "disk": self.optimizer.disk_bytes()}  # the disk tier (beyond/disk.py), else 0
 
-    def _memory_groups(self) -> dict[str, list[torch.Tensor]]:
+    def _tensors_by_category(self) -> dict[str, list[torch.Tensor]]:
         """{category: the tensors holding it}: each family's buffers and the optimizer's."""
         families = (self.params, self.grads)
         return {

@@ -191,8 +191,8 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None
       never). check_every: compare the ranks' collective fingerprints before the first and every
       k-th collective (0: only when the run stalls). Both: minizero/beyond/desync.py.
     Raises RuntimeError("rank R failed: ...") if any rank raises or dies; no child outlives the
-    call. The ranks model the network this process has (comm.set_network, else
-    MINIZERO_NETWORK; beyond/network.py).
+    call. The ranks model the network this process has (beyond/network.py's set_network, else
+    MINIZERO_NETWORK).
     """
     check_positive_int("world_size", world_size)
     if backend is None:

@@ -65,7 +65,7 @@ class Options(StageOptions):
 
 
 # --- the engine's three policies, frozen: wrap, initialize, FSDP, the CLI and the config reader ---
-# --- reach them through Engine.check (wrap.check), the engine holds them -----------------------
+# --- reach them through assembled.Assembled.check (wrap.check), the engine holds them ---------
 @dataclass(frozen=True)
 class Precision:
     """Mixed precision (FSDP2's MixedPrecisionPolicy; engine.py's docstring says what each does):

@@ -276,11 +276,11 @@ ax.legend();
 # overlaps two.)
 #
 # **Shard groups of S = 2 at N = 4** (`shard_group_size=2`, `[Note: hierarchical sharding]` in
-# `minizero/engine.py`). `mesh.mesh(2)` cuts the 4 ranks into rows of 2 consecutive ranks, the
-# *shard groups* {0, 1} and {2, 3} (`engine.shard_group`), and columns {0, 2} and {1, 3}, the
-# *replicate groups* (`engine.replicate_group`): the ranks that hold the same partition. So each
-# bucket is cut into S = 2 partitions, not N = 4: rank r owns partition r mod 2 of its row, and
-# ranks 0 and 2 hold the same one. Watch the phases in order:
+# `minizero/beyond/hierarchical.py`). `mesh.mesh(2)` (`minizero/beyond/mesh.py`) cuts the 4 ranks
+# into rows of 2 consecutive ranks, the *shard groups* {0, 1} and {2, 3} (`engine.shard_group`), and
+# columns {0, 2} and {1, 3}, the *replicate groups* (`engine.replicate_group`): the ranks that hold
+# the same partition. So each bucket is cut into S = 2 partitions, not N = 4: rank r owns partition
+# r mod 2 of its row, and ranks 0 and 2 hold the same one. Watch the phases in order:
 #
 # 1. **reduce-scatter within each shard group**, bucket by bucket during backward: rank r's
 #    partition holds the average of *its group's* 6 rows, not yet the whole batch's; ranks 0 and 2

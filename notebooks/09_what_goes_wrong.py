@@ -206,11 +206,10 @@ print(f"{len(gathers)} all-gathers for {TOKENS} forwards of {len(engine.units)} 
 print([fields["tag"] for fields in gathers[:len(engine.units)]])
 
 # %% [markdown]
-# The tags count the units as minizero counts its gradient buckets, in the order backward completes
-# them: unit 0 is the last block, the root unit (embeddings, final LayerNorm, head) the last one,
-# so forward gathers them from the highest number down. The from-scratch stage 3 of notebook 04's
-# capstone exercise numbers them in forward order instead (`units[0]` is the root): the same units,
-# counted from the other end.
+# The tags count the units in the order forward runs them: unit 0 is the root (embeddings, final
+# LayerNorm, head), whose forward starts first, then one unit per block; the from-scratch stage 3
+# of the capstone exercise numbers them the same way (`units[0]` is the root). Their gradient
+# buckets lie the other way round, in the order backward completes them (zero3.py).
 
 # %% [markdown]
 # **What to try**

@@ -175,11 +175,11 @@ class FSDPEngine(Zero3):
                 p.grad.add_(part)          # a .grad the user set, or fp32 over 16-bit reductions
         self.meter.measure()
 
-    def _memory_groups(self):
-        groups = super()._memory_groups()
+    def _tensors_by_category(self):
+        tensors = super()._tensors_by_category()
         # fp32 .grad over 16-bit reductions: tensors of their own
-        groups["grads"] += [p.grad for p in self.optimizer.params]
-        return groups
+        tensors["grads"] += [p.grad for p in self.optimizer.params]
+        return tensors
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale every FlatParameter's .grad so that the global p-norm (over all N partitions) is at

@@ -131,8 +131,9 @@ class _Recorder:
         return b.start + (e.layout.rank * b.shard_numel if e.sharded else 0)
 
     def _name(self, b) -> str:
-        units = getattr(self.engine, "_unit_of_bucket", None)
-        return f"unit {units[b.index].name}" if units else f"bucket {b.index}"
+        """Stage 3: the unit whose bucket b is, as its tag names it (units in forward order)."""
+        units = {u.bucket.index: u for u in getattr(self.engine, "units", []) if u.bucket}
+        return units[b.index].tag if b.index in units else f"bucket {b.index}"
 
     def snap(self, label: str, kind: str, bucket=None, where: dict | None = None) -> None:
         """Record every buffer now, as the end of a phase; `where`: the line of minizero that
@@ -238,7 +239,7 @@ class _Recorder:
             self._after_collective(*self.issued.pop(fields["seq"]), where)
         elif name == "unit freed" and fields["engine"] is e:
             self.snap(
-                f"free unit {fields['unit'].name}: only the shard is left",
+                f"free {fields['unit'].tag}: only the shard is left",
                 "free",
                 fields["unit"].bucket,
                 where,

@@ -284,7 +284,7 @@ def comm_volume_by_kind(
 
 def group_ranks(group: str, rank: int, world_size: int, shard_group_size: int | None = None,
                 hpz_group_size: int | None = None) -> list[int]:
-    """The global ranks of `rank`'s group of a step_collectives kind (comm.mesh's rows
+    """The global ranks of `rank`'s group of a step_collectives kind (beyond/mesh.py's rows
     and columns)."""
     n = world_size
     s = n if shard_group_size is None else shard_group_size

@@ -1,6 +1,6 @@
 """One rank's model-state bytes as a step runs: engine.memory()'s peaks and memory_timeline().
 
-    python -m pytest tests/test_memory_timeline.py
+    python -m pytest tests/test_engine.py -k memory_timeline
 
 The engine only emits events (events.py); this meter subscribes to them. It measures every storage
 (memory.measure) at the end of each backward and step, and counts on from there in between
@@ -45,14 +45,14 @@ class ModelStateMeter:
     _MEASURED = ("backward done", "step")
 
     def __init__(self, engine, groups):
-        """groups(): {category: the tensors holding it} (engine.py's _memory_groups)."""
+        """groups(): {category: the tensors holding it} (engine.py's _tensors_by_category)."""
         self.engine, self.groups = engine, groups
         self.peaks = {"peak": 0, "peak_params": 0}
         self._now: dict[str, int] | None = None            # bytes by category, counted on
         _subscribe_weakly(self._on_event)
 
     def now(self) -> dict[str, int]:
-        return measure(self.groups())
+        return measure(self.by_category())
 
     def measure(self) -> dict[str, int]:
         """Measure every storage and count on from there; the bytes now."""
