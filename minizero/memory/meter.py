@@ -44,9 +44,9 @@ class ModelStateMeter:
     _PEAKS = ("unit gathered", "bucket ready")
     _MEASURED = ("backward done", "step")
 
-    def __init__(self, engine, groups):
-        """groups(): {category: the tensors holding it} (engine.py's _tensors_by_category)."""
-        self.engine, self.groups = engine, groups
+    def __init__(self, engine, by_category):
+        """by_category(): {category: the tensors holding it} (assembled.py's)."""
+        self.engine, self.by_category = engine, by_category
         self.peaks = {"peak": 0, "peak_params": 0}
         self._now: dict[str, int] | None = None            # bytes by category, counted on
         _subscribe_weakly(self._on_event)
