@@ -8,9 +8,9 @@
     with minizero.sharded_init(): model = MyModel()      # stage 3: built partitioned, never whole
     minizero.set_z3_leaf_modules(model, [MoEBlock])      # stage 3: gathered whole (DeepSpeed's)
 
-The paper's ZeRO is this folder's top level, read in this order (1,594 lines, docstrings
+The paper's ZeRO is this folder's top level, read in this order (1,593 lines, docstrings
 included, and they import nothing else of minizero: about 8 hours at ~200 lines an hour):
-    comm.py (281) -> events.py (68) -> flat.py (192) -> reducer.py (101) -> optim.py (131)
+    comm.py (280) -> events.py (68) -> flat.py (192) -> reducer.py (101) -> optim.py (131)
     -> engine.py (180) -> stages.py (69, the paper's table: one row per stage) -> ddp.py (106)
     -> zero1.py (48) -> zero2.py (91) -> zero3.py (269, a unit's lifecycle) -> offload.py (58).
 Then what a user needs around it, composed into the engines wrap, initialize and

@@ -228,12 +228,11 @@ def issue(kind: str, full: torch.Tensor, group: Group | None, tag: str, async_op
     _seq += 1
     events.emit("collective", kind=kind, tag=tag, group=group, numel=full.numel(), dtype=full.dtype,
                 blocking=not async_op or _blocking, sent=sent, tensor=full, seq=_seq)
-    if n > 1:
-        handles = [run()]
-    elif local is not None:
+    handle = run() if n > 1 else None
+    if n == 1 and local is not None:
         local()                                        # one rank: a copy (or nothing at all)
     seq = _seq              # its handle's wait() waits for it, then says so on the event stream
-    issued = Joined(handles if n > 1 else [],
+    issued = Joined([] if handle is None else [handle],
                     lambda: events.emit("collective done", seq=seq, kind=kind, tag=tag))
     if not async_op or _blocking:
         issued.wait()
