@@ -16,9 +16,10 @@ included, and they import nothing else of minizero: about 8 hours at ~200 lines 
 Then what a user needs around it, composed into the engines wrap, initialize and
 FullyShardedDataParallel build by assembled.py: units.py (stage 3's units of a real model),
 absent.py, options.py (which stage takes what), param_groups.py, homes.py (where P_os lives,
-checkpointable), loss_scale.py for fp16, owners.py, checkpoint.py, memory/ (the paper's formulas and
-the byte counter), construct.py (sharded_init), and the public entry points wrap.py and
-launcher.py. The folders around it plug into it, each named for what it is:
+checkpointable), loss_scale.py for fp16, owners.py, checkpoint.py, memory/ (the paper's formulas
+and the byte counter), construct.py (sharded_init), ring.py (the teaching ring all-reduce), and
+the public entry points wrap.py and launcher.py. The folders around it plug into it, each named
+for what it is:
     deepspeed/   DeepSpeed's front end: initialize, its JSON config, its checkpoints' tags
     fairscale/   FairScale's FullyShardedDataParallel (flat parameters) and its wrap helpers
     beyond/      what came after the paper: ZeRO-R's activations, ZeRO++ (quantize, hpz),

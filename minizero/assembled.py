@@ -33,7 +33,7 @@ The events these pieces emit, beside the core's (events.py):
                        start, end
     checkpoint commit  checkpoint.py, every rank's shard is on disk, the manifest not yet written:
                        directory
-    ring exchange      lab/ring.py, before each exchange: buffer (the padded tensor), send (the
+    ring exchange      ring.py, before each exchange: buffer (the padded tensor), send (the
                        index of the chunk this rank sends)
 """
 

@@ -59,15 +59,16 @@ for kind in ("input", "all_reduce", "reduce_scatter", "all_gather", "broadcast")
 # %% [markdown]
 # ## The ring all-reduce, from point-to-point messages
 #
-# `minizero.lab.ring.ring_all_reduce` cuts the tensor into N chunks and passes chunks around a ring.
+# `minizero.ring.ring_all_reduce` cuts the tensor into N chunks and passes chunks around a ring.
 # In N-1 steps of reduce-scatter every rank adds the chunk its left neighbour sends into its own
 # copy; after them rank r owns the complete sum of one chunk. N-1 steps of all-gather then pass the
 # finished chunks around. Each rank sends 2(N-1) chunks of S/N bytes: $2\frac{N-1}{N}S$, almost
-# independent of N. Here is the function, read from `minizero/lab/ring.py` now (marked: the two
+# independent of N. Here is the function, read from `minizero/ring.py` now (marked: the two
 # loops' exchanges, the add of phase 1 and the copy of phase 2):
 
 # %%
-from minizero.lab import ring, source
+from minizero import ring
+from minizero.lab import source
 
 source.show(ring.ring_all_reduce, mark=("exchange((", "+= incoming", ".copy_(incoming)"))
 
@@ -82,7 +83,7 @@ for n, res in results.items():
 # %% [markdown]
 # ### The ring, exchange by exchange
 #
-# `minizero.lab.stepthrough.ring` runs `minizero.lab.ring.ring_all_reduce` on N processes and
+# `minizero.lab.stepthrough.ring` runs `minizero.ring.ring_all_reduce` on N processes and
 # watches its point-to-point exchanges: before each one, every rank's padded buffer and the chunk it
 # sends to its right neighbour. Rank r starts with 10 r + [1, 2, 3, 4, 5]: 5 elements in N chunks of
 # ⌈5/N⌉, padded. In the first N-1 exchanges the received chunk is *added*; after them rank r holds

@@ -11,7 +11,7 @@ import torch
 
 from minizero import comm
 from minizero.beyond import mesh, quantize
-from minizero.lab.ring import ring_all_reduce
+from minizero.ring import ring_all_reduce
 
 
 def collectives() -> dict:

@@ -473,7 +473,7 @@ def test_each_phase_names_the_line_that_produced_it():
 
 
 def check_ring(ring: dict) -> None:
-    """Every exchange of lab/ring.py's ring_all_reduce moved one chunk to the right neighbour,
+    """Every exchange of ring.py's ring_all_reduce moved one chunk to the right neighbour,
     added (first N-1) or copied (last N-1) there, and every rank ends with the sum."""
     stepthrough.check_ring(ring)
     n = ring["world_size"]

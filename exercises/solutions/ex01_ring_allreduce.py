@@ -1,4 +1,4 @@
-"""Exercise 1, answer: the ring all-reduce from exchange() alone (minizero/lab/ring.py,
+"""Exercise 1, answer: the ring all-reduce from exchange() alone (minizero/ring.py,
 ring_all_reduce, is the same algorithm, also tallied and timed by the network model)."""
 
 import torch

@@ -60,7 +60,7 @@ RING_STEPS = {
     "all_gather": lambda n: n - 1,
     "broadcast": lambda n: n - 1,
     "all_to_all": lambda n: n - 1,
-    "ring_all_reduce": lambda n: 2 * (n - 1),     # lab/ring.py's, from send/recv
+    "ring_all_reduce": lambda n: 2 * (n - 1),     # ring.py's, from send/recv
 }
 
 

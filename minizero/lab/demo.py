@@ -26,7 +26,7 @@ import torch
 
 from minizero import comm
 from minizero.lab.record import recorded
-from minizero.lab.ring import ring_all_reduce
+from minizero.ring import ring_all_reduce
 from minizero.lab.data import global_batch, local_batch
 from minizero.lab.model import make_model
 from minizero.lab.reference import max_abs_diff, reference_train, tolerance
@@ -134,7 +134,7 @@ def check(records: dict) -> None:
 def collectives_worker(numel: int, repeats: int = 3) -> dict:
     """Worker: every collective on a small rank-dependent tensor (to see what it does), then on
     `numel` fp32 elements (rounded up to a multiple of N) for the byte tally and the time; and the
-    teaching ring all-reduce (minizero.lab.ring) against all_reduce on the same data."""
+    teaching ring all-reduce (minizero.ring) against all_reduce on the same data."""
     r, n, dev = comm.rank(), comm.world_size(), comm.device()
     # rank 2 of 4: [20, 21, 22, 23]
     small = 10.0 * r + torch.arange(n, dtype=torch.float32, device=dev)

@@ -5,7 +5,7 @@ real engine.
     steps = stepthrough.record(stepthrough.StepConfig(stage=2, world_size=3))  # one minizero.launch
     steps["phases"][k]["label"], steps["phases"][k]["ranks"][r]["gradient shard"]
     stepthrough.check(steps)          # every phase against one process stepping the whole batch
-    ring = stepthrough.ring(3)        # minizero.lab.ring.ring_all_reduce, one exchange at a time
+    ring = stepthrough.ring(3)        # minizero.ring.ring_all_reduce, one exchange at a time
 
 Notebooks 01-05, 07 and 08 (hierarchical sharding: StepConfig(shard_group_size=2, world_size=4))
 draw `record` (notebooks/plots.py: step_table, step_grid, step_widget), notebook 00 draws `ring`;
@@ -50,7 +50,7 @@ from torch import nn
 
 from minizero import comm, events
 from minizero.lab import source
-from minizero.lab.ring import ring_all_reduce
+from minizero.ring import ring_all_reduce
 from minizero.launcher import launch
 from minizero.wrap import check as check_settings
 from minizero.wrap import wrap
@@ -549,11 +549,11 @@ def _bucket_at(steps: dict, j: int) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------
-# Notebook 00: minizero.lab.ring.ring_all_reduce, exchange by exchange
+# Notebook 00: minizero.ring.ring_all_reduce, exchange by exchange
 # --------------------------------------------------------------------------------------------------
 
 def ring_worker(numel: int) -> dict:
-    """Worker: rank r sums 10 r + [1, 2, ..., numel] with lab/ring.py's ring_all_reduce, while its
+    """Worker: rank r sums 10 r + [1, 2, ..., numel] with ring.py's ring_all_reduce, while its
     point-to-point exchanges are observed: before each one, the rank's padded buffer and the chunk
     it sends."""
     r = comm.rank()
