@@ -68,9 +68,9 @@ class Options(StageOptions):
 # --- reach them through assembled.Assembled.check (wrap.check), the engine holds them ---------
 @dataclass(frozen=True)
 class Precision:
-    """Mixed precision (FSDP2's MixedPrecisionPolicy; engine.py's docstring says what each does):
-    `dtype` the model computes in, `reduce_dtype` the gradients are reduced and accumulated in
-    (None: dtype), fp16's `loss_scale` (loss_scale.py checks it)."""
+    """Mixed precision (FSDP2's MixedPrecisionPolicy): `dtype` the model computes in (fp32 masters:
+    optim.py), `reduce_dtype` the gradients are reduced and accumulated in (None: dtype;
+    flat.FlatLayout.point_grads_into), fp16's `loss_scale` (loss_scale.py checks it)."""
     dtype: str = "fp32"
     reduce_dtype: str | None = None
     loss_scale: float | dict | None = None

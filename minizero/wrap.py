@@ -63,7 +63,7 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
                units' inputs on the host until then (beyond/activations.py); units as stage 3's
                (`units=` or units.default_units: a transformer's blocks), at every stage.
     options:   dtype ("fp32" | "bf16" | "fp16"), reduce_dtype (None | "fp32": bf16/fp16 gradients
-               reduced and accumulated in fp32; engine.py), loss_scale (fp16: None = dynamic, a
+               reduced and accumulated in fp32; flat.py), loss_scale (fp16: None = dynamic, a
                number = static, a dict = dynamic options; minizero/loss_scale.py), clip_grad_norm,
                bucket_size (bytes; stages 0, 2), overlap (stage 0; False: all-reduce every bucket
                after backward), buckets_in_flight (stages 0, 2, 3: gradient buckets whose collective

@@ -155,7 +155,7 @@ class FSDPEngine(Zero3):
                 for p, b in zip(self.optimizer.params, self.layout.buckets)]
 
     def _backward_starts(self, grad: torch.Tensor) -> None:
-        """[Note: loss.backward()] in engine.py; the user's optimizer steps, so no mid_step."""
+        """[Note: loss.backward()] in assembled.py; the user's optimizer steps, so no mid_step."""
         if self._in_backward:
             return
         self._in_backward = True

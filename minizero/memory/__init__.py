@@ -17,7 +17,7 @@ N ranks:
     stage 3  P_os+g+p  (2 + 2 + K)Ψ/N              + parameters sharded
 
 param_bytes / grad_bytes generalise the 2s: pure fp32 training has 4 + 4 and Adam's K = 8 (no master
-copy, the fp32 parameters are the master); bf16/fp16 with reduce_dtype="fp32" (engine.py) keeps its
+copy, the fp32 parameters are the master); bf16/fp16 with reduce_dtype="fp32" (flat.py) keeps its
 gradients in fp32: 2 + 4 + K (`grad_bytes`). Activations, buffers and temporary buffers are not
 model states: ZeRO-R (section 6) is about them, and `activation_bytes` estimates the activations of
 minizero's GPT.
