@@ -8,11 +8,11 @@
     with minizero.sharded_init(): model = MyModel()      # stage 3: built partitioned, never whole
     minizero.set_z3_leaf_modules(model, [MoEBlock])      # stage 3: gathered whole (DeepSpeed's)
 
-The paper's ZeRO is this folder's top level, read in this order (1,593 lines, docstrings
+The paper's ZeRO is this folder's top level, read in this order (1,596 lines, docstrings
 included, and they import nothing else of minizero: about 8 hours at ~200 lines an hour):
-    comm.py (280) -> events.py (68) -> flat.py (192) -> reducer.py (101) -> optim.py (131)
-    -> engine.py (180) -> stages.py (69, the paper's table: one row per stage) -> ddp.py (106)
-    -> zero1.py (48) -> zero2.py (91) -> zero3.py (269, a unit's lifecycle) -> offload.py (58).
+    comm.py (280) -> events.py (68) -> flat.py (190) -> reducer.py (100) -> optim.py (133)
+    -> engine.py (184) -> stages.py (69, the paper's table: one row per stage) -> ddp.py (105)
+    -> zero1.py (48) -> zero2.py (90) -> zero3.py (269, a unit's lifecycle) -> offload.py (60).
 Then what a user needs around it, composed into the engines wrap, initialize and
 FullyShardedDataParallel build by assembled.py: units.py (stage 3's units of a real model),
 absent.py, options.py (which stage takes what), param_groups.py, homes.py (where P_os lives,
@@ -24,7 +24,8 @@ for what it is:
     fairscale/   FairScale's FullyShardedDataParallel (flat parameters) and its wrap helpers
     beyond/      what came after the paper: ZeRO-R's activations, ZeRO++ (quantize, hpz),
                  HSDP (hierarchical, mesh), ZeRO-Infinity's disk tier, a modelled network,
-                 desync detection, tensor parallelism on a 2-D mesh
+                 desync detection, tensor parallelism on a 2-D mesh, Muon (an optimizer that
+                 needs whole matrices)
 Beside it, never imported by it (tests/test_layout.py checks): lab/ (the small GPT, the data, the
 training loop, the single-process reference, PyTorch's and DeepSpeed's peers, the experiments
 behind the notebooks, the benchmark) and cli/ (every command: python -m minizero <command>; the

@@ -694,23 +694,27 @@ def universal(directory: str) -> dict:
     parts = _parts(directory, manifest)
     saved = parts[0].get(0)["optimizer"]
     per_element, scalars = set(), {}
-    for i, b in enumerate(manifest["buckets"]):
-        for name, v in saved["state"].get(i, {}).items():
-            if (
-                torch.is_tensor(v)
-                and v.dim() == 1
-                and v.numel() == b["shard_numel"]
-                and name not in scalars
-            ):
-                per_element.add(name)                  # one value per element: cut like the masters
-            elif (not torch.is_tensor(v) or v.dim() == 0) and name not in per_element and \
-                    _same(scalars.setdefault(name, v), v):
-                pass                                      # one value for every bucket: carried over
-            else:
-                raise CheckpointError(
-                    f"{directory}: {manifest['optimizer']}'s state {name!r} is neither one "
-                    "value per element nor one scalar: it cannot be resharded"
-                )
+    # every rank's file: an optimizer stepping two kinds of groups (beyond/muon/: Muon's momentum,
+    # AdamW's moments) may hold a state on some ranks only; where a rank has none it is zeros
+    ranks = max((b["padded_numel"] // b["shard_numel"] for b in manifest["buckets"]), default=1)
+    for r in range(ranks):
+        for i, b in enumerate(manifest["buckets"]):
+            for name, v in parts[0].get(r)["optimizer"]["state"].get(i, {}).items():
+                if (
+                    torch.is_tensor(v)
+                    and v.dim() == 1
+                    and v.numel() == b["shard_numel"]
+                    and name not in scalars
+                ):
+                    per_element.add(name)              # one value per element: cut like the masters
+                elif (not torch.is_tensor(v) or v.dim() == 0) and name not in per_element and \
+                        _same(scalars.setdefault(name, v), v):
+                    pass                                  # one value for every bucket: carried over
+                else:
+                    raise CheckpointError(
+                        f"{directory}: {manifest['optimizer']}'s state {name!r} is neither one "
+                        "value per element nor one scalar: it cannot be resharded"
+                    )
     return {
         "format": UNIVERSAL,
         "format_version": FORMAT_VERSION,
@@ -721,7 +725,8 @@ def universal(directory: str) -> dict:
         "group_params": manifest.get("group_params"),
         "model": _merged(manifest, [part.model() for part in parts]),
         "optimizer_state": {name: _merged(manifest, [part.trainable(
-            lambda f, i, n=name: f["optimizer"]["state"][i][n]) for part in parts])
+            lambda f, i, n=name: f["optimizer"]["state"].get(i, {}).get(
+                n, torch.zeros(manifest["buckets"][i]["shard_numel"]))) for part in parts])
             for name in sorted(per_element)},
         "scalars": scalars,
         "rng": parts[0].get(0)["rng"],

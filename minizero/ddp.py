@@ -59,7 +59,6 @@ class ReplicatedParameters:
             comm.all_gather(full, self.layout.my_partition(full, b), group=self.group,
                             tag=f"bucket {b.index}")                       # in place: mine is input
 
-    # --- nothing else happens to replicated parameters -------------------------------------------
     def before_backward(self) -> None:
         pass
 

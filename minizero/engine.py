@@ -29,7 +29,7 @@ from torch import nn
 from minizero import comm, events
 from minizero.flat import DEFAULT_BUCKET_BYTES
 from minizero.offload import optimizer_home
-from minizero.optim import DTYPES
+from minizero.optim import DTYPES, Placement
 from minizero.reducer import GradBuckets
 
 
@@ -83,11 +83,15 @@ class Engine:
             self.layout.buckets, launch=self._bucket_ready, done=self.grads.arrived,
             on_grad=self.grads.on_grad, max_in_flight=self.options.buckets_in_flight,
             overlap=self.options.overlap, owner=self) if self.grads.in_backward else None
-        # P_os: the optimizer gets what this rank steps, Ψ/N (stages 1-3) or Ψ (DDP)
-        home = self.row.optimizer or home or optimizer_home(offload)   # a stage's own, first
+        # P_os: the optimizer gets what this rank steps, Ψ/N (stages 1-3) or Ψ (DDP), in the
+        # row's home if it has one (FSDP's, Muon's), else here: the device or the host
+        home = self.row.optimizer or home or optimizer_home(offload)
+        buckets = self.layout.buckets                       # where each part sits: its partition
+        placement = Placement(buckets, [self.layout.rank * b.shard_numel if self.sharded else 0
+                                        for b in buckets], self.group)
         grouping = None if param_groups is None else param_groups.grouping(self)
         # <- the essential line of P_os: it is handed Ψ/N parameters (homes.py)
-        self.optimizer = home(self.params.optimizer_parts(), optimizer, grouping)
+        self.optimizer = home(self.params.optimizer_parts(), optimizer, grouping, placement)
 
     @property
     def stage(self) -> int:

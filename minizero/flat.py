@@ -133,11 +133,9 @@ class FlatLayout:
                 p.data = view
 
     def point_grads_into(self, flat_grads: torch.Tensor) -> None:
-        """Make backward accumulate the gradients into `flat_grads`: p.grad becomes a view of it,
-        so autograd adds straight into the buffer and it is reduced without a copy (PyTorch DDP's
-        gradient_as_bucket_view). In another dtype (reduce_dtype="fp32" under bf16) a p.grad must
-        have its parameter's, so a hook, registered before the reducer's, adds each complete one
-        into its fp32 view and frees it: the sum over backwards happens in fp32."""
+        """Backward accumulates into `flat_grads`: p.grad is a view of it, reduced without a copy
+        (PyTorch DDP's gradient_as_bucket_view). In another dtype (reduce_dtype="fp32" under bf16)
+        a hook, registered before the reducer's, adds each complete p.grad into its view instead."""
         for b in self.buckets:
             for p, view in b.views(self.full(flat_grads, b)):
                 if view.dtype == p.dtype:

@@ -8,8 +8,8 @@ memory): they step. What wrap's engines need around that (checkpoints, engine.ga
 full_state_dict) is BucketState below: DeviceHome and HostHome are the homes they build, and
 beyond/disk.py's DiskShardOptimizer (a file) is one too; fairscale's FlatParameters hand the
 partitions to the user's optimizer. A home is what stages.Stage.optimizer or the engine's home=
-builds: (parts, optimizer factory, grouping) -> a SteppedHome. tests/test_architecture.py checks
-that each has every method below, with these arguments.
+builds: (parts, optimizer factory, grouping, placement) -> a SteppedHome.
+tests/test_architecture.py checks that each has every method below, with these arguments.
 """
 
 from __future__ import annotations
@@ -58,21 +58,25 @@ class BucketState:
 
     def state_dict(self) -> dict:
         """torch's state_dict with one entry per bucket (what a checkpoint saves): a state with one
-        value per element concatenated over a master's views (zeros where a view is not stepped),
-        any other (Adam's step) the first stepped view's; "params" of a group: its buckets."""
+        value per element concatenated over a master's views (zeros where a view has none:
+        padding, parameters in no group, views another kind of group steps), any other (Adam's
+        step) the first view's with it; "params" of a group: its buckets."""
         saved, state = self.optimizer.state_dict(), {}
         for b, views in enumerate(self.views):
             parts = [saved["state"].get(self._index.get(id(v)), {}) for v in views]
-            first = next((j for j, s in enumerate(parts) if s), None)
-            if first is None:
-                continue
-            state[b] = {
-                name: torch.cat([s[name] if s else torch.zeros(v.shape, dtype=value.dtype)
-                                 for s, v in zip(parts, views)])
-                if _per_element(value, views[first])
-                else value
-                for name, value in parts[first].items()
-            }
+            first = {}                                 # each state's name -> the first view with it
+            for j, view_state in enumerate(parts):
+                for name in view_state:
+                    first.setdefault(name, j)
+            if first:
+                state[b] = {
+                    name: torch.cat([s[name] if name in s else
+                                     torch.zeros(v.shape, dtype=parts[j][name].dtype)
+                                     for s, v in zip(parts, views)])
+                    if _per_element(parts[j][name], views[j])
+                    else parts[j][name]
+                    for name, j in first.items()
+                }
         bucket_of = {self._index[id(v)]: b for b, views in enumerate(self.views)
                      for v in views if id(v) in self._index}
         groups = [{**g, "params": sorted({bucket_of[i] for i in g["params"]})}
@@ -105,6 +109,9 @@ class BucketState:
     def master_values(self) -> list[torch.Tensor]:
         """The fp32 values of the owned parameters, one per part (for full_state_dict)."""
         return [m.detach() for m in self.masters]
+
+    def disk_bytes(self) -> int:
+        return 0                      # in memory (beyond/disk.py's home keeps it in a file)
 
 
 class DeviceHome(BucketState, ShardOptimizer):

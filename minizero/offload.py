@@ -20,13 +20,13 @@ import torch
 from torch import nn
 
 from minizero import comm
-from minizero.optim import Grouping, OptimizerFactory, ShardOptimizer
+from minizero.optim import OptimizerFactory, Placement, ShardOptimizer, cache_sized
 
 
 def optimizer_home(offload: bool | str):
-    """Where P_os lives, by wrap's offload=: (parts, factory, grouping) -> the optimizer. The
-    device (optim.ShardOptimizer) or host memory (HostShardOptimizer, below; offload="params" too:
-    stage 3 offloads its parameter shard and the optimizer with it)."""
+    """Where P_os lives, by wrap's offload=: (parts, factory, grouping, placement) -> the optimizer.
+    The device (optim.ShardOptimizer) or host memory (HostShardOptimizer, below; offload="params"
+    too: stage 3 offloads its parameter shard and the optimizer with it)."""
     return HostShardOptimizer if offload else ShardOptimizer
 
 
@@ -34,14 +34,16 @@ class HostShardOptimizer(ShardOptimizer):
     """A ShardOptimizer whose fp32 masters, gradients and state are host tensors."""
 
     def __init__(self, param_parts: list[torch.Tensor], optimizer_factory: OptimizerFactory,
-                 grouping: Grouping | None = None):
+                 grouping=None, placement: Placement | None = None, *,
+                 cut=cache_sized):
         self.pin = comm.device().type == "cuda"     # pinned memory makes device<->host copies async
         self.host_grads = [torch.zeros(p.numel(), dtype=torch.float32, pin_memory=self.pin)
                            for p in param_parts]     # [Ψ_b / N] fp32 each
         # always a separate host copy, also in fp32: the device parameters are not the master
         masters = [nn.Parameter(torch.empty(p.numel(), dtype=torch.float32, pin_memory=self.pin)
                                 .copy_(p.detach().reshape(-1))) for p in param_parts]
-        super().__init__(param_parts, optimizer_factory, grouping, masters)
+        super().__init__(param_parts, optimizer_factory, grouping, placement, masters=masters,
+                         cut=cut)
 
     def _grads_for_masters(self, grad_parts: list[torch.Tensor]) -> list[torch.Tensor]:
         for host, grad in zip(self.host_grads, grad_parts):

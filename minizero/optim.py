@@ -31,19 +31,18 @@ import torch
 from torch import nn
 
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]   # tensors, or torch's group dicts
-# A run of a master's elements: (start, stop, index of its parameter group, or None: not stepped)
-Run = tuple[int, int, "int | None"]
-
 VIEW_NUMEL = 1 << 18    # elements of a master stepped at once [Note: cache-sized views]
 # What the model can compute in (wrap's dtype=); the masters are fp32 either way.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-@dataclass
-class Grouping:
-    """The user's parameter groups as one rank's optimizer sees them [Note: parameter groups]."""
-    settings: list[dict]       # each group's hyperparameters (no "params"), in the user's order
-    runs: list[list[Run]]      # for each part: its elements cut where the group changes
+@dataclass(frozen=True)
+class Placement:
+    """Where a home's parts sit: part i is elements [starts[i], starts[i] + part.numel()) of
+    buckets[i]. Elementwise homes need not know; Muon's (whole matrices) does."""
+    buckets: list          # flat.Bucket, one per part
+    starts: list[int]
+    group: object          # the comm.Group the engine partitions over (None: all N)
 
 
 def fp32_master(part: torch.Tensor) -> nn.Parameter:
@@ -53,24 +52,30 @@ def fp32_master(part: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(part.detach().float().clone())             # fp32 master copy [part.numel()]
 
 
+def cache_sized(part: int, start: int, stop: int, group: int | None) -> int:
+    """Into how many views [Note: cache-sized views] elements [start, stop) of part `part` (a
+    group's run) are cut; a home may cut elsewhere (a count or split points: torch.tensor_split)."""
+    return max(1, round((stop - start) / VIEW_NUMEL))
+
+
 class ShardOptimizer:
     """Steps `param_parts` (views into the model's parameter storage, one 1-D tensor per bucket:
     all of it, or this rank's partition) with the user's optimizer, through one fp32 master per
-    part, never the model's own parameters. `views[i]`: the views of masters[i], cut where
-    grouping's runs change group. masters: where they live (offload.py), fp32_master's if None."""
+    part. `views[i]`: the views of masters[i], cut where grouping's runs change group, each run as
+    `cut` says. masters: where they live (offload.py), fp32_master's if None."""
 
     def __init__(self, param_parts: list[torch.Tensor], optimizer_factory: OptimizerFactory,
-                 grouping: Grouping | None = None, masters: list[nn.Parameter] | None = None):
+                 grouping=None, placement: Placement | None = None, *,
+                 masters: list[nn.Parameter] | None = None, cut=cache_sized):
         self.param_parts = param_parts
         self.masters = masters if masters is not None else [fp32_master(p) for p in param_parts]
         runs = [[(0, m.numel(), 0)] for m in self.masters] if grouping is None else grouping.runs
         self.views: list[list[nn.Parameter]] = []      # no copy: they share the masters' storage
         self.view_groups: list[list[int | None]] = []  # each view's group (None: not stepped)
-        for master, master_runs in zip(self.masters, runs):
+        for i, (master, master_runs) in enumerate(zip(self.masters, runs)):
             views, groups = [], []
             for start, stop, group in master_runs:
-                pieces = master.detach()[start:stop].tensor_split(
-                    max(1, round((stop - start) / VIEW_NUMEL)))
+                pieces = master.detach()[start:stop].tensor_split(cut(i, start, stop, group))
                 views += [nn.Parameter(v) for v in pieces]
                 groups += [group] * len(pieces)
             self.views.append(views)
@@ -126,6 +131,3 @@ class ShardOptimizer:
 
     def host_tensors(self) -> list[torch.Tensor]:
         return []
-
-    def disk_bytes(self) -> int:
-        return 0                      # it keeps its state in memory

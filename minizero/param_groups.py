@@ -23,7 +23,18 @@ import torch
 from torch import nn
 
 from minizero import comm
-from minizero.optim import Grouping, Run
+
+# A run of a master's elements: (start, stop, index of its parameter group, or None: not stepped)
+Run = tuple[int, int, "int | None"]
+
+
+@dataclass
+class Grouping:
+    """The user's param groups as one rank's optimizer sees them ([Note: parameter groups] in
+    optim.py): an optimizer home's `grouping`."""
+    settings: list[dict]       # each group's hyperparameters (no "params"), in the user's order
+    runs: list[list[Run]]      # for each part: its elements cut where the group changes
+    group_of: dict[int, int]   # {id(parameter): its group}, every rank's parameters
 
 
 def parse_param_groups(param_groups, named: list[tuple[str, nn.Parameter]]):
@@ -99,4 +110,4 @@ class ParamGroups:
             start = engine.layout.rank * b.shard_numel if engine.sharded else 0
             size = b.shard_numel if engine.sharded else b.padded_numel
             runs.append(group_runs(b, start, start + size, self.group_of))
-        return Grouping(self.settings, runs)
+        return Grouping(self.settings, runs, self.group_of)

@@ -39,10 +39,9 @@ class GradBuckets:
         self._in_flight: deque = deque()
         self._in_backward = True
         self._reset()
-        # The hook holds the reducer weakly: a parameter keeps its hooks in C++ autograd metadata,
-        # where Python's cycle collector cannot see them, so a strong reference would make the
-        # cycle parameter -> hook -> reducer -> engine -> model -> parameter, freed never (the
-        # bench's ranks grew run after run, until the OOM killer stopped them at 50M, N = 4).
+        # The hook holds the reducer weakly: a parameter keeps its hooks where Python's cycle
+        # collector cannot see them, so parameter -> hook -> reducer -> engine -> model ->
+        # parameter would never be freed (the bench's ranks grew until the OOM killer came).
         hook = _weakly(self._on_grad_ready)
         self.hooks = [p.register_post_accumulate_grad_hook(hook)      # handles: removable
                       for b in buckets for p in b.params]

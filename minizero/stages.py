@@ -38,7 +38,7 @@ class Stage:
     gradients: type                    # P_g's family
     partitioned: bool                  # P_os: the optimizer steps this rank's partition
     buckets: Callable | None           # (trainable, bucket_size) -> buckets; None: stage 3's units
-    optimizer: Callable | None = None  # (parts, factory, grouping) -> optimizer; None: by offload
+    optimizer: Callable | None = None  # (parts, factory, grouping, placement) -> home, or offload
 
 
 TABLE = {

@@ -14,6 +14,7 @@ from minizero import comm
 from minizero.assembled import ENGINES, Assembled
 from minizero.beyond import activations, tensor_parallel, tensor_parallel_hf
 from minizero.beyond.mesh import mesh as make_mesh
+from minizero.beyond.muon import home as muon
 from minizero.construct import partition_of
 from minizero.options import check_options, check_positive_int, check_stage
 from minizero.units import default_units
@@ -46,7 +47,8 @@ def check(
 
 def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
          activation_checkpointing: bool | str = False, offload_path: str | None = None,
-         param_groups: list[dict] | None = None, **options) -> Assembled:
+         param_groups: list[dict] | None = None, muon_design: str | None = None,
+         **options) -> Assembled:
     """Wrap `model` for ZeRO `stage` (0 = DDP).
 
     optimizer: a factory params -> torch.optim.Optimizer (it is handed the parameters this
@@ -56,6 +58,11 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
                override the factory's; the factory is then handed one group dict per user group
                ([Note: parameter groups] in optim.py). Trainable parameters in no group are not
                trained (DeepSpeed's rule; one warning line).
+               With a factory that makes torch.optim.Muon, a group with use_muon=False is stepped
+               by torch.optim.AdamW (embeddings, head, norms, biases); without groups, a
+               parameter's use_muon attribute (DeepSpeed's convention) decides.
+    muon_design: how Muon's matrices are orthogonalized whole at stages 1-3: "straddle" (the
+               default), "whole" or "round_robin" (beyond/muon/home.py says what each is).
     offload:   stages 1-3: True/"optimizer" keeps optimizer state on the host; stage 3 also
                "params"; "disk": in a file in the folder offload_path (ZeRO-Infinity,
                beyond/disk.py).
@@ -120,6 +127,9 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
             raise TypeError(
                 "units must be a list of the model's submodules (e.g. list(model.blocks))"
             )
+    # an optimizer that needs whole matrices (torch.optim.Muon) brings its home: beyond/muon/
+    engine, param_groups = muon.muon_engine(engine, model, optimizer, param_groups, muon_design,
+                                            offload, options)
     mesh = _mesh(model, options.pop("tensor_parallel", 1), options)
     if activation_checkpointing not in activations.MODES + activations.PARTITIONED:
         raise ValueError(

@@ -413,6 +413,9 @@ def validate(cfg: TrainConfig) -> None:
         bad(f"--steps must be >= 1, got {cfg.steps}")
     if cfg.backend not in (None, "gloo", "nccl"):
         bad(f"--backend must be gloo or nccl, got {cfg.backend!r}")
+    if cfg.optimizer == "muon":          # a config's "type": "Muon" (docs/muon.md)
+        bad("Muon trains through minizero.initialize or minizero.wrap; python -m minizero.run "
+            "has no Muon yet (its memory table assumes one optimizer for every parameter)")
     if cfg.optimizer not in OPTIMIZERS:
         bad(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {cfg.optimizer!r}")
     if cfg.model not in MODEL_NAMES:

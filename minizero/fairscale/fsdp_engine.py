@@ -83,7 +83,7 @@ class FlatParameters:
         return 0                                  # the user's optimizer keeps its state in memory
 
 
-def _the_users_optimizer(parts, factory, grouping):
+def _the_users_optimizer(parts, factory, grouping, placement):
     return factory(parts)                 # FlatParameters: the user's optimizer steps them
 
 

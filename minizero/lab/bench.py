@@ -534,3 +534,98 @@ def format_table(report: dict, phases: bool = False) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
+
+
+# --------------------------------------------------------------------------------------------------
+# Muon (beyond/muon/): its step against AdamW's, and against DeepSpeed's Muon
+# --------------------------------------------------------------------------------------------------
+# python -m minizero.bench --muon. Each (size, stage) trains the same GPT three ways in one launch,
+# back to back in alternating order as the pairs above: minizero with AdamW, minizero with Muon
+# (TrainConfig "muon": DeepSpeed's reading of a Muon config, so both Muon sides split the model
+# alike: the matrices not named embed or lm_head; minizero's GPT calls its embeddings tok_emb and
+# pos_emb, so they are Muon's too), and DeepSpeed's Muon (eagerly: deepspeed_peer.build).
+MUON_IMPLS = ("adamw", "muon", "deepspeed muon")
+MUON_LR, MUON_PARAMS = 0.02, {"adam_lr": 3e-3}
+
+
+def muon_configs(cfg: TrainConfig) -> dict[str, TrainConfig]:
+    """The three runs of one (size, stage): MUON_IMPLS -> its TrainConfig."""
+    muon = dataclasses.replace(cfg, optimizer="muon", lr=MUON_LR, optimizer_params=MUON_PARAMS)
+    return {"adamw": cfg, "muon": muon, "deepspeed muon": muon}
+
+
+def muon_worker(cfgs: list[TrainConfig], repeats: int) -> list[dict]:
+    """Per configuration: every repeat's step times of each impl (DeepSpeed's where installed),
+    and from the first repeat the final losses and max |minizero - DeepSpeed| over the
+    parameters."""
+    torch.set_num_threads(1)
+    impls = [i for i in MUON_IMPLS if i != "deepspeed muon" or deepspeed_peer.available()]
+    out = []
+    for cfg in cfgs:
+        runs = muon_configs(cfg)
+        record = {"times": {impl: [] for impl in impls}, "final_loss": {}}
+        for rep in range(repeats):
+            states = {}
+            for impl in impls if rep % 2 == 0 else impls[::-1]:
+                release_freed_memory()
+                comm.barrier()
+                run_cfg = dataclasses.replace(runs[impl], return_state=rep == 0)
+                result = (deepspeed_peer.deepspeed_worker(run_cfg) if impl == "deepspeed muon"
+                          else train_worker(run_cfg))
+                record["times"][impl].append(result["step_times"])
+                if rep == 0:
+                    record["final_loss"][impl] = result["losses"][-1]
+                    states[impl] = result["state_dict"]
+            if rep == 0 and "deepspeed muon" in states:
+                record["max_param_diff"] = max_abs_diff(states["muon"], states["deepspeed muon"])
+        out.append(record)
+    return out
+
+
+def compare_muon(world_size: int = 2, sizes=("1M", "8M"), stages=(1, 2, 3), steps: int = 6,
+                 repeats: int = 2, batch_size: int = 16) -> dict:
+    """{"config", "rows": one per (size, stage): median step time of each impl (the slowest
+    rank's, warm-up dropped), muon / adamw and muon / deepspeed muon, final losses, max |Δp|}."""
+    cfgs = [TrainConfig(stage=stage, world_size=world_size, steps=steps, model=size,
+                        batch_size=batch_size) for size in sizes for stage in stages]
+    ranks = launch(muon_worker, world_size, cfgs, repeats)
+    rows = []
+    for i, cfg in enumerate(cfgs):
+        per_rank = [r[i] for r in ranks]
+        medians = {impl: statistics.median(_slowest_rank_steps(per_rank, impl))
+                   for impl in per_rank[0]["times"]}
+        rows.append({"size": cfg.model, "stage": cfg.stage, "step_time_s": medians,
+                     "muon/adamw": medians["muon"] / medians["adamw"],
+                     "muon/deepspeed": (medians["muon"] / medians["deepspeed muon"]
+                                        if "deepspeed muon" in medians else None),
+                     "final_loss": per_rank[0]["final_loss"],
+                     "max_param_diff": per_rank[0].get("max_param_diff")})
+    return {"config": {"world_size": world_size, "steps": steps, "repeats": repeats,
+                       "batch_size": batch_size, "sizes": {s: count_params(GPTConfig.named(s))
+                                                           for s in sizes},
+                       "muon_lr": MUON_LR, "muon_params": MUON_PARAMS, "threads_per_rank": 1,
+                       "deepspeed": deepspeed_peer.available()},
+            "rows": rows}
+
+
+def format_muon_table(report: dict) -> str:
+    c = report["config"]
+    lines = [f"Muon (lr {c['muon_lr']}, AdamW beside it: {c['muon_params']}) against AdamW (lr "
+             f"3e-3) and DeepSpeed's Muon, N = {c['world_size']}, {c['steps']} steps x "
+             f"{c['repeats']} repeats, gloo, fp32, batch {c['batch_size']}; median step ms of the "
+             "slowest rank"]
+    lines += ["  " + size_label(s) for s in c["sizes"]]
+    lines.append(f"{'size':>5} {'stage':>5}{'AdamW':>9}{'Muon':>9}{'DS Muon':>9}"
+                 f"{'Muon/AdamW':>12}{'Muon/DS':>9}{'max |Δp| vs DS':>16}")
+    for r in report["rows"]:
+        t = r["step_time_s"]
+        ds = t.get("deepspeed muon")
+        lines.append(f"{r['size']:>5} {r['stage']:>5}{t['adamw'] * 1e3:9.1f}{t['muon'] * 1e3:9.1f}"
+                     + (f"{ds * 1e3:9.1f}" if ds else f"{'-':>9}")
+                     + f"{r['muon/adamw']:12.2f}"
+                     + (f"{r['muon/deepspeed']:9.2f}{r['max_param_diff']:16.1e}" if ds else ""))
+    if not c["deepspeed"]:
+        lines.append("(DeepSpeed not installed: pip install -e '.[peers]')")
+    lines.append("Muon/DS > 1: minizero's Muon slower. |Δp|: torch's bf16 Newton-Schulz against "
+                 "DeepSpeed's fp32 Gram one (docs/muon.md).")
+    return "\n".join(lines)

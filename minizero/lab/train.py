@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from minizero import checkpoint, comm
 from minizero.beyond import network, tensor_parallel
+from minizero.deepspeed import muon
 from minizero.deepspeed.config import OPTIMIZERS, build_scheduler
 from minizero.flat import DEFAULT_BUCKET_BYTES
 from minizero.lab.data import IGNORE, global_batch, local_batch
@@ -64,10 +65,11 @@ class TrainConfig:
     batch_size: int = 16
     grad_accum: int = 1                       # micro-batches per step
     clip_grad_norm: float | None = None
-    optimizer: str = "adamw"
+    optimizer: str = "adamw"                  # one of OPTIMIZERS, or "muon" (optimizer_and_groups)
     lr: float = 3e-3
-    # extra keyword arguments (betas, momentum...)
+    # extra keyword arguments (betas, momentum...; Muon's: DeepSpeed's, deepspeed/muon.py)
     optimizer_params: dict = field(default_factory=dict)
+    muon_design: str | None = None            # wrap's muon_design (None: beyond/muon's default)
     scheduler: dict | None = None        # {"type", "params"}: DeepSpeed's (deepspeed/config.py)
     bucket_size: float = DEFAULT_BUCKET_BYTES           # bytes per gradient bucket (stages 0, 2)
     prefetch: bool = True                               # stage 3
@@ -111,6 +113,14 @@ class TrainConfig:
             )
         return functools.partial(OPTIMIZERS[self.optimizer], lr=self.lr, **self.optimizer_params)
 
+    def optimizer_and_groups(self, model) -> tuple[Callable, list[dict] | None]:
+        """(the factory wrap takes, its param_groups): for "muon" DeepSpeed's reading of a Muon
+        config (the matrices named neither embed nor lm_head: Muon; the rest: AdamW), else
+        optimizer_factory() over every parameter (None)."""
+        if self.optimizer == "muon":
+            return muon.factory_and_groups(model, {"lr": self.lr, **self.optimizer_params}, None)
+        return self.optimizer_factory(), None
+
     def engine_options(self) -> dict:
         opts = {"dtype": self.dtype, "clip_grad_norm": self.clip_grad_norm}
         if self.loss_scale is not None:
@@ -136,6 +146,8 @@ class TrainConfig:
                 opts[name] = getattr(self, name)
         if self.tensor_parallel > 1:
             opts["tensor_parallel"] = self.tensor_parallel
+        if self.muon_design is not None:
+            opts["muon_design"] = self.muon_design
         return opts
 
 
@@ -226,9 +238,9 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
     )
     if cfg.init_state:
         model.load_state_dict(torch.load(cfg.init_state, map_location="cpu", weights_only=True))
-    engine = make_engine(
-        model, cfg.stage, cfg.optimizer_factory(), offload=cfg.offload, **cfg.engine_options()
-    )
+    factory, groups = cfg.optimizer_and_groups(model)
+    engine = make_engine(model, cfg.stage, factory, offload=cfg.offload, **cfg.engine_options(),
+                         **({} if groups is None else {"param_groups": groups}))
     if cfg.load_dir:
         engine.load(cfg.load_dir)               # also restores step_count: the data continues there
     first = engine.step_count if cfg.load_dir else cfg.start_step
