@@ -46,7 +46,7 @@ class LearnerHostOptimizer(HostHome):
 
 class LearnerOffloadZero2(Zero2):
     """minizero's stage 2 (offload=True), its row of the table with the learner's host optimizer."""
-    row = replace(Zero2.row, optimizer=lambda parts, factory, grouping:
+    row = replace(Zero2.row, optimizer=lambda parts, factory, grouping, placement:
                   LearnerHostOptimizer(parts, factory))
 
 
