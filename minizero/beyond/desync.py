@@ -21,7 +21,7 @@ when it has completed: events.py), so comm itself knows nothing of it.
    rank issues the same sequence). The tag says which unit or bucket it is for, so two units of
    the same size exchanged in each other's place differ. The ranks agree on a hash of the
    fingerprints each issued since the last check (one all-reduce of two integers, [Note:
-   agreement] in comm.py) at the points where they wait for each other anyway ([Note: where to
+   agreement] below) at the points where they wait for each other anyway ([Note: where to
    agree]): before collective #1, before every blocking collective, and at the end of each
    backward; with check_every=k instead, before every k-th collective. When they differ,
    every rank learns it at that same check: each puts its fingerprints on the process group's
@@ -79,6 +79,7 @@ import sys
 import threading
 import time
 
+import torch
 import torch.distributed as dist
 
 from minizero import comm, events
@@ -204,6 +205,38 @@ def _check_key(check: int, rank: int) -> str:
     return f"{PREFIX}check/{check}/{rank}"
 
 
+# --- agreement: do all ranks hold the same number? ------------------------------------------------
+_agreement: tuple | None = None   # (the default process group it was made in, its own group)
+
+
+def open_agreement() -> None:
+    """Make the process group that `agree` runs on. Collective (dist.new_group): every rank calls it
+    at the same point; once per process group (later calls do nothing)."""
+    global _agreement
+    world = dist.distributed_c10d._get_default_group()
+    if comm.world_size() > 1 and (_agreement is None or _agreement[0] is not world):
+        _agreement = (world, dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=comm.DEFAULT_TIMEOUT_S)))
+
+
+def agree(value: int) -> bool:
+    """Whether every rank called agree() with the same `value` (an integer, |value| < 2**62).
+
+    [Note: agreement] One all-reduce with MAX over [value, -value] (int64): every rank gets the
+    largest value and minus the smallest, and all are equal exactly when largest == smallest.
+    Integers, so nothing rounds; MAX, so every rank gets the same answer at the same call. It runs
+    on a group of its own, on the CPU with gloo whatever the backend: on the training group it
+    would queue behind every collective still in flight (and wait for them), and on NCCL reading
+    its answer would wait for the GPU. Not tallied, not an event: it is not part of ZeRO's
+    algorithm, and it is not a collective of the stream it checks. Blocks until every rank calls
+    it (open_agreement first)."""
+    if comm.world_size() == 1:
+        return True
+    pair = torch.tensor([value, -value], dtype=torch.int64)
+    dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=_agreement[1])
+    return int(pair[0]) == value == -int(pair[1])
+
+
 class Watch:
     """This rank's recorder, fingerprint checks and watchdog thread. Made by `watch`; stop() ends
     it."""
@@ -223,7 +256,7 @@ class Watch:
         self.checks = 0                                 # agreements so far: the same on every rank
         self.lock = threading.Lock()
         self.stopped = threading.Event()
-        comm.open_agreement()
+        open_agreement()
         self.unsubscribe = events.subscribe(self.on_event)
         self.thread = threading.Thread(target=self.run, name="minizero-desync", daemon=True)
         self.thread.start()
@@ -258,12 +291,12 @@ class Watch:
         """Agree with every rank on the fingerprints since the last check, before collective #seq
         runs; when they differ, name the first difference (on every rank) and raise. Waits for
         every rank to reach #seq: one that never does is the watchdog's to name."""
-        value = int.from_bytes(self.digest.digest(), "big") >> 2        # 62 bits: see comm.agree
+        value = int.from_bytes(self.digest.digest(), "big") >> 2        # 62 bits: see agree()
         self.digest = _digest()
         self.checks += 1
         with self.lock:
             window = list(self.unchecked)
-        agreed = comm.agree(value)
+        agreed = agree(value)
         with self.lock:
             self.unchecked.clear()
         if agreed:

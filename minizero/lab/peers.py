@@ -15,7 +15,8 @@ minizero.fully_shard  <->  FSDP2 fully_shard, both per block and at the root (bu
     front_end_worker: minizero's front ends run in PyTorch's loop too)
 shard_group_size=S  <->  FSDP2 HSDP: fully_shard on a 2-D DeviceMesh (N/S, S) ("replicate",
                          "shard"),
-    ("fsdp2_hsdp"): shards in rows of S consecutive ranks, replicates across them, as comm.mesh(S).
+    ("fsdp2_hsdp"): shards in rows of S consecutive ranks, replicates across them, as
+    beyond/mesh.py's mesh(S).
 stage 3, tensor_parallel=M  <->  PyTorch's tensor parallelism (parallelize_module with
     ColwiseParallel / RowwiseParallel on each block's qkv, proj and MLP) and FSDP2 on the data-
     parallel dimension of a 2-D DeviceMesh (N/M, M) ("dp", "tp") ("tp_fsdp2"), as torchtitan
