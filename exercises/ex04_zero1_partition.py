@@ -6,8 +6,12 @@ step.
     Compare:     minizero/zero1.py, minizero/flat.py (padded_size, FlatLayout.my_partition)
 
 Stage 1 (P_os) keeps parameters and gradients replicated but gives each rank the optimizer state of
-only 1/N of the parameters: 4Ψ + KΨ/N bytes instead of (4 + K)Ψ. To do that, lay all Ψ parameters
-end to end in one flat buffer, pad it with zeros to a multiple of N, and cut it into N equal
+only 1/N of the parameters: (b_p + b_g)Ψ + KΨ/N bytes instead of (b_p + b_g + K)Ψ, with b_p and b_g
+the bytes of a parameter and of a gradient and K the optimizer's bytes per parameter. The paper's
+bf16 Adam: 4Ψ + 12Ψ/N instead of 16Ψ; fp32 AdamW, as notebook 02 runs (no master copy, K = 8):
+8Ψ + 8Ψ/N instead of 16Ψ. This grader trains in fp32 with plain SGD, which keeps no state (K = 0):
+it checks the partitions and the all-gather, not the saving. To do that, lay all Ψ parameters end
+to end in one flat buffer, pad it with zeros to a multiple of N, and cut it into N equal
 *partitions*:
 
     flat buffer  | p0 (6)          | p1 (4)    | p2 (5)       |  |    Ψ = 15, + 1 of padding

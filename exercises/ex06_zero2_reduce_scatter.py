@@ -8,10 +8,12 @@
                  exist at once)
 
 Stage 2 (P_os+g) adds gradient partitioning to stage 1: a rank only ever *uses* the averaged
-gradient of its own partition, so it need not keep the others: 2Ψ + (2 + K)Ψ/N bytes. Parameters are
-grouped in buckets (as in DDP, in backward order), each bucket padded to a multiple of N and cut
-into N partitions. As soon as backward has produced every gradient of a bucket, minizero calls your
-hook, which must:
+gradient of its own partition, so it need not keep the others: b_pΨ + (b_g + K)Ψ/N bytes (b_p, b_g:
+bytes of a parameter and of a gradient; K: the optimizer's per parameter). The paper's bf16 Adam:
+2Ψ + 14Ψ/N; fp32 AdamW, as notebook 03 runs (K = 8): 4Ψ + 12Ψ/N; this grader's fp32 plain SGD (no
+state, K = 0): 4Ψ + 4Ψ/N. Parameters are grouped in buckets (as in DDP, in backward order), each
+bucket padded to a multiple of N and cut into N partitions. As soon as backward has produced every
+gradient of a bucket, minizero calls your hook, which must:
 
   1. copy the bucket's gradients end to end into a new zero-filled *staging* buffer of
      `padded_numel` elements (parameter i starts where parameter i-1 ends; a parameter whose .grad

@@ -45,9 +45,10 @@ each optimizer parameter group, None for one group of all: load wants the same g
 tensor_parallel.whole_entries, {"key", "part", "shape", "trainable", "split"}) and "files"
 ({"rank0.pt": {"bytes", "sha256"}, ...}).
 
-On a 2-D mesh (tensor_parallel=M, [Note: the 2-D mesh] in engine.py) each tensor-parallel part is
-a model of its own, saved by its column of N_d ranks: tp{i}-rank{r}.pt and tp{i}-replicated.pt for
-part i; buckets, world_size and state_dict describe part 0's (every part has the same shapes).
+On a 2-D mesh (tensor_parallel=M, [Note: the 2-D mesh] in beyond/tensor_parallel.py) each
+tensor-parallel part is a model of its own, saved by its column of N_d ranks: tp{i}-rank{r}.pt and
+tp{i}-replicated.pt for part i; buckets, world_size and state_dict describe part 0's (every part
+has the same shapes).
 
 A run directory (save_numbered, latest; the CLI's --save-every) holds one such checkpoint per save:
 
@@ -167,7 +168,7 @@ def save(engine, directory: str, extra: dict | None = None) -> None:
     os.makedirs(vdir, exist_ok=True)
     files = {}
     # shard_group_size=S < N: the N/S groups hold the same partitions; the first group's S files are
-    # the checkpoint, as if saved by S ranks ([Note: hierarchical sharding], engine.py)
+    # the checkpoint, as if saved by S ranks ([Note: hierarchical sharding], beyond/hierarchical.py)
     if engine.replicate_group is None or engine.replicate_group.index == 0:
         mine = shard_file(engine.layout.rank, _part_index(engine))
         files[mine] = _write_torch(os.path.join(vdir, mine), _shard_state(engine))
@@ -202,7 +203,8 @@ def _part_index(engine) -> int | None:
 
 def shard_file(rank: int | None, part: int | None) -> str:
     """rank{r}.pt (rank None: replicated.pt); on a 2-D mesh each tensor-parallel part has its own
-    column of shards ([Note: the 2-D mesh] in engine.py): tp{i}-rank{r}.pt, tp{i}-replicated.pt."""
+    column of shards ([Note: the 2-D mesh] in beyond/tensor_parallel.py): tp{i}-rank{r}.pt,
+    tp{i}-replicated.pt."""
     name = "replicated.pt" if rank is None else f"rank{rank}.pt"
     return name if part is None else f"tp{part}-{name}"
 
@@ -692,23 +694,27 @@ def universal(directory: str) -> dict:
     parts = _parts(directory, manifest)
     saved = parts[0].get(0)["optimizer"]
     per_element, scalars = set(), {}
-    for i, b in enumerate(manifest["buckets"]):
-        for name, v in saved["state"].get(i, {}).items():
-            if (
-                torch.is_tensor(v)
-                and v.dim() == 1
-                and v.numel() == b["shard_numel"]
-                and name not in scalars
-            ):
-                per_element.add(name)                  # one value per element: cut like the masters
-            elif (not torch.is_tensor(v) or v.dim() == 0) and name not in per_element and \
-                    _same(scalars.setdefault(name, v), v):
-                pass                                      # one value for every bucket: carried over
-            else:
-                raise CheckpointError(
-                    f"{directory}: {manifest['optimizer']}'s state {name!r} is neither one "
-                    "value per element nor one scalar: it cannot be resharded"
-                )
+    # every rank's file: an optimizer stepping two kinds of groups (beyond/muon/: Muon's momentum,
+    # AdamW's moments) may hold a state on some ranks only; where a rank has none it is zeros
+    ranks = max((b["padded_numel"] // b["shard_numel"] for b in manifest["buckets"]), default=1)
+    for r in range(ranks):
+        for i, b in enumerate(manifest["buckets"]):
+            for name, v in parts[0].get(r)["optimizer"]["state"].get(i, {}).items():
+                if (
+                    torch.is_tensor(v)
+                    and v.dim() == 1
+                    and v.numel() == b["shard_numel"]
+                    and name not in scalars
+                ):
+                    per_element.add(name)              # one value per element: cut like the masters
+                elif (not torch.is_tensor(v) or v.dim() == 0) and name not in per_element and \
+                        _same(scalars.setdefault(name, v), v):
+                    pass                                  # one value for every bucket: carried over
+                else:
+                    raise CheckpointError(
+                        f"{directory}: {manifest['optimizer']}'s state {name!r} is neither one "
+                        "value per element nor one scalar: it cannot be resharded"
+                    )
     return {
         "format": UNIVERSAL,
         "format_version": FORMAT_VERSION,
@@ -719,7 +725,8 @@ def universal(directory: str) -> dict:
         "group_params": manifest.get("group_params"),
         "model": _merged(manifest, [part.model() for part in parts]),
         "optimizer_state": {name: _merged(manifest, [part.trainable(
-            lambda f, i, n=name: f["optimizer"]["state"][i][n]) for part in parts])
+            lambda f, i, n=name: f["optimizer"]["state"].get(i, {}).get(
+                n, torch.zeros(manifest["buckets"][i]["shard_numel"]))) for part in parts])
             for name in sorted(per_element)},
         "scalars": scalars,
         "rng": parts[0].get(0)["rng"],

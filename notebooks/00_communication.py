@@ -59,21 +59,11 @@ for kind in ("input", "all_reduce", "reduce_scatter", "all_gather", "broadcast")
 # %% [markdown]
 # ## The ring all-reduce, from point-to-point messages
 #
-# `minizero.comm.ring_all_reduce` cuts the tensor into N chunks and passes chunks around a ring. In
-# N-1 steps of reduce-scatter every rank adds the chunk its left neighbour sends into its own copy;
-# after them rank r owns the complete sum of one chunk. N-1 steps of all-gather then pass the
+# `minizero.ring.ring_all_reduce` cuts the tensor into N chunks and passes chunks around a ring.
+# In N-1 steps of reduce-scatter every rank adds the chunk its left neighbour sends into its own
+# copy; after them rank r owns the complete sum of one chunk. N-1 steps of all-gather then pass the
 # finished chunks around. Each rank sends 2(N-1) chunks of S/N bytes: $2\frac{N-1}{N}S$, almost
-# independent of N. Here is the function, read from `minizero/comm.py` now (marked: the two loops'
-# exchanges, the add of phase 1 and the copy of phase 2):
-
-# %%
-from minizero import comm
-from minizero.lab import source
-
-source.show(comm.ring_all_reduce, mark=("exchange((", "+= incoming", ".copy_(incoming)"))
-
-# %% [markdown]
-# It must give exactly what the library's all-reduce gives:
+# independent of N. It must give exactly what the library's all-reduce gives:
 
 # %%
 for n, res in results.items():
@@ -83,9 +73,9 @@ for n, res in results.items():
 # %% [markdown]
 # ### The ring, exchange by exchange
 #
-# `minizero.lab.stepthrough.ring` runs `minizero.comm.ring_all_reduce` on N processes and watches
-# its point-to-point exchanges: before each one, every rank's padded buffer and the chunk it sends
-# to its right neighbour. Rank r starts with 10 r + [1, 2, 3, 4, 5]: 5 elements in N chunks of
+# `minizero.lab.stepthrough.ring` runs `minizero.ring.ring_all_reduce` on N processes and
+# watches its point-to-point exchanges: before each one, every rank's padded buffer and the chunk it
+# sends to its right neighbour. Rank r starts with 10 r + [1, 2, 3, 4, 5]: 5 elements in N chunks of
 # ⌈5/N⌉, padded. In the first N-1 exchanges the received chunk is *added*; after them rank r holds
 # the complete sum of chunk r+1. In the last N-1 it *replaces* the local chunk, and the finished
 # sums travel once around the ring.
@@ -98,6 +88,16 @@ stepthrough.check_ring(ring)                   # each exchange adds (or copies) 
 print(plots.ring_table(ring))
 
 # %% [markdown]
+# Here is the function, read from `minizero/comm.py` now. Marked: the lines that ran the exchanges
+# above, recorded from the call stack of each one (phase 1's loop, then phase 2's); the line after
+# each adds the received chunk (phase 1) or copies it (phase 2).
+
+# %%
+from minizero.lab import source
+
+source.show(*[(where["file"], where["line"]) for where in ring["sources"]])
+
+# %% [markdown]
 # Green: the chunk the last exchange wrote; orange frame: the chunk each rank sends next. Press play
 # or drag the slider over the 2(N-1) exchanges; the menu runs the ring on another N. Below each
 # state: `ring_all_reduce` with the line that runs the next exchange marked (phase 1's loop for the
@@ -107,11 +107,16 @@ print(plots.ring_table(ring))
 plots.ring_widget(ring)
 
 # %% [markdown]
-# ## Bytes moved, measured vs formula
+# ## Bytes moved: modelled and measured
 #
-# `comm.tally()` counts, per rank and per kind of collective, the bytes a bandwidth-optimal ring
-# sends. For the four library collectives that is the formula applied to each call's tensor; for
-# `ring_all_reduce` it is what the teaching ring really handed to `send` (chunks of ⌈S/N⌉ elements).
+# Two counts, kept apart. `comm.tally()` is the **model**: for each call, the bytes a
+# bandwidth-optimal ring sends for that collective (the table at the top applied to the call's
+# tensor, so it equals the formula by construction; for `ring_all_reduce` it counts the chunks the
+# teaching ring really hands to `send`). That is the papers' unit and what NCCL sends.
+# `minizero.memory.wire` **measures** what this rank put on the wire: Linux counts, per thread, the
+# bytes written to sockets (`/proc/self/task/<tid>/io`), and gloo writes from threads of its own,
+# read as each collective is issued and as it completes (the event stream). Each collective below
+# runs alone, so each row is exact, headers included.
 
 # %%
 FORMULA = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1,
@@ -119,19 +124,35 @@ FORMULA = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1
 for n, res in results.items():
     for kind, factor in FORMULA.items():
         formula = factor * (n - 1) / n * res["full_bytes"]
-        sent = res["sent"][kind]
-        print(f"N = {n} {kind:>15}: sent {sent / 1e6:6.3f} MB, formula {formula / 1e6:6.3f} MB, "
-              f"{res['seconds'][kind] * 1e3:6.1f} ms")
-        assert formula - 1e-6 <= sent <= formula + 2 * n * 4 * (n - 1)   # ring pads to N chunks
+        modelled = res["sent"][kind]
+        assert formula - 1e-6 <= modelled <= formula + 2 * n * 4 * (n - 1)   # ring pads to N chunks
+        measured = "n/a" if res["wire"] is None else f"{res['wire'][kind] / 1e6:6.3f} MB"
+        ratio = "" if res["wire"] is None else f"{res['wire'][kind] / modelled:5.2f}"
+        print(f"N = {n} {kind:>15}: modelled {modelled / 1e6:6.3f} MB, measured {measured} "
+              f"{ratio}, {res['seconds'][kind] * 1e3:6.1f} ms")
+    if res["wire"] is None:
+        print(f"    measured: n/a ({res['wire_unavailable']})")
+    else:
+        print(f"    broadcast from rank 0, measured on ranks 0..{n - 1}: "
+              + ", ".join(f"{w['broadcast'] / 1e6:.3f}" for w in res["wire_all"]) + " MB")
 plots.collective_bytes(results);
 
 # %% [markdown]
-# The time column is a rough guide only: gloo on a laptop's cores is not a network. What carries
-# over to real clusters is the byte count: per-rank traffic of a ring collective barely depends on
-# N. One more reason: gloo's own reduce-scatter is slower than its all-reduce, and its all-gather
-# slower than N broadcasts, so on gloo `minizero.comm` runs them that way (`[Note: collectives on
-# gloo]` in `minizero/comm.py`; `python -m minizero.bench --collectives` times both). The tally
-# still counts the ring's bytes: what the algorithm needs, and what NCCL sends.
+# Where measured and modelled differ, and why (`[Note: collectives on gloo]` in
+# `minizero/comm.py`; `python -m minizero.bench --collectives` times both ways):
+#
+# - **all-reduce**: a ring, as modelled (ratio 1.00).
+# - **reduce-scatter**: gloo's own reduce-scatter is slower than its all-reduce, so on gloo
+#   `comm.reduce_scatter` runs an all-reduce and keeps its part: **twice** the ring's bytes.
+# - **all-gather**: N broadcasts, one from each rank's piece: the ring's bytes in all.
+# - **broadcast**: gloo sends from the root down a tree, the whole tensor to each child: rank 0
+#   sends S at N = 2 and 2S at N = 3 and 4 (there rank 1 forwards S once more), the others
+#   nothing. The ring books (N-1)/N·S on every rank; summed over the ranks the two agree.
+# - **headers**: every message carries a few dozen bytes; a few hundred bytes per call here.
+#
+# NCCL's collectives are rings: there the model is what is sent. `python -m minizero.run` and
+# docs/performance.md show both figures for whole training steps, stage by stage. The time column
+# is a rough guide only: gloo between processes on one machine's cores is not a network.
 
 # %% [markdown]
 # ## What to try

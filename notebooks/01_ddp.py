@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -90,15 +90,17 @@ plots.step_widget(steps, stage=[0, 1, 2, 3], world_size=[2, 3, 4])
 # sees that backward has completed every gradient of a bucket, it calls the gradients' `reduce`
 # (`AllReducedGradients`, DDP's row of the table in `minizero/stages.py`), which starts the
 # all-reduce of the bucket's flat gradients with `op="avg"` and returns at once
-# (`async_op=True`): phases 2-5 above. The step (`Engine.step` in `minizero/engine.py`) then runs
-# the same optimizer on the same averaged gradients on every rank. Read from the files now:
+# (`async_op=True`): the all-reduce phases above. The step (`Engine.step` in
+# `minizero/engine.py`) then runs the same optimizer on the same averaged gradients on every rank.
+# Below, those functions read from the files now; marked are the lines that ran in the recording
+# above and led to its phases (`stepthrough.ran` finds them on the call stacks of the events the
+# recorder saw, so they stay right when the code moves). Unmarked lines did not run here, or ran
+# without leading to a phase.
 
 # %%
-from minizero.ddp import AllReducedGradients
-from minizero.engine import Engine
 from minizero.lab import source
 
-source.show(AllReducedGradients.reduce, Engine.step, mark=("all_reduce(", "optimizer.step("))
+source.show(*stepthrough.ran(steps, "AllReducedGradients.reduce", "Engine.step"))
 
 # %% [markdown]
 # ## The code every rank runs
@@ -124,13 +126,17 @@ import minizero
 importlib.reload(ranks)              # your edits to ranks.py, in this kernel too
 N, OPTIONS = 2, {"bucket_size": 25e6}    # ranks; bytes per gradient bucket (PyTorch DDP's 25 MB)
 for r in minizero.launch(ranks.train, N, 0, MODEL, OPTIONS, backend=BACKEND):
+    on_wire = "n/a" if r["on_wire"] is None else f"{r['on_wire']:,}"
     print(f"rank {r['rank']}: loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}, "
           f"params {r['memory']['params']:,} B, optimizer {r['memory']['optimizer']:,} B, "
-          f"sent {r['sent']:,.0f} B in the last step")
+          f"last step sent {r['sent']:,.0f} B (ring model), {on_wire} B (on the wire)")
 
 # %% [markdown]
 # Every rank holds the same bytes whatever N: the whole model, its gradients and Adam's two moments.
 # Only the rows differ, so each rank's own loss differs, and after the all-reduce the step does not.
+# The last step's bytes are counted twice: the ring model's, 2(N-1)/N·4Ψ (`comm.tally()`), and what
+# this rank put on the wire (`minizero.memory.wire`): the same, plus gloo's message headers
+# (notebook 00 measures each collective).
 # The optimizer's bytes are 2 × 4Ψ and 4 more: AdamW's step count, a one-element fp32 tensor for
 # each tensor it steps (minizero hands it one flat buffer per bucket; here one bucket). Every
 # notebook's optimizer figure carries those few bytes.

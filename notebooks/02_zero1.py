@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -25,7 +25,9 @@
 # All parameters are laid end to end in one flat buffer, padded to a multiple of N and cut into N
 # partitions (`minizero/flat.py`). After backward a **reduce-scatter** gives rank r the averaged
 # gradient of its partition (half an all-reduce: Ψ); it steps that partition; an **all-gather** (Ψ)
-# shares the updated parameters. Total 2Ψ per step: the same as DDP.
+# shares the updated parameters. Total 2Ψ per step in a ring (what NCCL sends): the same as DDP. On
+# gloo minizero runs the reduce-scatter as an all-reduce (faster there), so 3Ψ go on the wire: the
+# worker cell below prints both figures, notebook 00 measures each collective.
 
 # %% [markdown]
 # **Exercise 04**: [`exercises/ex04_zero1_partition.py`](../exercises/ex04_zero1_partition.py),
@@ -75,19 +77,28 @@ plots.step_widget(steps, stage=[0, 1, 2, 3], world_size=[2, 3, 4])
 # %% [markdown]
 # ### The lines that did it
 #
-# Stage 1 changes what happens at the step (`minizero/zero1.py`): `GradientsReducedAtStep.parts`
-# reduce-scatters each bucket of the full gradients backward left, so rank r holds the average of
-# its own partition (the reduce-scatter phases above); the optimizer steps only those partitions;
-# `ReplicatedParameters.after_step` (`minizero/ddp.py`) all-gathers every rank's updated partition
-# into everyone's flat parameters (the all-gather phases). Read from the files now:
+# Stage 1 changes what happens at the step. `Engine.step` (`minizero/engine.py`) does three things,
+# marked below: it asks the gradients for the parts this rank steps, steps them, and hands the
+# updated partitions back to the parameters. At stage 1 the first is
+# `GradientsReducedAtStep.parts` (`minizero/zero1.py`): it reduce-scatters each bucket of the full
+# gradients backward left, in place, so rank r's partition holds the average (the reduce-scatter
+# phases). The second is the heart of ZeRO-1, the **partitioned optimizer step**:
+# `ShardOptimizer.step` (`minizero/optim.py`) runs torch's optimizer over what this rank was handed
+# when the engine was built, its own partition of each bucket (Ψ/N elements:
+# `ReplicatedParameters.optimizer_parts`, the essential line of P_os in `Engine.__init__`), so
+# momentum exists for that partition only and only it changes (the step phase). The third,
+# `ReplicatedParameters.after_step` (`minizero/ddp.py`), all-gathers every rank's updated partition
+# into everyone's flat parameters (the all-gather phases). Marked: the lines that ran in the
+# recording above and led to its phases (`stepthrough.ran`, from the events' call stacks);
+# `optimizer_parts` ran when the engine was built, so it is shown unmarked.
 
 # %%
 from minizero.ddp import ReplicatedParameters
 from minizero.lab import source
-from minizero.zero1 import GradientsReducedAtStep
 
-source.show(GradientsReducedAtStep.parts, ReplicatedParameters.after_step,
-            mark=("reduce_scatter(", "all_gather("))
+source.show(*stepthrough.ran(steps, "Engine.step", "GradientsReducedAtStep.parts",
+                             "ShardOptimizer.step", "ReplicatedParameters.after_step"),
+            ReplicatedParameters.optimizer_parts)
 
 # %% [markdown]
 # ## The code every rank runs
@@ -105,10 +116,11 @@ import ranks
 importlib.reload(ranks)               # your edits to ranks.py, in this kernel too
 N = 2                                 # ranks: the optimizer bytes are 1/N of DDP's
 for r in minizero.launch(ranks.train, N, 1, MODEL, backend=BACKEND):
+    on_wire = "n/a" if r["on_wire"] is None else f"{r['on_wire']:,}"
     m = r["memory"]
     print(f"rank {r['rank']}: loss {r['losses'][-1]:.4f}, params {m['params']:,} B, "
           f"grads {m['grads']:,} B, optimizer {m['optimizer']:,} B, "
-          f"sent {r['sent']:,.0f} B in the last step")
+          f"last step sent {r['sent']:,.0f} B (ring model), {on_wire} B (on the wire)")
 
 # %% [markdown]
 # Change `N` to 4: the optimizer bytes per rank halve (KΨ/N), parameters and gradients stay.

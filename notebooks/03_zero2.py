@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -24,9 +24,9 @@
 # $$M_{P_{os+g}} = b_p\,\Psi + \frac{(b_g + K)\,\Psi}{N} \qquad
 # (2\Psi + 14\Psi/N\text{ in the paper})$$
 #
-# Communication is unchanged: reduce-scatter Ψ + all-gather Ψ = 2Ψ per step, now overlapped with
-# backward. (The measured *peak* during backward adds the buckets in flight; the plot shows what
-# persists.)
+# Communication is unchanged: reduce-scatter Ψ + all-gather Ψ = 2Ψ per step in a ring (3Ψ on gloo's
+# wire, as in notebook 02), now overlapped with backward. (The measured *peak* during backward adds
+# the buckets in flight; the plot shows what persists.)
 
 # %% [markdown]
 # **Exercise 06**:
@@ -73,17 +73,20 @@ plots.step_widget(steps, stage=[0, 1, 2, 3], world_size=[2, 3, 4])
 #
 # Stage 2 moves the reduce-scatter into backward (`minizero/zero2.py`, `GradientShard`): as each
 # parameter's gradient is complete, `stage` copies it into its bucket's staging buffer and frees
-# `p.grad` (*gradients in flight* above); when the bucket is complete, `reduce` starts its
-# reduce-scatter (the reduce-scatter phases); when that arrives, `arrived` adds rank r's partition
-# into the gradient shard and drops the staging buffer. The step and the all-gather after it are
-# stage 1's. Read from the file now:
+# `p.grad` on the next line (*gradients in flight* above); when the bucket is complete, `reduce`
+# starts its reduce-scatter (the reduce-scatter phases); when that arrives, `arrived` adds rank r's
+# partition into the gradient shard and drops the staging buffer. The step and the all-gather
+# after it are stage 1's. Marked: the lines that ran in the recording above and led to its phases
+# or to an event (`stepthrough.ran`, from the events' call stacks: the first gradient of a bucket
+# allocates its staging buffer); `arrived` is shown unmarked, as no event's stack passes through
+# it.
 
 # %%
 from minizero.lab import source
 from minizero.zero2 import GradientShard
 
-source.show(GradientShard.stage, GradientShard.reduce, GradientShard.arrived,
-            mark=("p.grad = None", "reduce_scatter(", ".add_("))
+source.show(*stepthrough.ran(steps, "GradientShard.stage", "GradientShard.reduce"),
+            GradientShard.arrived)
 
 # %% [markdown]
 # ## The code every rank runs
@@ -101,10 +104,11 @@ import ranks
 importlib.reload(ranks)               # your edits to ranks.py, in this kernel too
 N, OPTIONS = 2, {"bucket_size": 25e6}   # ranks; bytes per gradient bucket
 for r in minizero.launch(ranks.train, N, 2, MODEL, OPTIONS, backend=BACKEND):
+    on_wire = "n/a" if r["on_wire"] is None else f"{r['on_wire']:,}"
     m = r["memory"]
     print(f"rank {r['rank']}: loss {r['losses'][-1]:.4f}, params {m['params']:,} B, "
           f"grads {m['grads']:,} B, optimizer {m['optimizer']:,} B, peak {m['peak']:,} B, "
-          f"sent {r['sent']:,.0f} B in the last step")
+          f"last step sent {r['sent']:,.0f} B (ring model), {on_wire} B (on the wire)")
 
 # %% [markdown]
 # The peak is what persists (parameters, gradient shard, optimizer) plus the full gradients in

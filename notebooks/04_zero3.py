@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -25,7 +25,8 @@
 # $$M_{P_{os+g+p}} = \frac{(b_p + b_g + K)\,\Psi}{N} \qquad (16\Psi/N\text{ in the paper})$$
 #
 # plus the few units gathered at a time. Communication: all-gather Ψ (forward) + all-gather Ψ
-# (backward) + reduce-scatter Ψ = **3Ψ**, 1.5× DDP, the price of not replicating parameters.
+# (backward) + reduce-scatter Ψ = **3Ψ**, 1.5× DDP, the price of not replicating parameters (in a
+# ring; on gloo's wire 4Ψ, as its reduce-scatter is an all-reduce: notebook 00).
 
 # %% [markdown]
 # **Exercise 07**: [`exercises/ex07_zero3_hooks.py`](../exercises/ex07_zero3_hooks.py), graded with
@@ -54,11 +55,14 @@ BACKEND, WORLD_SIZES = demo.backend_and_world_sizes()   # gloo on CPU; NCCL with
 #
 # What to look for: between uses a rank holds only its *parameter shard* (phase [0]: the
 # parameters row is empty, every rank holds partition r of each unit); the parameters row fills only
-# while a unit is gathered. Each unit is all-gathered for its
-# forward and freed, gathered again for its backward, its gradients reduce-scattered into the
-# gradient shard, and freed. The step updates the shard in place and nothing is gathered after it:
-# the next forward gathers what it needs. (Prefetch is off here, so each gather is its own phase;
-# with prefetch the next unit's all-gather would already be in flight.)
+# while a unit is gathered. Each unit is all-gathered for its forward and freed, gathered again for
+# its backward, its gradients reduce-scattered into the gradient shard, and freed. The step updates
+# the shard in place and nothing is gathered after it: the next forward gathers what it needs.
+# Prefetch is on: in backward, as unit l2 is gathered, the all-gather of unit l1, next in
+# backward's order, starts too (the phase marked "a prefetch"). In forward it starts from the
+# second step: the first step records the order the units run in. (The recorder lets each
+# collective complete as it is issued, so the prefetch is its own phase; in a real step it is in
+# flight while l2 computes.)
 
 # %%
 from minizero.lab import stepthrough
@@ -77,18 +81,23 @@ plots.step_widget(steps, stage=[0, 1, 2, 3], world_size=[2, 3, 4])
 # %% [markdown]
 # ### The lines that did it
 #
-# Stage 3's unit (`minizero/zero3.py`): `gather` allocates the unit's full buffer and all-gathers
-# every rank's shard into it (the all-gather phases above), `free` gives the storage back, 0 bytes,
-# the shape kept (the free phases), and `post_backward` reduce-scatters the unit's gradients, stage
-# 2's `GradientShard.reduce`, then frees it. The module's forward pre-hook calls `pre_forward`
-# (gather, prefetch the next), its forward hook `post_forward` (free). Read from the file now:
+# Stage 3 is what happens to a unit (`minizero/zero3.py`). The module's forward pre-hook calls
+# `pre_forward`, which gathers the unit (and, from the second step, prefetches the next one);
+# `gather` allocates the unit's full buffer and all-gathers every rank's shard into it (the
+# all-gather phases); the forward hook calls `post_forward`, which frees it (the free phases: the
+# storage goes back, 0 bytes, the shape kept). In backward a hook on the unit's output calls
+# `pre_backward`: gather again, and `_prefetch` starts the next unit's all-gather. When the unit's
+# gradients are complete, `post_backward` hands its bucket to stage 2's `GradientShard.reduce`,
+# whose marked line is the reduce-scatter itself (the reduce-scatter phases), and frees the unit.
+# Marked: the lines that ran in the recording above and led to its phases (`stepthrough.ran`, from
+# the events' call stacks); a line of `pre_forward` that did not run here stays unmarked.
 
 # %%
 from minizero.lab import source
-from minizero.zero3 import Unit
 
-source.show(Unit.gather, Unit.free, Unit.post_forward, Unit.post_backward,
-            mark=("all_gather(", "resize_(", "self.free()", "reduce_scatter(self.bucket"))
+source.show(*stepthrough.ran(steps, "Unit.pre_forward", "Unit.post_forward", "Unit.pre_backward",
+                             "Unit._prefetch", "Unit.gather", "Unit.post_backward",
+                             "GradientShard.reduce"))
 
 # %% [markdown]
 # ## The code every rank runs
@@ -112,11 +121,12 @@ block = 4 * sum(p.numel() for p in net.blocks[0].parameters())           # one b
 whole = 4 * sum(p.numel() for p in net.parameters())                     # 4Ψ, the tied weight once
 root = whole - block * len(net.blocks)      # the root unit: embeddings, final LayerNorm, the head
 for r in minizero.launch(ranks.train, N, 3, MODEL, OPTIONS, backend=BACKEND):
+    on_wire = "n/a" if r["on_wire"] is None else f"{r['on_wire']:,}"
     m = r["memory"]
     gathered = m["peak_params"] - m["params"]
     print(f"rank {r['rank']}: loss {r['losses'][-1]:.4f}, params {m['params']:,} B (the shard), "
           f"grads {m['grads']:,} B, optimizer {m['optimizer']:,} B, "
-          f"sent {r['sent']:,.0f} B in the last step\n"
+          f"last step sent {r['sent']:,.0f} B (ring model), {on_wire} B (on the wire)\n"
           f"    parameters at most {m['peak_params']:,} B = the shard + {gathered:,} B gathered "
           f"at once: the root unit ({root:,} B) + {(gathered - root) / block:.2f} blocks of "
           f"{block:,} B; the whole model is {whole:,} B")
@@ -168,10 +178,10 @@ for when, nbytes in seen:
 
 # %% [markdown]
 # 32 bytes while the unit runs: the weight is a view of the unit's whole gathered buffer, the
-# weight's 3 × 2 and the bias's 2 fp32 elements. 4 bytes otherwise, not 0: a released parameter
-# points at one NaN element shared by every absent parameter of that dtype (`absent_like` in
-# `minizero/absent.py`), so that reading it gives NaN instead of freed memory (notebook 09, section
-# 2). Its shape stays (3 × 2 here) and so does `numel()`.
+# weight's 2 × 3 (out × in, `nn.Linear(3, 2)`) and the bias's 2 fp32 elements. 4 bytes otherwise,
+# not 0: a released parameter points at one NaN element shared by every absent parameter of that
+# dtype (`absent_like` in `minizero/absent.py`), so that reading it gives NaN instead of freed
+# memory (notebook 09, section 2). Its shape stays ((2, 3) here) and so does `numel()`.
 
 # %% [markdown]
 # ## Run it
@@ -215,13 +225,15 @@ plots.memory_by_category(runs, "stage 3");
 # computation waits; with prefetch the next unit's all-gather is already in flight while the current
 # one computes (hatched bars), at the cost of one more unit in memory.
 #
-# Read the bars for *when* each unit exists, not the two panels' lengths for speed. Here the
-# network is loopback between processes on the same cores: an all-gather of a unit takes about as
-# long as the Python around it, so prefetch has little waiting to hide. The prefetch-off step is
-# also recorded first, in the same processes, and the first configuration is slower: with the order
-# swapped, prefetch on took 100 ms and off 89 ms (measured on this project's 2-core machine, N =
-# 4). Notebook 08 runs stage 3 on a modelled network (`minizero/beyond/network.py`), where an
-# all-gather takes a real link's time and prefetch's overlap shows as time saved.
+# Read the bars for *when* each unit exists, not the two panels' lengths for speed (both panels
+# share one time axis; the cell prints each step's length). Here the network is loopback between
+# processes on the same cores: an all-gather of a unit takes about as long as the Python around it,
+# so prefetch has little waiting to hide, and what else the machine runs decides the lengths. Three
+# runs of this cell's launch at N = 4 on this project's shared 2-core machine gave (prefetch off,
+# on) = (230, 148), (113, 472) and (342, 109) ms: the lengths vary more from run to run than from
+# one setting to the other. Notebook 08 runs stage 3 on a modelled network
+# (`minizero/beyond/network.py`), where an all-gather takes a real link's time and prefetch's
+# overlap shows as time saved.
 
 # %%
 timelines = demo.zero3_timelines(max(WORLD_SIZES), model=MODEL, backend=BACKEND)   # one launch
@@ -231,7 +243,8 @@ for p, ivs in intervals.items():
     for b, name in enumerate(names):   # every unit: gathered once for forward, once for backward
         assert [iv["phase"] for iv in ivs if iv["unit"] == b] == ["forward", "backward"], name
     print(f"prefetch {'on ' if p else 'off'}: {len(ivs)} gather->free spans over "
-          f"{len(names)} units, peak parameters {timelines[p]['peak_params'] / 1e3:.1f} kB")
+          f"{len(names)} units, peak parameters {timelines[p]['peak_params'] / 1e3:.1f} kB, "
+          f"step {timelines[p]['marks']['end'] * 1e3:.0f} ms")
 plots.unit_timeline(timelines, intervals);
 
 # %% [markdown]
@@ -268,11 +281,15 @@ for r in lora:
 plots.lora_memory(lora);
 
 # %% [markdown]
-# At N = 1 building under `sharded_init` holds a little *more* than building normally: one rank's
-# chunks are the whole model, and while a module is built its weight also exists in full until it
-# is partitioned (at the peak, one MLP weight of 32 × 128 fp32 elements: 16 kB here, against the
-# finished model's count for the normal build). From N = 2 the chunks are 1/N of the model, and
-# that saving outgrows the one module in construction.
+# Both builds are measured the same way: the parameter bytes alive at once while the model is built
+# (`minizero.lab.demo.ParameterBytes` for the normal build, `sharded_init`'s own count for the
+# other). The normal build holds the whole model at the end, base and adapters. At N = 1 building
+# under `sharded_init` holds *more* (223,488 B against 215,296 B): one rank's chunks are the whole
+# model, and transformers initializes each weight after its module is built, a call that gathers
+# the weight in full. The peak comes during that pass over the base model: its chunks (207,104 B)
+# plus one MLP weight of 32 × 128 fp32 elements (16,384 B). The LoRA adapters (2,048 parameters,
+# 8,192 B) are built only after it, so the gap is 16,384 - 8,192 = 8,192 B. From N = 2 the chunks
+# are 1/N of the model, and that saving outgrows the one weight in flight.
 
 # %% [markdown]
 # ## What to try

@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -81,17 +81,17 @@ plots.step_widget(steps, stage=[1, 2, 3], world_size=[2, 3, 4], offload=[True, F
 #
 # Offload changes only where the optimizer's tensors live and two copies (`minizero/offload.py`,
 # `minizero/optim.py`): `HostShardOptimizer._grads_for_masters` copies this rank's averaged
-# gradient partition into host buffers (*gradients (host)*), `ShardOptimizer.step` steps the host's
-# fp32 masters and copies each updated partition back into the device parameters, which stage 2's
-# all-gather then shares. Read from the files now:
+# gradient partition into host buffers (*gradients (host)*), `ShardOptimizer.step` steps the
+# host's fp32 masters (marked: the line that ran in the recording above, found on the optimizer
+# step's call stack) and then copies each updated partition back into the device parameters,
+# which stage 2's all-gather shares. `_grads_for_masters` ran just before, in the loop's header;
+# no event's stack passes through it, so it is shown unmarked.
 
 # %%
 from minizero.lab import source
 from minizero.offload import HostShardOptimizer
-from minizero.optim import ShardOptimizer
 
-source.show(HostShardOptimizer._grads_for_masters, ShardOptimizer.step,
-            mark=("host.copy_(", "self.optimizer.step()", "part.copy_("))
+source.show(HostShardOptimizer._grads_for_masters, *stepthrough.ran(steps, "ShardOptimizer.step"))
 
 # %% [markdown]
 # ## The code every rank runs
@@ -110,10 +110,11 @@ importlib.reload(ranks)               # your edits to ranks.py, in this kernel t
 N, OFFLOAD = 2, "optimizer"          # ranks; False: the optimizer stays on the device
 for r in minizero.launch(ranks.train, N, 2, MODEL, {"offload": OFFLOAD, "dtype": DTYPE},
                          backend=BACKEND):
+    on_wire = "n/a" if r["on_wire"] is None else f"{r['on_wire']:,}"
     m = r["memory"]
     print(f"rank {r['rank']}: loss {r['losses'][-1]:.4f}, params {m['params']:,} B, "
           f"grads {m['grads']:,} B, optimizer {m['optimizer']:,} B, host {m['offloaded']:,} B, "
-          f"sent {r['sent']:,.0f} B in the last step")
+          f"last step sent {r['sent']:,.0f} B (ring model), {on_wire} B (on the wire)")
 
 # %% [markdown]
 # Set `OFFLOAD = False`: the optimizer bytes come back to the device and the host holds nothing. Set
@@ -187,15 +188,10 @@ plots.memory_by_category(measured["stage 2 + offload"], "stage 2 + offload");
 # rank's 0/1 flag goes through one all-reduce (max) and every rank takes the same decision.
 #
 # Below: stage 2, an inf injected into one element of one rank's partition at steps 3, 4, 5 and 12
-# (alternating ranks; the experiment's fault, `minizero.lab.demo.loss_scale_worker`). Window 4,
-# hysteresis 2: step 3 uses up the credit, steps 4 and 5 halve S; steps 6-9 are 4 good steps, so the
-# 5th good step, step 10, doubles S after it (step 11 is the first to use it), which restores the
-# credit, so step 12 is skipped at the same S.
-
-# %% [markdown]
-# **Exercise 10**: [`exercises/ex10_global_overflow.py`](../exercises/ex10_global_overflow.py),
-# graded with `pytest exercises -k ex10`: the global overflow check of fp16's loss scale: one
-# collective over the ranks' flags.
+# (of ranks 1, 0, 1 and 1: `FAULTS`; the experiment's fault, `minizero.lab.demo.loss_scale_worker`).
+# Window 4, hysteresis 2: step 3 uses up the credit, steps 4 and 5 halve S; steps 6-9 are 4 good
+# steps, so the 5th good step, step 10, doubles S after it (step 11 is the first to use it), which
+# restores the credit, so step 12 is skipped at the same S.
 
 # %%
 FAULTS = {3: 1, 4: 0, 5: 1, 12: 1}       # step: the rank whose gradient partition gets an inf

@@ -100,8 +100,10 @@ def memory_by_category(runs: dict, title: str):
 
 
 def collective_bytes(results: dict):
-    """Left: bytes one rank sent per collective at the largest N, tally vs ring formula. Right: the
-    same divided by the tensor's size S, against N: all-reduce approaches 2, the others 1."""
+    """Left: bytes rank 0 sent per collective at the largest N: modelled (comm.tally, the ring
+    formula) next to measured (on the wire, memory/wire.py; absent where it cannot measure), ring
+    formula ticks. Right: measured bytes / the tensor's size S against N, with the ring's curves:
+    all-reduce 2(N-1)/N, the others (N-1)/N."""
     formulas = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
                 "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: (n - 1) / n,
                 "ring_all_reduce": lambda n: 2 * (n - 1) / n}
@@ -110,35 +112,38 @@ def collective_bytes(results: dict):
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     kinds = list(formulas)
     xs = np.arange(len(kinds))
-    left.bar(
-        xs, [top["sent"][k] / MB for k in kinds], 0.6, color="tab:blue", label="sent (comm.tally)"
-    )
-    _formula_ticks(left, xs, [formulas[k](n_max) * top["full_bytes"] / MB for k in kinds], 0.6,
+    left.bar(xs - 0.2, [top["sent"][k] / MB for k in kinds], 0.4, color="tab:blue",
+             label="modelled (comm.tally)")
+    if top["wire"] is not None:
+        left.bar(xs + 0.2, [top["wire"][k] / MB for k in kinds], 0.4, color="tab:orange",
+                 label="measured (on the wire)")
+    _formula_ticks(left, xs, [formulas[k](n_max) * top["full_bytes"] / MB for k in kinds], 0.8,
                    label="ring formula")
     left.set_xticks(xs, [k.replace("_", "\n") for k in kinds])
-    left.set(ylabel="bytes sent per rank (MB)",
+    left.set(ylabel="bytes rank 0 sent (MB)",
              title=f"N = {n_max}, tensor S = {top['full_bytes'] / MB:.3g} MB (fp32)")
     left.legend(fontsize=8)
     ns = np.arange(2, 17)
     for label, f, style in (
-        ("all-reduce: 2(N-1)/N", formulas["all_reduce"], "-"),
-        ("reduce-scatter, all-gather, broadcast: (N-1)/N", formulas["all_gather"], "--"),
+        ("ring: 2(N-1)/N (all-reduce)", formulas["all_reduce"], "-"),
+        ("ring: (N-1)/N (the others)", formulas["all_gather"], "--"),
     ):
         right.plot(ns, [f(n) for n in ns], "k" + style, label=label)
     sizes = sorted(results)
+    measured = "wire" if top["wire"] is not None else "sent"
     for kind, marker in zip(kinds, "os^vx"):
         right.plot(
             sizes,
-            [results[n]["sent"][kind] / results[n]["full_bytes"] for n in sizes],
+            [results[n][measured][kind] / results[n]["full_bytes"] for n in sizes],
             marker,
             linestyle="none",
             markersize=8,
             fillstyle="none",
-            label=f"{kind} (measured)",
+            label=f"{kind} ({'on the wire' if measured == 'wire' else 'tally'})",
         )
-    right.set(xlabel="world size N", ylabel="bytes sent per rank / S", ylim=(0, 2.1),
-              title="Per-rank traffic hardly grows with N")
-    right.legend(fontsize=7, loc="lower right")
+    right.set(xlabel="world size N", ylabel="bytes rank 0 sent / S", ylim=(0, 3.1),
+              title="Rank 0's traffic per collective, against N")
+    right.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     return fig
 
@@ -177,8 +182,9 @@ def _device_bytes(memory: dict) -> float:
 
 def unit_timeline(timelines: dict, intervals: dict):
     """One row per stage-3 unit: when its full parameters exist, forward then backward, prefetch off
-    (left) and on (right). A hatched bar was started by a prefetch (gathered ahead of its use)."""
-    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8), sharey=True)
+    (left) and on (right), on one time scale. A hatched bar was started by a prefetch (gathered
+    ahead of its use)."""
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8), sharey=True, sharex=True)
     for ax, prefetch in zip(axes, (False, True)):
         rec = timelines[prefetch]
         names = rec["unit_names"]
@@ -860,7 +866,7 @@ def ring_widget(ring: dict, world_sizes=(2, 3, 4)):
     another N."""
     from minizero.lab.stepthrough import ring as run_ring
 
-    def code(rg, s):                # the exchange that comes next, in comm.ring_all_reduce
+    def code(rg, s):                # the exchange that comes next, in ring.py's ring_all_reduce
         if s >= len(rg["sources"]):
             return None
         return phase_code(rg["sources"][s], f"exchange {s + 1} runs {_ran(rg['sources'][s])[5:]}")

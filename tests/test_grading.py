@@ -130,6 +130,15 @@ MUTANTS = [
      r"rank 0: the output differs .*: it is 1/3 of it, g must sum the partial outputs"),
     ("test_ex15_tensor_parallel_linear", "check_backward", "ex15_no_all_reduce_in_backward",
      r"rank 0: the input's gradient is not the whole MLP's: .* f's backward must all-reduce"),
+    ("test_ex16_muon_designs", "check_straddlers", "ex16_slice_alone",
+     r"rank 0, stage 1: your O of up.weight differs .*: Newton-Schulz of a piece is not the piece"),
+    ("test_ex16_muon_designs", "check_straddlers", "ex16_misses_a_straddler",
+     r"rank 1, stage 1: your O of .* \(62 zeros where minizero's has 0\): a matrix that begins in "
+     r"another rank's partition straddles into yours"),
+    ("test_ex16_muon_designs", "check_round_robin", "ex16_keeps_its_own_update",
+     r"rank 0, stage 1: your O .*: the owner's O never reached this rank"),
+    ("test_ex16_muon_designs", "check_round_robin", "ex16_every_rank_writes",
+     r"rank 0, stage 1: your O .*: it is 3.00 x minizero's"),
 ]
 # Every exercise refuses an answer borrowed from minizero (or PyTorch): one mutant each imports it.
 # The guard reads the source, so the grader's first check rejects it before launching anything.
@@ -149,7 +158,8 @@ MUTANTS += [(f"test_{name}", check, f"{name[:4]}_imports_the_answer",
                                 ("ex12_predict_and_plan", "check_predictions"),
                                 ("ex13_block_quantize", "check_error_bound"),
                                 ("ex14_overlap_buckets", "check_policy"),
-                                ("ex15_tensor_parallel_linear", "check_shards")]]
+                                ("ex15_tensor_parallel_linear", "check_shards"),
+                                ("ex16_muon_designs", "check_straddlers")]]
 
 
 def load(grader: str):
@@ -171,7 +181,7 @@ def test_every_mutant_is_used_and_every_exercise_has_one():
     on_disk = {p.stem for p in (EXERCISES / "mutants").glob("ex*.py")}
     assert on_disk == {m[2] for m in MUTANTS}
     assert {m[2][:4] for m in MUTANTS} == {name[:4] for name in EXERCISE_NAMES}
-    assert [name[:4] for name in EXERCISE_NAMES] == [f"ex{i:02d}" for i in range(1, 16)]   # no gap
+    assert [name[:4] for name in EXERCISE_NAMES] == [f"ex{i:02d}" for i in range(1, 17)]   # no gap
 
 
 @pytest.mark.parametrize("name", EXERCISE_NAMES)

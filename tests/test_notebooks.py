@@ -54,6 +54,7 @@ TINY = {
     "08_beyond": 'MODEL, BUCKET_SIZE, QSTEPS = "tiny", 400, 4',
     "09_what_goes_wrong": "STEPS = 2",
     "10_tensor_parallel": "STEPS = 2",
+    "11_muon": 'STEPS, COST_MODEL, COST_WORLD_SIZES = 2, "tiny", (2, 3)',
 }
 # what the checks read from the executed kernel: {name: expression over the notebook's variables}
 READ = {
@@ -83,6 +84,7 @@ READ = {
                                        '"units": len(engine.units), "fault_rank": FAULT_RANK}}'},
     "10_tensor_parallel": {"mesh_10": '{"mesh": {"pair": pair, "runs": list(runs.values()), '
                                       '"block": steps, "checkpointed": checkpointed}}'},
+    "11_muon": {"muon_11": '{"muon": {"parity": parity, "costs": records}}'},
 }
 # the collectives a stage's step-through must show, in order of first appearance
 STEP_COLLECTIVES = {0: ["all_reduce"], 1: ["reduce_scatter", "all_gather"],
@@ -261,7 +263,12 @@ def test_notebook_runs_and_its_plots_match_the_formulas(name, tmp_path):
                                               f"    _json.dump({{{entries}}}, _f)"))
     nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                             resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+    recorded = set()               # the minizero lines on the stacks of the events the run recorded
+    recordings = []
     for export, data in json.loads(found.read_text()).items():
+        recordings += [data["steps"]] if "steps" in data else []
+        recorded |= {(r["file"], r["line"]) for r in data.get("steps", {}).get("ran", [])}
+        recorded |= {(w["file"], w["line"]) for w in data.get("ring", {}).get("sources", [])}
         if "runs" in data:
             check_training_runs(data["runs"])
         if "collectives" in data:
@@ -286,6 +293,54 @@ def test_notebook_runs_and_its_plots_match_the_formulas(name, tmp_path):
             check_faults(data["faults"])
         if "mesh" in data:
             check_mesh(data["mesh"])
+        if "muon" in data:
+            check_muon(data["muon"])
+    if recorded:
+        check_marked_lines_ran(nb, recorded, name, recordings)
+
+
+# what a notebook's "lines that did it" must mark: a line of each function, or ("phase", kind) the
+# line a phase of that kind names (the collective's own line)
+MUST_MARK = {"02_zero1": ["ShardOptimizer.step", ("phase", "reduce_scatter")],
+             "04_zero3": ["Unit.pre_forward", "Unit._prefetch", "Unit.pre_backward",
+                          ("phase", "reduce_scatter")]}
+
+
+def marked_lines(nb) -> list[tuple[str, int, str, str]]:
+    """(file, line, function, text) of every line a source.Code shown in the executed notebook
+    marks (its text form: a "# file:line, in function" title, "▶" before a marked line's
+    number)."""
+    found = []
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            file = function = None
+            shown = out.get("data", {}).get("text/plain") or out.get("text") or ""
+            for text in shown.split("\n"):
+                title = re.match(r"# (minizero/\S+\.py):\d+, in (\S+)$", text)
+                file, function = title.groups() if title else (file, function)
+                marked = re.match(r"▶ +(\d+)  (.*)", text)
+                if marked and file:
+                    found.append((file, int(marked.group(1)), function, marked.group(2).strip()))
+    return found
+
+
+def check_marked_lines_ran(nb, recorded: set[tuple[str, int]], name: str, steps: list) -> None:
+    """Every line of minizero a notebook highlights ran in that notebook's own recording and led to
+    an event there (it is on the call stack of one): no line of another setting (notebook 01 once
+    marked Engine.step's all-reduce across shard groups, which DDP never runs). And MUST_MARK's
+    lines are among them."""
+    shown = marked_lines(nb)
+    assert shown or not any("source.show(" in c.source for c in nb.cells), "no marked line found"
+    for file, line, _, text in shown:
+        assert (file, line) in recorded, (
+            f"{file}:{line} ({text!r}) is highlighted, but led to no event in this notebook's run")
+    for must in MUST_MARK.get(name, []):
+        if isinstance(must, tuple):
+            lines = {(p["source"]["file"], p["source"]["line"]) for s in steps
+                     for p in s["phases"] if p["kind"] == must[1]}
+            assert lines & {(f, n) for f, n, _, _ in shown}, f"{name}: no {must[1]} line marked"
+        else:
+            assert any(f == must for _, _, f, _ in shown), f"{name}: nothing of {must} marked"
 
 
 # the backend would end the hang after comm.DEFAULT_TIMEOUT_S (120 s): the verdict comes long before
@@ -309,6 +364,23 @@ def check_faults(f: dict) -> None:
     assert f["shape"] == [f["numel"]] and f["outside"] is True and f["held"] == 0, f
     assert f["inside"] >= element_bytes("fp32") * f["numel"], f
     assert f["gathers"] == f["tokens"] * f["units"], f
+
+
+def check_muon(muon: dict) -> None:
+    """Notebook 11. At N = 3 matrices straddle; every design at every stage ends within rounding of
+    DDP at the same N (1e-5, fp32's bar; 9e-7 measured), the slice alone far from it (> 1e-2; 5.5e-2
+    measured); each design's Muon bytes and momentum on every rank equal its formula at every N
+    (format_costs asserts it too)."""
+    for p in muon["parity"]:
+        if p["design"] == "slice alone":
+            assert p["vs DDP"] > 1e-2, p
+        else:
+            assert p["vs DDP"] < 1e-5, p
+    assert max(p["straddlers"] for p in muon["parity"]) >= 1
+    for record in muon["costs"]:
+        for rank in record["ranks"] if record["design"] != "AdamW" else ():
+            assert rank["muon"] == rank["muon_formula"], record
+            assert rank["momentum"] == rank["momentum_formula"], record
 
 
 def check_mesh(mesh: dict) -> None:
@@ -458,6 +530,38 @@ def test_shown_code_is_read_from_the_file_as_it_is_now(tmp_path):
     assert (code.function, code.first, code.lines[-1]) == ("step", 4, "    return 2")
 
 
+def test_the_momentum_row_holds_the_optimizers_momentum():
+    """With SGD momentum, the step-through's momentum row is empty until the step; from the step
+    on, each rank's row holds what one process's torch.optim.SGD holds for the elements that rank
+    steps (every element at stage 0, its partition at stages 1-3), and nothing elsewhere."""
+    import torch
+    for stage in range(4):
+        steps = stepthrough.record(stepthrough.StepConfig(stage=stage, world_size=2))
+        cfg = stepthrough.StepConfig(**steps["config"])
+        model = stepthrough.tiny_model(cfg.seed)
+        x, y = stepthrough.global_batch(cfg)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        sgd = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+        sgd.step()
+        params = dict(model.named_parameters())
+        want = {start + i: v for name, start, numel in steps["segments"] for i, v in
+                enumerate(sgd.state[params[name]]["momentum_buffer"].reshape(-1).tolist())}
+        stepped = next(k for k, p in enumerate(steps["phases"]) if p["kind"] == "step")
+        for k, phase in enumerate(steps["phases"]):
+            for r, rank in enumerate(phase["ranks"]):
+                row = rank["momentum"]
+                for j, value in want.items():
+                    b = next(b for b in steps["buckets"]
+                             if b["start"] <= j < b["start"] + b["padded"])
+                    mine = not steps["partitioned"] or (j - b["start"]) // b["shard"] == r
+                    where = f"stage {stage}, phase {k} ({phase['label']}), rank {r}, element {j}"
+                    if k < stepped or not mine:
+                        assert row[j] is None, f"{where}: momentum {row[j]} shown"
+                    else:
+                        assert row[j] is not None and abs(row[j] - value) <= 1e-6, (
+                            f"{where}: momentum {row[j]}, torch's SGD holds {value}")
+
+
 def test_each_phase_names_the_line_that_produced_it():
     """The recorder walks the stack of each event to minizero's line (no copy of the source): at
     stage 3 the all-gathers are Unit.gather's, the frees Unit.free's, the reduce-scatters the
@@ -473,8 +577,8 @@ def test_each_phase_names_the_line_that_produced_it():
 
 
 def check_ring(ring: dict) -> None:
-    """Every exchange of comm.ring_all_reduce moved one chunk to the right neighbour, added (first
-    N-1) or copied (last N-1) there, and every rank ends with the sum."""
+    """Every exchange of ring.py's ring_all_reduce moved one chunk to the right neighbour,
+    added (first N-1) or copied (last N-1) there, and every rank ends with the sum."""
     stepthrough.check_ring(ring)
     n = ring["world_size"]
     assert n >= 3 and ring["numel"] % n, (
@@ -598,6 +702,7 @@ def check_collectives(results: list[dict]) -> None:
                 f"N={n} {kind}: {res['sent'][kind]}"
             )
         assert res["ring_max_abs_diff"] < 1e-4
+        check_wire(res)
         shown = res["shown_all"]
         inputs = [s["input"] for s in shown]
         sums = [sum(col) for col in zip(*inputs)]
@@ -606,6 +711,27 @@ def check_collectives(results: list[dict]) -> None:
             assert s["reduce_scatter"] == pytest.approx([sums[r]])
             assert s["all_gather"] == pytest.approx([x[0] for x in inputs])
             assert s["broadcast"] == pytest.approx(inputs[0])
+
+
+def check_wire(res: dict) -> None:
+    """Notebook 00's measured bytes (memory/wire.py): each collective alone sent what gloo sends
+    for it, within 1 kB of headers per peer (measured: 1,728 B for an all-reduce of 40 kB on 4
+    ranks): the ring's bytes, twice them for a reduce-scatter (an
+    all-reduce underneath), the ring's own sends for ring_all_reduce; a broadcast's bytes summed
+    over the ranks are (N-1)·S (a tree from the root)."""
+    if res["wire"] is None:
+        assert res["wire_unavailable"], "no measured bytes, and no reason why"
+        return
+    n, size = res["world_size"], res["full_bytes"]
+    headers = 1024 * (n - 1)
+    for r, wire in enumerate(res["wire_all"]):
+        expected = {"all_reduce": 2 * (n - 1) / n * size,
+                    "reduce_scatter": 2 * (n - 1) / n * size, "all_gather": (n - 1) / n * size,
+                    "ring_all_reduce": res["sent"]["ring_all_reduce"]}    # the same on every rank
+        for kind, want in expected.items():
+            assert want <= wire[kind] <= want + headers, f"N={n}, rank {r}, {kind}: {wire[kind]}"
+    broadcast = sum(w["broadcast"] for w in res["wire_all"])
+    assert (n - 1) * size <= broadcast <= (n - 1) * size + n * headers, f"N={n}: {broadcast}"
 
 
 def check_timeline(data: dict) -> None:
@@ -625,7 +751,8 @@ def check_timeline(data: dict) -> None:
 
 def check_lora(rows: list[dict]) -> None:
     """Frozen weights sharded: parameter bytes per rank = (Ψ + Ψ_f)·4/N up to padding, recomputed
-    here; and building under sharded_init held less than the whole model (N > 1)."""
+    here; building normally held the whole model at most (measured); and building under
+    sharded_init held less than half of it (N > 1)."""
     for r in rows:
         n = r["world_size"]
         formula = estimate_breakdown(

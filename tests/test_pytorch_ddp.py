@@ -24,9 +24,10 @@ from torch.utils.checkpoint import checkpoint
 
 import minizero
 import pytest
-from minizero import comm, events
+from minizero import comm
 from minizero.lab.data import global_batch, local_batch
 from minizero.lab.model import GPTConfig, make_model
+from minizero.lab.record import recorded
 from minizero.lab.reference import max_abs_diff
 from minizero.lab.train import loss_fn
 
@@ -185,7 +186,7 @@ def accumulation() -> dict:
         reduced_in_no_sync = 0
         for step in range(STEPS):
             opt.zero_grad()
-            with events.recorded("collective") as log, model.no_sync():
+            with recorded("collective") as log, model.no_sync():
                 x, y = gpt_batch(step, comm.rank(), 0, 2)
                 (loss_fn(model(x), y) / 2).backward()
             reduced_in_no_sync += sum(fields["kind"] == "all_reduce" for _, _, fields in log)
@@ -200,7 +201,7 @@ def accumulation() -> dict:
         x, y = gpt_batch(0, comm.rank())
         with model.no_sync():
             loss = loss_fn(model(x), y)
-        with events.recorded("collective") as log:
+        with recorded("collective") as log:
             loss.backward()
         out[kind, "forward in no_sync"] = grads(model)
         out[kind, "reduced after"] = sum(fields["kind"] == "all_reduce" for _, _, fields in log)
@@ -286,7 +287,7 @@ def checkpointing() -> dict:
         for step in range(STEPS):
             opt.zero_grad()
             torch.manual_seed(10 + step + comm.rank())
-            with events.recorded("collective", "bucket launched") as log:
+            with recorded("collective", "bucket launched") as log:
                 F.cross_entropy(model(torch.rand(4, 2)), torch.randint(0, 4, (4,))).backward()
             launched.append([f.get("in_backward") for _, name, f in log if name != "collective"])
             out[kind, "static collectives"] = [f["tag"] for _, name, f in log
@@ -354,7 +355,7 @@ def through_the_module() -> dict:
 def buckets_in_backward() -> dict:
     model = minizero.DistributedDataParallel(gpt(), bucket_cap_mb=0.002)
     x, y = gpt_batch(0, comm.rank())
-    with events.recorded("bucket launched") as log:
+    with recorded("bucket launched") as log:
         loss_fn(model(x), y).backward()
     return {"buckets": len(model.layout.buckets),
             "in backward": sum(fields["in_backward"] for _, _, fields in log)}

@@ -21,7 +21,7 @@ when it has completed: events.py), so comm itself knows nothing of it.
    rank issues the same sequence). The tag says which unit or bucket it is for, so two units of
    the same size exchanged in each other's place differ. The ranks agree on a hash of the
    fingerprints each issued since the last check (one all-reduce of two integers, [Note:
-   agreement] in comm.py) at the points where they wait for each other anyway ([Note: where to
+   agreement] below) at the points where they wait for each other anyway ([Note: where to
    agree]): before collective #1, before every blocking collective, and at the end of each
    backward (answered at the next check); with check_every=k instead, before every k-th
    collective. When they differ, every rank learns it at that same check: each puts its
@@ -82,6 +82,7 @@ import sys
 import threading
 import time
 
+import torch
 import torch.distributed as dist
 
 from minizero import comm, events
@@ -207,6 +208,61 @@ def _check_key(check: int, rank: int) -> str:
     return f"{PREFIX}check/{check}/{rank}"
 
 
+# --- agreement: do all ranks hold the same number? ------------------------------------------------
+_agreement: tuple | None = None   # (the default process group it was made in, its own group)
+
+
+def open_agreement() -> None:
+    """Make the process group that `agree` runs on. Collective (dist.new_group): every rank calls it
+    at the same point; once per process group (later calls do nothing)."""
+    global _agreement
+    world = dist.distributed_c10d._get_default_group()
+    if comm.world_size() > 1 and (_agreement is None or _agreement[0] is not world):
+        _agreement = (world, dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=comm.DEFAULT_TIMEOUT_S)))
+
+
+def agree(value: int) -> bool:
+    """Whether every rank called agree() with the same `value` (an integer, |value| < 2**62).
+
+    [Note: agreement] One all-reduce with MAX over [value, -value] (int64): every rank gets the
+    largest value and minus the smallest, and all are equal exactly when largest == smallest.
+    Integers, so nothing rounds; MAX, so every rank gets the same answer at the same call. It runs
+    on a group of its own, on the CPU with gloo whatever the backend: on the training group it
+    would queue behind every collective still in flight (and wait for them), and on NCCL reading
+    its answer would wait for the GPU. Not tallied, not an event: it is not part of ZeRO's
+    algorithm, and it is not a collective of the stream it checks. Blocks until every rank calls
+    it (open_agreement first)."""
+    if comm.world_size() == 1:
+        return True
+    pair = torch.tensor([value, -value], dtype=torch.int64)
+    dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=_agreement[1])
+    return int(pair[0]) == value == -int(pair[1])
+
+
+class Agreement:
+    """agree_later's answer, once every rank has given its value: wait() -> whether all agree."""
+
+    def __init__(self, value: int, pair: torch.Tensor | None = None, work=None):
+        self.value, self.pair, self.work = value, pair, work
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+        return self.pair is None or int(self.pair[0]) == self.value == -int(self.pair[1])
+
+
+def agree_later(value: int) -> Agreement:
+    """agree() without waiting: the answer is read later, when every rank has long given its
+    value (the end of a backward, where waiting costs a round trip a step: [Note: where to
+    agree])."""
+    if comm.world_size() == 1:
+        return Agreement(value)
+    pair = torch.tensor([value, -value], dtype=torch.int64)
+    return Agreement(value, pair, dist.all_reduce(pair, op=dist.ReduceOp.MAX, async_op=True,
+                                                  group=_agreement[1]))
+
+
 class Watch:
     """This rank's recorder, fingerprint checks and watchdog thread. Made by `watch`; stop() ends
     it."""
@@ -227,7 +283,7 @@ class Watch:
         self.unanswered = None      # the end of the last backward's agreement: answered at the next
         self.lock = threading.Lock()
         self.stopped = threading.Event()
-        comm.open_agreement()
+        open_agreement()
         self.unsubscribe = events.subscribe(self.on_event)
         self.thread = threading.Thread(target=self.run, name="minizero-desync", daemon=True)
         self.thread.start()
@@ -264,15 +320,15 @@ class Watch:
         every rank to reach #seq: one that never does is the watchdog's to name. wait=False (the
         end of a backward): the answer is read at the next check (settle), not waited for here."""
         self.settle()
-        value = int.from_bytes(self.digest.digest(), "big") >> 2        # 62 bits: see comm.agree
+        value = int.from_bytes(self.digest.digest(), "big") >> 2        # 62 bits: see agree()
         self.digest = _digest()
         self.checks += 1
         with self.lock:
             window = list(self.unchecked)
         if not wait:
-            self.unanswered = (comm.agree_later(value), seq, self.checks, window)
+            self.unanswered = (agree_later(value), seq, self.checks, window)
             return
-        self._answer(comm.agree(value), seq, self.checks, window)
+        self._answer(agree(value), seq, self.checks, window)
 
     def settle(self) -> None:
         """Read the answer of the last agreement not waited for (and raise if the ranks differ

@@ -49,7 +49,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
-from minizero.optim import Grouping, OptimizerFactory, ShardOptimizer, _per_element
+from minizero.homes import BucketState, _per_element
+from minizero.optim import OptimizerFactory, Placement, ShardOptimizer
+from minizero.param_groups import Grouping
 
 PIECE_NUMEL = 1 << 22       # elements a piece of the pipeline: 16 MiB of each fp32 field
 ALIGN = 4096                # O_DIRECT: buffer addresses, file offsets and lengths in whole blocks
@@ -163,13 +165,14 @@ class ScratchFile:
         return os.fstat(self.fd).st_blocks * 512
 
 
-class DiskShardOptimizer(ShardOptimizer):
+class DiskShardOptimizer(BucketState, ShardOptimizer):
     """A ShardOptimizer whose masters (when separate from the parameters) and per-element state live
     in a ScratchFile of `folder`, stepped piece by piece through a read / step / write pipeline."""
     piece_numel = PIECE_NUMEL
 
     def __init__(self, param_parts: list[torch.Tensor], optimizer_factory: OptimizerFactory,
-                 grouping: Grouping | None = None, *, folder):
+                 grouping: Grouping | None = None, placement: Placement | None = None, *,
+                 folder):
         self.names = per_element_state(optimizer_factory, grouping)
         # fp32 parameters in host memory are their own master (optim.py): then only the state goes
         # to disk. A GPU's are not: the host steps a master of its own (test_cuda's disk runs)
@@ -178,7 +181,7 @@ class DiskShardOptimizer(ShardOptimizer):
         self.resident = False           # the whole state is in memory (a checkpoint loaded)
         masters = ([nn.Parameter(placeholder(p.numel())) for p in param_parts]  # values: below
                    if self.own_master else None)
-        super().__init__(param_parts, optimizer_factory, grouping, masters)
+        super().__init__(param_parts, optimizer_factory, grouping, placement, masters=masters)
         self.pieces = self._cut_pieces()
         self.file = ScratchFile(folder, sum(p["bytes"] for p in self.pieces))
         self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minizero-disk")

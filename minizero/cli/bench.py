@@ -12,7 +12,7 @@ import sys
 import torch
 
 from minizero.cli import OneLineParser, UsageError, add_json_flag, emit, fail, mode_of
-from minizero.cli import collectives, desync_cost, partitions, peak, scale   # other measurements
+from minizero.cli import collectives, desync_cost, muon, partitions, peak, scale   # the others
 from minizero.lab import deepspeed_peer
 from minizero.lab.bench import (
     ALL_VARIANTS, BACKENDS, PEER_DTYPE, PEER_FAMILIES, VARIANTS, compare, format_table,
@@ -25,12 +25,13 @@ SPLITS = (1, 2, 4, 8, 16)           # the N that split the batch of 16 rows even
 
 def main(argv: list[str] | None = None) -> int:
     prog = "python -m minizero.bench"
-    # --scale, --peak, --collectives and --desync run another measurement, with options of its own
+    # --scale, --peak, --collectives, --desync, --muon and --partitions run another measurement,
+    # with options of its own
     try:
         mode, argv = mode_of(
             sys.argv[1:] if argv is None else argv,
             {"--scale": scale.main, "--peak": peak.main, "--collectives": collectives.main,
-             "--desync": desync_cost.main, "--partitions": partitions.main},
+             "--desync": desync_cost.main, "--muon": muon.main, "--partitions": partitions.main},
         )
     except UsageError as e:
         return fail(prog, str(e))
@@ -70,9 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=list(VARIANTS),
         help=f"among {' '.join(ALL_VARIANTS)} (default {' '.join(VARIANTS)}; 3+tp2: stage 3 on a "
-             "mesh of tensor-parallel rows of 2, next to PyTorch's TP + FSDP2; ddp, ddp+zero: "
-             "minizero.DistributedDataParallel, then with minizero.ZeroRedundancyOptimizer, next "
-             "to torch's)",
+             "mesh of tensor-parallel rows of 2, next to PyTorch's TP + FSDP2; fully_shard, ddp, "
+             "ddp+zero: minizero's PyTorch front ends next to torch's own, in torch's loop)",
     )
     ap.add_argument(
         "--peers",
@@ -112,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--desync", action="store_true",
                     help="what the desync watch costs a step instead (takes --size, --stages, "
                          "--world-size, --steps, --repeats; minizero/lab/desync_cost.py)")
+    ap.add_argument("--muon", action="store_true",
+                    help="Muon's step against AdamW's and DeepSpeed's Muon instead, or with "
+                         "--costs what each Muon design costs a rank (takes --sizes, --stages, "
+                         "--world-size, --steps, --repeats, --json; minizero/lab/muon_costs.py)")
     try:
         args = ap.parse_args(argv)
         world_sizes, sizes, peers = _validate(args)

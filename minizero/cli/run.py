@@ -10,6 +10,8 @@
     python -m minizero.run --stage 3 --quantized-weights --quantized-gradients
     # a modelled network
     python -m minizero.run --stage 0 --network 1gbps,10us,ranks_per_node=2 [--no-overlap]
+    # no collective overlaps another: the bytes on the wire exact per collective kind
+    python -m minizero.run --stage 3 --synchronous
     # DeepSpeed JSON
     python -m minizero.run --config examples/ds_config_zero2_offload.json --world-size 4
     # HSDP / MiCS: shard in pairs
@@ -21,10 +23,11 @@
     torchrun --nproc-per-node 4 -m minizero.run --stage 3 --tensor-parallel 2     # its mesh too
 
 Ends with a per-rank table: measured parameter / gradient / optimizer / offloaded bytes next to the
-ZeRO paper's formula (minizero.memory.estimate), communicated bytes per step next to the 2Ψ / 3Ψ
-theory, the loss from first to last step, and the step time. Bad input: one line on stderr, exit
-code 2. Precedence: defaults < --config file (minizero.deepspeed.config) < flags given on the
-command line.
+ZeRO paper's formula (minizero.memory.estimate); bytes per step, modelled (the ring bytes comm
+tallies, 2Ψ / 3Ψ in the paper) and measured on the wire (minizero/memory/wire.py), also by
+collective kind for rank 0; the loss from first to last step, and the step time. Bad input: one
+line on stderr, exit code 2. Precedence: defaults < --config file (minizero.deepspeed.config) <
+flags given on the command line.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from minizero.lab.report import format_table, summarize
 from minizero.lab.train import OPTIMIZERS, TrainConfig, progress_wanted, train_worker
 from minizero.launcher import launch
 from minizero.loss_scale import scaler_for
-from minizero.beyond.network import network_from_env, parse_network
+from minizero.beyond.network import network_from_env, parse_network, set_network
 from minizero.wrap import check, check_mesh, check_options
 
 
@@ -128,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stages 2-3: the gradient reduce-scatter sends int8 blocks (ZeRO++ qgZ)")
     p.add_argument(
         "--no-overlap", action="store_true", help="stage 0: all-reduce every bucket after backward"
+    )
+    p.add_argument(
+        "--synchronous", action="store_true",
+        help=("every collective completes before it returns (comm.synchronous()): no overlap, "
+              "so the bytes on the wire are measured per collective kind exactly; slower")
     )
     p.add_argument(
         "--network",
@@ -294,6 +302,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     cfg.quantized_gradients = cfg.quantized_gradients or args.quantized_gradients
     if args.no_overlap:
         cfg.overlap = False
+    cfg.synchronous = args.synchronous
     if args.activation_checkpointing is not None:
         cfg.activation_checkpointing = args.activation_checkpointing
     cfg.save_dir, cfg.load_dir = args.save, args.load
@@ -413,6 +422,9 @@ def validate(cfg: TrainConfig) -> None:
         bad(f"--steps must be >= 1, got {cfg.steps}")
     if cfg.backend not in (None, "gloo", "nccl"):
         bad(f"--backend must be gloo or nccl, got {cfg.backend!r}")
+    if cfg.optimizer == "muon":          # a config's "type": "Muon" (docs/muon.md)
+        bad("Muon trains through minizero.initialize or minizero.wrap; python -m minizero.run "
+            "has no Muon yet (its memory table assumes one optimizer for every parameter)")
     if cfg.optimizer not in OPTIMIZERS:
         bad(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {cfg.optimizer!r}")
     if cfg.model not in MODEL_NAMES:
@@ -459,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg.progress = progress_wanted(args.quiet, args.json)
     cfg.log_every = 0 if args.quiet or cfg.progress else max(1, cfg.steps // 10)
     cfg.measure_peak = True             # the throughput line's MFU (lab/throughput.py)
-    comm.set_network(network)           # here under torchrun; minizero.launch hands it to its ranks
+    set_network(network)           # here under torchrun; minizero.launch hands it to its ranks
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
         if under_torchrun:

@@ -67,6 +67,11 @@ OPTIMIZER_PARAMS = {
     "adam": _ADAM, "adamw": _ADAM,
     "sgd": {"lr": "number", "momentum": "number", "dampening": "number", "weight_decay": "number",
             "nesterov": "bool"},
+    # Muon for the matrices, AdamW for the rest (minizero/deepspeed/muon.py)
+    "muon": {"lr": "number", "muon_lr": "number", "adam_lr": "number", "momentum": "number",
+             "weight_decay": "number", "betas": "betas", "eps": "number",
+             "ns_method": ("gram", "standard"), "adam_w_mode": "bool", "torch_adam": "bool",
+             "per_head_muon": "bool"},
 }
 
 AUTO = "auto"
@@ -126,7 +131,7 @@ def load_deepspeed_config(source: str | os.PathLike | dict, world_size: int, *, 
     _precision(flat, out)
     _zero(flat, out, warnings, world_size)
     _tensor_parallel(flat, out, world_size)
-    _optimizer(flat, out)
+    _optimizer(flat, out, warnings)
     _scheduler(flat, out, required=() if flags else ("total_num_steps",))
     if "activation_checkpointing" in raw:
         key = "activation_checkpointing.cpu_checkpointing"
@@ -497,15 +502,19 @@ def _check_params(section: str, kind: str, params: dict, types: dict) -> None:
             raise ConfigError(f"{where} must be a list of two numbers, got {json.dumps(value)}")
 
 
-def _optimizer(flat: dict, out: dict) -> None:
+def _optimizer(flat: dict, out: dict, warnings: list[str]) -> None:
     section = _typed_section(flat, "optimizer")
     if section is None:
         return
     kind, params = section
     if not isinstance(kind, str) or kind.lower() not in OPTIMIZER_PARAMS:
-        raise ConfigError(f"optimizer.type must be one of AdamW, Adam, SGD, got {json.dumps(kind)}")
+        raise ConfigError(f"optimizer.type must be one of AdamW, Adam, SGD, Muon, got "
+                          f"{json.dumps(kind)}")
     name = kind.lower()
     _check_params("optimizer", kind, params, OPTIMIZER_PARAMS[name])
+    if name == "muon":
+        _muon(params, out, warnings)
+        return
     if name != "sgd":
         # DeepSpeed's "Adam" decouples weight decay (AdamW) unless adam_w_mode is false, and its
         # Adam optimizers default to weight_decay 0 (torch.optim.AdamW's default is 0.01).
@@ -529,6 +538,28 @@ def _optimizer(flat: dict, out: dict) -> None:
     out["optimizer"] = name
     if lr is not None:
         out["lr"] = lr
+    out["optimizer_params"] = params
+
+
+def _muon(params: dict, out: dict, warnings: list[str]) -> None:
+    """DeepSpeed's Muon: its parameters as minizero/deepspeed/muon.py reads them; what cannot take
+    effect here is an error, or a warning where only the rounding differs."""
+    if params.pop("per_head_muon", False):
+        raise ConfigError("optimizer.params.per_head_muon is not implemented: minizero "
+                          "orthogonalizes each attention matrix whole")
+    if not params.pop("adam_w_mode", True):
+        raise ConfigError("optimizer.params.adam_w_mode false (L2 Adam beside Muon) is not "
+                          "implemented: minizero's is AdamW")
+    params.pop("torch_adam", None)                 # minizero always steps with torch.optim
+    if params.pop("ns_method", None) is not None:
+        warnings.append("'optimizer.params.ns_method' has no effect: minizero orthogonalizes "
+                        "with torch.optim.Muon's Newton-Schulz (bf16)")
+    for key in ("lr", "muon_lr", "adam_lr"):
+        if params.get(key, 1) <= 0:
+            raise ConfigError(f"optimizer.params.{key} must be > 0, got {params[key]}")
+    out["optimizer"] = "muon"
+    if "lr" in params:
+        out["lr"] = params.pop("lr")
     out["optimizer_params"] = params
 
 

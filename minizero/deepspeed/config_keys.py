@@ -78,10 +78,13 @@ KEYS = {
     "zero_optimization.offload_optimizer.ratio": "1 (DeepSpeed's default): the whole optimizer "
         "is offloaded; below 1 warns: minizero offloads all of it or none",
     "optimizer.type": "optimizer: AdamW, Adam (= AdamW, as in DeepSpeed, unless adam_w_mode is "
-        "false), SGD; DeepSpeed's own (Lamb, OneBitAdam, Lion...): an error",
+        "false), SGD, Muon (torch.optim.Muon for the matrices, AdamW for the rest: "
+        "minizero/deepspeed/muon.py); DeepSpeed's own (Lamb, OneBitAdam, Lion...): an error",
     "optimizer.params": "lr and the optimizer's keyword arguments (Adam/AdamW weight_decay "
         "defaults to 0, as in DeepSpeed; bias_correction true is torch's Adam, false DeepSpeed's "
-        "uncorrected step: minizero/deepspeed/adam.py)",
+        "uncorrected step: minizero/deepspeed/adam.py); Muon's: lr, muon_lr, adam_lr, momentum, "
+        "weight_decay, betas, eps with DeepSpeed's defaults (ns_method: a warning, minizero uses "
+        "torch's Newton-Schulz; per_head_muon and adam_w_mode false: an error)",
     "scheduler.type": "the learning-rate schedule, stepped with the optimizer: WarmupLR, "
         "WarmupDecayLR, WarmupCosineLR, as DeepSpeed defines them (deepspeed/config.py's "
         "SCHEDULES); "
@@ -227,7 +230,8 @@ NOT_IMPLEMENTED = {
     "zero_optimization.log_trace_cache_warnings": "no trace cache: units run in call order",
     "zero_optimization.enable_sanity_checks": "beyond/desync.py checks every collective's order "
         "anyway",
-    "zero_optimization.save_muon_momentum_buffer_in_memory": "no Muon optimizer",
+    "zero_optimization.save_muon_momentum_buffer_in_memory": "Muon's momentum is optimizer "
+        "state, where offload puts it (memory, or the host)",
     "zero_optimization.leaf_module": "units are the blocks wrap chooses (DeepSpeed's leaf modules "
         "stop its hooks below a module)",
     "zero_optimization.zenflow": "no ZenFlow: every gradient updates the optimizer at every step",

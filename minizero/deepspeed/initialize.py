@@ -44,11 +44,12 @@ import os
 import warnings
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from minizero import comm
-from minizero.deepspeed import deepspeed_checkpoint
+from minizero.deepspeed import deepspeed_checkpoint, muon
 from minizero.beyond import tensor_parallel_hf
 from minizero.deepspeed.config import (
     OPTIMIZERS,
@@ -277,7 +278,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         source = getattr(args, "deepspeed_config", None)
     if source is None:
         raise ValueError("no config: pass config= (a DeepSpeed JSON path or dict)")
-    if dist_init_required is not False and not comm.is_initialized() and "RANK" in os.environ:
+    if dist_init_required is not False and not dist.is_initialized() and "RANK" in os.environ:
         comm.init()                        # torchrun's env://, as deepspeed.init_distributed
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)   # Hugging Face models
     settings, notes = load_deepspeed_config(source, comm.world_size(), flags=False,
@@ -287,7 +288,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         for note in notes:
             warnings.warn(note, stacklevel=2)
     factory, groups = _optimizer_factory(optimizer, settings,
-                                         _check_parameters(model, model_parameters))
+                                         _check_parameters(model, model_parameters), model)
     stage = settings.get("stage", 0)                       # DeepSpeed's default: no ZeRO
     options = {name: settings[name] for name in ENGINE_OPTIONS if name in settings}
     for name in SIZE_OPTIONS:
@@ -341,11 +342,12 @@ def _check_parameters(model: nn.Module, model_parameters) -> list[dict] | None:
     return [{"params": given}]
 
 
-def _optimizer_factory(optimizer, settings: dict, groups: list[dict] | None):
+def _optimizer_factory(optimizer, settings: dict, groups: list[dict] | None, model: nn.Module):
     """(params -> torch optimizer, parameter groups for wrap): from the object or factory given,
     else from the config's section. An optimizer object gives its class, its defaults and its own
     groups (settings and parameters; model_parameters then only chose what it was built over, as
-    in DeepSpeed)."""
+    in DeepSpeed). Muon's section tags the model's parameters and splits the groups in two
+    (deepspeed/muon.py)."""
     if optimizer is not None and "optimizer" in settings:
         raise ConfigError("the config has an optimizer section and optimizer= was passed too: "
                           "choose one")
@@ -365,12 +367,18 @@ def _optimizer_factory(optimizer, settings: dict, groups: list[dict] | None):
     else:
         lr = {"lr": settings["lr"]} if "lr" in settings else {}
         params = settings.get("optimizer_params", {})
+        if settings["optimizer"] == "muon":
+            return muon.factory_and_groups(model, {**lr, **params}, _nonempty(groups))
         factory = functools.partial(OPTIMIZERS[settings["optimizer"]], **lr, **params)
-    if groups is not None:                # DeepSpeed removes the groups with no parameters
-        groups = [g for g in groups
-                  if not (isinstance(g, dict) and isinstance(g.get("params"), list)
-                          and not g["params"])]
-    return factory, groups
+    return factory, _nonempty(groups)
+
+
+def _nonempty(groups: list[dict] | None) -> list[dict] | None:
+    """DeepSpeed removes the groups with no parameters."""
+    if groups is None:
+        return None
+    return [g for g in groups if not (isinstance(g, dict) and isinstance(g.get("params"), list)
+                                      and not g["params"])]
 
 
 def _listed(group):

@@ -25,8 +25,10 @@ trained by the same loop as minizero.lab.train):
                                                                                blocks as leaves
     stage 2 + offload   (PyTorch has no optimizer offload without stage 3)     DeepSpeed
                                                                                offload_optimizer cpu
-    ddp            minizero.DistributedDataParallel <-> torch's, the user's optimizer (on request)
-    ddp+zero       ... with minizero.ZeroRedundancyOptimizer <-> both of torch's (on request)
+    fully_shard    <->  FSDP2 fully_shard per block + root (--stages fully_shard: minizero's front
+                        end, both in PyTorch's loop)
+    ddp            <->  torch's DistributedDataParallel (--stages ddp: minizero's, your optimizer)
+    ddp+zero       <->  DDP + ZeroRedundancyOptimizer (--stages ddp+zero: minizero's pair)
 Stage 3 gathers the same units on every side: minizero's default units are the GPT's blocks, FSDP2
 is fully_shard-ed per block, DeepSpeed fetches each block at once (set_z3_leaf_modules). DeepSpeed
 pairs run when it is installed (pip install -e ".[peers]"). Same GPT (--sizes:
@@ -99,12 +101,15 @@ VARIANTS = {
 # in engine.py), next to PyTorch's TP + FSDP2 (peers.TENSOR_PARALLEL_PEER). Not by default: the
 # tiny model's one head does not split.
 TENSOR_PARALLEL_VARIANTS = {"3+tp2": (3, False, 2)}
-# On request (--stages ddp ddp+zero): minizero's PyTorch front ends (minizero/pytorch/) next to
-# the originals they imitate, both in the loop a PyTorch user writes (peers.front_end_worker);
-# the stage is the row of the table they compare with.
-FRONT_END_VARIANTS = {"ddp": (0, "minizero_ddp"), "ddp+zero": (1, "minizero_zero_redundancy")}
+# On request (--stages fully_shard ddp ddp+zero): a front end of minizero's next to the PyTorch
+# implementation it imitates (peers.FRONT_ENDS), both in PyTorch's loop: minizero.fully_shard per
+# block and at the root against torch's fully_shard the same way; minizero.DistributedDataParallel
+# (and with its ZeroRedundancyOptimizer) against torch's. No activation meter (it is the engine's).
+# Each is reported as the stage its peer stands for.
+FRONT_END_VARIANTS = tuple(FRONT_ENDS)
 ALL_VARIANTS = {**VARIANTS, **{v: spec[:2] for v, spec in TENSOR_PARALLEL_VARIANTS.items()},
-                **{v: (stage, False) for v, (stage, _) in FRONT_END_VARIANTS.items()}}
+                **{v: ({p: s for s, p in PEER_OF_STAGE.items()}[FRONT_ENDS[v]], False)
+                   for v in FRONT_END_VARIANTS}}
 PEER_FAMILIES = ("torch", "deepspeed")
 PEER_DTYPE = "fp32"                          # the one precision the peer wrappers build
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}   # --device: one process per rank, on the CPU or a GPU
@@ -142,7 +147,7 @@ def peers_of(variant: str, families=PEER_FAMILIES) -> list[str]:
     if variant in TENSOR_PARALLEL_VARIANTS:
         return [TENSOR_PARALLEL_PEER] if "torch" in families else []
     if variant in FRONT_END_VARIANTS:
-        return [FRONT_ENDS[FRONT_END_VARIANTS[variant][1]]] if "torch" in families else []
+        return [FRONT_ENDS[variant]] if "torch" in families else []
     stage, offload = VARIANTS[variant]
     out = [PEER_OF_STAGE[stage]] if "torch" in families and not offload else []
     if "deepspeed" in families and deepspeed_peer.available():
@@ -180,9 +185,9 @@ def meter_worker(cfg: TrainConfig, meter: bool) -> dict:
     }
 
 
-def _run(impl: str, cfg: TrainConfig) -> dict:
+def _run(impl: str, cfg: TrainConfig, front_end: str | None = None) -> dict:
     if impl == "minizero":
-        return train_worker(cfg)
+        return front_end_worker(cfg, front_end) if front_end else train_worker(cfg)
     if impl in METER:
         return meter_worker(cfg, impl == "meter on")
     if impl == deepspeed_peer.PEER:
@@ -192,22 +197,21 @@ def _run(impl: str, cfg: TrainConfig) -> dict:
 
 def bench_worker(jobs: list[tuple], repeats: int, meter: bool,
                  progress: bool = False) -> list[dict]:
-    """Per (configuration, its peers[, variant]): step times of every repeat of every side (and of
-    minizero with the activation meter on and off), memory and comm of the first repeat, and the
-    max |minizero - peer| over all parameters after it (full state dicts, on this rank). A
-    FRONT_END_VARIANTS variant's minizero side is its front end."""
+    """Per (configuration, its peers[, minizero's front end, FRONT_END_VARIANTS]): step times of
+    every repeat of every side (and of the engine with the activation meter on and off), memory
+    and comm of the first repeat, and the max |minizero - peer| over all parameters after it
+    (full state dicts, on this rank)."""
     torch.set_num_threads(1)
     out = []
-    front_ends = [FRONT_END_VARIANTS.get(job[2] if len(job) > 2 else None) for job in jobs]
-    jobs = [job[:2] for job in jobs]
-    for (cfg, peers), front_end in zip(jobs, front_ends):
+    jobs = [(job[0], job[1], job[2] if len(job) > 2 else None) for job in jobs]
+    for cfg, peers, front_end in jobs:
         impls = ["minizero", *peers] + (list(METER) if meter and not front_end else [])
         out.append({"impls": impls, "times": {impl: [] for impl in impls},
                     "phases": {impl: [] for impl in impls if impl not in METER}, "skipped": {}})
     bar = progress_bar(repeats * len(jobs), f"N = {comm.world_size()}",
                        progress and comm.rank() == 0, unit="config")
     for rep in range(repeats):
-        for (cfg, peers), record, front_end in zip(jobs, out, front_ends):
+        for (cfg, peers, front_end), record in zip(jobs, out):
             bar.update()
             run_cfg = dataclasses.replace(cfg, return_state=rep == 0)
             results = {}
@@ -215,9 +219,9 @@ def bench_worker(jobs: list[tuple], repeats: int, meter: bool,
                 release_freed_memory()          # the last run's memory back to the OS (lab/rss.py)
                 comm.barrier()                  # every side starts from the same line
                 try:
-                    results[impl] = (front_end_worker(run_cfg, front_end[1])
-                                     if front_end and impl == "minizero"
-                                     else _run(impl, cfg if impl in METER else run_cfg))
+                    job_cfg = cfg if impl in METER else run_cfg
+                    results[impl] = (_run(impl, job_cfg, front_end) if front_end
+                                     else _run(impl, job_cfg))
                 except Exception as e:
                     if not _may_skip(impl):
                         raise
@@ -250,10 +254,10 @@ def bench_worker(jobs: list[tuple], repeats: int, meter: bool,
             }
     bar.close()
     # MFU's peak at each run's dtype: every rank's GEMM at once (one thread each on the CPU)
-    peaks = {dtype: peak_worker(dtype) for dtype in sorted({cfg.dtype for cfg, _ in jobs})}
+    peaks = {dtype: peak_worker(dtype) for dtype in sorted({cfg.dtype for cfg, _, _ in jobs})}
     device = comm.device()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    for (cfg, _), record in zip(jobs, out):
+    for (cfg, _, _), record in zip(jobs, out):
         record["gemm_flops_per_s"] = peaks[cfg.dtype]
         record["device_name"] = name
     return out
@@ -303,7 +307,10 @@ def compare(world_sizes=(2, 4), *, sizes=("default",), steps: int = 10, repeats:
                     backend=backend,
                 )
                 jobs.append((cfg, peers_of(v, peers) if dtype == PEER_DTYPE else [], v))
-        per_rank = launch(bench_worker, n, jobs, repeats, meter, progress, backend=backend)
+        front_ends = [v if v in FRONT_END_VARIANTS else None for _, _, v in jobs]
+        per_rank = launch(bench_worker, n,
+                          [(cfg, ps, fe) for (cfg, ps, _), fe in zip(jobs, front_ends)],
+                          repeats, meter, progress, backend=backend)
         device_name = per_rank[0][0]["device_name"]
         for out, records in zip((pairs, alone, skipped, meters), _records(jobs, per_rank, meter)):
             out += records
@@ -548,3 +555,98 @@ def format_table(report: dict, phases: bool = False) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
+
+
+# --------------------------------------------------------------------------------------------------
+# Muon (beyond/muon/): its step against AdamW's, and against DeepSpeed's Muon
+# --------------------------------------------------------------------------------------------------
+# python -m minizero.bench --muon. Each (size, stage) trains the same GPT three ways in one launch,
+# back to back in alternating order as the pairs above: minizero with AdamW, minizero with Muon
+# (TrainConfig "muon": DeepSpeed's reading of a Muon config, so both Muon sides split the model
+# alike: the matrices not named embed or lm_head; minizero's GPT calls its embeddings tok_emb and
+# pos_emb, so they are Muon's too), and DeepSpeed's Muon (eagerly: deepspeed_peer.build).
+MUON_IMPLS = ("adamw", "muon", "deepspeed muon")
+MUON_LR, MUON_PARAMS = 0.02, {"adam_lr": 3e-3}
+
+
+def muon_configs(cfg: TrainConfig) -> dict[str, TrainConfig]:
+    """The three runs of one (size, stage): MUON_IMPLS -> its TrainConfig."""
+    muon = dataclasses.replace(cfg, optimizer="muon", lr=MUON_LR, optimizer_params=MUON_PARAMS)
+    return {"adamw": cfg, "muon": muon, "deepspeed muon": muon}
+
+
+def muon_worker(cfgs: list[TrainConfig], repeats: int) -> list[dict]:
+    """Per configuration: every repeat's step times of each impl (DeepSpeed's where installed),
+    and from the first repeat the final losses and max |minizero - DeepSpeed| over the
+    parameters."""
+    torch.set_num_threads(1)
+    impls = [i for i in MUON_IMPLS if i != "deepspeed muon" or deepspeed_peer.available()]
+    out = []
+    for cfg in cfgs:
+        runs = muon_configs(cfg)
+        record = {"times": {impl: [] for impl in impls}, "final_loss": {}}
+        for rep in range(repeats):
+            states = {}
+            for impl in impls if rep % 2 == 0 else impls[::-1]:
+                release_freed_memory()
+                comm.barrier()
+                run_cfg = dataclasses.replace(runs[impl], return_state=rep == 0)
+                result = (deepspeed_peer.deepspeed_worker(run_cfg) if impl == "deepspeed muon"
+                          else train_worker(run_cfg))
+                record["times"][impl].append(result["step_times"])
+                if rep == 0:
+                    record["final_loss"][impl] = result["losses"][-1]
+                    states[impl] = result["state_dict"]
+            if rep == 0 and "deepspeed muon" in states:
+                record["max_param_diff"] = max_abs_diff(states["muon"], states["deepspeed muon"])
+        out.append(record)
+    return out
+
+
+def compare_muon(world_size: int = 2, sizes=("1M", "8M"), stages=(1, 2, 3), steps: int = 6,
+                 repeats: int = 2, batch_size: int = 16) -> dict:
+    """{"config", "rows": one per (size, stage): median step time of each impl (the slowest
+    rank's, warm-up dropped), muon / adamw and muon / deepspeed muon, final losses, max |Δp|}."""
+    cfgs = [TrainConfig(stage=stage, world_size=world_size, steps=steps, model=size,
+                        batch_size=batch_size) for size in sizes for stage in stages]
+    ranks = launch(muon_worker, world_size, cfgs, repeats)
+    rows = []
+    for i, cfg in enumerate(cfgs):
+        per_rank = [r[i] for r in ranks]
+        medians = {impl: statistics.median(_slowest_rank_steps(per_rank, impl))
+                   for impl in per_rank[0]["times"]}
+        rows.append({"size": cfg.model, "stage": cfg.stage, "step_time_s": medians,
+                     "muon/adamw": medians["muon"] / medians["adamw"],
+                     "muon/deepspeed": (medians["muon"] / medians["deepspeed muon"]
+                                        if "deepspeed muon" in medians else None),
+                     "final_loss": per_rank[0]["final_loss"],
+                     "max_param_diff": per_rank[0].get("max_param_diff")})
+    return {"config": {"world_size": world_size, "steps": steps, "repeats": repeats,
+                       "batch_size": batch_size, "sizes": {s: count_params(GPTConfig.named(s))
+                                                           for s in sizes},
+                       "muon_lr": MUON_LR, "muon_params": MUON_PARAMS, "threads_per_rank": 1,
+                       "deepspeed": deepspeed_peer.available()},
+            "rows": rows}
+
+
+def format_muon_table(report: dict) -> str:
+    c = report["config"]
+    lines = [f"Muon (lr {c['muon_lr']}, AdamW beside it: {c['muon_params']}) against AdamW (lr "
+             f"3e-3) and DeepSpeed's Muon, N = {c['world_size']}, {c['steps']} steps x "
+             f"{c['repeats']} repeats, gloo, fp32, batch {c['batch_size']}; median step ms of the "
+             "slowest rank"]
+    lines += ["  " + size_label(s) for s in c["sizes"]]
+    lines.append(f"{'size':>5} {'stage':>5}{'AdamW':>9}{'Muon':>9}{'DS Muon':>9}"
+                 f"{'Muon/AdamW':>12}{'Muon/DS':>9}{'max |Δp| vs DS':>16}")
+    for r in report["rows"]:
+        t = r["step_time_s"]
+        ds = t.get("deepspeed muon")
+        lines.append(f"{r['size']:>5} {r['stage']:>5}{t['adamw'] * 1e3:9.1f}{t['muon'] * 1e3:9.1f}"
+                     + (f"{ds * 1e3:9.1f}" if ds else f"{'-':>9}")
+                     + f"{r['muon/adamw']:12.2f}"
+                     + (f"{r['muon/deepspeed']:9.2f}{r['max_param_diff']:16.1e}" if ds else ""))
+    if not c["deepspeed"]:
+        lines.append("(DeepSpeed not installed: pip install -e '.[peers]')")
+    lines.append("Muon/DS > 1: minizero's Muon slower. |Δp|: torch's bf16 Newton-Schulz against "
+                 "DeepSpeed's fp32 Gram one (docs/muon.md).")
+    return "\n".join(lines)

@@ -57,10 +57,10 @@ def ds_config(cfg: TrainConfig) -> dict:
     """The DeepSpeed config that trains as minizero trains `cfg` (fp32, one micro-batch per step).
     minizero.deepspeed.config reads it back into the same TrainConfig fields
     (tests/test_deepspeed.py)."""
-    if cfg.dtype != "fp32" or cfg.grad_accum != 1 or cfg.optimizer not in ("adam", "adamw"):
-        raise ValueError(
-            "the DeepSpeed peer is compared in fp32, with Adam(W) and one micro-batch per step"
-        )
+    if cfg.dtype != "fp32" or cfg.grad_accum != 1 or cfg.optimizer not in ("adam", "adamw",
+                                                                           "muon"):
+        raise ValueError("the DeepSpeed peer is compared in fp32, with Adam(W) or Muon and one "
+                         "micro-batch per step")
     zero = {"stage": cfg.stage,
             "reduce_bucket_size": int(cfg.bucket_size // 4),  # bytes -> fp32 elements
             "stage3_param_persistence_threshold": 0,          # shard every parameter, however small
@@ -75,7 +75,12 @@ def ds_config(cfg: TrainConfig) -> dict:
                 f"the DeepSpeed peer offloads the optimizer only, got offload={cfg.offload!r}"
             )
         zero["offload_optimizer"] = {"device": "cpu"}
-    return {"train_micro_batch_size_per_gpu": cfg.batch_size // cfg.world_size,
+    muon = {}
+    if cfg.optimizer == "muon":             # its own section (deepspeed/muon.py reads it alike)
+        muon = {"optimizer": {"type": "Muon", "params": {"lr": cfg.lr, **cfg.optimizer_params,
+                                                         "torch_adam": True}}}
+        zero["reduce_scatter"] = cfg.stage != 3      # DeepSpeed's stage 3 refuses Muon with it
+    return {**muon, "train_micro_batch_size_per_gpu": cfg.batch_size // cfg.world_size,
             "gradient_accumulation_steps": 1,
             "gradient_clipping": cfg.clip_grad_norm or 0.0,         # absent would mean 1.0
             "zero_allow_untested_optimizer": True,         # torch.optim.AdamW, not FusedAdam
@@ -115,6 +120,13 @@ def build(cfg: TrainConfig):
     if cfg.stage == 3:
         from deepspeed.utils import set_z3_leaf_modules
         set_z3_leaf_modules(model, [Block])
+    if cfg.optimizer == "muon":
+        # DeepSpeed's Muon kernels are torch.compile'd: on a CPU ~45 s of g++ per shape (measured),
+        # so they run eagerly here, as minizero's do
+        torch._dynamo.config.disable = True
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=ds_config(cfg), dist_init_required=False)
+        return engine
     optimizer = cfg.optimizer_factory()([p for p in model.parameters() if p.requires_grad])
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(cfg),
                                       dist_init_required=False)

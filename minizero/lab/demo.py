@@ -2,6 +2,7 @@
 collect what they return into the numbers a notebook both plots and checks (one source for the
 figure and the test).
 
+
     from minizero.lab.demo import measure_stage
     runs = measure_stage(2, world_sizes=(1, 2, 4))     # {N: record}, one minizero.launch per N
     runs[4]["max_abs_diff"], runs[4]["ranks"][0]["memory"], runs[4]["theory"]
@@ -20,10 +21,13 @@ import os
 import statistics
 import time
 import warnings
+import weakref
 
 import torch
 
-from minizero import comm, events
+from minizero import comm
+from minizero.lab.record import recorded
+from minizero.ring import ring_all_reduce
 from minizero.lab.data import global_batch, local_batch
 from minizero.lab.model import make_model
 from minizero.lab.reference import max_abs_diff, reference_train, tolerance
@@ -33,7 +37,7 @@ from minizero.lab.train import (
 )
 from minizero.launcher import launch
 from minizero.loss_scale import LossScaler
-from minizero.memory import CATEGORIES, within_padding
+from minizero.memory import CATEGORIES, within_padding, wire
 from minizero.wrap import check as check_settings
 from minizero.wrap import wrap
 
@@ -130,8 +134,11 @@ def check(records: dict) -> None:
 
 def collectives_worker(numel: int, repeats: int = 3) -> dict:
     """Worker: every collective on a small rank-dependent tensor (to see what it does), then on
-    `numel` fp32 elements (rounded up to a multiple of N) for the byte tally and the time; and the
-    teaching ring all-reduce (minizero.comm.ring_all_reduce) against all_reduce on the same data."""
+    `numel` fp32 elements (rounded up to a multiple of N): the bytes comm's tally books for it (the
+    ring formula: modelled), the bytes gloo's threads put on the wire for it (memory/wire.py:
+    measured; None where it cannot measure, "wire_unavailable" says why) and the time; and the
+    teaching ring all-reduce (minizero.ring) against all_reduce on the same
+    data."""
     r, n, dev = comm.rank(), comm.world_size(), comm.device()
     # rank 2 of 4: [20, 21, 22, 23]
     small = 10.0 * r + torch.arange(n, dtype=torch.float32, device=dev)
@@ -154,31 +161,42 @@ def collectives_worker(numel: int, repeats: int = 3) -> dict:
     ops = {
         "all_reduce": lambda: comm.all_reduce(big.clone(), op="sum"),
         "reduce_scatter": lambda: comm.reduce_scatter(
-            torch.empty(numel // n, device=dev), big, op="sum"
+            torch.empty(numel // n, device=dev), big.clone(), op="sum"
         ),
         "all_gather": lambda: comm.all_gather(torch.empty(numel, device=dev), big[: numel // n]),
         "broadcast": lambda: comm.broadcast(big.clone(), src=0),
-        "ring_all_reduce": lambda: comm.ring_all_reduce(big.clone()),
+        "ring_all_reduce": lambda: ring_all_reduce(big.clone()),
     }
-    sent, seconds = {}, {}
+    unavailable = wire.unavailable()
+    sent, on_wire, seconds = {}, {}, {}
     for kind, op in ops.items():
-        times = []
-        for _ in range(repeats):
-            comm.barrier()
-            comm.reset_tally()
-            start = time.perf_counter()
-            op()
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-            sent[kind] = comm.tally()[kind]
+        # the ring's point-to-point sends are written by this thread too (memory/wire.py), and
+        # none of them is a collective of comm's: everything written while it runs is the ring's
+        point_to_point = kind == "ring_all_reduce"
+        with contextlib.nullcontext() if unavailable else wire.WireMeter(point_to_point) as meter:
+            times = []
+            for _ in range(repeats):
+                comm.barrier()
+                comm.reset_tally()
+                if meter:
+                    meter.reset()
+                start = time.perf_counter()
+                op()                                  # each one blocks: measured alone, exactly
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+                sent[kind] = comm.tally()[kind]
+                if meter:
+                    measured = meter.bytes()
+                    outside = measured["outside"] if point_to_point else 0
+                    on_wire[kind] = measured.get(kind, 0) + outside
         seconds[kind] = statistics.median(times)
     expected, ring = big.clone(), big.clone()
     comm.all_reduce(expected, op="sum")
-    comm.ring_all_reduce(ring)
+    ring_all_reduce(ring)
     return {"rank": r, "world_size": n, "shown": shown, "numel": numel, "full_bytes": numel * 4,
-            "sent": sent, "seconds": seconds,
-            "ring_max_abs_diff": (ring - expected).abs().max().item()}
+            "sent": sent, "wire": None if unavailable else on_wire, "wire_unavailable": unavailable,
+            "seconds": seconds, "ring_max_abs_diff": (ring - expected).abs().max().item()}
 
 
 def measure_collectives(
@@ -192,6 +210,7 @@ def measure_collectives(
     for n in world_sizes:
         per_rank = launch(collectives_worker, n, numel, backend=backend)
         out[n] = {**per_rank[0], "shown_all": [p["shown"] for p in per_rank],
+                  "wire_all": [p["wire"] for p in per_rank],
                   "ring_max_abs_diff": max(p["ring_max_abs_diff"] for p in per_rank)}
     return out
 
@@ -205,7 +224,7 @@ def unit_timeline(engine):
     """Inside the block: a list of (time, "gather" | "prefetch" | "free", unit index) for each of a
     stage-3 engine's units, from the event stream ("unit gather" and "unit freed", events.py)."""
     timeline: list[tuple[float, str, int]] = []
-    with events.recorded("unit gather", "unit freed") as log:
+    with recorded("unit gather", "unit freed") as log:
         yield timeline
     timeline.extend(
         (
@@ -282,13 +301,43 @@ def unit_intervals(record: dict) -> list[dict]:
 # 04_zero3: fine-tuning (frozen weights sharded too) and sharded construction
 # --------------------------------------------------------------------------------------------------
 
+class ParameterBytes:
+    """Context manager: the most bytes of parameters alive at once while modules are built inside it
+    (`peak`), counted as sharded_init counts its own (construct.py): a parameter adds its bytes when
+    a module registers it and gives them back when it is freed. For the normal build's figure,
+    measured the same way as sharded_init's peak_bytes."""
+
+    def __init__(self):
+        self.held = self.peak = 0
+        self._seen: set[int] = set()
+
+    def _on_parameter(self, module, name, param) -> None:
+        if param is None or id(param) in self._seen:
+            return
+        self._seen.add(id(param))
+        nbytes = param.numel() * param.element_size()
+        self.held += nbytes
+        self.peak = max(self.peak, self.held)
+        weakref.finalize(param, self._freed, id(param), nbytes)
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)
+        self.held -= nbytes
+
+    def __enter__(self) -> ParameterBytes:
+        self._hook = torch.nn.modules.module.register_module_parameter_registration_hook(
+            self._on_parameter)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hook.remove()
+
+
 def lora_worker(n_embd: int = 32, n_layer: int = 4) -> dict:
     """Worker: a Hugging Face GPT-2 with LoRA adapters (peft; the base frozen), built normally and
     under minizero.sharded_init, each wrapped at stage 3 (units: the decoder layers) and trained
-    one step. Returns what building held at most, and the model-state bytes after backward, for
-    both builds."""
-    import contextlib
-
+    one step. Returns what building held at most (parameter bytes, measured: ParameterBytes,
+    sharded_init.peak_bytes), and the model-state bytes after backward, for both builds."""
     from peft import LoraConfig, get_peft_model
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -297,7 +346,7 @@ def lora_worker(n_embd: int = 32, n_layer: int = 4) -> dict:
     out = {}
     for sharded in (False, True):
         torch.manual_seed(0)
-        with sharded_init() if sharded else contextlib.nullcontext() as init:
+        with sharded_init() if sharded else ParameterBytes() as init:
             base = GPT2LMHeadModel(
                 GPT2Config(
                     vocab_size=VOCAB_SIZE,
@@ -321,7 +370,7 @@ def lora_worker(n_embd: int = 32, n_layer: int = 4) -> dict:
             t: sum(p.numel() for p in model.parameters() if p.requires_grad == t)
             for t in (True, False)
         }
-        held = init.peak_bytes if sharded else 4 * (counts[True] + counts[False])
+        held = init.peak_bytes if sharded else init.peak           # both measured
         engine = wrap(
             model, 3, functools.partial(torch.optim.AdamW, lr=1e-3), units=list(base.transformer.h)
         )

@@ -22,9 +22,10 @@ import functools
 import torch
 
 import minizero
-from minizero import comm, events
+from minizero import comm
 from minizero.lab.data import global_batch, local_batch
 from minizero.lab.model import GPTConfig, count_params, make_model
+from minizero.lab.record import recorded
 from minizero.lab.train import loss_fn
 from minizero.memory import measure
 from minizero.pytorch.zero_redundancy import whole_parameters
@@ -54,7 +55,7 @@ def partition_worker(model_name: str, steps: int = 2) -> dict:
             x, y = global_batch(i, 12, cfg.block_size)
             x, y = local_batch(x, y, comm.rank(), comm.world_size())
             comm.reset_tally()
-            with events.recorded("collective") as log:
+            with recorded("collective") as log:
                 loss_fn(forward(x), y).backward()
                 step()
                 if side == SIDES[1]:

@@ -11,17 +11,18 @@ The tests check that minizero ends where PyTorch ends, and the benchmark times b
 (FSDP2 shards gradients as stage 2 does; without resharding after forward it keeps full
 parameters from forward to backward, the closest PyTorch has to stage 2.) Same model, initial
 weights, data, optimizer.
+minizero.fully_shard  <->  FSDP2 fully_shard, both per block and at the root (build_front_end,
+    front_end_worker: minizero's front ends run in PyTorch's loop too); minizero's
+    DistributedDataParallel <-> "ddp", and with its ZeroRedundancyOptimizer <-> "zero_redundancy"
 shard_group_size=S  <->  FSDP2 HSDP: fully_shard on a 2-D DeviceMesh (N/S, S) ("replicate",
                          "shard"),
-    ("fsdp2_hsdp"): shards in rows of S consecutive ranks, replicates across them, as comm.mesh(S).
+    ("fsdp2_hsdp"): shards in rows of S consecutive ranks, replicates across them, as
+    beyond/mesh.py's mesh(S).
 stage 3, tensor_parallel=M  <->  PyTorch's tensor parallelism (parallelize_module with
     ColwiseParallel / RowwiseParallel on each block's qkv, proj and MLP) and FSDP2 on the data-
     parallel dimension of a 2-D DeviceMesh (N/M, M) ("dp", "tp") ("tp_fsdp2"), as torchtitan
     combines them. Its embedding and head stay whole on each row (minizero splits them by
     vocabulary), so the two send different bytes for them; the blocks are split alike.
-minizero's PyTorch front ends (minizero/pytorch/) run in the same loop as the originals they
-imitate (front_end_worker): minizero.DistributedDataParallel ("minizero_ddp") next to "ddp", and
-it with minizero.ZeroRedundancyOptimizer ("minizero_zero_redundancy") next to "zero_redundancy".
 """
 
 from __future__ import annotations
@@ -38,16 +39,16 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
-import minizero
 from minizero import comm
 from minizero.beyond import tensor_parallel
 from minizero.lab.model import make_model
 from minizero.lab.train import OPTIMIZERS, TrainConfig, clock, forward_backward, timed_step
 from minizero.memory import measure
+from minizero.pytorch import DistributedDataParallel as MinizeroDDP
+from minizero.pytorch import ZeroRedundancyOptimizer as MinizeroZero
+from minizero.pytorch import fully_shard as minizero_fully_shard
 
 PEER_OF_STAGE = {0: "ddp", 1: "zero_redundancy", 2: "fsdp2_no_reshard", 3: "fsdp2"}
-# minizero's front end -> the original it imitates (a peer above)
-FRONT_ENDS = {"minizero_ddp": "ddp", "minizero_zero_redundancy": "zero_redundancy"}
 TENSOR_PARALLEL_PEER = "tp_fsdp2"         # stage 3 on a mesh (TrainConfig.tensor_parallel > 1)
 
 
@@ -84,15 +85,8 @@ def build_peer(cfg: TrainConfig, peer: str):
             fully_shard(block, reshard_after_forward=reshard, mesh=mesh)
         fully_shard(model, reshard_after_forward=reshard, mesh=mesh)
 
-        @contextlib.contextmanager
-        def no_sync():
-            model.set_requires_gradient_sync(False)
-            try:
-                yield
-            finally:
-                model.set_requires_gradient_sync(True)
         optimizer = opt_cls([p for p in model.parameters() if p.requires_grad], **opt_kwargs)
-        return model, optimizer, no_sync
+        return model, optimizer, functools.partial(_without_sync, model)
     if peer == TENSOR_PARALLEL_PEER:
         m = cfg.tensor_parallel
         mesh = init_device_mesh(device.type, (comm.world_size() // m, m),
@@ -138,35 +132,15 @@ def _tensor_parallel_part(state: dict, cfg: TrainConfig) -> dict:
     return tensor_parallel.parallelize_gpt(model, row).state_dict()
 
 
-def build_front_end(cfg: TrainConfig, name: str):
-    """(module, optimizer, no_sync) for one of minizero's PyTorch front ends (FRONT_ENDS), built as
-    build_peer builds the original: the same model, bucket size and optimizer."""
-    model = make_model(cfg.model_config(), seed=cfg.seed).to(comm.device())
-    ddp = minizero.DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_size / 1e6)
-    params = [p for p in ddp.parameters() if p.requires_grad]
-    opt_cls, opt_kwargs = OPTIMIZERS[cfg.optimizer], {"lr": cfg.lr, **cfg.optimizer_params}
-    if name == "minizero_ddp":
-        return ddp, opt_cls(params, **opt_kwargs), ddp.no_sync
-    return ddp, minizero.ZeroRedundancyOptimizer(params, opt_cls, **opt_kwargs), ddp.no_sync
-
-
-def front_end_worker(cfg: TrainConfig, name: str) -> dict:
-    """peer_worker's loop over a minizero front end, with the one field the bench reads from
-    minizero's side besides (train_worker's): the peak of the model states, counted at the end."""
-    result = peer_worker(cfg, name, build_front_end)
-    result["peak"] = sum(result["memory"][k] for k in ("params", "grads", "optimizer"))
-    return result
-
-
 def peer_worker(cfg: TrainConfig, peer: str, build=build_peer) -> dict:
     """The loop of minizero.lab.train.train_worker, with PyTorch's implementation instead of
-    an engine (or, build=build_front_end, one of minizero's PyTorch front ends)."""
+    an engine (build: build_peer, or build_front_end for minizero's imitation of it)."""
     rank = comm.rank()
     module, optimizer, no_sync = build(cfg, peer)
     params = [p for p in module.parameters() if p.requires_grad]
-    losses, step_times, phase_times, memory = [], [], [], None
+    losses, step_times, phase_times, memory, tally = [], [], [], None, {}
     for step in range(cfg.steps):
-        comm.reset_tally()                     # minizero's front ends send through comm.py
+        comm.reset_tally()                  # minizero's collectives only: a peer's are not in it
         start, phases = clock(), {}
         step_loss = forward_backward(cfg, step, module, torch.Tensor.backward, no_sync, phases)
         if step == cfg.steps - 1:
@@ -175,14 +149,60 @@ def peer_worker(cfg: TrainConfig, peer: str, build=build_peer) -> dict:
         step_times.append(clock() - start)
         phase_times.append(phases)
         losses.append(step_loss)
+        tally = comm.tally()
     result = {"rank": rank, "losses": losses, "step_times": step_times, "phase_times": phase_times,
-              "memory": memory, "comm_bytes_per_step": comm.tally(),
-              "num_params": sum(p.numel() for p in _unwrapped(module).parameters())}
+              "memory": memory, "comm_bytes_per_step": tally,
+              "num_params": sum(p.numel() for p in module.parameters())}
     if cfg.return_state:
         result["state_dict"] = full_state_dict(module)
         if peer == TENSOR_PARALLEL_PEER:
             result["state_dict"] = _tensor_parallel_part(result["state_dict"], cfg)
     return result
+
+
+# minizero's front ends that take what a PyTorch implementation takes -> that implementation's peer
+FRONT_ENDS = {"fully_shard": "fsdp2", "ddp": "ddp", "ddp+zero": "zero_redundancy"}
+
+
+def build_front_end(cfg: TrainConfig, front_end: str):
+    """(module, optimizer, no_sync) for minizero's front end, built as build_peer builds its peer:
+    minizero.fully_shard per block, then at the root, as the "fsdp2" peer (the same units); its
+    DistributedDataParallel with the same bucket size, and the user's optimizer or its
+    ZeroRedundancyOptimizer over the optimizer class, as "ddp" and "zero_redundancy"."""
+    if front_end not in FRONT_ENDS:
+        raise ValueError(f"unknown front end {front_end!r}; choose from {sorted(FRONT_ENDS)}")
+    if cfg.dtype != "fp32":
+        raise ValueError("front ends are compared with their peers in fp32")
+    model = make_model(cfg.model_config(), seed=cfg.seed).to(comm.device())
+    opt_cls, opt_kwargs = OPTIMIZERS[cfg.optimizer], {"lr": cfg.lr, **cfg.optimizer_params}
+    if front_end in ("ddp", "ddp+zero"):
+        ddp = MinizeroDDP(model, bucket_cap_mb=cfg.bucket_size / 1e6)
+        params = [p for p in ddp.parameters() if p.requires_grad]
+        optimizer = (opt_cls(params, **opt_kwargs) if front_end == "ddp" else
+                     MinizeroZero(params, opt_cls, **opt_kwargs))
+        return ddp, optimizer, ddp.no_sync
+    for block in model.blocks:
+        minizero_fully_shard(block)
+    minizero_fully_shard(model)
+    optimizer = opt_cls([p for p in model.parameters() if p.requires_grad], **opt_kwargs)
+    return model, optimizer, functools.partial(_without_sync, model)
+
+
+def front_end_worker(cfg: TrainConfig, front_end: str) -> dict:
+    """peer_worker's loop and report, for minizero's front end (FRONT_ENDS): what the bench pairs
+    with the peer it imitates. Its comm_bytes_per_step is minizero's tally; it has no engine,
+    so no counted peak (None)."""
+    return {**peer_worker(cfg, front_end, build=build_front_end), "peak": None}
+
+
+@contextlib.contextmanager
+def _without_sync(model):
+    """FSDP2's no_sync: set_requires_gradient_sync(False) inside."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def _step(optimizer, params, clip_grad_norm) -> None:
@@ -193,23 +213,18 @@ def _step(optimizer, params, clip_grad_norm) -> None:
     optimizer.zero_grad(set_to_none=False)
 
 
-def _unwrapped(module):
-    """The model inside a DDP (torch's or minizero's), or the module itself."""
-    wrappers = (DistributedDataParallel, minizero.DistributedDataParallel)
-    return module.module if isinstance(module, wrappers) else module
-
-
 def full_state_dict(module) -> dict[str, torch.Tensor]:
     """Plain CPU tensors with the unwrapped model's keys (DDP's 'module.' prefix dropped,
     DTensors gathered)."""
+    inner = module.module if isinstance(module, (DistributedDataParallel, MinizeroDDP)) else module
     return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
-            for k, v in _unwrapped(module).state_dict().items()}
+            for k, v in inner.state_dict().items()}
 
 
 def _memory(module, optimizer) -> dict[str, int]:
     """This rank's resident bytes, counted the way minizero counts its own (each storage once)."""
     params = list(module.parameters())
-    if isinstance(optimizer, (ZeroRedundancyOptimizer, minizero.ZeroRedundancyOptimizer)):
+    if isinstance(optimizer, (ZeroRedundancyOptimizer, MinizeroZero)):
         state = optimizer.optim.state.values()                   # this rank's optimizer's
     else:
         state = optimizer.state.values()

@@ -90,6 +90,7 @@ def summarize(cfg: TrainConfig, results: list[dict], network=None) -> dict:
         "dtype": cfg.dtype,
         "reduce_dtype": cfg.reduce_dtype,
         "offload": cfg.offload,
+        "synchronous": cfg.synchronous,       # no collective overlapped another (comm.synchronous)
         "losses": losses,
         "shard_group_size": cfg.shard_group_size,
         "hpz_group_size": cfg.hpz_group_size,
@@ -98,10 +99,12 @@ def summarize(cfg: TrainConfig, results: list[dict], network=None) -> dict:
             {
                 "rank": r["rank"],
                 "memory": r["memory"],
-                "comm_bytes_per_step": r["comm_bytes_per_step"],
+                "comm_bytes_per_step": r["comm_bytes_per_step"],     # modelled: the ring formula
+                "wire_bytes_per_step": r.get("wire_bytes_per_step"),  # measured (None: n/a)
             }
             for r in results
         ],
+        "wire_unavailable": results[0].get("wire_unavailable"),     # why n/a, or None
         "theory": theory(cfg, num_params, num_frozen),
         "step_time_s": statistics.median(times),
         "step_times_s": times,  # rank 0's timed steps: the spread behind that median
@@ -122,6 +125,40 @@ def summarize(cfg: TrainConfig, results: list[dict], network=None) -> dict:
     }
 
 
+# Why a collective's measured bytes differ from the ring's (docs/performance.md, "Bytes on the
+# wire"); every one also carries gloo's headers
+WHY = {"all_reduce": "a ring all-reduce, as modelled",
+       "reduce_scatter": "gloo runs an all-reduce, then a copy (comm.py): 2x",
+       "all_gather": "gloo runs N broadcasts: the ring's bytes in all",
+       "broadcast": "gloo's tree: the root sends S to each child",
+       "all_to_all": "N-1 chunks out, as modelled",
+       "overlapped": "sent while two kinds were in flight: --synchronous parts them",
+       "total": "+ gloo's headers; docs/performance.md: the ratio by stage"}
+
+
+def format_wire(summary: dict) -> list[str]:
+    """Rank 0's bytes per step by collective: modelled (comm's tally) next to measured
+    (memory/wire.py), with the reason each differs; "n/a" where nothing could be measured."""
+    kb = lambda x: f"{x / 1e3:10.1f}"      # noqa: E731
+    first = summary["ranks"][0]
+    modelled, measured = first["comm_bytes_per_step"], first.get("wire_bytes_per_step")
+    kinds = [k for k in WHY if k != "total" and (modelled.get(k) or (measured or {}).get(k))]
+    lines = ["rank 0's bytes per step by collective (kB): modelled = the ring formula comm "
+             "tallies, measured = on the wire",
+             f"  {'collective':<15}{'modelled':>10}{'measured':>10}{'ratio':>7}  why they differ"]
+    for kind in kinds + ["total"]:
+        model = modelled.get(kind, 0.0)
+        got = "n/a" if measured is None else kb(measured.get(kind, 0))
+        exact = measured is not None and (kind == "total" or not measured.get("overlapped"))
+        ratio = f"{measured.get(kind, 0) / model:.2f}" if exact and model else ""
+        shown = kb(model) if kind != "overlapped" else ""
+        why = WHY[kind]
+        lines.append(f"  {kind:<15}{shown:>10}{got:>10}{ratio:>7}  {why}")
+    if measured is None:
+        lines.append(f"  measured: n/a ({summary.get('wire_unavailable') or 'not measured'})")
+    return lines
+
+
 def format_table(summary: dict) -> str:
     kb = lambda x: f"{x / 1e3:9.1f}"      # noqa: E731
     th = summary["theory"]
@@ -129,6 +166,8 @@ def format_table(summary: dict) -> str:
     reduce = f", gradients in {summary['reduce_dtype']}" if summary.get("reduce_dtype") else ""
     if summary.get("shard_group_size"):
         off += f", shard groups of S = {summary['shard_group_size']}"
+    if summary.get("synchronous"):
+        off += ", synchronous collectives"
     if summary.get("hpz_group_size"):
         off += f", hpZ groups of R = {summary['hpz_group_size']}"
     m = summary.get("tensor_parallel", 1)
@@ -139,25 +178,31 @@ def format_table(summary: dict) -> str:
         f"parameters, {summary['dtype']}{reduce}{off}, {summary['backend']} on "
         f"{summary['device']}   (kB per rank; theory = ZeRO paper)",
         f"{'rank':>4} {'params':>9} {'grads':>9} {'optim':>9} {'offload':>9} {'device':>9} "
-        f"{'peak':>9} {'comm/step':>10} {'activ.':>9}",
+        f"{'peak':>9} {'comm/step':>10} {'wire/step':>10} {'activ.':>9}",
     ]
     for r in summary["ranks"]:
-        m = r["memory"]
+        m, wire = r["memory"], r.get("wire_bytes_per_step")
         device = m["params"] + m["grads"] + m["optimizer"]
         lines.append(
             f"{r['rank']:>4} {kb(m['params'])} {kb(m['grads'])} {kb(m['optimizer'])} "
             f"{kb(m['offloaded'])} {kb(device)} {kb(m['peak'])} "
-            f"{kb(r['comm_bytes_per_step']['total'])} "
+            f"{kb(r['comm_bytes_per_step']['total'])}  "
+            f"{kb(wire['total']) if wire else 'n/a':>9} "
             f"{kb(m['activations'])}"
         )
     lines.append(
         f"{'th.':>4} {kb(th['params'])} {kb(th['grads'])} "
         f"{kb(th['optimizer'])} {kb(th['offloaded'])} "
-        f"{kb(th['device_total'])} {'':>9} {kb(th['comm_bytes_per_step'])} {kb(th['activations'])}"
+        f"{kb(th['device_total'])} {'':>9} {kb(th['comm_bytes_per_step'])} {'':>10} "
+        f"{kb(th['activations'])}"
     )
+    lines.append("comm/step: modelled (the ring's bytes, comm.tally); wire/step: measured (what "
+                 "gloo wrote)")
+    lines += format_wire(summary)
     losses = summary["losses"]
-    lines.append(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "
-                 f"median step time {summary['step_time_s'] * 1e3:.1f} ms")
+    lines.append(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps (the mean of "
+                 f"the ranks' losses: the global batch's); median step time "
+                 f"{summary['step_time_s'] * 1e3:.1f} ms")
     lines.append(format_throughput(summary["throughput"]))
     if summary.get("network"):
         sent = summary["ranks"][0]["comm_bytes_per_step"]

@@ -5,6 +5,7 @@ the function around it, highlighted.
     source.show(minizero.zero2.GradientShard.reduce, mark="reduce_scatter(")      # highlighted
     source.show(("minizero/zero3.py", 170))                        # the function around a line
     where = source.origin()      # inside an event subscriber: the minizero line that emitted it
+    source.stack()               # ... and every minizero line on the stack that led to it
 
 Notebooks 00-05 show the implementation this way, never a copy that could drift from it; the
 step-through (stepthrough.py) records `origin()` with every phase and plots.step_widget shows the
@@ -54,6 +55,21 @@ def origin(skip: tuple[str, ...] = PLUMBING, skip_functions: tuple[str, ...] = (
     return None
 
 
+def stack(skip: tuple[str, ...] = PLUMBING) -> list[dict]:
+    """Every frame of the call stack in minizero/ outside lab/ and the files `skip`, innermost
+    first, as {"file", "line", "function"}: the line of each minizero function that led to the
+    event a subscriber is being told about (origin() is the first of them)."""
+    frames, frame = [], sys._getframe(1)
+    while frame is not None:
+        path = pathlib.Path(frame.f_code.co_filename).resolve()
+        if (path.is_relative_to(PACKAGE) and not path.is_relative_to(PACKAGE / "lab")
+                and path.name not in skip):
+            frames.append({"file": relative(path), "line": frame.f_lineno,
+                           "function": frame.f_code.co_qualname})
+        frame = frame.f_back
+    return frames
+
+
 def of(obj) -> dict:
     """{"file", "line", "function"} of a function or method of minizero: its `def` line."""
     obj = inspect.unwrap(obj)
@@ -96,16 +112,17 @@ def function_at(file: str, line: int) -> tuple[str, int, list[str]]:
 
 
 class Code:
-    """The function of minizero around `line`, read from its file now, with `line` marked (unless it
-    is the `def` line) and every line containing one of `marks`; shown as highlighted HTML in a
-    notebook and as numbered text elsewhere (print: ▶ marks)."""
+    """The function of minizero around `line`, read from its file now, with `line` and `also`
+    marked (not the `def` line) and every line containing one of `marks`; shown as highlighted
+    HTML in a notebook and as numbered text elsewhere (print: ▶ marks)."""
 
-    def __init__(self, file: str, line: int, title: str = "", marks: tuple[str, ...] = ()):
+    def __init__(self, file: str, line: int, title: str = "", marks: tuple[str, ...] = (),
+                 also: tuple[int, ...] = ()):
         self.file, self.line = file, line
         self.function, self.first, self.lines = function_at(file, line)
         self.title = title or f"{file}:{line}, in {self.function}"
         self.marked = {self.first + i for i, text in enumerate(self.lines)
-                       if any(m in text for m in marks)} | ({line} - {self.first})
+                       if any(m in text for m in marks)} | ({line, *also} - {self.first})
 
     def __str__(self) -> str:
         width = len(str(self.first + len(self.lines)))
@@ -130,14 +147,18 @@ class Code:
 
 
 def show(*things, mark: str | tuple[str, ...] = ()) -> Listing | Code:
-    """Each thing (a function or method of minizero, or a (file, line) pair) as Code: the function
-    around it, read from the file now, each line containing `mark` (a string or several)
-    highlighted. One thing: its Code; several: a Listing, shown one below the other."""
+    """Each thing (a function or method of minizero, or a (file, line) pair: that line marked) as
+    Code: the function around it, read from the file now, each line containing `mark` (a string or
+    several) highlighted. (file, line) pairs in one function are one Code with each line marked.
+    One function: its Code; several: a Listing, shown one below the other."""
     marks = (mark,) if isinstance(mark, str) else tuple(mark)
-    codes = []
+    functions: dict[tuple[str, int], list[int]] = {}        # (file, def line) -> lines to mark
     for thing in things:
         where = dict(zip(("file", "line"), thing)) if isinstance(thing, tuple) else of(thing)
-        codes.append(Code(where["file"], where["line"], marks=marks))
+        _, first, _ = function_at(where["file"], where["line"])
+        functions.setdefault((where["file"], first), []).append(where["line"])
+    codes = [Code(file, lines[0], marks=marks, also=tuple(lines[1:]))
+             for (file, _), lines in functions.items()]
     return codes[0] if len(codes) == 1 else Listing(codes)
 
 

@@ -5,7 +5,7 @@ real engine.
     steps = stepthrough.record(stepthrough.StepConfig(stage=2, world_size=3))  # one minizero.launch
     steps["phases"][k]["label"], steps["phases"][k]["ranks"][r]["gradient shard"]
     stepthrough.check(steps)          # every phase against one process stepping the whole batch
-    ring = stepthrough.ring(3)        # minizero.comm.ring_all_reduce, exchange by exchange
+    ring = stepthrough.ring(3)        # minizero.ring.ring_all_reduce, one exchange at a time
 
 Notebooks 01-05, 07 and 08 (hierarchical sharding: StepConfig(shard_group_size=2, world_size=4))
 draw `record` (notebooks/plots.py: step_table, step_grid, step_widget), notebook 00 draws `ring`;
@@ -26,15 +26,21 @@ with nothing in the engine replaced:
     them is a phase of its own, "all_reduce_across";
   * wrap(..., buckets_in_flight=1): one bucket in flight (minizero lets two overlap), so the phases
     come bucket by bucket;
-  * stage 3: "unit freed" (its gathers are the all-gathers above), prefetch off;
+  * stage 3: "unit freed" (its gathers are the all-gathers above); prefetch on, so backward's
+    pre_backward starts the next unit's all-gather (forward's from the second step, once the
+    first has recorded the order; inside comm.synchronous() it completes as it is issued);
   * "optimizer step", and the end of forward and of backward.
 None of it changes a value: `check` compares every phase with one process stepping the whole batch.
 
-Each phase also names the line of minizero that produced it ("source": file, line, function), found
-by walking the call stack of the event being observed (source.origin: the subscriber runs inside
-events.emit, so the emitting frame is on the stack): for a collective the stage's call to it, for a
-free Unit.free. The recorder's own snapshots (start, end of forward, end of backward) name the
-engine method that had just run. plots.step_widget shows that function with the line marked.
+Each phase also names the line of minizero that produced it ("source": file, line, function) and
+the lines that led there ("stack"), found by walking the call stack of the event being observed
+(source.stack: the subscriber runs inside events.emit, so the emitting frames are on the stack):
+for a collective the stage's call to it, for a free Unit.free, for the step the optimizer home's
+call of torch's optimizer (seen from torch's own step hook). The recorder's own snapshots (start,
+end of forward, end of backward) name the engine method that had just run. plots.step_widget shows
+that function with the line marked; `ran(steps, "Unit.pre_forward", ...)` finds every line of a
+function that led to an event, for a notebook to show with source.show: only lines that ran are
+marked, wherever they move.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import linecache
 import math
 from collections import OrderedDict
 
@@ -50,6 +57,7 @@ from torch import nn
 
 from minizero import comm, events
 from minizero.lab import source
+from minizero.ring import ring_all_reduce
 from minizero.launcher import launch
 from minizero.wrap import check as check_settings
 from minizero.wrap import wrap
@@ -96,6 +104,9 @@ def _optimizer(cfg: StepConfig):
 class _Recorder:
     def __init__(self, engine):
         self.engine, self.phases, self.in_backward = engine, [], False
+        # every minizero line on the stack of an event seen: (file, line, function) -> event names
+        self.ran: dict[tuple[str, int, str], set[str]] = {}
+        self.step_stack: list[dict] = []       # where the optimizer stepped (its torch hook)
         self.issued: dict[int, tuple] = {}       # collective seq -> (kind, group, bucket) till done
         # flat ranges a reduce-scatter left undefined: None
         self.workspace: list[tuple[int, int]] = []
@@ -130,12 +141,13 @@ class _Recorder:
         return b.start + (e.layout.rank * b.shard_numel if e.sharded else 0)
 
     def _name(self, b) -> str:
-        units = getattr(self.engine, "_unit_of_bucket", None)
-        return f"unit {units[b.index].name}" if units else f"bucket {b.index}"
+        """Stage 3: the unit whose bucket b is, as its tag names it (units in forward order)."""
+        units = {u.bucket.index: u for u in getattr(self.engine, "units", []) if u.bucket}
+        return units[b.index].tag if b.index in units else f"bucket {b.index}"
 
-    def snap(self, label: str, kind: str, bucket=None, where: dict | None = None) -> None:
-        """Record every buffer now, as the end of a phase; `where`: the line of minizero that
-        produced it (source.origin or source.of)."""
+    def snap(self, label: str, kind: str, bucket=None, where: list[dict] = ()) -> None:
+        """Record every buffer now, as the end of a phase; `where`: the lines of minizero that
+        produced it, innermost first (source.stack, or [source.of(...)])."""
         self.phases.append(
             {
                 "label": label,
@@ -143,7 +155,8 @@ class _Recorder:
                 "bucket": None if bucket is None else bucket.index,
                 "buffers": self.state(),
                 "activations": self.engine.activations.alive,
-                "source": where,
+                "source": where[0] if where else None,
+                "stack": list(where),
             }
         )
 
@@ -169,7 +182,7 @@ class _Recorder:
                         put(full, unit.bucket.start, unit.full)
                     put(shard, self.owned(unit.bucket), unit.shard)
             out["parameters"], out["parameter shard"] = full, shard
-            if e.hpz_group is not None:               # [Note: hpZ] in zero3.py: forward to backward
+            if e.hpz_group is not None:               # [Note: hpZ] (beyond/hpz.py): fwd to bwd
                 secondary, i, r = (
                     empty(),
                     comm.group_rank(e.hpz_group),
@@ -199,12 +212,15 @@ class _Recorder:
         if hasattr(opt, "host_grads"):
             out["gradients (host)"] = empty()          # offload: what the host steps on
         out["momentum" + where] = empty()
+        # the state as the optimizer home hands it to a checkpoint: one entry per bucket's part
+        # (optim.ShardOptimizer.state_dict; torch's own state is keyed by the cache-sized views)
+        state = opt.state_dict()["state"]
         for i, (b, master) in enumerate(zip(layout.buckets, opt.masters)):
             if "master weights" + where in out:
                 put(out["master weights" + where], self.owned(b), master)
             if "gradients (host)" in out:
                 put(out["gradients (host)"], self.owned(b), opt.host_grads[i])
-            momentum = opt.optimizer.state.get(master, {}).get("momentum_buffer")
+            momentum = state.get(i, {}).get("momentum_buffer")
             if momentum is not None:
                 put(out["momentum" + where], self.owned(b), momentum)
         for key in GRADIENTS:                    # what a reduce-scatter used as workspace (comm.py)
@@ -221,8 +237,19 @@ class _Recorder:
         with comm.synchronous(), events.subscribed(self._on_event):
             yield
 
+    def saw(self, name: str, frames: list[dict]) -> None:
+        for f in frames:             # (a line that only announces the event is no mechanism)
+            if "events.emit(" not in linecache.getline(str(source.ROOT / f["file"]), f["line"]):
+                self.ran.setdefault((f["file"], f["line"], f["function"]), set()).add(name)
+
+    def optimizer_stepped(self, optimizer, args, kwargs) -> None:
+        """torch's step post-hook on the optimizer home's torch optimizer: where it stepped."""
+        self.step_stack = source.stack()
+        self.saw("torch optimizer step", self.step_stack)
+
     def _on_event(self, name: str, fields: dict) -> None:
-        e, where = self.engine, source.origin()       # the line of minizero that emitted it
+        e, where = self.engine, source.stack()        # the lines of minizero that emitted it
+        self.saw(name, where)
         if name == "collective" and fields["kind"] in KINDS and fields["numel"]:
             b = self._bucket_of(fields["tensor"])
             self.issued[fields["seq"]] = (fields["kind"], fields["group"], b)
@@ -237,16 +264,20 @@ class _Recorder:
             self._after_collective(*self.issued.pop(fields["seq"]), where)
         elif name == "unit freed" and fields["engine"] is e:
             self.snap(
-                f"free unit {fields['unit'].name}: only the shard is left",
+                f"free {fields['unit'].tag}: only the shard is left",
                 "free",
                 fields["unit"].bucket,
                 where,
             )
         elif name == "optimizer step" and fields["engine"] is e:
             what = "its partition" if e.sharded else "every parameter (all ranks the same)"
-            self.snap(f"optimizer step: each rank updates {what}", "step", where=where)
+            self.snap(f"optimizer step: each rank updates {what}", "step",
+                      where=self.step_stack or where)
+        elif name == "unit gather" and fields["engine"] is e and fields["prefetch"]:
+            self.phases[-1]["label"] += (" (a prefetch: started while the unit before it in "
+                                         "backward computes)")
 
-    def _after_collective(self, kind: str, group, b, where: dict | None) -> None:
+    def _after_collective(self, kind: str, group, b, where: list[dict]) -> None:
         e, name = self.engine, self._name(b)
         snap = functools.partial(self.snap, where=where)
         if kind == "reduce_scatter":                   # only this rank's partition is defined now
@@ -303,7 +334,7 @@ def worker(cfg: StepConfig) -> dict:
     r, n = comm.rank(), comm.world_size()
     options = {0: {"bucket_size": 4 * cfg.bucket_elems, "buckets_in_flight": 1}, 1: {},
                2: {"bucket_size": 4 * cfg.bucket_elems, "buckets_in_flight": 1},
-               3: {"prefetch": False, "buckets_in_flight": 1}}[cfg.stage]
+               3: {"prefetch": True, "buckets_in_flight": 1}}[cfg.stage]
     groups = {"shard_group_size": cfg.shard_group_size, "hpz_group_size": cfg.hpz_group_size}
     options.update({name: size for name, size in groups.items() if size is not None})
     engine = wrap(tiny_model(cfg.seed), cfg.stage, _optimizer(cfg), offload=cfg.offload,
@@ -311,20 +342,24 @@ def worker(cfg: StepConfig) -> dict:
     x, y = (t[r * cfg.rows // n: (r + 1) * cfg.rows // n] for t in global_batch(cfg))
     rec, kind = _Recorder(engine), type(engine)
     built = type(engine.params).__init__                      # where the parameters were laid out
+    # torch's own hook on the optimizer the home steps (optim.SteppedHome.optimizer): the stack of
+    # the partitioned step, ShardOptimizer.step's call of it
+    hook = engine.optimizer.optimizer.register_step_post_hook(rec.optimizer_stepped)
     with rec.watching():
         rec.snap("start: each rank holds only its parameter shard, partition r of every unit"
                  if cfg.stage == 3 else "start: every rank holds rank 0's initial parameters",
-                 "start", where=source.of(built))
+                 "start", where=[source.of(built)])
         loss = nn.functional.mse_loss(engine(x), y)
         rec.snap("end of forward: each rank has its loss on its own rows; every unit was gathered "
                  "for it and freed again (the phases above)" if cfg.stage == 3 else
                  "end of forward: each rank has its loss on its own rows (nothing communicated)",
-                 "forward", where=source.of(kind.__call__))
+                 "forward", where=[source.of(kind.__call__)])
         rec.in_backward = True
         engine.backward(loss)
         rec.in_backward = False
-        rec.snap("end of backward", "backward", where=source.of(kind.backward))
+        rec.snap("end of backward", "backward", where=[source.of(kind.backward)])
         engine.step()
+    hook.remove()
     # The last phase against the engine's own result: full_state_dict all-gathers the masters.
     final, state = rec.phases[-1]["buffers"], engine.full_state_dict()
     held = final["parameters" if cfg.stage < 3 else "parameter shard"]
@@ -333,7 +368,9 @@ def worker(cfg: StepConfig) -> dict:
             assert got is None or got == want, (
                 f"rank {r}, {name}: recorded {got}, the engine holds {want}"
             )
-    return {"phases": rec.phases, "segments": rec.segments, "loss": loss.item(),
+    ran = [{"file": f, "line": line, "function": fn, "events": sorted(names)}
+           for (f, line, fn), names in sorted(rec.ran.items())]
+    return {"phases": rec.phases, "segments": rec.segments, "loss": loss.item(), "ran": ran,
             "buckets": [
                 {
                     "index": b.index,
@@ -350,7 +387,9 @@ def worker(cfg: StepConfig) -> dict:
 def record(cfg: StepConfig = StepConfig(), backend: str = "gloo") -> dict:
     """One launch: {"config", "buckets", "segments", "padded", "partitioned", "phases":
     [{"label", "kind", "bucket", "source": {"file", "line", "function"} of the minizero line that
-    produced it, "ranks": [rank r's buffers], "activations": [bytes per rank]}]};
+    produced it, "stack": the minizero lines that led to it, innermost first, "ranks": [rank r's
+    buffers], "activations": [bytes per rank]}], "ran": [{"file", "line", "function", "events"}:
+    every minizero line on the stack of an event of the step, and those events]};
     the end of backward is left out where it changed nothing on any rank (DDP: the last
     all-reduce ended it)."""
     # one line, no launch
@@ -373,6 +412,7 @@ def record(cfg: StepConfig = StepConfig(), backend: str = "gloo") -> dict:
                 "kind": phase["kind"],
                 "bucket": phase["bucket"],
                 "source": phase["source"],        # rank 0's: every rank runs the same code
+                "stack": phase["stack"],
                 "ranks": ranks,
                 "activations": activations,
             }
@@ -385,7 +425,20 @@ def record(cfg: StepConfig = StepConfig(), backend: str = "gloo") -> dict:
         "partitioned": first["partitioned"],
         "phases": phases,
         "losses": [res["loss"] for res in per_rank],
+        "ran": first["ran"],
     }
+
+
+def ran(steps: dict, *functions: str) -> list[tuple[str, int]]:
+    """(file, line) of every line of the named functions (qualified names: "Unit.pre_forward")
+    that was on the call stack of an event in the recorded step: the lines that ran and led to
+    what the phases show, found wherever they are now, for source.show to mark. A function none
+    of whose lines did: ValueError (renamed, or not run at this setting)."""
+    missing = [f for f in functions if not any(r["function"] == f for r in steps["ran"])]
+    if missing:
+        raise ValueError(f"{', '.join(missing)}: no line of it led to an event in this step "
+                         f"(stage {steps['config']['stage']})")
+    return [(r["file"], r["line"]) for f in functions for r in steps["ran"] if r["function"] == f]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -393,8 +446,9 @@ def record(cfg: StepConfig = StepConfig(), backend: str = "gloo") -> dict:
 # --------------------------------------------------------------------------------------------------
 
 def reference(cfg: StepConfig, segments, padded: int) -> dict[str, list]:
-    """One process, the whole batch, plain torch.optim: the gradient and the stepped parameters,
-    laid out in the engine's flat coordinates (None at padding)."""
+    """One process, the whole batch, plain torch.optim: the gradient, the stepped parameters and
+    the optimizer's momentum after the step, laid out in the engine's flat coordinates (None at
+    padding)."""
     model = tiny_model(cfg.seed)
     x, y = global_batch(cfg)
     nn.functional.mse_loss(model(x), y).backward()
@@ -403,10 +457,13 @@ def reference(cfg: StepConfig, segments, padded: int) -> dict[str, list]:
     for name, start, numel in segments:
         out["start"][start: start + numel] = params[name].detach().reshape(-1).tolist()
         out["grad"][start: start + numel] = params[name].grad.reshape(-1).tolist()
-    _optimizer(cfg)(model.parameters()).step()
-    out["stepped"] = [None] * padded
+    optimizer = _optimizer(cfg)(model.parameters())
+    optimizer.step()
+    out["stepped"], out["momentum"] = [None] * padded, [None] * padded
     for name, start, numel in segments:
         out["stepped"][start: start + numel] = params[name].detach().reshape(-1).tolist()
+        momentum = optimizer.state[params[name]]["momentum_buffer"]
+        out["momentum"][start: start + numel] = momentum.reshape(-1).tolist()
     return out
 
 
@@ -417,9 +474,9 @@ def _close(a, b, tol: float = 1e-6) -> bool:
 def check(steps: dict) -> None:
     """Raise AssertionError naming the phase, the rank and the element where a recording is wrong.
 
-    With shard_group_size=S < N ([Note: hierarchical sharding] in minizero/engine.py): rank r owns
-    partition r % S of its row of S consecutive ranks; the reduce-scatter averages over the row, one
-    all-reduce per bucket across the rows ("all_reduce_across") then gives every owner the
+    With shard_group_size=S < N ([Note: hierarchical sharding] in beyond/hierarchical.py): rank r
+    owns partition r % S of its row of S consecutive ranks; the reduce-scatter averages over the
+    row, one all-reduce per bucket across the rows ("all_reduce_across") then gives every owner the
     whole-batch mean."""
     cfg = StepConfig(**steps["config"])
     ref = reference(cfg, steps["segments"], steps["padded"])
@@ -523,6 +580,18 @@ def check(steps: dict) -> None:
                             f"{where}: rank {r}, parameter element {j}: {held[j]}, "
                             f"expected {'the stepped ' if mine else 'the unchanged '}{want}"
                         )
+    # the optimizer state: none before the step; after it, torch's momentum where the rank steps
+    stepped = next(k for k, p in enumerate(phases) if p["kind"] == "step")
+    for k, phase in enumerate(phases):
+        for r, rank in enumerate(phase["ranks"]):
+            row = next(v for name, v in rank.items() if name.startswith("momentum"))
+            for j in real:
+                if k < stepped or not owns(r, j):
+                    assert row[j] is None, f"phase {k} ({phase['label']}): rank {r}, momentum {j}"
+                else:
+                    assert _close(row[j], ref["momentum"][j]), (
+                        f"phase {k} ({phase['label']}): rank {r}, momentum element {j}: "
+                        f"{row[j]}, one process's optimizer holds {ref['momentum'][j]}")
     last = phases[-1]["ranks"]
     for r, rank in enumerate(last):
         held = rank[params]
@@ -547,11 +616,11 @@ def _bucket_at(steps: dict, j: int) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------
-# Notebook 00: minizero.comm.ring_all_reduce, exchange by exchange
+# Notebook 00: minizero.ring.ring_all_reduce, exchange by exchange
 # --------------------------------------------------------------------------------------------------
 
 def ring_worker(numel: int) -> dict:
-    """Worker: rank r sums 10 r + [1, 2, ..., numel] with comm.ring_all_reduce, while its
+    """Worker: rank r sums 10 r + [1, 2, ..., numel] with ring.py's ring_all_reduce, while its
     point-to-point exchanges are observed: before each one, the rank's padded buffer and the chunk
     it sends."""
     r = comm.rank()
@@ -566,7 +635,7 @@ def ring_worker(numel: int) -> dict:
             lines.append(source.origin(skip=("events.py",),
                                        skip_functions=("ring_all_reduce.<locals>.exchange",)))
     with events.subscribed(observed):
-        comm.ring_all_reduce(tensor)
+        ring_all_reduce(tensor)
     padding = states[-1][numel:]                               # chunk sums of zeros stay zeros
     return {"inputs": inputs, "states": states + [tensor.tolist() + padding], "sends": sends,
             "sources": lines}
@@ -575,7 +644,7 @@ def ring_worker(numel: int) -> dict:
 def ring(world_size: int, numel: int = 5, backend: str = "gloo") -> dict:
     """One launch: {"world_size", "numel", "chunk", "inputs": by rank, "states": [state before
     exchange s (the last: the result), by rank], "sends": [chunk each rank sends at exchange s,
-    by rank], "sources": [the line of comm.ring_all_reduce that ran exchange s]}."""
+    by rank], "sources": [the line of ring_all_reduce that ran exchange s]}."""
     per_rank = launch(ring_worker, world_size, numel, backend=backend)
     steps = len(per_rank[0]["sends"])
     return {"world_size": world_size, "numel": numel, "chunk": -(-numel // world_size),

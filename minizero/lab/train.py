@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from minizero import checkpoint, comm
-from minizero.beyond import tensor_parallel
+from minizero.beyond import network, tensor_parallel
+from minizero.deepspeed import muon
 from minizero.deepspeed.config import OPTIMIZERS, build_scheduler
 from minizero.flat import DEFAULT_BUCKET_BYTES
 from minizero.lab.data import IGNORE, global_batch, local_batch
@@ -34,6 +35,7 @@ from minizero.lab.faults import Fault
 from minizero.lab.model import GPTConfig, make_model
 from minizero.lab.throughput import peak_worker
 from minizero.construct import sharded_init
+from minizero.memory import wire
 from minizero.options import takes
 from minizero.wrap import wrap
 
@@ -64,16 +66,20 @@ class TrainConfig:
     batch_size: int = 16
     grad_accum: int = 1                       # micro-batches per step
     clip_grad_norm: float | None = None
-    optimizer: str = "adamw"
+    optimizer: str = "adamw"                  # one of OPTIMIZERS, or "muon" (optimizer_and_groups)
     lr: float = 3e-3
-    # extra keyword arguments (betas, momentum...)
+    # extra keyword arguments (betas, momentum...; Muon's: DeepSpeed's, deepspeed/muon.py)
     optimizer_params: dict = field(default_factory=dict)
+    muon_design: str | None = None            # wrap's muon_design (None: beyond/muon's default)
     scheduler: dict | None = None        # {"type", "params"}: DeepSpeed's (deepspeed/config.py)
     bucket_size: float = DEFAULT_BUCKET_BYTES           # bytes per gradient bucket (stages 0, 2)
     prefetch: bool = True                               # stage 3
     quantized_weights: bool = False                     # stage 3: ZeRO++ qwZ (beyond/quantize.py)
     quantized_gradients: bool = False                   # stages 2-3: ZeRO++ qgZ
     overlap: bool = True                                # stage 0: False all-reduces after backward
+    # every collective completes before it returns (comm.synchronous()): no overlap, so the bytes
+    # on the wire are measured per collective kind exactly (memory/wire.py)
+    synchronous: bool = False
     # stages 1-3: partition within groups of S ranks (HSDP / MiCS)
     shard_group_size: int | None = None
     # stage 3: backward's all-gather within R ranks (ZeRO++ hpZ)
@@ -111,6 +117,14 @@ class TrainConfig:
             )
         return functools.partial(OPTIMIZERS[self.optimizer], lr=self.lr, **self.optimizer_params)
 
+    def optimizer_and_groups(self, model) -> tuple[Callable, list[dict] | None]:
+        """(the factory wrap takes, its param_groups): for "muon" DeepSpeed's reading of a Muon
+        config (the matrices named neither embed nor lm_head: Muon; the rest: AdamW), else
+        optimizer_factory() over every parameter (None)."""
+        if self.optimizer == "muon":
+            return muon.factory_and_groups(model, {"lr": self.lr, **self.optimizer_params}, None)
+        return self.optimizer_factory(), None
+
     def engine_options(self) -> dict:
         opts = {"dtype": self.dtype, "clip_grad_norm": self.clip_grad_norm}
         if self.loss_scale is not None:
@@ -136,6 +150,8 @@ class TrainConfig:
                 opts[name] = getattr(self, name)
         if self.tensor_parallel > 1:
             opts["tensor_parallel"] = self.tensor_parallel
+        if self.muon_design is not None:
+            opts["muon_design"] = self.muon_design
         return opts
 
 
@@ -226,9 +242,9 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
     )
     if cfg.init_state:
         model.load_state_dict(torch.load(cfg.init_state, map_location="cpu", weights_only=True))
-    engine = make_engine(
-        model, cfg.stage, cfg.optimizer_factory(), offload=cfg.offload, **cfg.engine_options()
-    )
+    factory, groups = cfg.optimizer_and_groups(model)
+    engine = make_engine(model, cfg.stage, factory, offload=cfg.offload, **cfg.engine_options(),
+                         **({} if groups is None else {"param_groups": groups}))
     if cfg.load_dir:
         engine.load(cfg.load_dir)               # also restores step_count: the data continues there
     first = engine.step_count if cfg.load_dir else cfg.start_step
@@ -245,29 +261,39 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
     memory = None
     bar = progress_bar(cfg.steps, f"stage {cfg.stage}", cfg.progress and rank == 0,
                        initial=first, unit="step")
+    # bytes on the wire, measured beside the tally's ring bytes (memory/wire.py; None: not here)
+    meter = None if wire.unavailable() else wire.WireMeter().start()
+    wire_per_step = []
     for step in range(first, cfg.steps):
         comm.reset_tally()
+        if meter:
+            meter.reset()
         start, phases = clock(), {}
-        step_loss = forward_backward(cfg, step, engine, engine.backward, engine.no_sync, phases)
-        if step == cfg.steps - 1:
-            memory = engine.memory()       # as held at the end of backward (optimizer state exists)
-        skipped = engine.skipped_steps
-        timed_step(engine.step, phases)
+        with comm.synchronous() if cfg.synchronous else contextlib.nullcontext():
+            step_loss = forward_backward(cfg, step, engine, engine.backward, engine.no_sync,
+                                         phases)
+            if step == cfg.steps - 1:
+                memory = engine.memory()   # as held at the end of backward (optimizer state exists)
+            skipped = engine.skipped_steps
+            timed_step(engine.step, phases)
         if schedule is not None and engine.skipped_steps == skipped:   # DeepSpeed: not on overflow
             schedule.step()
         step_times.append(clock() - start)
         phase_times.append(phases)
-        comm_per_step.append(comm.tally())
+        comm_per_step.append(network.tally())   # by kind, and intra/inter-node
         losses.append(step_loss)
+        wire_per_step.append(meter.bytes() if meter else None)
         loss_scales.append(engine.loss_scale)     # S after the step (fp16; 1.0 otherwise)
         if cfg.log_every and rank == 0 and (step % cfg.log_every == 0 or step == cfg.steps - 1):
-            print(f"step {step + 1:>4}/{cfg.steps}  loss {step_loss:.4f}  "
+            print(f"step {step + 1:>4}/{cfg.steps}  rank 0's loss {step_loss:.4f}  "
                   f"{step_times[-1] * 1e3:.1f} ms/step", flush=True)
         if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step == cfg.steps - 1):
             checkpoint.save_numbered(engine, cfg.save_dir, cfg.keep_last)
-        bar.set_postfix(loss=f"{step_loss:.4f}", refresh=False)
+        bar.set_postfix(rank0_loss=f"{step_loss:.4f}", refresh=False)
         bar.update()
     bar.close()
+    if meter:
+        meter.close()
     if cfg.save_dir and not cfg.save_every:
         engine.save(cfg.save_dir)
     result = {
@@ -279,7 +305,9 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
         "loss_scale": engine.loss_scale,        # S now (fp16; 1.0 otherwise), and the steps skipped
         "skipped_steps": engine.skipped_steps,
         "memory": memory,
-        "comm_bytes_per_step": comm_per_step[-1] if comm_per_step else {},
+        "comm_bytes_per_step": comm_per_step[-1] if comm_per_step else {},    # modelled
+        "wire_bytes_per_step": wire_per_step[-1] if wire_per_step else None,  # measured
+        "wire_unavailable": wire.unavailable(),         # why wire_bytes_per_step is None, or None
         "step_times": step_times,
         "phase_times": phase_times,                 # per step: seconds of forward, backward, step
         "num_params": model_num_params(engine),

@@ -43,6 +43,7 @@ from minizero import comm, events, owners
 from minizero.ddp import AllReducedGradients
 from minizero.flat import FlatLayout
 from minizero.pytorch import ddp_options
+from minizero.pytorch.process_groups import group_of
 from minizero.reducer import GradBuckets
 
 OWNER = owners.Owner("minizero.DistributedDataParallel", ("minizero.ZeroRedundancyOptimizer",))
@@ -75,7 +76,7 @@ class DistributedDataParallel(nn.Module):
                                      else broadcast_buffers is not False)
         init_sync_buffers = forward_sync_buffers is not None or broadcast_buffers is not False
         self.process_group = process_group if device_mesh is None else device_mesh
-        self.group = comm.group_of(self.process_group)           # None: every rank
+        self.group = group_of(self.process_group)           # None: every rank
         if self.group is not None and self.group.index < 0:
             raise ValueError(f"rank {comm.rank()} is not in process_group (ranks "
                              f"{list(self.group.ranks)}): only its members build the module")
@@ -96,8 +97,8 @@ class DistributedDataParallel(nn.Module):
 
         # stage 0's gradient family (ddp.py): one flat buffer in buckets, each all-reduced as soon
         # as its gradients are complete. Its engine attributes are this module's: grad_dtype,
-        # device, sync (below) and shard_group, the ranks it averages over.
-        self.grad_dtype, self.shard_group = self.trainable[0].dtype, self.group
+        # device, sync (below) and group, the ranks it averages over.
+        self.grad_dtype = self.trainable[0].dtype
         self.bucket_bytes_cap = ddp_options.bucket_caps(bucket_cap_mb, bucket_cap_mb_list)
         buckets = ddp_options.buckets(self.trainable[::-1], self.bucket_bytes_cap)   # reversed
         self.layout = FlatLayout.build(buckets, comm.group_size(self.group),

@@ -33,6 +33,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from minizero import comm, owners
+from minizero.pytorch.process_groups import group_of
 
 OWNER = owners.Owner("minizero.ZeroRedundancyOptimizer", ("minizero.DistributedDataParallel",))
 
@@ -58,7 +59,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             raise ValueError("ZeroRedundancyOptimizer: every parameter must be dense and of one "
                              f"dtype and device type, got {sorted(map(str, kinds))}")
         self.process_group = process_group
-        self.group = comm.group_of(process_group)                     # None: every rank
+        self.group = group_of(process_group)                     # None: every rank
         self.world_size, self.rank = comm.group_size(self.group), comm.group_rank(self.group)
         owners.claim(self._all_params, OWNER)
         self.parameters_as_bucket_view = parameters_as_bucket_view
