@@ -148,13 +148,13 @@ class FlatLayout:
         """Before bucket b is reduced: each p.grad its view of `bucket_grads` again. The user's
         zero_grad() sets p.grad = None (torch's default), which detaches it from the buffer: the
         next backward makes a new tensor, which would not be reduced. So what autograd made is
-        copied back (None: zero). Only where p.grad is a view (point_grads_into)."""
+        copied back (None: zero). Only where p.grad is a view (point_grads_into), not still one."""
         for p, view in b.views(bucket_grads):
-            if view.dtype != p.dtype or p.grad is view:
+            if view.dtype != p.dtype or p.grad is not None and p.grad.data_ptr() == view.data_ptr():
                 continue
             if p.grad is None:
                 view.zero_()
-            elif p.grad.data_ptr() != view.data_ptr():
+            else:
                 view.copy_(p.grad)
             p.grad = view
 

@@ -137,6 +137,8 @@ def _worker(rank: int, world_size: int, port: int, backend: str | None, payload:
             # a verdict is the parent's to report: it reads it from the store and stops every rank
             watch = desync.watch(store, stall_timeout, check_every, on_verdict=lambda line: None)
         result = fn(*args)
+        if watch is not None:
+            watch.settle()              # the last backward's agreement, before the group closes
         comm.destroy(wait_for_peers=True)
         conn.send(("ok", _dumps(result)))
     except BaseException as exc:  # noqa: BLE001 - everything must reach the parent, even SystemExit

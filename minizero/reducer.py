@@ -52,9 +52,12 @@ class GradBuckets:
         self._next = 0                                            # next bucket to launch, in order
 
     def _on_grad_ready(self, p) -> None:
-        i = self._bucket_of[p]
         if self.on_grad is not None:
-            self.on_grad(p, self.buckets[i])
+            self.on_grad(p, self.buckets[self._bucket_of[p]])
+        self.mark_ready(p)
+
+    def mark_ready(self, p) -> None:        # also for one that gets no gradient (pytorch/ddp.py)
+        i = self._bucket_of[p]
         self._missing[i] -= 1
         if self.overlap:
             self._launch_ready()

@@ -10,8 +10,8 @@ own a partition.
 
 Stage 1's row of the table (stages.py): DDP's replicated parameters (ddp.py), the optimizer given
 this rank's partition, and the one class this file adds. All trainable parameters are one bucket
-(flat.py), cut into N partitions; rank r owns partition r. Per step, 2Ψ(N-1)/N as in DDP (the
-paper's point: P_os is free):
+(flat.py), cut into N partitions; rank r owns partition r (torch's ZeroRedundancyOptimizer gives
+ranks whole parameters: docs/pytorch.md). Per step, 2Ψ(N-1)/N as in DDP (P_os is free):
   * in step(): reduce-scatter the gradients, in place. A rank only steps its partition, so it only
     needs *that* partition averaged: half an all-reduce (on gloo comm.py runs it as one).
   * after the optimizer step: all-gather the updated partitions (ddp.ReplicatedParameters).
