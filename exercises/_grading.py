@@ -36,7 +36,7 @@ ALLOWED = ("minizero.comm",)
 
 
 def _dotted(node: ast.AST, aliases: dict[str, str]) -> str | None:
-    """The full dotted name an expression like `comm.ring_all_reduce` stands for, through the
+    """The full dotted name an expression like `comm.all_reduce` stands for, through the
     imports."""
     parts = []
     while isinstance(node, ast.Attribute):

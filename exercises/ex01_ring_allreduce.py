@@ -2,7 +2,7 @@
 
     Grade it:    pytest exercises -k ex01            (or: python -m minizero.grade -k ex01)
     Notebook:    notebooks/00_communication.ipynb
-    Compare:     minizero/comm.py, ring_all_reduce (read it after you are done)
+    Compare:     minizero/ring.py, ring_all_reduce (read it after you are done)
 
 Every data-parallel stage rests on all-reduce: N ranks each hold a tensor of S elements and all of
 them must end with the elementwise sum. The ring algorithm does it with the least traffic possible

@@ -19,8 +19,8 @@ COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_single", "all_gather_into_tensor", "reduce_scatter",
     "reduce_scatter_single", "reduce_scatter_tensor", "broadcast", "reduce", "all_to_all_single",
 )
-# minizero.comm's collectives and its own ring are refused in the source too (g.guard)
-REFUSED = tuple(f"minizero.comm.{name}" for name in ("ring_all_reduce", "all_to_all", *COLLECTIVES))
+# minizero.comm's collectives and the door they pass through are refused in the source too (g.guard)
+REFUSED = tuple(f"minizero.comm.{name}" for name in ("issue", *COLLECTIVES))
 
 
 def rank_tensor(shape, rank: int) -> torch.Tensor:

@@ -16,7 +16,7 @@ from torch import nn
 import _grading as g
 from minizero import comm
 from minizero.ddp import AllReducedGradients
-from minizero.stages import DDP
+from minizero.assembled import DDP
 from minizero.flat import split_into_buckets
 
 CFG = g.config(stage=0, world_size=2)             # bucket_size 3000 bytes: several buckets

@@ -13,7 +13,7 @@ import _grading as g
 from minizero import comm
 from minizero.flat import padded_size
 from minizero.ddp import ReplicatedParameters
-from minizero.stages import Zero1
+from minizero.assembled import Zero1
 from minizero.zero1 import GradientsReducedAtStep
 
 CFG = g.config(stage=1, world_size=3)            # the tiny GPT's Ψ is not a multiple of 3: padding

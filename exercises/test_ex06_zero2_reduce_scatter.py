@@ -10,7 +10,7 @@ import pytest
 
 import _grading as g
 from minizero import comm
-from minizero.stages import Zero2
+from minizero.assembled import Zero2
 from minizero.zero2 import GradientShard
 
 # bucket_size 3000 bytes: several buckets, each padded

@@ -12,9 +12,8 @@ import pytest
 
 import _grading as g
 from minizero import comm, events
-from minizero.stages import Zero3
-from minizero.zero3 import Unit
-from minizero.zero3 import ShardedUnits
+from minizero.assembled import Zero3
+from minizero.units import ModelUnit, ModelUnits
 
 # No frozen parameter here: minizero keeps a unit's frozen parameters in a second buffer
 # (unit.frozen_full) that this exercise leaves out; the unused parameter and the odd sizes stay.
@@ -22,11 +21,11 @@ CFG = g.config(stage=3, world_size=3, model_overrides={"unused_param": True})
 _inside: list[str] = []            # the learner hook running now (the grader's own bookkeeping)
 
 
-class LearnerUnit(Unit):
-    """minizero's unit with the learner's four hooks as its lifecycle (zero3.ShardedUnits still
-    wires them to the model's forward hooks and to autograd); checks around each one that the unit
-    was prefetched and is gathered or freed, and that the learner's hooks leave minizero's gather()
-    and free() alone."""
+class LearnerUnit(ModelUnit):
+    """minizero's unit (units.ModelUnit: zero3.Unit as wrap uses it) with the learner's four hooks
+    as its lifecycle (its family still wires them to the model's forward hooks and to autograd);
+    checks around each one that the unit was prefetched and is gathered or freed, and that the
+    learner's hooks leave minizero's gather() and free() alone."""
     answer = None                                 # the learner's module, set by the worker
     units = None                                  # the engine's ShardedUnits: the recorded orders
     steps = 0                                     # steps taken (the event stream's "step")
@@ -94,7 +93,7 @@ class LearnerUnit(Unit):
         return result
 
 
-class LearnerUnits(ShardedUnits):
+class LearnerUnits(ModelUnits):
     unit_class = LearnerUnit
 
     def __init__(self, *args):

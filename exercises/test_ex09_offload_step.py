@@ -1,8 +1,9 @@
 """Grader for exercise 9 (offloaded optimizer step):  pytest exercises -k ex09
 
-A thin subclass of minizero's HostShardOptimizer calls your offload_step and then checks the host
-gradient buffers and the copy back; minizero's stage 2 with offload uses it while two ranks train,
-and the result is compared with one process training on the whole batch.
+A thin subclass of minizero's HostShardOptimizer (homes.HostHome: it checkpoints) calls your
+offload_step and then checks the host gradient buffers and the copy back; minizero's stage 2 with
+offload uses it while two ranks train, and the result is compared with one process training on the
+whole batch.
 """
 
 from dataclasses import replace
@@ -12,13 +13,13 @@ import torch
 
 import _grading as g
 from minizero import comm
-from minizero.offload import HostShardOptimizer
-from minizero.stages import Zero2
+from minizero.homes import HostHome
+from minizero.assembled import Zero2
 
 CFG = g.config(stage=2, world_size=2, offload=True)
 
 
-class LearnerHostOptimizer(HostShardOptimizer):
+class LearnerHostOptimizer(HostHome):
     """minizero's host optimizer with the learner's offload_step as its step, checked after each
     one."""
     answer = None                                 # the learner's module, set by the worker
@@ -45,7 +46,7 @@ class LearnerHostOptimizer(HostShardOptimizer):
 
 class LearnerOffloadZero2(Zero2):
     """minizero's stage 2 (offload=True), its row of the table with the learner's host optimizer."""
-    row = replace(Zero2.row, optimizer=lambda parts, factory, grouping:
+    row = replace(Zero2.row, optimizer=lambda parts, factory, grouping, placement:
                   LearnerHostOptimizer(parts, factory))
 
 

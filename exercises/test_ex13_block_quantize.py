@@ -18,7 +18,7 @@ import _grading as g
 from minizero import comm
 from minizero.beyond import quantize
 from minizero.lab.train import train_worker
-from minizero.stages import Zero3
+from minizero.assembled import Zero3
 
 BLOCK = 16
 CFG = g.config(stage=3, world_size=2, steps=2, optimizer="adamw", lr=1e-3, quantized_weights=True,

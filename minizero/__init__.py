@@ -1,29 +1,36 @@
-"""minizero: data-parallel training with ZeRO, small enough to read in an afternoon.
+"""minizero: data-parallel training with ZeRO, the paper's core small enough to read in a day.
 
     import functools, torch, minizero
     engine = minizero.wrap(model, stage=2, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
     engine, optimizer, _, scheduler = minizero.initialize(model=model, config="ds.json") # DeepSpeed
     model = minizero.FullyShardedDataParallel(model)     # FairScale's: you build the optimizer
     minizero.fully_shard(block); minizero.fully_shard(model)   # PyTorch's FSDP2: per parameter
+    model = minizero.DistributedDataParallel(model)      # PyTorch's DDP: your optimizer, your loop
+    optimizer = minizero.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
     results = minizero.launch(worker_fn, world_size=4)   # run a function on 4 ranks
     with minizero.sharded_init(): model = MyModel()      # stage 3: built partitioned, never whole
     minizero.set_z3_leaf_modules(model, [MoEBlock])      # stage 3: gathered whole (DeepSpeed's)
 
-This folder is the ZeRO implementation, read in this order (3,118 lines, docstrings included):
-    comm.py (656) -> events.py (116) -> flat.py (233) -> reducer.py (120) -> optim.py (348)
-    -> engine.py (541) -> stages.py (78, the paper's table: one row per stage) -> ddp.py (126)
-    -> zero1.py (76) -> zero2.py (115) -> zero3.py (350, with units.py 287, leaf modules included)
-    -> offload.py (72).
-Then the stage helpers beside it: options.py (which stage takes what), absent.py (a stage-3
-parameter between uses), loss_scale.py for fp16, owners.py (one engine per parameter),
-checkpoint.py, memory/ (the paper's formulas and the byte counter), and the public entry points
-wrap.py, launcher.py and construct.py, which holds sharded_init.
-The folders around it plug into it, each named for what it is:
+The paper's ZeRO is this folder's top level, read in this order (1,599 lines, docstrings
+included, and they import nothing else of minizero: about 8 hours at ~200 lines an hour):
+    comm.py (280) -> events.py (68) -> flat.py (190) -> reducer.py (103) -> optim.py (133)
+    -> engine.py (184) -> stages.py (69, the paper's table: one row per stage) -> ddp.py (105)
+    -> zero1.py (48) -> zero2.py (90) -> zero3.py (269, a unit's lifecycle) -> offload.py (60).
+Then what a user needs around it, composed into the engines wrap, initialize and
+FullyShardedDataParallel build by assembled.py: units.py (stage 3's units of a real model),
+absent.py, options.py (which stage takes what), param_groups.py, homes.py (where P_os lives,
+checkpointable), loss_scale.py for fp16, owners.py, checkpoint.py, memory/ (the paper's formulas
+and the byte counter), construct.py (sharded_init), ring.py (the teaching ring all-reduce), and
+the public entry points wrap.py and launcher.py. The folders around it plug into it, each named
+for what it is:
     deepspeed/   DeepSpeed's front end: initialize, its JSON config, its checkpoints' tags
     fairscale/   FairScale's FullyShardedDataParallel (flat parameters) and its wrap helpers
-    beyond/      what came after the paper: ZeRO-R's activations, ZeRO++, ZeRO-Infinity's disk tier,
-                 a modelled network, desync detection, tensor parallelism on a 2-D mesh,
-                 Muon (an optimizer that needs whole matrices)
+    pytorch/     PyTorch's DistributedDataParallel, ZeroRedundancyOptimizer (whole parameters per
+                 rank) and FSDP2's fully_shard (per-parameter shards)
+    beyond/      what came after the paper: ZeRO-R's activations, ZeRO++ (quantize, hpz),
+                 HSDP (hierarchical, mesh), ZeRO-Infinity's disk tier, a modelled network,
+                 desync detection, tensor parallelism on a 2-D mesh, Muon (an optimizer that
+                 needs whole matrices)
 Beside it, never imported by it (tests/test_layout.py checks): lab/ (the small GPT, the data, the
 training loop, the single-process reference, PyTorch's and DeepSpeed's peers, the experiments
 behind the notebooks, the benchmark) and cli/ (every command: python -m minizero <command>; the
@@ -34,6 +41,7 @@ from minizero.construct import sharded_init
 from minizero.deepspeed import initialize
 from minizero.fairscale import FullyShardedDataParallel, fsdp_wrap  # fsdp_wrap: auto_wrap & co.
 from minizero.launcher import launch
+from minizero.pytorch import DistributedDataParallel, ZeroRedundancyOptimizer
 from minizero.units import (
     get_z3_leaf_modules,
     set_z3_leaf_modules,
@@ -49,7 +57,8 @@ from minizero.wrap import wrap
 _FULLY_SHARD = ("fully_shard", "FSDPModule", "MixedPrecisionPolicy", "CPUOffloadPolicy",
                 "OffloadPolicy")
 
-__all__ = ["FullyShardedDataParallel", "fsdp_wrap", "get_z3_leaf_modules", "initialize", "launch",
+__all__ = ["DistributedDataParallel", "FullyShardedDataParallel", "ZeroRedundancyOptimizer",
+           "fsdp_wrap", "get_z3_leaf_modules", "initialize", "launch",
            "set_z3_leaf_modules", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix",
            "sharded_init", "unset_z3_leaf_modules", "wrap", "z3_leaf_module", *_FULLY_SHARD]
 

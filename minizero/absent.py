@@ -18,22 +18,27 @@ from minizero import comm
 from minizero.flat import partition
 
 
+# [Note: absent parameters] Outside its unit's forward and backward, a stage-3 parameter's values
+# are not on any one rank (each holds 1/N of them). Left a view of the freed `full`, it would point
+# at 0 bytes, and reading it (print(model.lm_head.weight)) would read freed memory: a crash. So the
+# unit points it at a NaN tensor of its shape instead (absent_like, below): shape, dtype and numel()
+# stay true (a learner's count of parameters still works), what it reads is NaN (no value here), and
+# a write to it raises ParameterWriteError (`refuse_writes`: torch alone would refuse some writes
+# with a message about memory locations and let fill_ and zero_ through, into the one shared value).
+# DeepSpeed makes it torch.empty(0) instead, FSDP2 a DTensor of the shard. To see the values: `with
+# engine.gathered(params):`, or engine.full_state_dict().
+
+
 def absent_like(p: torch.Tensor, dtype: torch.dtype | None = None,
                 device: torch.device | None = None) -> torch.Tensor:
-    """What a parameter of a free unit (or one built by sharded_init, construct.py) reads as: its
-    shape, NaN everywhere, and 2-4 bytes shared by all of them (of p's dtype and device, or those
-    given).
-
-    [Note: absent parameters] Outside its unit's forward and backward, a stage-3 parameter's values
-    are not on any one rank (each holds 1/N of them). Left a view of the freed `full`, it would
-    point at 0 bytes, and reading it (print(model.lm_head.weight)) would read freed memory: a
-    crash. So the unit points it at this instead: shape, dtype and numel() stay true (a learner's
-    count of parameters still works), what it reads is NaN (no value here), and a write to it
-    raises ParameterWriteError (`refuse_writes`: torch alone would refuse some writes with a
-    message about memory locations and let fill_ and zero_ through, into the one shared value).
-    DeepSpeed makes it torch.empty(0) instead, FSDP2 a DTensor of the shard. To see the values:
-    `with engine.gathered(params):`, or engine.full_state_dict()."""
+    """What a parameter built by sharded_init is until stage 3 gathers it (construct.py), as a free
+    unit's parameter is (zero3.Unit): its shape, NaN everywhere, 2-4 bytes shared by all of them."""
     return _one_absent_value(dtype or p.dtype, device or p.device).expand(p.shape)
+
+
+@functools.cache
+def _one_absent_value(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.full((1,), math.nan if dtype.is_floating_point else 0, dtype=dtype, device=device)
 
 
 class ParameterWriteError(RuntimeError):
@@ -102,11 +107,6 @@ def refuse_writes(p: torch.Tensor, refuse: bool) -> None:
     way to catch a write through p or p.data with a minizero line. Costs nothing while gathered."""
     own = type(p).own_class if isinstance(p, _Absent) else type(p)
     p.__class__ = _absent_class(own) if refuse else own
-
-
-@functools.cache
-def _one_absent_value(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.full((1,), math.nan if dtype.is_floating_point else 0, dtype=dtype, device=device)
 
 
 # --- writes inside engine.gathered(modifier_rank=None), which could not take effect ---------------

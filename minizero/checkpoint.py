@@ -45,9 +45,10 @@ each optimizer parameter group, None for one group of all: load wants the same g
 tensor_parallel.whole_entries, {"key", "part", "shape", "trainable", "split"}) and "files"
 ({"rank0.pt": {"bytes", "sha256"}, ...}).
 
-On a 2-D mesh (tensor_parallel=M, [Note: the 2-D mesh] in engine.py) each tensor-parallel part is
-a model of its own, saved by its column of N_d ranks: tp{i}-rank{r}.pt and tp{i}-replicated.pt for
-part i; buckets, world_size and state_dict describe part 0's (every part has the same shapes).
+On a 2-D mesh (tensor_parallel=M, [Note: the 2-D mesh] in beyond/tensor_parallel.py) each
+tensor-parallel part is a model of its own, saved by its column of N_d ranks: tp{i}-rank{r}.pt and
+tp{i}-replicated.pt for part i; buckets, world_size and state_dict describe part 0's (every part
+has the same shapes).
 
 A run directory (save_numbered, latest; the CLI's --save-every) holds one such checkpoint per save:
 
@@ -167,7 +168,7 @@ def save(engine, directory: str, extra: dict | None = None) -> None:
     os.makedirs(vdir, exist_ok=True)
     files = {}
     # shard_group_size=S < N: the N/S groups hold the same partitions; the first group's S files are
-    # the checkpoint, as if saved by S ranks ([Note: hierarchical sharding], engine.py)
+    # the checkpoint, as if saved by S ranks ([Note: hierarchical sharding], beyond/hierarchical.py)
     if engine.replicate_group is None or engine.replicate_group.index == 0:
         mine = shard_file(engine.layout.rank, _part_index(engine))
         files[mine] = _write_torch(os.path.join(vdir, mine), _shard_state(engine))
@@ -202,7 +203,8 @@ def _part_index(engine) -> int | None:
 
 def shard_file(rank: int | None, part: int | None) -> str:
     """rank{r}.pt (rank None: replicated.pt); on a 2-D mesh each tensor-parallel part has its own
-    column of shards ([Note: the 2-D mesh] in engine.py): tp{i}-rank{r}.pt, tp{i}-replicated.pt."""
+    column of shards ([Note: the 2-D mesh] in beyond/tensor_parallel.py): tp{i}-rank{r}.pt,
+    tp{i}-replicated.pt."""
     name = "replicated.pt" if rank is None else f"rank{rank}.pt"
     return name if part is None else f"tp{part}-{name}"
 

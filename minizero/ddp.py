@@ -5,28 +5,15 @@
 
 What each rank holds: *everything*. Parameters 2Ψ, gradients 2Ψ, optimizer states KΨ (bf16 + Adam:
 (2 + 2 + 12)Ψ = 16Ψ bytes), on every one of the N ranks. Only the data is split: each rank computes
-gradients on its own B/N rows, and averaging the gradients over ranks gives exactly the gradient of
-the global batch (the mean of N equal-sized means is the global mean).
+gradients on its own B/N rows, and the average over ranks is the gradient of the global batch (the
+mean of N equal-sized means). Communication per step: one all-reduce, 2Ψ(N-1)/N in a ring.
 
-Communication per step: one all-reduce of the gradients, 2Ψ·(N-1)/N elements in a ring.
-
-DDP is the first row of the table (stages.py): both families at their baseline, defined here and
-reused by the rows below it. ReplicatedParameters (stages 0-2) keeps every parameter on every rank;
-AllReducedGradients averages every gradient everywhere.
-
-How (PyTorch DDP's design, reduced to its essentials):
-  1. at construction, rank 0's weights are broadcast (engine.py) so all replicas start equal;
-  2. parameters and gradients are laid out in flat buffers, split into buckets in *reverse*
-     parameter order, roughly the order in which backward produces gradients;
-  3. autograd writes gradients straight into the flat gradient buffer (p.grad is a view of it);
-  4. as soon as a bucket's gradients are all written, its all-reduce starts asynchronously
-     (reducer.GradBuckets, built by the engine), overlapping the rest of backward;
-  5. step: every rank runs the same optimizer step on the same averaged gradients, so replicas
-     stay equal.
-Inside `engine.no_sync()` backward only accumulates into the buffer; the next synced backward
-reduces it. `overlap=False` launches every bucket after backward instead (step 4 off): the baseline
-that shows, under a network model (minizero/beyond/network.py), how much communication the overlap
-hides.
+DDP is the first row of the table (stages.py): both families at their baseline, reused below it.
+PyTorch DDP's design, reduced to its essentials: rank 0's weights are broadcast (engine.py);
+parameters and gradients live in flat buffers, cut into buckets in *reverse* parameter order (the
+order backward produces gradients); autograd writes gradients straight into the flat buffer; a
+complete bucket's all-reduce starts at once (reducer.GradBuckets), overlapping the rest of
+backward; every rank then takes the same optimizer step on the same averaged gradients.
 """
 
 from __future__ import annotations
@@ -40,27 +27,23 @@ from minizero.flat import Bucket, FlatLayout
 class ReplicatedParameters:
     """P_p off (stages 0-2): every rank holds every parameter, end to end in one flat buffer (the
     model's parameters are views of it). The optimizer steps all of it (DDP) or this rank's
-    partition (P_os, stages 1-2); then every rank needs every updated parameter, so the partitions
-    are all-gathered."""
+    partition (stages 1-2), which are then all-gathered."""
 
-    def __init__(self, engine, groups: list[list], options=None):
-        # N partitions, or S with shard_group_size: [Note: hierarchical sharding] in engine.py.
-        # DDP partitions nothing, so its buckets need no padding: its tally is exactly 2(N-1)/N·Ψ.
-        self.layout = FlatLayout.build(groups, comm.group_size(engine.shard_group),
-                                       comm.group_rank(engine.shard_group), pad=engine.sharded)
-        self.partitioned, self.group = engine.sharded, engine.shard_group
+    def __init__(self, engine, buckets: list[list], options=None):
+        # N partitions; DDP partitions nothing, so no padding: its tally is exactly 2(N-1)/N·Ψ
+        self.layout = FlatLayout.build(buckets, comm.group_size(engine.group),
+                                       comm.group_rank(engine.group), pad=engine.sharded)
+        self.partitioned, self.group = engine.sharded, engine.group
         self.flat = self.layout.flatten(engine.dtype, engine.device)  # [Ψ padded to N·⌈Ψ/N⌉]
         self.layout.point_params_into(self.flat)
         self.model_params = engine.model_params
-        self.for_user = None             # engine.gathered(): the parameters are there, a write is
-        #                                  this rank's own (stage 3: absent.HeldForUser)
 
     def bucket(self, b: Bucket) -> torch.Tensor:
         return self.layout.full(self.flat, b)                                       # [Ψ_b]
 
     def optimizer_parts(self) -> list[torch.Tensor]:
         """What the optimizer steps, per bucket: all of it, or this rank's partition [Ψ_b / N]
-        (views into the flat buffer: the step updates the parameters in place)."""
+        (views: the step updates the parameters in place)."""
         if not self.partitioned:
             return [self.bucket(b) for b in self.layout.buckets]
         return [self.layout.my_partition(self.bucket(b), b) for b in self.layout.buckets]
@@ -69,7 +52,6 @@ class ReplicatedParameters:
         return reduce(b)                  # inside backward: nothing happens to the parameters
 
     def after_step(self) -> None:
-        """Stages 1-2: every rank updated its partition; every rank needs all of them."""
         if not self.partitioned:
             return                                 # DDP: replicas took identical steps
         for b in self.layout.buckets:
@@ -77,7 +59,6 @@ class ReplicatedParameters:
             comm.all_gather(full, self.layout.my_partition(full, b), group=self.group,
                             tag=f"bucket {b.index}")                       # in place: mine is input
 
-    # --- nothing else happens to replicated parameters -------------------------------------------
     def before_backward(self) -> None:
         pass
 
@@ -92,15 +73,14 @@ class ReplicatedParameters:
 
 
 class AllReducedGradients:
-    """P_g off, DDP's way: every rank keeps every gradient, and each bucket is all-reduced (the
-    average over ranks) during backward, as soon as it is complete."""
+    """P_g off, DDP's way: every rank keeps every gradient; each bucket is all-reduced (averaged
+    over ranks) during backward, as soon as it is complete."""
     in_backward = True                     # the engine's reducer calls reduce() inside backward
     on_grad = arrived = None
 
     def __init__(self, engine, layout: FlatLayout, options=None):
         self.engine, self.layout = engine, layout
-        # [Ψ] in reduce_dtype; p.grad are views of it, or added into it (fp32 reduce:
-        # flat.point_grads_into)
+        # [Ψ] in reduce_dtype; p.grad are views of it (flat.point_grads_into)
         self.flat = torch.zeros(layout.padded_numel, dtype=engine.grad_dtype, device=engine.device)
         layout.point_grads_into(self.flat)
 
@@ -108,13 +88,12 @@ class AllReducedGradients:
         return self.layout.full(self.flat, b)                                       # [Ψ_b]
 
     def reduce(self, b: Bucket, tag: str | None = None):
-        """Bucket b's gradients are complete: start averaging them over the ranks; the handle."""
         if not self.engine.sync:
             return None                                  # no_sync(): keep accumulating locally
         self.layout.reclaim_grads(b, self.bucket(b))    # after a zero_grad(): flat.py
         # the essential line of DDP: this bucket's average over ranks, while backward goes on
         return comm.all_reduce(self.bucket(b), op="avg", async_op=True,
-                               group=self.engine.shard_group, tag=tag or f"bucket {b.index}")
+                               group=self.engine.group, tag=tag or f"bucket {b.index}")
 
     def parts(self) -> list[torch.Tensor]:
         return [self.bucket(b) for b in self.layout.buckets]

@@ -66,7 +66,8 @@ import torch.distributed as dist
 from minizero import comm
 from minizero.beyond import desync
 from minizero.options import check_positive_int
-from minizero.beyond.network import network_from_env
+from minizero.beyond.network import network_from_env, set_network
+from minizero.beyond.network import network as modelled_network
 
 _GRACE_S = 5.0    # after a failure, how long survivors get between SIGTERM and SIGKILL
 _SETTLE_S = 1.0   # after a first failure, how long to collect other reports before naming the cause
@@ -131,11 +132,13 @@ def _worker(rank: int, world_size: int, port: int, backend: str | None, payload:
             timeout=datetime.timedelta(seconds=60),
         )
         comm.init(rank, world_size, backend=backend, store=store)
-        comm.set_network(network)    # the parent's, not the environment the forkserver started with
+        set_network(network)    # the parent's, not the environment the forkserver started with
         if stall_timeout is not None or check_every:
             # a verdict is the parent's to report: it reads it from the store and stops every rank
             watch = desync.watch(store, stall_timeout, check_every, on_verdict=lambda line: None)
         result = fn(*args)
+        if watch is not None:
+            watch.settle()              # the last backward's agreement, before the group closes
         comm.destroy(wait_for_peers=True)
         conn.send(("ok", _dumps(result)))
     except BaseException as exc:  # noqa: BLE001 - everything must reach the parent, even SystemExit
@@ -190,8 +193,8 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None
       never). check_every: compare the ranks' collective fingerprints before the first and every
       k-th collective (0: only when the run stalls). Both: minizero/beyond/desync.py.
     Raises RuntimeError("rank R failed: ...") if any rank raises or dies; no child outlives the
-    call. The ranks model the network this process has (comm.set_network, else
-    MINIZERO_NETWORK; beyond/network.py).
+    call. The ranks model the network this process has (beyond/network.py's set_network, else
+    MINIZERO_NETWORK).
     """
     check_positive_int("world_size", world_size)
     if backend is None:
@@ -219,7 +222,7 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str | None = None
     # free port.
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
-    network = comm.network() or network_from_env()
+    network = modelled_network() or network_from_env()
     procs, conns = [], []
     try:
         for rank in range(world_size):

@@ -1,9 +1,7 @@
-"""CPU offload (ZeRO-Offload): the optimizer lives in host memory, the device keeps only
-what computes.
+"""CPU offload (ZeRO-Offload): the optimizer lives in host memory, the device keeps what computes.
 
     python -m minizero.run --stage 2 --world-size 4 --offload          # optimizer on the host
-    # + parameter shards on the host
-    python -m minizero.run --stage 3 --world-size 4 --offload params
+    python -m minizero.run --stage 3 --world-size 4 --offload params   # + parameter shards
 
 Used by stages 1-3 (`minizero.wrap(..., offload=True)`). Per step, for this rank's partition (Ψ/N):
 
@@ -11,12 +9,9 @@ Used by stages 1-3 (`minizero.wrap(..., offload=True)`). Per step, for this rank
     host:   optimizer step on the fp32 master weights and their state (the KΨ/N of the paper)
     host   --(updated parameter partition, 2Ψ/N bytes)--> device parameters, rounded to bf16
 
-So the device drops the KΨ/N optimizer bytes (12Ψ/N for Adam), paid for with two PCIe copies of Ψ/N
-and a CPU step; the ZeRO-Offload paper shows why the CPU step is affordable (it is O(Ψ/N)
-elementwise work). On CUDA the host buffers are pinned and the copies non-blocking; on a CPU-only
-run the code path is the same (separate host buffers, explicit copies), so `engine.memory()` shows
-the same device/host split. Parameter offload for stage 3 (`offload="params"`) lives in zero3.py,
-where parameters are gathered.
+So the device drops the KΨ/N optimizer bytes (12Ψ/N for Adam) for two copies of Ψ/N and an O(Ψ/N)
+CPU step. On CUDA the host buffers are pinned, the copies asynchronous; on a CPU-only run the code
+path is the same. offload="params" (stage 3: the parameter shard too) is in zero3.py.
 """
 
 from __future__ import annotations
@@ -24,20 +19,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from functools import partial
-
 from minizero import comm
-from minizero.beyond.disk import DiskShardOptimizer
-from minizero.optim import Grouping, OptimizerFactory, Placement, ShardOptimizer, cache_sized
+from minizero.optim import OptimizerFactory, Placement, ShardOptimizer, cache_sized
 
 
-def optimizer_home(offload: bool | str, folder: str | None = None):
-    """Where P_os lives, by wrap's offload=: (parts, factory, grouping, placement) -> the
-    optimizer (optim.OptimizerHome). The
-    device (optim.ShardOptimizer), host memory (HostShardOptimizer, below; offload="params" too:
-    stage 3 offloads its parameter shard and the optimizer with it) or a file (beyond/disk.py)."""
-    if offload == "disk":
-        return partial(DiskShardOptimizer, folder=folder)
+def optimizer_home(offload: bool | str):
+    """Where P_os lives, by wrap's offload=: (parts, factory, grouping, placement) -> the optimizer.
+    The device (optim.ShardOptimizer) or host memory (HostShardOptimizer, below; offload="params"
+    too: stage 3 offloads its parameter shard and the optimizer with it)."""
     return HostShardOptimizer if offload else ShardOptimizer
 
 
@@ -45,13 +34,12 @@ class HostShardOptimizer(ShardOptimizer):
     """A ShardOptimizer whose fp32 masters, gradients and state are host tensors."""
 
     def __init__(self, param_parts: list[torch.Tensor], optimizer_factory: OptimizerFactory,
-                 grouping: Grouping | None = None, placement: Placement | None = None, *,
+                 grouping=None, placement: Placement | None = None, *,
                  cut=cache_sized):
         self.pin = comm.device().type == "cuda"     # pinned memory makes device<->host copies async
         self.host_grads = [torch.zeros(p.numel(), dtype=torch.float32, pin_memory=self.pin)
                            for p in param_parts]     # [Ψ_b / N] fp32 each
-        # Always a separate host copy, also in fp32: the device parameters are not the master
-        # any more.
+        # always a separate host copy, also in fp32: the device parameters are not the master
         masters = [nn.Parameter(torch.empty(p.numel(), dtype=torch.float32, pin_memory=self.pin)
                                 .copy_(p.detach().reshape(-1))) for p in param_parts]
         super().__init__(param_parts, optimizer_factory, grouping, placement, masters=masters,

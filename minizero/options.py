@@ -1,13 +1,14 @@
 """What each stage takes, and the checks of option values: one home for each rule.
 
-    python -m pytest tests/test_wrap.py
+    python -m pytest tests/test_engine.py tests/test_cli.py
 
 `minizero.wrap`, the engines' own checks, `minizero.memory`, the training loop (lab/train.py), the
 CLI and the DeepSpeed-config reader all ask this table, so a rule ("offload needs stage 1-3", "hpZ
 needs stage 3") is written once. The table follows the paper: each stage partitions one more kind
 of model state (P_os, P_os+g, P_os+g+p), and what an option changes exists only from the stage that
-has it. The engine's policies live here too: StageOptions (what the families read), Precision,
-Offload and Sharding (the groups it makes: Groups), each frozen, each checking its own rules.
+has it. The engine's policies live here too: Options (what the families read), Precision,
+Offload and Sharding (the process groups it makes: ProcessGroups), each frozen, each checking its
+own rules.
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from minizero import comm
 from minizero.beyond import disk
-from minizero.flat import DEFAULT_BUCKET_BYTES
-from minizero.optim import DTYPES
+from minizero.beyond.mesh import mesh, row_group
 from minizero.beyond.quantize import BLOCK
+from minizero.engine import StageOptions
+from minizero.optim import DTYPES
 
 STAGES = (0, 1, 2, 3)                          # 0 = DDP; minizero.wrap has one engine per stage
 
@@ -54,26 +55,22 @@ CAPABILITIES = {
 
 
 @dataclass(frozen=True)
-class StageOptions:
-    """The options the stages' families read, with their defaults: the one home of both (what
-    each means: wrap's docstring; which stage takes which: CAPABILITIES)."""
-    bucket_size: float = DEFAULT_BUCKET_BYTES  # bytes per gradient bucket (stages 0, 2; flat.py)
-    buckets_in_flight: int = 2                 # reducer.py: buckets whose collective may be open
-    overlap: bool = True                       # stage 0: False sends every bucket after backward
-    units: list[nn.Module] | None = None       # stage 3 (None: units.default_units)
-    prefetch: bool = True                      # stage 3: gather the next unit during this one
+class Options(StageOptions):
+    """The options the families of wrap's engines read, with their defaults: the paper's
+    (engine.StageOptions) and ZeRO++'s (what each means: wrap's docstring; which stage takes which:
+    CAPABILITIES)."""
     quantized_weights: bool = False            # stage 3: ZeRO++ qwZ (beyond/quantize.py)
     quantized_gradients: bool = False          # stages 2-3: ZeRO++ qgZ
     quantization_block: int = BLOCK            # elements per fp32 scale
 
 
 # --- the engine's three policies, frozen: wrap, initialize, FSDP, the CLI and the config reader ---
-# --- reach them through Engine.check (wrap.check), the engine holds them -----------------------
+# --- reach them through assembled.Assembled.check (wrap.check), the engine holds them ---------
 @dataclass(frozen=True)
 class Precision:
-    """Mixed precision (FSDP2's MixedPrecisionPolicy; engine.py's docstring says what each does):
-    `dtype` the model computes in, `reduce_dtype` the gradients are reduced and accumulated in
-    (None: dtype), fp16's `loss_scale` (loss_scale.py checks it)."""
+    """Mixed precision (FSDP2's MixedPrecisionPolicy): `dtype` the model computes in (fp32 masters:
+    optim.py), `reduce_dtype` the gradients are reduced and accumulated in (None: dtype;
+    flat.FlatLayout.point_grads_into), fp16's `loss_scale` (loss_scale.py checks it)."""
     dtype: str = "fp32"
     reduce_dtype: str | None = None
     loss_scale: float | dict | None = None
@@ -115,8 +112,8 @@ class Offload:
 
 @dataclass(frozen=True)
 class Sharding:
-    """Who a rank shards with: shard_group_size S ([Note: hierarchical sharding] in engine.py;
-    None: all N) and hpz_group_size R ([Note: hpZ] in zero3.py), checked against N ranks."""
+    """Who a rank shards with: shard_group_size S (beyond/hierarchical.py; None: all N) and
+    hpz_group_size R (beyond/hpz.py), checked against N ranks."""
     shard_group_size: int | None = None
     hpz_group_size: int | None = None
 
@@ -136,20 +133,20 @@ class Sharding:
             raise ValueError(f"hpz_group_size must be a divisor of the shard group size {s or n}, "
                              f"got {r!r}")
 
-    def groups(self, mesh: tuple[comm.Group, comm.Group] | None) -> Groups:
-        """This rank's groups (collective: comm.mesh and comm.row_group create process groups)."""
-        tensor, data = (None, None) if mesh is None else mesh
+    def process_groups(self, tp_mesh: tuple[comm.Group, comm.Group] | None) -> ProcessGroups:
+        """This rank's process groups (collective: beyond/mesh.py creates them)."""
+        tensor, data = (None, None) if tp_mesh is None else tp_mesh
         full = self.shard_group_size in (None, comm.world_size())
-        shard, replicate = (data, None) if full else comm.mesh(self.shard_group_size)
-        hpz = None if self.hpz_group_size is None else comm.row_group(self.hpz_group_size)
-        return Groups(tensor, data, shard, replicate, hpz)
+        shard, replicate = (data, None) if full else mesh(self.shard_group_size)
+        hpz = None if self.hpz_group_size is None else row_group(self.hpz_group_size)
+        return ProcessGroups(tensor, data, shard, replicate, hpz)
 
 
 @dataclass(frozen=True)
-class Groups:
+class ProcessGroups:
     """A rank's process groups, what FSDP2's mesh info holds; None where a group is all N ranks or
-    does not exist. tensor / data: [Note: the 2-D mesh]; shard / replicate: [Note: hierarchical
-    sharding] (both in engine.py); hpz: [Note: hpZ] in zero3.py."""
+    does not exist. tensor / data: the 2-D mesh (beyond/tensor_parallel.py); shard / replicate:
+    beyond/hierarchical.py; hpz: beyond/hpz.py. The engine partitions over `shard`."""
     tensor: comm.Group | None
     data: comm.Group | None
     shard: comm.Group | None

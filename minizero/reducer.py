@@ -1,30 +1,18 @@
 """Gradient buckets that start communicating while backward is still running.
 
-Used by DDP (each bucket is all-reduced) and by ZeRO stages 2 and 3 (each bucket is
-reduce-scattered; in stage 3 a bucket is a unit). The mechanism is the one PyTorch DDP's
-Reducer uses:
-
-  * an autograd hook on every parameter (`register_post_accumulate_grad_hook`) fires once its
-    gradient for this backward is complete (a tied weight used twice fires once, after both uses
-    are summed);
+Used by DDP (each bucket is all-reduced) and by stages 2 and 3 (each bucket is reduce-scattered; at
+stage 3 a bucket is a unit). The mechanism of PyTorch DDP's Reducer:
+  * an autograd hook on every parameter fires once its gradient for this backward is complete (a
+    tied weight used twice fires once, after both uses);
   * a bucket whose parameters have all fired is *ready*; ready buckets are launched strictly in
-    bucket order, because every rank must issue the same collectives in the same order (a rank that
-    launched bucket 2 before bucket 1 would pair its bucket 2 with another rank's bucket 1: wrong
-    sums or a hang);
-  * the collectives are asynchronous, so the network works on bucket i while autograd computes the
-    gradients of bucket i+1: communication overlaps computation;
-  * at most `max_in_flight` buckets are in flight; launching one more first waits for the oldest,
-    which bounds the memory of buffers in flight (what keeps stage 2's gradient memory at ~Ψ/N);
-  * `finish()` at the end of backward launches what never became ready (parameters that got no
-    gradient this step: unused ones, which are then reduced as zeros on every rank) and waits
-    for everything. A zero is still a gradient: with weight decay an unused parameter decays, as
-    in DeepSpeed, where one process (and PyTorch's DDP) leaves its grad None, which the optimizer
-    skips.
-
-`overlap=False` is the variant without overlap, for comparison (DDP's
-`wrap(model, 0, overlap=False)`): nothing is launched during backward, `finish()` launches every
-bucket after it. Over loopback the two take the same time; under a network model
-(minizero/beyond/network.py) the difference is the hidden communication.
+    bucket order, because every rank must issue the same collectives in the same order (else a
+    rank's bucket 2 meets another's bucket 1: wrong sums or a hang);
+  * the collectives are asynchronous: bucket i travels while autograd computes bucket i+1's;
+  * at most `max_in_flight` buckets are in flight (launching one more waits for the oldest), which
+    bounds the memory of buffers in flight (what keeps stage 2's gradient memory at ~Ψ/N);
+  * `finish()` at the end of backward launches what never became ready (parameters without a
+    gradient: reduced as zeros on every rank, as in DeepSpeed) and waits for everything.
+`overlap=False` (stage 0) launches every bucket after backward, to measure what overlap hides.
 """
 
 from __future__ import annotations
@@ -38,11 +26,8 @@ from minizero.flat import Bucket
 
 
 class GradBuckets:
-    """launch(bucket) -> async handle or None (nothing to send); done(bucket) runs after its
-    handle; on_grad(param, bucket), if given, runs as each parameter's gradient is complete (stage
-    2 uses it to move the gradient into the bucket's buffer at once, so full gradients never pile
-    up). The event stream hears "bucket launched" (in_backward: before backward ended) and "bucket
-    arrived", with engine=owner."""
+    """launch(bucket) -> async handle or None; done(bucket) runs after its handle; on_grad(param,
+    bucket), if given, as each gradient is complete (stage 2 stages it at once)."""
 
     def __init__(self, buckets: list[Bucket], launch: Callable, done: Callable | None = None,
                  on_grad: Callable | None = None, max_in_flight: int = 2, overlap: bool = True,
@@ -54,13 +39,9 @@ class GradBuckets:
         self._in_flight: deque = deque()
         self._in_backward = True
         self._reset()
-        # The hook holds the reducer weakly. A parameter keeps its post-accumulate-grad hooks in its
-        # C++ autograd metadata, where Python's cycle collector cannot follow them: a strong
-        # reference would close the cycle
-        # parameter -> hook -> reducer -> engine -> model -> parameter, which nothing ever frees.
-        # Every engine built in a process (a sweep, the bench, a notebook cell run again) would then
-        # keep its model states for good (the bench's ranks grew run after run, until the kernel's
-        # OOM killer stopped them at 50M parameters, N = 4).
+        # The hook holds the reducer weakly: a parameter keeps its hooks where Python's cycle
+        # collector cannot see them, so parameter -> hook -> reducer -> engine -> model ->
+        # parameter would never be freed (the bench's ranks grew until the OOM killer came).
         hook = _weakly(self._on_grad_ready)
         self.hooks = [p.register_post_accumulate_grad_hook(hook)      # handles: removable
                       for b in buckets for p in b.params]
@@ -71,9 +52,12 @@ class GradBuckets:
         self._next = 0                                            # next bucket to launch, in order
 
     def _on_grad_ready(self, p) -> None:
-        i = self._bucket_of[p]
         if self.on_grad is not None:
-            self.on_grad(p, self.buckets[i])
+            self.on_grad(p, self.buckets[self._bucket_of[p]])
+        self.mark_ready(p)
+
+    def mark_ready(self, p) -> None:        # also for one that gets no gradient (pytorch/ddp.py)
+        i = self._bucket_of[p]
         self._missing[i] -= 1
         if self.overlap:
             self._launch_ready()
@@ -98,8 +82,7 @@ class GradBuckets:
             events.emit("bucket arrived", engine=self.owner, bucket=b)
 
     def finish(self) -> None:
-        """Call after loss.backward(): launch the rest in order, wait for all, get ready for
-        the next."""
+        """After loss.backward(): launch the rest in order, wait for all, get ready for the next."""
         self._missing = [0] * len(self.buckets)
         self._in_backward = False
         self._launch_ready()

@@ -4,19 +4,18 @@
     engine = minizero.wrap(model, 2, functools.partial(torch.optim.AdamW, lr=1e-3))
 
 The paper partitions three model states over the N ranks, one more at each stage: the optimizer
-states (P_os), the gradients (P_g), the parameters (P_p). Each is one family of small classes, and a
-stage picks one member of each (the table below); engine.py builds the engine from its row, top to
-bottom, and calls each family at its moment of backward and step. Read a row, then the one class
-it adds, in the file of the stage that adds it:
+states (P_os), the gradients (P_g), the parameters (P_p). Each is a family of small classes; a stage
+picks one of each (the table below), engine.py builds the engine from its row. Read a row, then
+the one class it adds, in its stage's file:
 
   parameters (P_p)   ddp.ReplicatedParameters: whole on every rank, all-gathered after the step
                      zero3.ShardedUnits: partitioned, gathered one unit at a time (Unit)
   gradients  (P_g)   ddp.AllReducedGradients: averaged everywhere, bucket by bucket in backward
                      zero1.GradientsReducedAtStep: accumulated whole, reduce-scattered at the step
                      zero2.GradientShard: reduce-scattered bucket by bucket in backward; Ψ/N kept
-  optimizer  (P_os)  the optimizer is handed Ψ/N (partitioned) or Ψ; where its state lives is
-                     offload=: the device, the host or a file (offload.optimizer_home)
-  buckets            how the flat layout groups the parameters (flat.py)
+  optimizer  (P_os)  handed Ψ/N (partitioned) or Ψ; it lives on the device or, with offload=,
+                     the host (offload.optimizer_home)
+  buckets            how the flat layout cuts the parameters into buckets (flat.py)
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ class Stage:
     parameters: type                   # P_p's family
     gradients: type                    # P_g's family
     partitioned: bool                  # P_os: the optimizer steps this rank's partition
-    buckets: Callable | None           # (trainable, bucket_size) -> groups; None: stage 3's units
+    buckets: Callable | None           # (trainable, bucket_size) -> buckets; None: stage 3's units
     optimizer: Callable | None = None  # (parts, factory, grouping, placement) -> home, or offload
 
 
@@ -64,15 +63,7 @@ class Zero2(Engine):
 
 
 class Zero3(Engine):
-    row = TABLE[3]
-
-    @property
-    def units(self) -> list:
-        return self.params.units                      # zero3.ShardedUnits's, in bucket order
-
-    @property
-    def unit_names(self) -> list[str]:
-        return [unit.name for unit in self.params.units]   # by index, as in unit events
+    row = TABLE[3]            # its units: engine.params.units (zero3.ShardedUnits), forward order
 
 
 ENGINES = {0: DDP, 1: Zero1, 2: Zero2, 3: Zero3}

@@ -1,15 +1,22 @@
-"""Stage 3's units: which modules, which parameters each owns, what each is given (zero3.py).
+"""Stage 3's units as wrap's engines use them: which modules, and what a real model needs of them.
 
     engine = minizero.wrap(model, 3, optimizer)                    # default_units(model)
     engine = minizero.wrap(model, 3, optimizer, units=list(model.blocks))
+    minizero.set_z3_leaf_modules(model, [MoEBlock])     # DeepSpeed's: each one gathered whole
 
 Run its tests:  python -m pytest tests/test_zero3_units.py
 
-    minizero.set_z3_leaf_modules(model, [MoEBlock])     # DeepSpeed's: each one gathered whole
-
 A unit is the granularity of stage 3 (zero3.py): the largest unit, not the model, bounds the
 parameter memory in flight. FSDP users choose units with a wrap policy (a transformer's blocks, or
-by size); DeepSpeed fetches module by module.
+by size); DeepSpeed fetches module by module. zero3.py holds the paper's unit; ModelUnits and
+ModelUnit below are it with the pieces wrap's engines plug in (assembled.py):
+  * default units (default_units) and leaf modules ([Note: leaf modules]);
+  * a free unit's parameters refuse writes (absent.py), engine.gathered() holds units gathered
+    (absent.HeldForUser), a returned parameter keeps its unit ([Note: returned parameters]);
+  * [Note: recompute] activation checkpointing reruns a unit's forward in backward, which must
+    neither free it nor prefetch: engine.backward() puts every unit in PRE_BACKWARD first;
+  * FairScale's reshard_after_forward=False (the engine's keeps_gathered);
+  * sharded_init's models (construct.take_value), ZeRO++'s routes (beyond/quantize.py, hpz.py).
 
 [Note: leaf modules] Every rank must gather the same units in the same order: a unit's all-gather
 is a collective. A module whose forward takes a path that depends on the rank or the data (an MoE
@@ -24,16 +31,17 @@ config's zero_optimization.leaf_module, as deepspeed.initialize does.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
 
+import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
-from minizero import comm
-
-if TYPE_CHECKING:
-    from minizero.zero3 import Unit
+from minizero import comm, construct
+from minizero.absent import HeldForUser, refuse_writes
+from minizero.beyond.hpz import HpzUnit, secondaries
+from minizero.zero3 import ShardedUnits, TrainingState, Unit
 
 UNIT_SHARE = 1 / 8  # default units without transformer blocks hold at most Ψ/8 each (default_units)
 LEAF = "_z3_leaf"   # DeepSpeed's flag on a leaf module ([Note: leaf modules])
@@ -80,18 +88,29 @@ def default_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-def assign_units(model: nn.Module, units: list[nn.Module], chosen: bool = False
-                 ) -> tuple[list[nn.Module], list[list[nn.Parameter]], list[list[nn.Parameter]]]:
-    """(unit modules, the trainable and the frozen parameters each owns), in bucket order; the model
-    is always a unit, and so is each leaf module ([Note: leaf modules]). chosen: the user chose the
-    units (wrap's units=); warn if one holds most of Ψ.
+def resolve(model: nn.Module, units: list[nn.Module] | None) -> list[tuple]:
+    """The units stage 3 cuts the model into, as (module, the parameters it owns) in forward order:
+    `units` (wrap's units=) or default_units(model), with every outermost leaf module one unit
+    ([Note: leaf modules]); warns when a chosen unit holds most of Ψ (little saved)."""
+    chosen = units is not None
+    modules, owned = assign_units(
+        model, with_leaves(model, default_units(model) if units is None else units, chosen))
+    sizes = [sum(p.numel() for p in params) for params in owned]
+    largest = max(range(len(modules)), key=sizes.__getitem__)
+    share = sizes[largest] / sum(sizes)
+    if chosen and share > 0.5 and not z3_leaf_module(modules[largest]):
+        name = next(n for n, m in model.named_modules() if m is modules[largest]) or "<root>"
+        warnings.warn(f"stage 3: unit {name!r} holds {share:.0%} of the parameters; pass "
+                      "units= with smaller submodules (e.g. each block)", stacklevel=5)
+    return list(zip(modules, owned))
 
-    A parameter belongs to the innermost unit containing every module that holds it, so a weight
-    tied across units (the GPT's embedding and head) is gathered whenever either use needs it. Units
-    owning nothing are dropped. Bucket order is reverse registration order: the order in which
-    backward completes units (the model last: the tied embedding's gradient is finished only at the
-    very end)."""
-    units = list({id(u): u for u in [model, *with_leaves(model, units, chosen)]}.values())
+
+def assign_units(model: nn.Module, units: list[nn.Module]):
+    """(unit modules, the parameters each owns), in forward order, the model first. A parameter is
+    the innermost unit's holding every module that uses it: a weight tied across units (a GPT's
+    embedding and head) is gathered whenever either needs it. Units owning nothing are dropped."""
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    units = sorted({id(u): u for u in [model, *units]}.values(), key=lambda u: order[id(u)])
     members = {id(u): {id(m) for m in u.modules()} for u in units}
     holders: dict[int, set[int]] = {}                   # parameter -> modules that hold it directly
     for m in model.modules():
@@ -99,25 +118,12 @@ def assign_units(model: nn.Module, units: list[nn.Module], chosen: bool = False
             holders.setdefault(id(p), set()).add(id(m))
     owned: dict[int, list[nn.Parameter]] = {id(u): [] for u in units}
     for p in model.parameters():
-        owner = min(
-            (u for u in units if holders[id(p)] <= members[id(u)]),
-            key=lambda u: len(members[id(u)]),
-        )
-        owned[id(owner)].append(p)
-    kept = [u for u in reversed(units) if owned[id(u)]]
-    sizes = {id(u): sum(p.numel() for p in owned[id(u)]) for u in kept}
-    largest = max(kept, key=lambda u: sizes[id(u)])
-    share = sizes[id(largest)] / sum(sizes.values())
-    # gathered whole, it is most of the model: little saved (a leaf module is whole by choice)
-    if chosen and share > 0.5 and not z3_leaf_module(largest):
-        name = next(n for n, m in model.named_modules() if m is largest) or "<root>"
-        warnings.warn(
-            f"stage 3: unit {name!r} holds {share:.0%} of the parameters; pass units= with "
-            "smaller submodules (e.g. each block)",
-            stacklevel=4,
-        )
-    return (kept, [[p for p in owned[id(u)] if p.requires_grad] for u in kept],
-            [[p for p in owned[id(u)] if not p.requires_grad] for u in kept])
+        innermost = min((u for u in units if holders[id(p)] <= members[id(u)]),
+                        key=lambda u: len(members[id(u)]))
+        owned[id(innermost)].append(p)
+    kept = [u for u in units if owned[id(u)]]
+    return kept, [owned[id(u)] for u in kept]
+
 
 
 # --------------------------------------------------------------------------------------------------
@@ -229,36 +235,105 @@ def _flag(model: nn.Module, matched: list[nn.Module], missing: list, flag: bool,
     return matched, missing
 
 
-@dataclass(frozen=True)
-class UnitRoutes:
-    """How a unit's partitions travel (comm.Route): `forward` before forward (qwZ: int8), `exact`
-    every other, `node` hpZ's in backward. The paper's: Route(), Route()."""
-    forward: comm.Route
-    exact: comm.Route
-    node: comm.Route | None = None
+class ModelUnit(HpzUnit, Unit):
+    """zero3.Unit with the pieces wrap's engines plug in (the module's docstring)."""
+
+    def __init__(self, *args):
+        self.held_for_user = False         # engine.gathered() holds it: forward does not free it
+        super().__init__(*args)
+
+    def point_params(self, gathered: bool) -> None:
+        super().point_params(gathered)
+        for p in self.params:
+            refuse_writes(p, not gathered)            # absent.py
+
+    def route_for(self, forward: bool):
+        """Forward's all-gather by the family's forward route (qwZ: int8), the others as zero3.Unit
+        (hpZ's: from the secondary in backward)."""
+        return self.family.forward_route if forward else super().route_for(False)
+
+    def pre_forward(self) -> None:
+        if self.training_state == TrainingState.PRE_BACKWARD:   # a recompute [Note: recompute]
+            self.gather()                              # reentrant: its first use in this backward
+            return
+        super().pre_forward()
+
+    def post_forward(self) -> None:
+        if self.training_state != TrainingState.PRE_BACKWARD:  # a recompute: its backward needs
+            super().post_forward()                             # the parameters
+
+    def stays_gathered(self) -> bool:
+        return (self.held_for_user or self in self.family.returned.just_kept
+                or (torch.is_grad_enabled() and self.owner.keeps_gathered(self)))
+
+    def enter_backward(self) -> None:
+        """engine.backward() starts (FSDP: the first gradient): [Note: recompute]."""
+        self.training_state = TrainingState.PRE_BACKWARD
+
+    def release_returned(self) -> None:
+        """The caller that read a parameter it returned is done: free it, unless still in use."""
+        if not self.held_for_user and self.training_state != TrainingState.PRE_BACKWARD:
+            self.free()
+
+    def hold_for_user(self) -> None:
+        """engine.gathered(): gathered until release_for_user(), through any forward."""
+        self.gather()
+        self.held_for_user = True
+
+    def release_for_user(self) -> None:
+        self.held_for_user = False
+        self.free()
 
 
-@dataclass(frozen=True)
-class UnitCallbacks:
-    """What a unit asks of the units around it (zero3.ShardedUnits gives them): it never reaches
-    out to them or to the engine."""
-    following: Callable[[Unit, bool], Unit | None]  # to prefetch: next in forward's (True) order
-    backward_done: Callable[[Unit], None]           # frozen parameters still needed: free it later
-    free_finished: Callable[[], None]               # free the units backward_done was told of
-    keep_gathered: Callable[[Unit], bool] = lambda unit: False   # FSDP: reshard_after_forward
+class ModelUnits(ShardedUnits):
+    """zero3.ShardedUnits with ModelUnits: wrap's units, gathered() and returned parameters."""
+    unit_class = ModelUnit
+    value_of = staticmethod(construct.take_value)      # a model built by sharded_init: gathered
+
+    def __init__(self, engine, buckets: None, options):
+        super().__init__(engine, buckets,
+                         dataclasses.replace(options, units=resolve(engine.module, options.units)))
+        self.forward_route = engine.int8_codec(options.quantization_block) \
+            if options.quantized_weights else comm              # qwZ (beyond/quantize.py)
+        self.returned = ReturnedParameters(engine.module,
+                                           {id(p): u for u in self.units for p in u.params})
+        self.for_user = HeldForUser(self.units, self.layout)       # engine.gathered() (absent.py)
+        self.hooks.append(engine.module.register_forward_hook(self._model_forward_ends))
+
+    def _pre_forward(self, unit: ModelUnit, module, args) -> None:
+        self.returned.enter(unit)
+        super()._pre_forward(unit, module, args)
+
+    def _post_forward(self, unit: ModelUnit, module, args, output) -> None:
+        kept = self.returned.keep(unit, tree_flatten(output)[0])   # [Note: returned parameters]
+        super()._post_forward(unit, module, args, output)
+        self.returned.release(unit, kept)              # what units inside it returned: used now
+
+    def _model_forward_ends(self, module, args, output) -> None:
+        self.returned.release(self.engine.module, [])
+
+    def before_backward(self) -> None:
+        for unit in self.units:                        # a forward from here on is a recompute
+            unit.enter_backward()                      # [Note: recompute]
+
+    def tensors(self, category: str) -> list[torch.Tensor]:
+        """The shards, and hpZ's secondaries (parameters, on the device)."""
+        return super().tensors(category) + (secondaries(self.units) if category == "params"
+                                            else [])
 
 
 class ReturnedParameters:
     """[Note: returned parameters] A module may return a parameter itself (a bias the caller adds,
     DeepSpeed's test_zero_context_return). Its unit stays gathered until the unit around the caller
     finishes its forward, since the caller reads the parameter after the module's post-forward
-    (freed, it would read NaN: [Note: absent parameters] in absent.py). zero3.ShardedUnits tells
-    this class each forward's start and end; it answers which units to keep and which to free."""
+    (freed, it would read NaN: [Note: absent parameters] in absent.py). ModelUnits tells this class
+    each forward's start and end; it answers which units to keep and which to free."""
 
     def __init__(self, model: nn.Module, unit_of_param: dict):
         self.model, self.unit_of_param = model, unit_of_param
         self._in_forward: list = []      # units whose forward runs, innermost last
         self._waiting: dict = {}         # id(the unit around a caller, or the model) -> units kept
+        self.just_kept: list = []        # the units keep() kept last: their post-forward keeps them
 
     def enter(self, unit) -> None:
         self._in_forward.append(unit)
@@ -269,6 +344,7 @@ class ReturnedParameters:
             self._in_forward.pop()
         owners = {id(self.unit_of_param[id(t)]): self.unit_of_param[id(t)] for t in outputs
                   if isinstance(t, nn.Parameter) and id(t) in self.unit_of_param}
+        self.just_kept = list(owners.values())
         if not owners:
             return []
         for waiting in self._waiting.values():        # handed on outwards, not freed twice
@@ -280,6 +356,7 @@ class ReturnedParameters:
 
     def release(self, around, kept: list) -> None:
         """`around` (a unit, or the model) finished its forward: free the units kept for it."""
+        self.just_kept = []
         if around is self.model:
             self._in_forward.clear()
         for unit in self._waiting.pop(id(around), []):

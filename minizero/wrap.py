@@ -11,19 +11,19 @@ from __future__ import annotations
 from torch import nn
 
 from minizero import comm
+from minizero.assembled import ENGINES, Assembled
 from minizero.beyond import activations, tensor_parallel, tensor_parallel_hf
+from minizero.beyond.mesh import mesh as make_mesh
 from minizero.beyond.muon import home as muon
 from minizero.construct import partition_of
-from minizero.engine import Engine
 from minizero.options import check_options, check_positive_int, check_stage
-from minizero.stages import ENGINES
 from minizero.units import default_units
 # which stage takes what: options.py
 __all__ = ["check", "check_mesh", "check_options", "engine_class", "wrap"]
 
 
-def engine_class(stage: int) -> type[Engine]:
-    """The engine of ZeRO `stage`."""
+def engine_class(stage: int) -> type[Assembled]:
+    """The engine of ZeRO `stage` (assembled.py: the paper's, with everything around it)."""
     return ENGINES[check_stage(stage)]
 
 
@@ -48,7 +48,7 @@ def check(
 def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
          activation_checkpointing: bool | str = False, offload_path: str | None = None,
          param_groups: list[dict] | None = None, muon_design: str | None = None,
-         **options) -> Engine:
+         **options) -> Assembled:
     """Wrap `model` for ZeRO `stage` (0 = DDP).
 
     optimizer: a factory params -> torch.optim.Optimizer (it is handed the parameters this
@@ -70,7 +70,7 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
                units' inputs on the host until then (beyond/activations.py); units as stage 3's
                (`units=` or units.default_units: a transformer's blocks), at every stage.
     options:   dtype ("fp32" | "bf16" | "fp16"), reduce_dtype (None | "fp32": bf16/fp16 gradients
-               reduced and accumulated in fp32; engine.py), loss_scale (fp16: None = dynamic, a
+               reduced and accumulated in fp32; flat.py), loss_scale (fp16: None = dynamic, a
                number = static, a dict = dynamic options; minizero/loss_scale.py), clip_grad_norm,
                bucket_size (bytes; stages 0, 2), overlap (stage 0; False: all-reduce every bucket
                after backward), buckets_in_flight (stages 0, 2, 3: gradient buckets whose collective
@@ -78,12 +78,12 @@ def wrap(model: nn.Module, stage: int, optimizer, offload: bool | str = False,
                (stage 3),
                shard_group_size (stages 1-3: partition within groups of S ranks, replicate across
                them; HSDP / MiCS) and hpz_group_size (stage 3: ZeRO++'s hpZ, backward's all-gather
-               within groups of R ranks, a node; see engine.py and zero3.py); ZeRO++
+               within groups of R ranks, a node; beyond/hierarchical.py, hpz.py); ZeRO++
                (beyond/quantize.py): quantized_weights (stage 3's forward all-gather in int8, qwZ),
                quantized_gradients (stages 2-3: the reduce-scatter, qgZ), quantization_block
                (elements per fp32 scale, default quantize.BLOCK); tensor_parallel=M (every stage:
                rows of M ranks split the model, Megatron's way, and ZeRO shards along the columns;
-               [Note: the 2-D mesh] in engine.py): the model is split here
+               [Note: the 2-D mesh] in beyond/tensor_parallel.py): the model is split here
                (tensor_parallel_hf.parallelize) and its output is this rank's vocabulary slice of
                the logits (tensor_parallel.cross_entropy).
     """
@@ -165,13 +165,13 @@ def check_mesh(m, world_size: int, options) -> None:
 
 def _mesh(model: nn.Module, m, options: dict) -> tuple[comm.Group, comm.Group] | None:
     """tensor_parallel=M: the 2-D mesh's groups (this rank's row, its column), the model split over
-    the row in place; None for M = 1. [Note: the 2-D mesh] in engine.py."""
+    the row in place; None for M = 1. [Note: the 2-D mesh] in beyond/tensor_parallel.py."""
     check_mesh(m, comm.world_size(), options)
     if m == 1:
         return None
     if any(partition_of(p) is not None for p in model.parameters()):
         raise ValueError("tensor_parallel: the model was built under minizero.sharded_init; build "
                          "it normally, tensor parallelism splits it first")
-    mesh = comm.mesh(m)
+    mesh = make_mesh(m)
     tensor_parallel_hf.parallelize(model, mesh[0])
     return mesh

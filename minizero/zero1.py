@@ -4,34 +4,20 @@
     engine = minizero.wrap(model, 1, functools.partial(torch.optim.AdamW, lr=1e-3))
 
 What each rank holds (paper, section 5.1): parameters 2Ψ and gradients 2Ψ still replicated,
-optimizer states KΨ/N: 4Ψ + KΨ/N bytes (16Ψ -> 4.75Ψ for Adam with N = 64). The optimizer states
+optimizer states KΨ/N: 4Ψ + KΨ/N bytes (16Ψ -> 4.19Ψ for Adam with N = 64). The optimizer states
 were the biggest term (K = 12 of 16), and they are only ever *used* elementwise, so each rank can
 own a partition.
 
 Stage 1's row of the table (stages.py): DDP's replicated parameters (ddp.py), the optimizer given
-this rank's partition (P_os: optim.py steps whatever it is given), and the one class this file
-adds, GradientsReducedAtStep. Layout (flat.py): all trainable parameters end to end in one bucket,
-padded to a multiple of N, cut into N equal partitions; rank r owns partition r (a parameter may
-straddle two ranks, as in DeepSpeed).
-
-Communication per step, 2Ψ·(N-1)/N in a ring, the same as DDP (the paper's point: P_os is free):
-  * in step(): reduce-scatter the gradients. Not an all-reduce: a rank only steps its partition, so
-    it only needs *that* partition averaged, and reduce-scatter is exactly half of an all-reduce (Ψ;
-    in bytes: on gloo comm.py runs it as an all-reduce, faster there, [Note: collectives on gloo]).
-    It runs in place: rank r's partition of its full gradient buffer receives the average.
-  * after the optimizer step: all-gather the updated partitions into every rank's parameters (Ψ;
-    ddp.ReplicatedParameters.after_step).
-Stage 1 keeps it simple: one reduce-scatter per step, no overlap with backward (stage 2 adds that).
-Gradient accumulation is free: backward only adds into the full gradient buffer, so any number of
-micro-batches (inside no_sync() or not) are reduced together, once, at the step.
-Why not reduce-scatter bucket by bucket during backward, as DDP and stage 2 do: it needs stage 2's
-layout (a partition in every bucket; stage 1 has one bucket), and a bucket reduce-scattered in place
-holds the average in this rank's partition but local gradients everywhere else, so a second backward
-before the step would add into a mixed buffer; keeping the reduced partitions apart from the buffer
-backward adds into is exactly stage 2's gradient shard. So stage 1 pays knowingly: its
-reduce-scatter (Ψ(N-1)/N per rank) waits at the step instead of hiding behind backward, where
-DDP + ZeroRedundancyOptimizer overlaps its all-reduce (twice the bytes): docs/performance.md
-measures what that costs. Stage 2 is the answer when it matters.
+this rank's partition, and the one class this file adds. All trainable parameters are one bucket
+(flat.py), cut into N partitions; rank r owns partition r (torch's ZeroRedundancyOptimizer gives
+ranks whole parameters: docs/pytorch.md). Per step, 2Ψ(N-1)/N as in DDP (P_os is free):
+  * in step(): reduce-scatter the gradients, in place. A rank only steps its partition, so it only
+    needs *that* partition averaged: half an all-reduce (on gloo comm.py runs it as one).
+  * after the optimizer step: all-gather the updated partitions (ddp.ReplicatedParameters).
+Gradient accumulation is free: backward only adds into the full gradient buffer. Reducing bucket
+by bucket during backward instead would leave the average in this rank's partition and local
+gradients elsewhere, for the next backward to add into: keeping the two apart is stage 2's shard.
 """
 
 from __future__ import annotations
@@ -39,38 +25,24 @@ from __future__ import annotations
 import torch
 
 from minizero import comm
-from minizero.flat import FlatLayout
+from minizero.ddp import AllReducedGradients
 
 
-class GradientsReducedAtStep:
-    """P_g off, ZeRO's way: every rank accumulates every gradient in one flat buffer; at the step
-    each bucket is reduce-scattered, so that this rank holds the average of the partition it
-    steps."""
+class GradientsReducedAtStep(AllReducedGradients):
+    """P_g off, ZeRO's way: every rank accumulates every gradient in one flat buffer, as in DDP;
+    at the step each bucket is reduce-scattered, so that this rank holds the average of its
+    partition."""
     in_backward = False              # nothing is sent during backward: no reducer
-    on_grad = arrived = None
-
-    def __init__(self, engine, layout: FlatLayout, options=None):
-        self.layout, self.group = layout, engine.shard_group
-        # [padded Ψ] in reduce_dtype; p.grad are views of it, or added into it
-        # (flat.point_grads_into)
-        self.flat = torch.zeros(layout.padded_numel, dtype=engine.grad_dtype, device=engine.device)
-        layout.point_grads_into(self.flat)
 
     def parts(self) -> list[torch.Tensor]:
-        """At the start of step(): average this rank's partition over ranks, the only part it
-        steps."""
+        """At the start of step(): average this rank's partition over ranks, all it steps."""
         parts = []
         for b in self.layout.buckets:
-            full = self.layout.full(self.flat, b)
+            full = self.bucket(b)
             self.layout.reclaim_grads(b, full)                # after a zero_grad(): flat.py
             mine = self.layout.my_partition(full, b)
-            comm.reduce_scatter(mine, full, op="avg", group=self.group,   # in place: mine gets
-                                tag=f"bucket {b.index}")                  # the average
+            # <- the essential line of stage 1: in place, mine receives the average of mine
+            comm.reduce_scatter(mine, full, op="avg", group=self.engine.group,
+                                tag=f"bucket {b.index}")
             parts.append(mine)
         return parts
-
-    def zero(self) -> None:
-        self.flat.zero_()
-
-    def tensors(self, category: str) -> list[torch.Tensor]:
-        return [self.flat] if category == "grads" else []

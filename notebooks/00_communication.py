@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.7
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -59,9 +59,9 @@ for kind in ("input", "all_reduce", "reduce_scatter", "all_gather", "broadcast")
 # %% [markdown]
 # ## The ring all-reduce, from point-to-point messages
 #
-# `minizero.comm.ring_all_reduce` cuts the tensor into N chunks and passes chunks around a ring. In
-# N-1 steps of reduce-scatter every rank adds the chunk its left neighbour sends into its own copy;
-# after them rank r owns the complete sum of one chunk. N-1 steps of all-gather then pass the
+# `minizero.ring.ring_all_reduce` cuts the tensor into N chunks and passes chunks around a ring.
+# In N-1 steps of reduce-scatter every rank adds the chunk its left neighbour sends into its own
+# copy; after them rank r owns the complete sum of one chunk. N-1 steps of all-gather then pass the
 # finished chunks around. Each rank sends 2(N-1) chunks of S/N bytes: $2\frac{N-1}{N}S$, almost
 # independent of N. It must give exactly what the library's all-reduce gives:
 
@@ -73,9 +73,9 @@ for n, res in results.items():
 # %% [markdown]
 # ### The ring, exchange by exchange
 #
-# `minizero.lab.stepthrough.ring` runs `minizero.comm.ring_all_reduce` on N processes and watches
-# its point-to-point exchanges: before each one, every rank's padded buffer and the chunk it sends
-# to its right neighbour. Rank r starts with 10 r + [1, 2, 3, 4, 5]: 5 elements in N chunks of
+# `minizero.lab.stepthrough.ring` runs `minizero.ring.ring_all_reduce` on N processes and
+# watches its point-to-point exchanges: before each one, every rank's padded buffer and the chunk it
+# sends to its right neighbour. Rank r starts with 10 r + [1, 2, 3, 4, 5]: 5 elements in N chunks of
 # ⌈5/N⌉, padded. In the first N-1 exchanges the received chunk is *added*; after them rank r holds
 # the complete sum of chunk r+1. In the last N-1 it *replaces* the local chunk, and the finished
 # sums travel once around the ring.

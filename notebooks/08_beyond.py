@@ -58,7 +58,7 @@ print(f"model {MODEL!r}, N = {BASE.world_size}, {BASE.steps} steps per run")
 #
 # `minizero/beyond/network.py` describes a cluster: nodes of `ranks_per_node` consecutive ranks, a
 # bandwidth β and a latency α per hop between nodes (and, optionally, inside a node: unlimited by
-# default). Turn it on with `comm.set_network("1gbps,10us,ranks_per_node=2")`,
+# default). Turn it on with `network.set_network("1gbps,10us,ranks_per_node=2")`,
 # `MINIZERO_NETWORK=...` or `python -m minizero.run --network ...`. Every collective then still runs
 # for real over gloo (its values stay exact), but its handle's `wait()` returns no earlier than a
 # ring on that network would have finished:
@@ -141,8 +141,8 @@ network_plots.bandwidth_sweep(out);
 
 # %% [markdown]
 # Where the bytes go: every collective of stages 0-3 spans all N ranks, so as soon as there is more
-# than one node, every byte crosses nodes (`comm.tally()["inter_node"]`). Hierarchical designs exist
-# to change that split.
+# than one node, every byte crosses nodes (`network.tally()["inter_node"]` in
+# `minizero/beyond/network.py`). Hierarchical designs exist to change that split.
 
 # %%
 for stage in range(4):
@@ -169,11 +169,12 @@ for stage in range(4):
 # is all-reduced across the N/S groups, $2\frac{N/S-1}{N/S}\cdot\frac{Ψ}{S}$; parameters are
 # all-gathered within the group. The total is unchanged (for stages 1-2, $2\frac{N-1}{N}Ψ$ either
 # way): what changes is that only the small all-reduce leaves the group.
-# (`[Note: hierarchical sharding]` in `minizero/engine.py`.)
+# (`[Note: hierarchical sharding]` in `minizero/beyond/hierarchical.py`.)
 
 # %%
 import minizero
 from minizero import comm
+from minizero.beyond.network import set_network
 from minizero.lab.report import theory
 from minizero.lab.train import train_several
 from minizero.memory import (comm_volume_by_kind, comm_volume_by_node, secondary_partition_bytes,
@@ -183,11 +184,11 @@ HSDP_N, RANKS_PER_NODE = 4, 2
 base = dict(stage=3, world_size=HSDP_N, steps=2, batch_size=8, model=MODEL)
 hsdp_cfgs = {f"S = {s}": TrainConfig(**base, shard_group_size=s) for s in (1, 2, 4)}
 hsdp_cfgs["hpZ, R = 2"] = TrainConfig(**base, hpz_group_size=RANKS_PER_NODE)
-# nodes of 2 ranks, fast enough to cost nothing: the ranks' comm.tally() books each collective's
+# nodes of 2 ranks, fast enough to cost nothing: the ranks' network.tally() books each collective's
 # bytes as intra- or inter-node by the ranks of its group
-comm.set_network(f"1000gbps,ranks_per_node={RANKS_PER_NODE}")
+set_network(f"1000gbps,ranks_per_node={RANKS_PER_NODE}")
 per_rank = minizero.launch(train_several, HSDP_N, list(hsdp_cfgs.values()))
-comm.set_network(None)
+set_network(None)
 hsdp_runs = {name: [r[i] for r in per_rank] for i, name in enumerate(hsdp_cfgs)}
 
 print(f"stage 3, N = {HSDP_N}, rank 0, kB     params   grads   optim   "
@@ -213,7 +214,8 @@ print("every rank's memory equals the formula with S in place of N (up to paddin
 # `zero_hpz_partition_size`) keeps, after each unit's forward all-gather, a *secondary* partition:
 # the 1/R of the unit this rank owns within its node. Backward rebuilds the unit from those, inside
 # the node. Inter-node bytes fall from $3\frac{N-1}{N}Ψ$ to $2\frac{N-1}{N}Ψ$; the price is Ψ/R more
-# parameter memory from each unit's forward to its backward (`[Note: hpZ]` in `minizero/zero3.py`).
+# parameter memory from each unit's forward to its backward (`[Note: hpZ]` in
+# `minizero/beyond/hpz.py`).
 #
 # Below, each kind of collective's measured bytes (rank 0's `comm.tally()`) next to its formula
 # (`memory.comm_volume_by_kind`), and the bytes that stayed inside a node and those that crossed
@@ -274,11 +276,11 @@ ax.legend();
 # overlaps two.)
 #
 # **Shard groups of S = 2 at N = 4** (`shard_group_size=2`, `[Note: hierarchical sharding]` in
-# `minizero/engine.py`). `comm.mesh(2)` cuts the 4 ranks into rows of 2 consecutive ranks, the
-# *shard groups* {0, 1} and {2, 3} (`engine.shard_group`), and columns {0, 2} and {1, 3}, the
-# *replicate groups* (`engine.replicate_group`): the ranks that hold the same partition. So each
-# bucket is cut into S = 2 partitions, not N = 4: rank r owns partition r mod 2 of its row, and
-# ranks 0 and 2 hold the same one. Watch the phases in order:
+# `minizero/beyond/hierarchical.py`). `mesh.mesh(2)` (`minizero/beyond/mesh.py`) cuts the 4 ranks
+# into rows of 2 consecutive ranks, the *shard groups* {0, 1} and {2, 3} (`engine.shard_group`), and
+# columns {0, 2} and {1, 3}, the *replicate groups* (`engine.replicate_group`): the ranks that hold
+# the same partition. So each bucket is cut into S = 2 partitions, not N = 4: rank r owns partition
+# r mod 2 of its row, and ranks 0 and 2 hold the same one. Watch the phases in order:
 #
 # 1. **reduce-scatter within each shard group**, bucket by bucket during backward: rank r's
 #    partition holds the average of *its group's* 6 rows, not yet the whole batch's; ranks 0 and 2

@@ -193,11 +193,11 @@ with engine.gathered([model.blocks[0]]):                             # every ran
 #   unit-by-unit gathering is what makes the generation possible at all (ZeRO-Inference).
 
 # %%
-from minizero import events
+from minizero.lab.record import recorded
 
 TOKENS = 3
 x = torch.zeros(1, 4, dtype=torch.long)
-with torch.no_grad(), events.recorded("collective") as log:
+with torch.no_grad(), recorded("collective") as log:
     for token in range(TOKENS):                     # one "generation" forward per new token
         engine(x)
 gathers = [fields for _, _, fields in log if fields["kind"] == "all_gather" and fields["numel"]]
@@ -206,11 +206,10 @@ print(f"{len(gathers)} all-gathers for {TOKENS} forwards of {len(engine.units)} 
 print([fields["tag"] for fields in gathers[:len(engine.units)]])
 
 # %% [markdown]
-# The tags count the units as minizero counts its gradient buckets, in the order backward completes
-# them: unit 0 is the last block, the root unit (embeddings, final LayerNorm, head) the last one,
-# so forward gathers them from the highest number down. The from-scratch stage 3 of notebook 04's
-# capstone exercise numbers them in forward order instead (`units[0]` is the root): the same units,
-# counted from the other end.
+# The tags count the units in the order forward runs them: unit 0 is the root (embeddings, final
+# LayerNorm, head), whose forward starts first, then one unit per block; the from-scratch stage 3
+# of the capstone exercise numbers them the same way (`units[0]` is the root). Their gradient
+# buckets lie the other way round, in the order backward completes them (zero3.py).
 
 # %% [markdown]
 # **What to try**

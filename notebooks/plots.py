@@ -868,7 +868,7 @@ def ring_widget(ring: dict, world_sizes=(2, 3, 4)):
     another N."""
     from minizero.lab.stepthrough import ring as run_ring
 
-    def code(rg, s):                # the exchange that comes next, in comm.ring_all_reduce
+    def code(rg, s):                # the exchange that comes next, in ring.py's ring_all_reduce
         if s >= len(rg["sources"]):
             return None
         return phase_code(rg["sources"][s], f"exchange {s + 1} runs {_ran(rg['sources'][s])[5:]}")

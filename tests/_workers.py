@@ -8,7 +8,10 @@ import time
 
 import torch
 
+
 from minizero import comm
+from minizero.beyond import mesh, quantize
+from minizero.ring import ring_all_reduce
 
 
 def collectives() -> dict:
@@ -35,16 +38,16 @@ def collectives() -> dict:
     expected = y.clone()
     comm.all_reduce(expected, op="sum")
     comm.reset_tally()
-    comm.ring_all_reduce(y.t())
+    ring_all_reduce(y.t())
     out["ring_matches"] = torch.allclose(y, expected, atol=1e-6)
     out["tally_ring"] = comm.tally()["ring_all_reduce"]
     # all_to_all: chunk j of rank r's input [r*10 + j] lands as chunk r of rank j's output.
     sent = torch.arange(n, dtype=torch.float32) + 10 * r
     received = torch.empty(n)
-    comm.all_to_all(received, sent)
+    quantize.all_to_all(received, sent)
     out["all_to_all"] = received
     if n % 2 == 0:                                                 # a 2-D mesh: rows of 2 ranks
-        shard, replicate = comm.mesh(2)
+        shard, replicate = mesh.mesh(2)
         z = torch.full((3,), float(r))
         comm.all_reduce(z, op="sum", group=shard)
         out["row_sum"], out["row"] = z, shard.ranks
@@ -131,9 +134,9 @@ def buckets_launched_during_backward(stage: int) -> tuple[int, int]:
         functools.partial(torch.optim.SGD, lr=0.1),
         bucket_size=100_000,
     )
-    from minizero import events
+    from minizero.lab.record import recorded
     x, y = local_batch(*global_batch(0, 8, 32), comm.rank(), comm.world_size())
-    with events.recorded("bucket launched") as launched:
+    with recorded("bucket launched") as launched:
         engine.backward(loss_fn(engine(x), y))
     return len(engine.layout.buckets), sum(f["in_backward"] for _, _, f in launched)
 

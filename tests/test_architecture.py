@@ -3,10 +3,11 @@
     python -m pytest tests/test_architecture.py
 
 1. A unit's lifecycle states (zero3.py: ShardState, TrainingState, held_for_user) change only in
-   the methods of zero3.Unit (and of fully_shard's Unit, minizero/pytorch/fsdp_unit.py: the same
+   the methods of zero3.Unit and of the classes that derive from it (units.py's ModelUnit,
+   beyond/hpz.py's mixin; fully_shard's Unit, minizero/pytorch/fsdp_unit.py, the same
    lifecycle for per-parameter shards), and only on the unit itself (`self.state = ...`).
    Everything else asks a unit to do something (gather, free, hold_for_user) and reads its state;
-   so the states a unit can be in, and how it moves between them, are one class's business, as in
+   so the states a unit can be in, and how it moves between them, are the unit's business, as in
    FSDP2's param group.
 2. No `__init__` calls a method that a subclass overrides. A constructor that calls `self.m()`
    runs the subclass's m on a half-built object (the subclass's own __init__ has not run yet);
@@ -24,7 +25,6 @@ import pathlib
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "minizero"
 LIFECYCLE_ATTRIBUTES = {"training_state", "held_for_user"}
 LIFECYCLE_ENUMS = {"ShardState", "TrainingState"}
-UNIT_FILES = ("minizero/zero3.py", "minizero/pytorch/fsdp_unit.py")     # each defines a Unit
 
 
 def _sources() -> dict[str, str]:
@@ -37,12 +37,12 @@ def _names(node: ast.AST) -> set[str]:
         n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
 
 
-def lifecycle_writes(source: str, owner: str | None = None) -> list[str]:
+def lifecycle_writes(source: str, owners: set[str] = frozenset()) -> list[str]:
     """Lines that set a unit's lifecycle state: an attribute in LIFECYCLE_ATTRIBUTES assigned, or
     any attribute assigned a ShardState / TrainingState value (also through setattr). Inside the
-    class named `owner` only writes to `self.<attr>` are allowed."""
+    classes named in `owners` only writes to `self.<attr>` are allowed."""
     found, tree = [], ast.parse(source)
-    inside = {id(n) for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and c.name == owner
+    inside = {id(n) for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and c.name in owners
               for n in ast.walk(c)}
     for node in ast.walk(tree):
         if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
@@ -66,9 +66,26 @@ def lifecycle_writes(source: str, owner: str | None = None) -> list[str]:
     return found
 
 
+def unit_classes(sources: dict[str, str]) -> set[str]:
+    """zero3.Unit and every class that derives from it (or is mixed into one: its methods run on
+    the unit, beyond/hpz.py's HpzUnit), by name."""
+    classes = _classes(sources)
+    units = {"Unit"}
+    while True:
+        more = {name for name, (bases, _, _) in classes.items()
+                if name not in units and set(bases) & units}
+        more |= {base for name in units for base in classes.get(name, ([], None, ""))[0]
+                 if base in classes and base not in units and base.endswith("Unit")}
+        if not more:
+            return units
+        units |= more
+
+
 def test_only_a_unit_moves_its_lifecycle_states():
-    bad = {path: lines for path, source in _sources().items()
-           if (lines := lifecycle_writes(source, owner="Unit" if path in UNIT_FILES else None))}
+    sources = _sources()
+    units = unit_classes(sources)
+    bad = {path: lines for path, source in sources.items()
+           if (lines := lifecycle_writes(source, owners=units))}
     assert not bad, (f"unit lifecycle states set outside the unit ({bad}): ask the unit "
                      "(gather, free, hold_for_user, ...) and let zero3.Unit move its state")
 
@@ -85,8 +102,11 @@ def test_the_lifecycle_rule_can_fail():
     inside = ("class Unit:\n    def free(self):\n        self.state = ShardState.FREE\n"
               "        other.training_state = TrainingState.IDLE\n"
               "class ShardedUnits:\n    def f(self):\n        self.state = ShardState.FREE\n")
-    assert lifecycle_writes(inside, owner="Unit") == ["4: other.training_state",
-                                                      "7: self.state"]
+    assert lifecycle_writes(inside, owners={"Unit"}) == ["4: other.training_state",
+                                                         "7: self.state"]
+    assert unit_classes({"a.py": "class Unit: pass\nclass ModelUnit(HpzUnit, Unit): pass\n"
+                                 "class HpzUnit: pass\nclass ShardedUnits: pass\n"}) == {
+        "Unit", "ModelUnit", "HpzUnit"}
 
 
 def _classes(sources: dict[str, str]) -> dict[str, tuple[list[str], ast.ClassDef, str]]:
@@ -181,19 +201,18 @@ def missing_from(home: type, protocol: type) -> list[str]:
 
 
 def test_every_optimizer_home_implements_the_written_interface():
-    """optim.OptimizerHome: what the engine, checkpoints and memory use of wherever P_os lives.
+    """homes.OptimizerHome: what the engine, checkpoints and memory use of wherever P_os lives.
     Every home has all of it; those the engine steps have SteppedHome's too."""
     from minizero.beyond.disk import DiskShardOptimizer
     from minizero.fairscale.fsdp_engine import FlatParameters
-    from minizero.offload import HostShardOptimizer
-    from minizero.optim import OptimizerHome, ShardOptimizer, SteppedHome
-    for home in (ShardOptimizer, HostShardOptimizer, DiskShardOptimizer):
+    from minizero.homes import DeviceHome, HostHome, OptimizerHome, SteppedHome
+    for home in (DeviceHome, HostHome, DiskShardOptimizer):
         assert not missing_from(home, SteppedHome), (home, missing_from(home, SteppedHome))
     assert not missing_from(FlatParameters, OptimizerHome)
 
 
 def test_the_interface_rule_can_fail():
-    from minizero.optim import SteppedHome
+    from minizero.homes import SteppedHome
 
     class NoReload:
         def step(self, grads): ...              # another argument name, and reload() missing

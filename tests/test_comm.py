@@ -7,6 +7,7 @@ from _workers import collectives
 
 import minizero
 from minizero import comm
+from minizero.beyond import desync
 
 
 @pytest.fixture(scope="module", params=[3, 4])
@@ -94,12 +95,13 @@ def test_nccl_on_an_older_torch_is_one_line_before_any_group(monkeypatch):
 
 
 def agreements() -> list[bool]:
-    """comm.agree on: one value everywhere; one rank's off by one; the largest value it takes
+    """desync.agree on: one value everywhere; one rank's off by one; the largest value it takes
     everywhere, then one rank's off by one (exact: no rounding); one rank's negated."""
-    comm.open_agreement()
+    desync.open_agreement()
     r, big = comm.rank(), 2**62 - 1
-    return [comm.agree(7), comm.agree(7 + (r == 1)), comm.agree(big), comm.agree(big - (r == 2)),
-            comm.agree(-5 if r == 0 else 5)]
+    agree = desync.agree
+    return [agree(7), agree(7 + (r == 1)), agree(big), agree(big - (r == 2)),
+            agree(-5 if r == 0 else 5)]
 
 
 def test_agree_is_exact_and_the_same_answer_on_every_rank():

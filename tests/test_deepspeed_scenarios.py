@@ -454,14 +454,14 @@ def test_leaf_module_api_as_deepspeeds():
 
 
 def test_a_leaf_module_is_one_unit_whatever_units_lie_inside():
-    from minizero.units import assign_units, default_units
+    from minizero.units import default_units, resolve
     model = MoE()
     assert model.moe.experts[0] in default_units(model)       # the experts hold most of Ψ
     minizero.set_z3_leaf_modules(model, [Experts])
-    units, _, _ = assign_units(model, default_units(model))
+    units = [module for module, _ in resolve(model, None)]
     assert [u for u in units if u is not model] == [model.moe]     # the experts: one unit
     with pytest.warns(UserWarning, match="1 of the units given lie inside a leaf module"):
-        units, _, _ = assign_units(model, [model.moe.experts[1], model.out], chosen=True)
+        units = [module for module, _ in resolve(model, [model.moe.experts[1], model.out])]
     assert model.moe in units and model.moe.experts[1] not in units
 
 
@@ -473,7 +473,7 @@ def test_initialize_declares_leaf_modules_and_units():
     with pytest.warns(UserWarning, match=r"no module matches the name suffixes \['nothing'\]"):
         engine, *_ = minizero.initialize(model=model, config=cfg, units=[model.out])
     assert _flags(model) == ["inp", "moe"]
-    assert engine.engine.unit_names == ["out", "moe", "inp"]
+    assert engine.engine.unit_names == ["inp", "moe", "out"]          # in forward order
     cfg["zero_optimization"]["leaf_module"] = {"classes": [3]}
     with pytest.raises(minizero.deepspeed.config.ConfigError,
                        match=r"leaf_module.classes must be a list of strings, got \[3\]$"):

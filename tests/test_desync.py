@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 import minizero
-from minizero import comm, events
+from minizero import comm
+from minizero.lab.record import recorded
 from minizero.beyond import desync
 from minizero.cli.run import main as run_main
 from minizero.lab.faults import Fault, never_issue_on, train_another_model_on
@@ -158,7 +159,7 @@ def choose_by_rank(steps: int) -> dict:
     engine = minizero.wrap(model, 3, functools.partial(torch.optim.SGD, lr=0.0),
                            units=list(model.linears))
     x = torch.randn(4, 8)
-    with events.recorded("collective") as log:
+    with recorded("collective") as log:
         for _ in range(steps):
             y = engine(x)
             engine.backward(y.sum())
@@ -201,20 +202,20 @@ def test_an_all_reduce_of_another_tag_or_size_on_one_rank_is_named_at_once(what,
 
 def train_every_way_counting_checks() -> list[tuple[int, int]]:
     """Stages 0-3 and offload, trained with the check on: (collectives, agreements) of each."""
-    agree, counts = comm.agree, []
+    agree, counts = desync.agree, []
 
     def counted(value):
         counted.calls += 1
         return agree(value)
-    comm.agree = counted
+    desync.agree = counted
     ways = [(0, False), (1, False), (2, False), (3, False), (2, True), (3, "params")]
     for stage, offload in ways:
         counted.calls = 0
-        with events.recorded("collective") as log:
+        with recorded("collective") as log:
             train_worker(TrainConfig(stage=stage, offload=offload, steps=2, model="tiny",
                                      batch_size=8))
         counts.append((len(log), counted.calls))
-    comm.agree = agree
+    desync.agree = agree
     return counts
 
 

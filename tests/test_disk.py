@@ -21,7 +21,7 @@ from minizero.lab.faults import Fault
 from minizero.lab.report import theory
 from minizero.lab.train import TrainConfig, train_several
 from minizero.memory import CATEGORIES, within_padding
-from minizero.optim import ShardOptimizer
+from minizero.homes import DeviceHome
 
 N = 2
 
@@ -46,7 +46,7 @@ def test_pieces_step_bitwise_like_memory(tmp_path, dtype, optimizer):
     values = [torch.randn(1_100_000).to(dtype), torch.randn(300_001).to(dtype)]  # 4 + 1 views
     grads = [[torch.randn(v.numel()).to(dtype) for v in values] for _ in range(4)]
     parts = {"memory": [v.clone() for v in values], "disk": [v.clone() for v in values]}
-    memory = ShardOptimizer(parts["memory"], optimizer)
+    memory = DeviceHome(parts["memory"], optimizer)     # checkpointable: state_dict
     disk = SmallPieces(parts["disk"], optimizer, folder=tmp_path)
     assert len(disk.pieces) == 5  # more than the 3 slots: they are reused
     for g in grads[:3]:

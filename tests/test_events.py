@@ -12,10 +12,11 @@ import torch
 
 import minizero
 from minizero import events
+from minizero.lab.record import recorded
 from minizero.lab.data import global_batch
 from minizero.lab.model import GPTConfig, make_model
 from minizero.lab.train import loss_fn
-from minizero.stages import Zero2
+from minizero.assembled import Zero2
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
 
@@ -29,7 +30,7 @@ def one_step(engine) -> None:
 def test_a_stage_3_step_tells_its_story_in_order():
     model = make_model(GPTConfig())
     engine = minizero.wrap(model, 3, SGD)
-    with events.recorded() as log:
+    with recorded() as log:
         one_step(engine)
     names = [name for _, name, _ in log]
     blocks = len(model.blocks)
@@ -39,7 +40,7 @@ def test_a_stage_3_step_tells_its_story_in_order():
     assert names.count("unit freed") >= names.count("unit gathered")
     assert names.count("bucket ready") == names.count("bucket launched") == len(engine.units)
     tags = [f["tag"] for _, name, f in log if name == "collective"]
-    assert "unit 1 (blocks.2)" in tags and all(tags), tags          # every collective says what for
+    assert "unit 3 (blocks.2)" in tags and all(tags), tags          # every collective says what for
     assert names.index("backward done") < names.index("optimizer step") < names.index("step")
     assert [f["seq"] for _, name, f in log if name == "collective"] == \
         sorted(f["seq"] for _, name, f in log if name == "collective done")
@@ -47,7 +48,7 @@ def test_a_stage_3_step_tells_its_story_in_order():
 
 def test_the_engine_events_carry_the_engine_and_nothing_is_kept_alive():
     engine = minizero.wrap(make_model(GPTConfig()), 2, SGD, bucket_size=100_000)
-    with events.recorded("bucket launched", "bucket arrived", "staging") as log:
+    with recorded("bucket launched", "bucket arrived", "staging") as log:
         one_step(engine)
     assert log and all(f["engine"] is engine for _, _, f in log)
     assert sum(f["nbytes"] for _, name, f in log if name == "staging") == 0   # all released
@@ -91,10 +92,13 @@ def _emitted() -> dict[str, set[str]]:
 
 
 def _catalogue() -> dict[str, str]:
-    """events.py's docstring: each event's name and the text that describes it."""
+    """events.py's docstring (the core's events) and assembled.py's (what the pieces around it
+    emit): each event's name and the text that describes it."""
     import re
+
+    from minizero import assembled
     entries, name = {}, None
-    for line in events.__doc__.splitlines():
+    for line in (events.__doc__ + assembled.__doc__).splitlines():
         head = re.match(r"    (\S.{0,17}?)\s{1,}(\S+\.py\b.*)$", line)
         if head and not line.startswith("     "):
             name = head.group(1).strip()
@@ -107,9 +111,9 @@ def _catalogue() -> dict[str, str]:
 
 
 def test_every_event_emitted_is_in_the_catalogue_with_its_fields():
-    """events.py's list is the stream's documentation: every name minizero emits is there, nothing
-    else is, and each field an emit passes is named in its entry (engine, unit and bucket: in the
-    sentence after the list)."""
+    """events.py's list (and assembled.py's) is the stream's documentation: every name minizero
+    emits is there, nothing else is, and each field an emit passes is named in its entry (engine,
+    unit and bucket: in the sentence after the list)."""
     emitted, catalogue = _emitted(), _catalogue()
     assert set(emitted) == set(catalogue), set(emitted) ^ set(catalogue)
     for name, fields in emitted.items():

@@ -31,7 +31,7 @@ from minizero.memory import (
     comm_volume, comm_volume_by_kind, comm_volume_by_node, estimate, estimate_breakdown,
     secondary_partition_bytes, within_padding,
 )
-from minizero.beyond.network import Network
+from minizero.beyond.network import Network, set_network
 from minizero.wrap import check
 
 N, S, R = 4, 2, 2
@@ -82,7 +82,7 @@ def hpz_memory_probe() -> dict:
 def everything(directory: str) -> dict:
     # Nodes of R ranks for the tally's intra/inter-node split (an infinitely fast network:
     # no delays).
-    comm.set_network(Network(ranks_per_node=R))
+    set_network(Network(ranks_per_node=R))
     out = {name: train_worker(cfg) for name, cfg in CONFIGS.items()}
     out["fsdp2_hsdp"] = peer_worker(PEER, "fsdp2_hsdp")
     out["ours_vs_peer"] = train_worker(PEER)

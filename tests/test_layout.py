@@ -231,3 +231,111 @@ def test_the_readme_reads_the_code_in_the_same_order():
     readme = readme[readme.index("read in this order"):]
     readme_order = re.findall(r"`(\w+\.py)`", readme[:readme.index("Every")])
     assert readme_order == package_order
+
+
+# --------------------------------------------------------------------------------------------------
+# The reading path (issue 46): the files minizero/__init__.py names, in its order, with every
+# minizero module they import at module level, transitively. A learner reads it top to bottom
+# without opening a file off it, so it must be short, import nothing off it, and hold the paper:
+# what came after it (beyond/) gets at most a one-line pointer in each file.
+# --------------------------------------------------------------------------------------------------
+
+READING_PATH_LIMIT = 1600
+# What lies beyond the paper's ZeRO-DP, as the path would name it (case-insensitive patterns).
+BEYOND_THE_PAPER = (r"\bhpz\b", r"quantiz", r"tensor[ _-]parallel", r"\bmesh", r"\bdisk\b",
+                    r"\bnetwork", r"desync", r"\bmics\b", r"\bhsdp\b", r"shard[ _]group",
+                    r"replicate[ _]group", r"zero\+\+", r"\bq[wg]z\b", r"\bint8\b", r"secondar",
+                    r"ranks_per_node", r"(inter|intra)[_-]node", r"\bmulti-node\b")
+
+
+def reading_order() -> list[str]:
+    """The files of the reading order in minizero/__init__.py's docstring, in its order."""
+    doc = minizero.__doc__
+    order = doc[doc.index("read in this order"):doc.index("Then ")]
+    return re.findall(r"(\w+\.py) \(", order)
+
+
+def module_level_imports(path: pathlib.Path) -> set[str]:
+    """The minizero modules a file imports when it is imported: its module body's imports (inside
+    `if` and `try` too), not those inside functions. `from minizero import comm` is minizero.comm;
+    the package minizero itself is the front door, not a file of the path."""
+    def body_imports(body) -> set[str]:
+        found = set()
+        for node in body:
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                found.add(node.module)
+                found.update(f"{node.module}.{alias.name}" for alias in node.names)
+            elif isinstance(node, (ast.If, ast.Try)):
+                found |= body_imports(node.body + node.orelse)
+        return found
+    modules = core_modules()
+    return {name for name in body_imports(ast.parse(path.read_text()).body)
+            if name in modules and name != "minizero"}
+
+
+def reading_closure() -> dict[str, int]:
+    """{module: its lines} for the reading path and everything it imports at module level."""
+    modules, seen = core_modules(), {}
+    todo = [f"minizero.{name.removesuffix('.py')}" for name in reading_order()]
+    while todo:
+        name = todo.pop(0)
+        if name not in seen:
+            seen[name] = len(modules[name].read_text().splitlines())
+            todo += sorted(module_level_imports(modules[name]))
+    return seen
+
+
+def test_the_reading_path_with_what_it_imports_is_short():
+    closure = reading_closure()
+    assert sum(closure.values()) <= READING_PATH_LIMIT, (
+        f"the reading path and its imports are {sum(closure.values())} lines "
+        f"(> {READING_PATH_LIMIT}): {closure}")
+
+
+def test_the_reading_path_imports_nothing_off_it():
+    path = {f"minizero.{name.removesuffix('.py')}" for name in reading_order()}
+    off = sorted(set(reading_closure()) - path)
+    assert not off, f"the reading path imports {off} at module level: a learner would open them"
+
+
+def beyond_lines(source: str) -> list[str]:
+    """The lines of a source that name something beyond the paper (BEYOND_THE_PAPER)."""
+    return [line.strip() for line in source.splitlines()
+            if any(re.search(word, line, re.IGNORECASE) for word in BEYOND_THE_PAPER)]
+
+
+@pytest.mark.parametrize("name", reading_order())
+def test_a_file_on_the_path_points_beyond_the_paper_in_one_line_at_most(name):
+    lines = beyond_lines((PACKAGE / name).read_text())
+    assert len(lines) <= 1, (f"{name} names what lies beyond the paper in {len(lines)} lines "
+                             f"(one pointer at most): {lines}")
+
+
+def test_the_beyond_rule_can_fail():
+    source = ("# stage 3 gathers a unit\nhpz_group = None  # ZeRO++'s hpZ\n"
+              "codec = Int8Blocks()  # quantized weights\nmesh = comm.mesh(2)\n"
+              "replicated = True  # DDP replicates everything: the paper's word\n")
+    assert len(beyond_lines(source)) == 3
+
+
+def test_the_paths_length_is_stated_truly():
+    """minizero/__init__.py, README.md ("the code") and pyproject.toml state the path's length
+    (with what it imports) and a reading time of about 200 lines an hour: both measured here."""
+    total = sum(reading_closure().values())
+    hours = round(total / 200)
+    readme = (ROOT / "README.md").read_text()
+    texts = {"minizero/__init__.py": minizero.__doc__,
+             "README.md": readme[readme.index("**The code**"):readme.index("**Slides**")],
+             "pyproject.toml": (ROOT / "pyproject.toml").read_text()}
+    for where, text in texts.items():
+        assert f"{total:,} lines" in text, f"{where} does not state the path's {total:,} lines"
+        assert f"about {hours} hours" in text, f"{where} does not say 'about {hours} hours'"
+        assert "afternoon" not in text, f"{where} still promises an afternoon"
+
+
+def test_docs_architecture_reads_the_code_in_the_same_order():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    order = text[text.index("Reading order:"):]
+    assert re.findall(r"`(\w+\.py)`", order[:order.index(")")]) == reading_order()

@@ -1,7 +1,7 @@
-"""ZeRO on a 2-D mesh ([Note: the 2-D mesh] in minizero/engine.py): wrap(..., tensor_parallel=M)
-splits the GPT over rows of M ranks and shards it with ZeRO along the columns of N_d = N/M. Every
-stage at (N_m, N_d) = (2, 1), (2, 2), (1, 4) and (4, 1) against one process training the whole GPT
-on the global batch."""
+"""ZeRO on a 2-D mesh ([Note: the 2-D mesh] in minizero/beyond/tensor_parallel.py):
+wrap(..., tensor_parallel=M) splits the GPT over rows of M ranks and shards it with ZeRO along the
+columns of N_d = N/M. Every stage at (N_m, N_d) = (2, 1), (2, 2), (1, 4) and (4, 1) against one
+process training the whole GPT on the global batch."""
 
 from __future__ import annotations
 

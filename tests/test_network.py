@@ -22,6 +22,7 @@ import minizero
 from minizero import comm
 from minizero.cli.run import main as run_main
 from minizero.lab.network_runs import BASE, by_label, measure, overlap_runs
+from minizero.beyond import mesh, network
 from minizero.beyond.network import Network, parse_network
 
 # --------------------------------------------------------------------------------------------------
@@ -83,7 +84,7 @@ MB = 250_000                                                               # fp3
 
 
 def network_probe() -> dict:
-    comm.set_network(NET)
+    network.set_network(NET)
     out = {}
     comm.barrier()
     start = time.perf_counter()
@@ -95,13 +96,13 @@ def network_probe() -> dict:
     for handle in handles:
         handle.wait()
     out["queued"] = time.perf_counter() - start         # two rings, one after the other on the link
-    shard, replicate = comm.mesh(2)                     # rows: one node; columns: across nodes
+    shard, replicate = mesh.mesh(2)                     # rows: one node; columns: across nodes
     comm.reset_tally()
     comm.all_reduce(torch.zeros(10), group=shard)         # 40 bytes over 2 ranks: 40 sent, intra
     comm.all_reduce(torch.zeros(10), group=replicate)     # ranks {r, r+2}: 40 sent, inter
     comm.all_gather(torch.zeros(40), torch.zeros(10))     # all 4 ranks: 3/4 of 160 = 120, inter
-    out["tally"] = comm.tally()
-    comm.set_network(None)
+    out["tally"] = network.tally()
+    network.set_network(None)
     return out
 
 
@@ -130,9 +131,9 @@ def test_tally_splits_intra_and_inter_node_bytes(probes):
 
 
 def test_without_a_model_one_machine_is_one_node():
-    comm.set_network(None)
-    assert comm.network() is None and not comm.spans_nodes(None)
-    assert set(comm.tally()) >= {"total", "intra_node", "inter_node"}
+    network.set_network(None)
+    assert network.network() is None and not network.spans_nodes(None)
+    assert set(network.tally()) >= {"total", "intra_node", "inter_node"}
 
 
 # --------------------------------------------------------------------------------------------------

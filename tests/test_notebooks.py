@@ -693,8 +693,8 @@ def test_each_phase_names_the_line_that_produced_it():
 
 
 def check_ring(ring: dict) -> None:
-    """Every exchange of comm.ring_all_reduce moved one chunk to the right neighbour, added (first
-    N-1) or copied (last N-1) there, and every rank ends with the sum."""
+    """Every exchange of ring.py's ring_all_reduce moved one chunk to the right neighbour,
+    added (first N-1) or copied (last N-1) there, and every rank ends with the sum."""
     stepthrough.check_ring(ring)
     n = ring["world_size"]
     assert n >= 3 and ring["numel"] % n, (

@@ -13,7 +13,7 @@ import torch
 import _hf as _hf_models
 import minizero
 from minizero import comm
-from minizero.beyond import activations, tensor_parallel, tensor_parallel_hf
+from minizero.beyond import activations, mesh, tensor_parallel, tensor_parallel_hf
 from minizero.lab.data import global_batch
 from minizero.lab.model import GPTConfig, make_model
 from minizero.lab.train import IGNORE, loss_fn
@@ -37,7 +37,7 @@ def _logits(model, x):
 def _train_side_by_side(build, split_fn, m: int, steps: int = 3) -> dict:
     """One tensor-parallel group of m ranks and, on the same ranks, the whole model: the same batch,
     the same SGD steps (SGD: a gradient off by a factor shows; Adam would normalize it away)."""
-    group = comm.row_group(m)
+    group = mesh.row_group(m)
     whole, split = build(), split_fn(build(), group)             # the same seed: the same weights
     optimizers = [torch.optim.SGD(model.parameters(), lr=0.5) for model in (whole, split)]
     out = {"logits": 0.0, "loss": 0.0, "params": 0.0}
@@ -79,7 +79,7 @@ def runs():
 def _checkpoint_modes() -> dict:
     """The split GPT's forward and backward with each checkpointing mode: gradients and the peak
     bytes saved for backward (the activation meter)."""
-    group, out = comm.row_group(comm.world_size()), {}
+    group, out = mesh.row_group(comm.world_size()), {}
     x, y = global_batch(0, 4, 16)
     for mode in (False, True, "partitioned", "partitioned+cpu"):
         model = tensor_parallel.parallelize_gpt(make_model(GPTConfig(), seed=0), group)

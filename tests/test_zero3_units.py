@@ -95,7 +95,7 @@ def _units(model: nn.Module, **options) -> list[tuple[nn.Module, bool, float]]:
     engine = minizero.wrap(model, 3, functools.partial(torch.optim.SGD, lr=0.1), **options)
     modules = {name or "<root>": m for name, m in model.named_modules()}
     out = []
-    for name, b in zip(engine.unit_names, engine.layout.buckets):
+    for name, b in zip(engine.unit_names, [unit.bucket for unit in engine.units]):
         own = {id(p) for p in modules[name].parameters(recurse=False)}
         out.append((modules[name], {id(p) for p in b.params} <= own, b.numel / engine.layout.numel))
     return out
@@ -127,7 +127,7 @@ def test_default_units_hold_at_most_an_eighth_of_any_model(name):
 
 def test_default_units_of_a_transformer_are_its_blocks():
     model = make_model(TrainConfig(model="tiny").model_config())
-    assert [module for module, _, _ in _units(model)] == [*reversed(model.blocks), model]
+    assert [module for module, _, _ in _units(model)] == [model, *model.blocks]   # forward order
 
 
 def test_given_units_that_leave_one_unit_most_of_the_model_warn():

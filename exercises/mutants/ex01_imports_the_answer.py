@@ -1,3 +1,3 @@
 """Mutant: borrows minizero's own ring all-reduce instead of building it."""
 
-from minizero.comm import ring_all_reduce  # noqa: F401
+from minizero.ring import ring_all_reduce  # noqa: F401

@@ -1,5 +1,5 @@
-"""Exercise 1, answer: the ring all-reduce from exchange() alone (minizero/comm.py, ring_all_reduce,
-is the same algorithm, also tallied and timed by the network model)."""
+"""Exercise 1, answer: the ring all-reduce from exchange() alone (minizero/ring.py,
+ring_all_reduce, is the same algorithm, also tallied and timed by the network model)."""
 
 import torch
 

@@ -31,7 +31,7 @@ saved- tensor hooks of its own, which a measurement cannot see. `_Checkpoint` is
 design in a few lines: an autograd Function saving only the inputs, whose backward recomputes under
 the meter and runs backward through the recomputed graph. At stage 3 the recompute runs after the
 unit's pre-backward hook gathered it, and calls the unit's forward, not its hooks: the unit is
-gathered and freed once per backward, as without checkpointing ([Note: recompute] in zero3.py covers
+gathered and freed once per backward, as without checkpointing ([Note: recompute] in units.py covers
 units inside a checkpoint).
 """
 

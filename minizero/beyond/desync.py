@@ -21,13 +21,13 @@ when it has completed: events.py), so comm itself knows nothing of it.
    rank issues the same sequence). The tag says which unit or bucket it is for, so two units of
    the same size exchanged in each other's place differ. The ranks agree on a hash of the
    fingerprints each issued since the last check (one all-reduce of two integers, [Note:
-   agreement] in comm.py) at the points where they wait for each other anyway ([Note: where to
+   agreement] below) at the points where they wait for each other anyway ([Note: where to
    agree]): before collective #1, before every blocking collective, and at the end of each
-   backward; with check_every=k instead, before every k-th collective. When they differ,
-   every rank learns it at that same check: each puts its fingerprints on the process group's
-   store, reads everyone's, and raises one line (DesyncError) naming the first collective they
-   disagree on, the rank(s) out of step and what each issued. [Note: checking before, not on
-   arrival] says why not in the collective's bytes.
+   backward (answered at the next check); with check_every=k instead, before every k-th
+   collective. When they differ, every rank learns it at that same check: each puts its
+   fingerprints on the process group's store, reads everyone's, and raises one line (DesyncError)
+   naming the first collective they disagree on, the rank(s) out of step and what each issued.
+   [Note: checking before, not on arrival] says why not in the collective's bytes.
 2. The flight recorder: each rank's last RECORDED collectives, with when each was issued and
    finished. A watchdog thread puts them on the store every TICK_S, so that after any failure the
    launcher can print them (`report`), a killed rank's included.
@@ -59,13 +59,16 @@ stage 3 (27 collectives a step for the 8M GPT) that made whole steps about a qua
 of it waiting, because an asynchronous collective (a prefetched unit, a gradient bucket) lets a
 rank run ahead while it is in flight, and a check before it takes that away. A blocking collective
 waits for every rank anyway, and so does the end of backward: agreeing there costs a round trip,
-not the overlap. (Not the end of the step: an fp16 step skipped on overflow emits no "step", so
-the ranks would not meet there the same number of times if one skipped alone.) Before collective
-#1 it stops a model of another size before anything moves; before a blocking one, a different size
-before gloo sees it. The asynchronous collectives in between are in the next check's hash, so
-the first one that differs is still the one named; what is given up is that their data may have
-moved (same-size units exchanged in each other's place), until the next blocking collective or the
-end of the backward.
+not the overlap. Still, a round trip a step, with the ranks in lockstep after it, made stage 0 (one
+all-reduce a step) 3-13 % slower at 2M parameters, N = 2, on a loaded machine (docs/performance.md):
+so the end of a backward agrees without waiting, and reads the answer at the next check (the next
+blocking collective, the next backward's end, or minizero.launch's end of the work). (Not the end
+of the step: an fp16 step skipped on overflow emits no "step", so the ranks would not meet there
+the same number of times if one skipped alone.) Before collective #1 it stops a model of another
+size before anything moves; before a blocking one, a different size before gloo sees it. The
+asynchronous collectives in between are in the next check's hash, so the first one that differs is
+still the one named; what is given up is that their data may have moved (same-size units exchanged
+in each other's place), until the next blocking collective or the end of the backward.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ import sys
 import threading
 import time
 
+import torch
 import torch.distributed as dist
 
 from minizero import comm, events
@@ -204,6 +208,61 @@ def _check_key(check: int, rank: int) -> str:
     return f"{PREFIX}check/{check}/{rank}"
 
 
+# --- agreement: do all ranks hold the same number? ------------------------------------------------
+_agreement: tuple | None = None   # (the default process group it was made in, its own group)
+
+
+def open_agreement() -> None:
+    """Make the process group that `agree` runs on. Collective (dist.new_group): every rank calls it
+    at the same point; once per process group (later calls do nothing)."""
+    global _agreement
+    world = dist.distributed_c10d._get_default_group()
+    if comm.world_size() > 1 and (_agreement is None or _agreement[0] is not world):
+        _agreement = (world, dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=comm.DEFAULT_TIMEOUT_S)))
+
+
+def agree(value: int) -> bool:
+    """Whether every rank called agree() with the same `value` (an integer, |value| < 2**62).
+
+    [Note: agreement] One all-reduce with MAX over [value, -value] (int64): every rank gets the
+    largest value and minus the smallest, and all are equal exactly when largest == smallest.
+    Integers, so nothing rounds; MAX, so every rank gets the same answer at the same call. It runs
+    on a group of its own, on the CPU with gloo whatever the backend: on the training group it
+    would queue behind every collective still in flight (and wait for them), and on NCCL reading
+    its answer would wait for the GPU. Not tallied, not an event: it is not part of ZeRO's
+    algorithm, and it is not a collective of the stream it checks. Blocks until every rank calls
+    it (open_agreement first)."""
+    if comm.world_size() == 1:
+        return True
+    pair = torch.tensor([value, -value], dtype=torch.int64)
+    dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=_agreement[1])
+    return int(pair[0]) == value == -int(pair[1])
+
+
+class Agreement:
+    """agree_later's answer, once every rank has given its value: wait() -> whether all agree."""
+
+    def __init__(self, value: int, pair: torch.Tensor | None = None, work=None):
+        self.value, self.pair, self.work = value, pair, work
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+        return self.pair is None or int(self.pair[0]) == self.value == -int(self.pair[1])
+
+
+def agree_later(value: int) -> Agreement:
+    """agree() without waiting: the answer is read later, when every rank has long given its
+    value (the end of a backward, where waiting costs a round trip a step: [Note: where to
+    agree])."""
+    if comm.world_size() == 1:
+        return Agreement(value)
+    pair = torch.tensor([value, -value], dtype=torch.int64)
+    return Agreement(value, pair, dist.all_reduce(pair, op=dist.ReduceOp.MAX, async_op=True,
+                                                  group=_agreement[1]))
+
+
 class Watch:
     """This rank's recorder, fingerprint checks and watchdog thread. Made by `watch`; stop() ends
     it."""
@@ -221,9 +280,10 @@ class Watch:
         self.issued, self.finished, self.moved_at = 0, 0, time.time()
         self.digest = _digest()                         # of the keys issued since the last check
         self.checks = 0                                 # agreements so far: the same on every rank
+        self.unanswered = None      # the end of the last backward's agreement: answered at the next
         self.lock = threading.Lock()
         self.stopped = threading.Event()
-        comm.open_agreement()
+        open_agreement()
         self.unsubscribe = events.subscribe(self.on_event)
         self.thread = threading.Thread(target=self.run, name="minizero-desync", daemon=True)
         self.thread.start()
@@ -246,7 +306,7 @@ class Watch:
             if due:
                 self.check(fp["seq"])
         elif name == "backward done" and self.check_every == 1:
-            self.check(self.issued)
+            self.check(self.issued, wait=False)                # [Note: where to agree]
         elif name == "collective done":
             with self.lock:
                 record = self.pending.pop(fields["seq"], None)
@@ -254,25 +314,41 @@ class Watch:
                     record["finished"] = self.moved_at = time.time()
                     self.finished = max(self.finished, fields["seq"])
 
-    def check(self, seq: int) -> None:
+    def check(self, seq: int, wait: bool = True) -> None:
         """Agree with every rank on the fingerprints since the last check, before collective #seq
         runs; when they differ, name the first difference (on every rank) and raise. Waits for
-        every rank to reach #seq: one that never does is the watchdog's to name."""
-        value = int.from_bytes(self.digest.digest(), "big") >> 2        # 62 bits: see comm.agree
+        every rank to reach #seq: one that never does is the watchdog's to name. wait=False (the
+        end of a backward): the answer is read at the next check (settle), not waited for here."""
+        self.settle()
+        value = int.from_bytes(self.digest.digest(), "big") >> 2        # 62 bits: see agree()
         self.digest = _digest()
         self.checks += 1
         with self.lock:
             window = list(self.unchecked)
-        agreed = comm.agree(value)
-        with self.lock:
-            self.unchecked.clear()
+        if not wait:
+            self.unanswered = (agree_later(value), seq, self.checks, window)
+            return
+        self._answer(agree(value), seq, self.checks, window)
+
+    def settle(self) -> None:
+        """Read the answer of the last agreement not waited for (and raise if the ranks differ
+        there). Every check does first; minizero.launch once the work is done."""
+        if self.unanswered is not None:
+            agreement, seq, check, window = self.unanswered
+            self.unanswered = None
+            self._answer(agreement.wait(), seq, check, window)
+
+    def _answer(self, agreed: bool, seq: int, check: int, window: list[dict]) -> None:
+        with self.lock:                                  # checked now: up to #seq
+            while self.unchecked and self.unchecked[0]["seq"] <= seq:
+                self.unchecked.popleft()
         if agreed:
             return
         # Every rank is here, at the same collective (the agreement's answer is the same on all):
         # the store says what each issued, for one line that names them
         self.store.set(_state_key(self.rank), json.dumps(self.state()))   # for the report, now
-        self.store.set(_check_key(self.checks, self.rank), json.dumps(window))
-        keys = [_check_key(self.checks, r) for r in range(self.n)]
+        self.store.set(_check_key(check, self.rank), json.dumps(window))
+        keys = [_check_key(check, r) for r in range(self.n)]
         self.store.wait(keys, datetime.timedelta(seconds=comm.DEFAULT_TIMEOUT_S))
         verdict = mismatch([json.loads(v) for v in self.store.multi_get(keys)])
         if verdict is None:                      # a hash collision, the other way: cannot happen

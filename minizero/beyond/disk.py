@@ -49,7 +49,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
-from minizero.optim import Grouping, OptimizerFactory, Placement, ShardOptimizer, _per_element
+from minizero.homes import BucketState, _per_element
+from minizero.optim import OptimizerFactory, Placement, ShardOptimizer
+from minizero.param_groups import Grouping
 
 PIECE_NUMEL = 1 << 22       # elements a piece of the pipeline: 16 MiB of each fp32 field
 ALIGN = 4096                # O_DIRECT: buffer addresses, file offsets and lengths in whole blocks
@@ -163,7 +165,7 @@ class ScratchFile:
         return os.fstat(self.fd).st_blocks * 512
 
 
-class DiskShardOptimizer(ShardOptimizer):
+class DiskShardOptimizer(BucketState, ShardOptimizer):
     """A ShardOptimizer whose masters (when separate from the parameters) and per-element state live
     in a ScratchFile of `folder`, stepped piece by piece through a read / step / write pipeline."""
     piece_numel = PIECE_NUMEL

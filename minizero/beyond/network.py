@@ -2,7 +2,7 @@
 
     python -m minizero.run --stage 0 --world-size 4 --network 1gbps,10us,ranks_per_node=2
     MINIZERO_NETWORK=1gbps,10us,ranks_per_node=2 torchrun --nproc-per-node 4 -m minizero.run
-    comm.set_network("1gbps,10us,ranks_per_node=2")  # Python: in a rank, or before minizero.launch
+    network.set_network("1gbps,10us,ranks_per_node=2")   # Python: in a rank or before launch
     python -m pytest tests/test_network.py           # its tests; notebooks/08_beyond.ipynb shows it
 
 Why. minizero's ranks are processes of one machine talking over loopback: next to the compute,
@@ -12,7 +12,7 @@ costs more than 2Ψ. With a model set (off by default), every collective still r
 gloo (its values stay exact), and its handle's wait() returns no earlier than the moment the
 modelled network would have finished it.
 
-What it models (comm.py applies it; this file is the model):
+What it models (this file, subscribed to comm.py's "collective" events while a model is set):
   * Topology: nodes of `ranks_per_node` consecutive ranks. A collective whose group lies inside one
     node runs on the intra-node links (NVLink-like: `intra_bandwidth`, default unlimited,
     `intra_latency`, default 0); one whose group spans nodes runs on the inter-node links
@@ -49,7 +49,9 @@ import re
 import time
 from dataclasses import dataclass
 
-ENV = "MINIZERO_NETWORK"    # read by comm.init: the launcher's children and torchrun's ranks see it
+from minizero import comm, events
+
+ENV = "MINIZERO_NETWORK"    # read by the launcher and the run command: their ranks model it
 
 # Hops of a ring over n ranks. An all-reduce is a reduce-scatter then an all-gather: twice n-1.
 RING_STEPS = {
@@ -58,6 +60,7 @@ RING_STEPS = {
     "all_gather": lambda n: n - 1,
     "broadcast": lambda n: n - 1,
     "all_to_all": lambda n: n - 1,
+    "ring_all_reduce": lambda n: 2 * (n - 1),     # ring.py's, from send/recv
 }
 
 
@@ -183,12 +186,46 @@ def network_from_env() -> Network | None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Time: a rank's link
+# Nodes: the tally's bytes split by where their ring runs
+# --------------------------------------------------------------------------------------------------
+
+def ranks_per_node() -> int:
+    """Ranks per node: the network model's; without one, torchrun's LOCAL_WORLD_SIZE, else every
+    rank (minizero.launch runs them all on one machine)."""
+    if _network is not None:
+        return _network.ranks_per_node
+    return int(os.environ.get("LOCAL_WORLD_SIZE", comm.world_size()))
+
+
+def ranks_span_nodes(ranks, per_node: int) -> bool:
+    """Whether these ranks sit on more than one node (ranks r and s share a node iff
+    r // R == s // R). The one rule for tally()'s split and for memory.comm_volume_by_node."""
+    return len({r // per_node for r in ranks}) > 1
+
+
+def spans_nodes(group: comm.Group | None) -> bool:
+    """Does the group's ring cross a node boundary?"""
+    ranks = range(comm.world_size()) if group is None else group.ranks
+    return ranks_span_nodes(ranks, ranks_per_node())
+
+
+def tally() -> dict[str, float]:
+    """comm.tally(), plus its total split into 'intra_node' (rings inside one node of
+    ranks_per_node() consecutive ranks) and 'inter_node' (rings that span nodes)."""
+    out = {**comm.tally(), "intra_node": 0.0, "inter_node": 0.0}
+    for ranks, sent in comm.tally_by_ranks().items():
+        every = range(comm.world_size()) if ranks is None else ranks
+        out["inter_node" if ranks_span_nodes(every, ranks_per_node()) else "intra_node"] += sent
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Time: a rank's link, booked from the event stream
 # --------------------------------------------------------------------------------------------------
 
 class Link:
     """One rank's link: collectives are booked on it one after another (time.perf_counter seconds).
-    The event stream's "collective" events carry each transfer's (start, end) on it (a timeline)."""
+    Each booking is told on the event stream as "collective modeled" (seq, kind, start, end)."""
 
     def __init__(self) -> None:
         self.free_at = 0.0
@@ -205,3 +242,42 @@ def sleep_until(deadline: float) -> None:
     late on an idle core, but on a busy one it can)."""
     while (left := deadline - time.perf_counter()) > 0:
         time.sleep(left)
+
+
+_network: Network | None = None      # set_network; None: off
+link = Link()                        # this rank's link under the model
+_ends: dict[int, float] = {}         # seq of a collective in flight -> when the model delivers it
+_subscribed = False
+
+
+def set_network(model: Network | str | None) -> None:
+    """Model the network from now on: a Network, a spec ("1gbps,10us,ranks_per_node=2") or None
+    (off). Set in the parent, minizero.launch hands it to the ranks it starts."""
+    global _network, _subscribed
+    _network = parse_network(model) if isinstance(model, str) else model
+    link.free_at = 0.0
+    _ends.clear()
+    if not _subscribed:
+        events.subscribe(_on_event)
+        _subscribed = True
+
+
+def network() -> Network | None:
+    return _network
+
+
+def _on_event(name: str, fields: dict) -> None:
+    """A collective issued is booked on this rank's link; its handle's wait() (its "collective
+    done") returns no earlier than the booked end."""
+    if _network is None:
+        return
+    if name == "collective":
+        n = comm.group_size(fields["group"])
+        if n > 1:
+            seconds = _network.time(fields["kind"], fields["sent"], n, spans_nodes(fields["group"]))
+            end = link.book(seconds)
+            _ends[fields["seq"]] = end
+            events.emit("collective modeled", seq=fields["seq"], kind=fields["kind"],
+                        start=end - seconds, end=end)
+    elif name == "collective done" and fields["seq"] in _ends:
+        sleep_until(_ends.pop(fields["seq"]))

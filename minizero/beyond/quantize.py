@@ -9,15 +9,16 @@ On a slow network the bytes of a step are the time of a step (stage 3 moves 3Ψ)
 of the three Ψ by sending fewer bits of what travels; what is stored (the shard, the fp32 masters,
 the optimizer states) is never quantized:
   * qwZ, quantized weights: stage 3's *forward* all-gather sends each rank's parameter partition in
-    int8 (zero3.Unit.gather). Backward's all-gather stays in full precision: the gradients are
-    computed with exact weights, as in ZeRO++ (DeepSpeed's zero_quantized_weights).
+    int8 (zero3.Unit.gather, by the route units.ModelUnit.route_for picks). Backward's all-gather
+    stays in full precision: the gradients are computed with exact weights, as in ZeRO++
+    (DeepSpeed's zero_quantized_weights).
   * qgZ, quantized gradients: the gradient reduce-scatter of stages 2-3
-    (zero2.GradientShard.reduce) becomes an all-to-all of int8 chunks: each rank quantizes
-    chunk j of its bucket for rank j, and each rank dequantizes the N chunks it receives and
-    averages them in fp32 (DeepSpeed's zero_quantized_gradients). ZeRO++'s real qgZ is hierarchical:
-    a 2-hop all-to-all (inside the node, then across nodes) of int4 values, which also keeps the
-    number of quantize/dequantize rounds at two whatever N is. minizero builds the one-hop int8
-    form: one quantization per gradient, same idea.
+    (zero2.GradientShard.reduce, by the route Int8GradientShard sets) becomes an all-to-all of
+    int8 chunks: each rank quantizes chunk j of its bucket for rank j, and each rank dequantizes the
+    N chunks it receives and averages them in fp32 (DeepSpeed's zero_quantized_gradients). ZeRO++'s
+    real qgZ is hierarchical: a 2-hop all-to-all (inside the node, then across nodes) of int4
+    values, which also keeps the number of quantize/dequantize rounds at two whatever N is.
+    minizero builds the one-hop int8 form: one quantization per gradient, same idea.
 
 Symmetric block quantization. A flat tensor is cut into blocks of B elements (the last one may be
 shorter; it is padded with zeros, which change no absmax). Per block:
@@ -36,8 +37,10 @@ for scales.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from minizero import comm
+from minizero.zero2 import GradientShard
 
 BLOCK = 256          # B, elements per scale: 4/B = 1.6% extra bytes for the scales
 SCALE_BYTES = 4      # each block's scale travels as fp32
@@ -87,19 +90,19 @@ def error_bound(scales: torch.Tensor, n: int, block: int = BLOCK) -> torch.Tenso
 # --------------------------------------------------------------------------------------------------
 
 class Int8Blocks:
-    """A comm.Route's codec for ZeRO++: int8 blocks of `block` elements on the wire (qwZ's
-    all-gather, qgZ's reduce-scatter), in place of comm.EXACT. Both collectives start and return a
-    handle whose wait() also dequantizes into `output` (in fp32, cast to the output's dtype). The
-    extension point for another quantizer: a subclass with other `quantize` / `dequantize`, given to
-    an engine as its `int8_codec` (zero2.py; exercise 13's grader does this)."""
+    """A route for ZeRO++: comm's all_gather (qwZ) and reduce_scatter (qgZ), with the same
+    arguments, sending int8 blocks of `block` elements. Each returns a handle whose wait() also
+    dequantizes into `output` (in fp32, cast to the output's dtype). The extension point for another
+    quantizer: a subclass with other `quantize` / `dequantize`, given to an engine as its
+    `int8_codec` (assembled.py; exercise 13's grader does this)."""
     quantize = staticmethod(quantize)
     dequantize = staticmethod(dequantize)
 
     def __init__(self, block: int = BLOCK):
         self.block = block
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group: comm.Group | None = None,
-                   tag: str = ""):
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
+                   group: comm.Group | None = None, tag: str = ""):
         """comm.all_gather with int8 on the wire (qwZ): input [n] from every rank -> output [N * n],
         rank r's (dequantized) input at output[r*n:(r+1)*n]. This rank's own part is dequantized
         too, so every rank computes with the same weights. Sends (N-1)/N · N·wire_bytes(n) instead
@@ -116,10 +119,10 @@ class Int8Blocks:
             values = self.dequantize(q_all.view(n, q.numel()), scales_all.view(n, scales.numel()),
                                      block)
             output.copy_(values.reshape(-1))
-        return comm.Joined(handles, finish)
+        return _waited(comm.Joined(handles, finish), async_op)
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
-                       group: comm.Group | None = None, tag: str = ""):
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "avg",
+                       async_op: bool = False, group: comm.Group | None = None, tag: str = ""):
         """comm.reduce_scatter(op="avg") with int8 on the wire (qgZ): input [N * n] -> output [n],
         the average over ranks of chunk r. An all-to-all moves the int8 chunks (chunk j to rank j),
         then each rank dequantizes the N chunks it received and averages them in fp32: int8 values
@@ -129,13 +132,25 @@ class Int8Blocks:
         n, block = comm.group_size(group), self.block
         q, scales = self.quantize(input.view(n, input.numel() // n), block)   # [N, n]: row j for j
         q_in, scales_in = torch.empty_like(q), torch.empty_like(scales)       # row j from rank j
-        handles = [comm.all_to_all(q_in, q, async_op=True, group=group, tag=tag),
-                   comm.all_to_all(scales_in, scales, async_op=True, group=group,
-                                   tag=f"{tag} scales")]
+        handles = [all_to_all(q_in, q, async_op=True, group=group, tag=tag),
+                   all_to_all(scales_in, scales, async_op=True, group=group, tag=f"{tag} scales")]
 
         def finish():
             output.copy_(self.dequantize(q_in, scales_in, block).mean(dim=0))
-        return comm.Joined(handles, finish)
+        assert op == "avg", "qgZ averages"
+        return _waited(comm.Joined(handles, finish), async_op)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
+               group: comm.Group | None = None, tag: str = ""):
+    """input [N * n] -> output [N * n]: chunk j of rank r's input lands as chunk r of rank j's
+    output (each rank keeps one chunk and sends N-1), through comm.issue like every collective."""
+    assert output.numel() == input.numel() and input.numel() % comm.group_size(group) == 0, \
+        "all_to_all: input and output must be the same N x n"
+    pg = None if group is None else group.process_group
+    return comm.issue("all_to_all", input, group, tag, async_op,
+                      lambda: dist.all_to_all_single(output, input, async_op=True, group=pg),
+                      lambda: output.copy_(input))
 
 
 def _waited(handle, async_op: bool):
@@ -155,7 +170,7 @@ def all_gather(
     tag: str = "",
 ):
     """Int8Blocks(block).all_gather, as a function of the comm kind (qwZ)."""
-    return _waited(Int8Blocks(block).all_gather(output, input, group, tag), async_op)
+    return Int8Blocks(block).all_gather(output, input, async_op, group, tag)
 
 
 def reduce_scatter(
@@ -167,4 +182,14 @@ def reduce_scatter(
     tag: str = "",
 ):
     """Int8Blocks(block).reduce_scatter, as a function of the comm kind (qgZ)."""
-    return _waited(Int8Blocks(block).reduce_scatter(output, input, group, tag), async_op)
+    return Int8Blocks(block).reduce_scatter(output, input, "avg", async_op, group, tag)
+
+
+class Int8GradientShard(GradientShard):
+    """zero2.GradientShard whose reduce-scatter sends int8 blocks, with quantized_gradients=True
+    (qgZ): the engine's int8_codec is its route."""
+
+    def __init__(self, engine, layout, options):
+        super().__init__(engine, layout, options)
+        if options.quantized_gradients:
+            self.route = engine.int8_codec(options.quantization_block)

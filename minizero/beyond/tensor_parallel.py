@@ -1,6 +1,6 @@
 """Tensor parallelism, Megatron's way: each block's matmuls split over the M ranks of a group.
 
-    group = comm.row_group(M)                       # M consecutive ranks (a node): one TP group
+    group = mesh.row_group(M)                       # M consecutive ranks (a node): one TP group
     model = tensor_parallel.parallelize_gpt(make_model(cfg), group)   # split in place, same seed
     loss = tensor_parallel.cross_entropy(model(x), y, group)          # logits stay split by vocab
     python -m pytest tests/test_tensor_parallel.py
@@ -33,6 +33,15 @@ all-reduces of [B, T] numbers instead of gathering [B, T, V] logits.
 Everything else (LayerNorms, biases of row-parallel layers, position embeddings) is replicated in
 the group: each rank computes it on the same whole activations, and its gradient, computed from the
 same whole output gradient, is the same on every rank, so no collective is needed for it.
+
+[Note: the 2-D mesh] wrap(..., tensor_parallel=M) cuts the N ranks into rows of M consecutive
+ranks (mesh.py), each row one tensor-parallel group that splits every block (below), and columns of
+N_d = N/M ranks that hold the same split: the data-parallel group. ZeRO is data parallelism, so
+everything the engine does "over the N ranks" runs over the column (`data_group`, the core engine's
+`group`): gradients are averaged, partitions cut and gathered among the N_d ranks, and each rank's
+model is its tensor-parallel part. Two things see the rows: the global gradient norm
+(`squared_norm`: a split parameter's squares are summed over the row, a replicated one counted
+once) and the fp16 overflow check (every rank, as always). assembled.py plugs both in.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minizero import comm
+from minizero.param_groups import group_runs
 
 
 def check_divides(what: str, size: int, group: comm.Group) -> None:
@@ -356,3 +366,19 @@ def whole_entries(model: nn.Module) -> list[dict]:
             entries.append({"key": key, "part": holder, "shape": shape,
                             "trainable": t.requires_grad, "split": rule})
     return entries
+
+
+def squared_norm(engine, grads: list[torch.Tensor]) -> torch.Tensor:
+    """‖g‖² of the whole model on the mesh ([Note: the 2-D mesh]): each rank adds its elements of
+    split parameters and 1/M of those of replicated ones (every rank of the row holds them alike),
+    then one all-reduce over all N ranks counts each element of the whole model once."""
+    squares = torch.zeros((), dtype=torch.float32, device=engine.device)
+    weight = (1.0, 1.0 / engine.tensor_group.size)            # split, replicated; padding: None
+    for b, g in zip(engine.layout.buckets, grads):
+        start = comm.group_rank(engine.group) * g.numel() if engine.sharded else 0
+        kind = {id(p): int(not is_split(p)) for p in b.params}
+        for lo, hi, k in group_runs(b, start, start + g.numel(), kind):  # this rank's runs
+            if k is not None:
+                squares += g[lo:hi].float().pow(2).sum() * weight[k]
+    comm.all_reduce(squares, op="sum", tag="gradient norm")                # over the whole mesh
+    return squares

@@ -3,7 +3,7 @@ configs, and minizero's GPT (tensor_parallel.parallelize_gpt). `wrap(..., tensor
 splits a model here.
 
     model = GPT2LMHeadModel(GPT2Config(...))            # or LlamaForCausalLM(LlamaConfig(...))
-    group = comm.row_group(M)
+    group = mesh.row_group(M)
     model = tensor_parallel_hf.parallelize(model, group)           # split in place, same weights
     logits = model(input_ids=x, use_cache=False).logits            # this rank's V/M of the vocab
     loss = tensor_parallel.cross_entropy(logits[:, :-1], x[:, 1:], group)

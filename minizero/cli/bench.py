@@ -12,7 +12,7 @@ import sys
 import torch
 
 from minizero.cli import OneLineParser, UsageError, add_json_flag, emit, fail, mode_of
-from minizero.cli import collectives, desync_cost, muon, peak, scale   # the other measurements
+from minizero.cli import collectives, desync_cost, muon, partitions, peak, scale   # the others
 from minizero.lab import deepspeed_peer
 from minizero.lab.bench import (
     ALL_VARIANTS, BACKENDS, PEER_DTYPE, PEER_FAMILIES, VARIANTS, compare, format_table,
@@ -25,13 +25,13 @@ SPLITS = (1, 2, 4, 8, 16)           # the N that split the batch of 16 rows even
 
 def main(argv: list[str] | None = None) -> int:
     prog = "python -m minizero.bench"
-    # --scale, --peak, --collectives, --desync and --muon run another measurement, with options
-    # of its own
+    # --scale, --peak, --collectives, --desync, --muon and --partitions run another measurement,
+    # with options of its own
     try:
         mode, argv = mode_of(
             sys.argv[1:] if argv is None else argv,
             {"--scale": scale.main, "--peak": peak.main, "--collectives": collectives.main,
-             "--desync": desync_cost.main, "--muon": muon.main},
+             "--desync": desync_cost.main, "--muon": muon.main, "--partitions": partitions.main},
         )
     except UsageError as e:
         return fail(prog, str(e))
@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=list(VARIANTS),
         help=f"among {' '.join(ALL_VARIANTS)} (default {' '.join(VARIANTS)}; 3+tp2: stage 3 on a "
-             "mesh of tensor-parallel rows of 2, next to PyTorch's TP + FSDP2)",
+             "mesh of tensor-parallel rows of 2, next to PyTorch's TP + FSDP2; fully_shard, ddp, "
+             "ddp+zero: minizero's PyTorch front ends next to torch's own, in torch's loop)",
     )
     ap.add_argument(
         "--peers",
@@ -105,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
             "minizero.comm run it instead (takes --world-size, --numel, --repeats, --json)"
         ),
     )
+    ap.add_argument("--partitions", action="store_true",
+                    help="stage 1's flat partition against torch's whole parameters per rank "
+                         "instead (takes --world-size, --model, --json; lab/partitions.py)")
     ap.add_argument("--desync", action="store_true",
                     help="what the desync watch costs a step instead (takes --size, --stages, "
                          "--world-size, --steps, --repeats; minizero/lab/desync_cost.py)")

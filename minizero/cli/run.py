@@ -47,7 +47,7 @@ from minizero.lab.report import format_table, summarize
 from minizero.lab.train import OPTIMIZERS, TrainConfig, progress_wanted, train_worker
 from minizero.launcher import launch
 from minizero.loss_scale import scaler_for
-from minizero.beyond.network import network_from_env, parse_network
+from minizero.beyond.network import network_from_env, parse_network, set_network
 from minizero.wrap import check, check_mesh, check_options
 
 
@@ -471,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg.progress = progress_wanted(args.quiet, args.json)
     cfg.log_every = 0 if args.quiet or cfg.progress else max(1, cfg.steps // 10)
     cfg.measure_peak = True             # the throughput line's MFU (lab/throughput.py)
-    comm.set_network(network)           # here under torchrun; minizero.launch hands it to its ranks
+    set_network(network)           # here under torchrun; minizero.launch hands it to its ranks
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
         if under_torchrun:

@@ -44,6 +44,7 @@ import os
 import warnings
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
@@ -277,7 +278,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         source = getattr(args, "deepspeed_config", None)
     if source is None:
         raise ValueError("no config: pass config= (a DeepSpeed JSON path or dict)")
-    if dist_init_required is not False and not comm.is_initialized() and "RANK" in os.environ:
+    if dist_init_required is not False and not dist.is_initialized() and "RANK" in os.environ:
         comm.init()                        # torchrun's env://, as deepspeed.init_distributed
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)   # Hugging Face models
     settings, notes = load_deepspeed_config(source, comm.world_size(), flags=False,

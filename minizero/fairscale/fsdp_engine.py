@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from minizero import comm, owners
-from minizero.stages import Zero3
+from minizero.assembled import Zero3
 
 class FlatParameters:
     """What sits in the engine's optimizer slot: the FlatParameters the user's optimizer steps, one
@@ -146,7 +146,7 @@ class FSDPEngine(Zero3):
         return state
 
     def _step_starts(self, module, args) -> None:
-        if not self._in_backward:                 # not a recompute ([Note: recompute], zero3.py)
+        if not self._in_backward:                 # not a recompute ([Note: recompute], units.py)
             self.optimizer.refresh()       # 16-bit partitions from the masters the user stepped
 
     def _grad_of(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
@@ -155,7 +155,7 @@ class FSDPEngine(Zero3):
                 for p, b in zip(self.optimizer.params, self.layout.buckets)]
 
     def _backward_starts(self, grad: torch.Tensor) -> None:
-        """[Note: loss.backward()] in engine.py; the user's optimizer steps, so no mid_step."""
+        """[Note: loss.backward()] in assembled.py; the user's optimizer steps, so no mid_step."""
         if self._in_backward:
             return
         self._in_backward = True
@@ -175,11 +175,11 @@ class FSDPEngine(Zero3):
                 p.grad.add_(part)          # a .grad the user set, or fp32 over 16-bit reductions
         self.meter.measure()
 
-    def _memory_groups(self):
-        groups = super()._memory_groups()
+    def _tensors_by_category(self):
+        tensors = super()._tensors_by_category()
         # fp32 .grad over 16-bit reductions: tensors of their own
-        groups["grads"] += [p.grad for p in self.optimizer.params]
-        return groups
+        tensors["grads"] += [p.grad for p in self.optimizer.params]
+        return tensors
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale every FlatParameter's .grad so that the global p-norm (over all N partitions) is at

@@ -27,6 +27,8 @@ trained by the same loop as minizero.lab.train):
                                                                                offload_optimizer cpu
     fully_shard    <->  FSDP2 fully_shard per block + root (--stages fully_shard: minizero's front
                         end, both in PyTorch's loop)
+    ddp            <->  torch's DistributedDataParallel (--stages ddp: minizero's, your optimizer)
+    ddp+zero       <->  DDP + ZeroRedundancyOptimizer (--stages ddp+zero: minizero's pair)
 Stage 3 gathers the same units on every side: minizero's default units are the GPT's blocks, FSDP2
 is fully_shard-ed per block, DeepSpeed fetches each block at once (set_z3_leaf_modules). DeepSpeed
 pairs run when it is installed (pip install -e ".[peers]"). Same GPT (--sizes:
@@ -99,12 +101,15 @@ VARIANTS = {
 # in engine.py), next to PyTorch's TP + FSDP2 (peers.TENSOR_PARALLEL_PEER). Not by default: the
 # tiny model's one head does not split.
 TENSOR_PARALLEL_VARIANTS = {"3+tp2": (3, False, 2)}
-# On request (--stages fully_shard): a front end of minizero's next to the PyTorch implementation it
-# imitates (peers.FRONT_ENDS), both in PyTorch's loop: minizero.fully_shard per block and at the
-# root against torch's fully_shard the same way. No activation meter (it is the engine's).
+# On request (--stages fully_shard ddp ddp+zero): a front end of minizero's next to the PyTorch
+# implementation it imitates (peers.FRONT_ENDS), both in PyTorch's loop: minizero.fully_shard per
+# block and at the root against torch's fully_shard the same way; minizero.DistributedDataParallel
+# (and with its ZeroRedundancyOptimizer) against torch's. No activation meter (it is the engine's).
+# Each is reported as the stage its peer stands for.
 FRONT_END_VARIANTS = tuple(FRONT_ENDS)
 ALL_VARIANTS = {**VARIANTS, **{v: spec[:2] for v, spec in TENSOR_PARALLEL_VARIANTS.items()},
-                **{v: (3, False) for v in FRONT_END_VARIANTS}}
+                **{v: ({p: s for s, p in PEER_OF_STAGE.items()}[FRONT_ENDS[v]], False)
+                   for v in FRONT_END_VARIANTS}}
 PEER_FAMILIES = ("torch", "deepspeed")
 PEER_DTYPE = "fp32"                          # the one precision the peer wrappers build
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}   # --device: one process per rank, on the CPU or a GPU

@@ -129,17 +129,25 @@ CONCEPTS = [
     ("PyTorch", "DDP Reducer (autograd hooks, in-order buckets)", "minizero.reducer.GradBuckets",
      ""),
     ("PyTorch", "DDP no_sync()", "minizero.engine.Engine.no_sync", ""),
-    ("PyTorch", "ZeroRedundancyOptimizer", "minizero.stages.Zero1",
-     "stage 1; ZeroRedundancyOptimizer broadcasts partitions instead of all-gathering"),
+    ("PyTorch", "DistributedDataParallel (your optimizer, loss.backward())",
+     "minizero.pytorch.ddp.DistributedDataParallel",
+     "stage 0's buckets and all-reduce without the engine; finished in an autograd callback"),
+    ("PyTorch", "DDP find_unused_parameters", "minizero.reducer.GradBuckets.mark_ready",
+     "parameters forward did not reach count ready at once; grad None if no rank used them"),
+    ("PyTorch", "ZeroRedundancyOptimizer",
+     "minizero.pytorch.zero_redundancy.ZeroRedundancyOptimizer",
+     "whole parameters per rank, broadcast from their owner; stage 1 (stages.Zero1) cuts one flat "
+     "buffer evenly instead"),
     ("PyTorch", "FSDP2 fully_shard", "minizero.stages.Zero3", "one unit per fully_shard call"),
     ("PyTorch", "FSDP auto_wrap_policy / fully_shard on each block", "minizero.units.default_units",
      "default units: a transformer's blocks plus the root, else submodules of at most Ψ/8"),
     ("DeepSpeed", "deepspeed.zero.Init", "minizero.construct.sharded_init",
      "parameters partitioned as each module is built; later writes gathered and re-partitioned"),
     ("DeepSpeed", "deepspeed.zero.GatheredParameters(modifier_rank=...)",
-     "minizero.engine.Engine.gathered",
+     "minizero.assembled.Assembled.gathered",
      "full parameters between steps; rank r's writes reach every rank and the masters"),
-    ("PyTorch", "FSDP summon_full_params(writeback=True)", "minizero.engine.Engine.gathered", ""),
+    ("PyTorch", "FSDP summon_full_params(writeback=True)", "minizero.assembled.Assembled.gathered",
+     ""),
     ("PyTorch", "FSDP2 FSDPParamGroup (unshard / reshard, training state)", "minizero.zero3.Unit",
      "one unit's buffers, state and lifecycle; its training state recognises recomputation"),
     ("PyTorch", "FSDP2 MixedPrecisionPolicy(param_dtype=bfloat16)",
@@ -170,24 +178,24 @@ CONCEPTS = [
         "minizero.beyond.network.Network",
         "a model, not a measurement: each collective waits for "
         "its ring's hops·α + bytes/β on a modelled cluster; "
-        "tally() splits intra/inter-node bytes",
+        "network.tally() splits intra/inter-node bytes",
     ),
     ("DeepSpeed", "overlap_comm: false", "minizero.reducer.GradBuckets",
      "wrap(model, 0, overlap=False): every bucket after backward, to measure what overlap hides"),
     (
         "PyTorch",
         "FSDP2 HSDP: fully_shard(mesh=2-D DeviceMesh ('replicate', 'shard'))",
-        "minizero.comm.mesh",
+        "minizero.beyond.mesh.mesh",
         (
             "wrap(shard_group_size=S), stages 1-3: shard in "
             "rows of S ranks, replicate across the N/S columns "
-            "([Note: hierarchical sharding], engine.py); tested against FSDP2's HSDP"
+            "([Note: hierarchical sharding], beyond/hierarchical.py); tested against FSDP2's HSDP"
         ),
     ),
     (
         "DeepSpeed",
         "MiCS (mics_shard_size, hierarchical gradient all-reduce)",
-        "minizero.engine.Engine.step",
+        "minizero.beyond.hierarchical.average_across",
         (
             "gradients reduce-scattered in the shard group, the "
             "partition all-reduced across groups at step(); "
@@ -197,7 +205,7 @@ CONCEPTS = [
     (
         "DeepSpeed",
         "ZeRO++ hpZ (zero_hpz_partition_size, secondary partition)",
-        "minizero.zero3.Unit._keep_secondary",
+        "minizero.beyond.hpz.HpzUnit._keep_secondary",
         (
             "wrap(3, hpz_group_size=R): backward's all-gather "
             "within a node; inter-node bytes 3Ψ -> 2Ψ for Ψ/R "
@@ -273,11 +281,11 @@ WALK = [
     ("build", "minizero.zero2.GradientShard.__init__", "P_g: the gradient shard [Ψ/N]"),
     ("build", "minizero.optim.ShardOptimizer.__init__",
      "P_os: fp32 masters and state for each unit's shard, nothing else"),
-    ("forward", "minizero.zero3.ShardedUnits._on_pre_forward", "the unit's module is called"),
+    ("forward", "minizero.zero3.ShardedUnits._pre_forward", "the unit's module is called"),
     ("forward", "minizero.zero3.Unit.pre_forward", "FORWARD; gather it, prefetch the next"),
     ("forward", "minizero.zero3.Unit.gather",
      "all-gather the N partitions into the full buffer: p is a view of it, the module computes"),
-    ("forward", "minizero.zero3.ShardedUnits._on_post_forward",
+    ("forward", "minizero.zero3.ShardedUnits._post_forward",
      "its forward is done; a hook on its output waits for backward"),
     ("forward", "minizero.zero3.Unit.post_forward", "IDLE; free it: p absent again"),
     ("backward", "minizero.engine.Engine.backward",
@@ -310,8 +318,8 @@ def walk_markdown(link_prefix: str = "../") -> str:
     out = ["", "## One parameter through stage 3", "",
            f"`minizero.wrap(model, 3, optimizer)`, then one step: {len(rows)} calls in "
            f"{len(files)} files ({', '.join(Path(f).name for f in files)}), in the order they run "
-           "(tests/test_concepts.py traces a step and checks it). Below them is comm.py, the one "
-           "caller of torch.distributed.", "",
+           "(tests/test_concepts.py traces a step and checks it). Below them is comm.py, the door "
+           "every collective passes.", "",
            "| phase | call | where | what happens to the parameter |", "|---|---|---|---|"]
     for r in rows:
         short = r["symbol"].removeprefix("minizero.")

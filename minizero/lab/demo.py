@@ -2,6 +2,7 @@
 collect what they return into the numbers a notebook both plots and checks (one source for the
 figure and the test).
 
+
     from minizero.lab.demo import measure_stage
     runs = measure_stage(2, world_sizes=(1, 2, 4))     # {N: record}, one minizero.launch per N
     runs[4]["max_abs_diff"], runs[4]["ranks"][0]["memory"], runs[4]["theory"]
@@ -24,7 +25,9 @@ import weakref
 
 import torch
 
-from minizero import comm, events
+from minizero import comm
+from minizero.lab.record import recorded
+from minizero.ring import ring_all_reduce
 from minizero.lab.data import global_batch, local_batch
 from minizero.lab.model import make_model
 from minizero.lab.reference import max_abs_diff, reference_train, tolerance
@@ -134,7 +137,7 @@ def collectives_worker(numel: int, repeats: int = 3) -> dict:
     `numel` fp32 elements (rounded up to a multiple of N): the bytes comm's tally books for it (the
     ring formula: modelled), the bytes gloo's threads put on the wire for it (memory/wire.py:
     measured; None where it cannot measure, "wire_unavailable" says why) and the time; and the
-    teaching ring all-reduce (minizero.comm.ring_all_reduce) against all_reduce on the same
+    teaching ring all-reduce (minizero.ring) against all_reduce on the same
     data."""
     r, n, dev = comm.rank(), comm.world_size(), comm.device()
     # rank 2 of 4: [20, 21, 22, 23]
@@ -162,7 +165,7 @@ def collectives_worker(numel: int, repeats: int = 3) -> dict:
         ),
         "all_gather": lambda: comm.all_gather(torch.empty(numel, device=dev), big[: numel // n]),
         "broadcast": lambda: comm.broadcast(big.clone(), src=0),
-        "ring_all_reduce": lambda: comm.ring_all_reduce(big.clone()),
+        "ring_all_reduce": lambda: ring_all_reduce(big.clone()),
     }
     unavailable = wire.unavailable()
     sent, on_wire, seconds = {}, {}, {}
@@ -190,7 +193,7 @@ def collectives_worker(numel: int, repeats: int = 3) -> dict:
         seconds[kind] = statistics.median(times)
     expected, ring = big.clone(), big.clone()
     comm.all_reduce(expected, op="sum")
-    comm.ring_all_reduce(ring)
+    ring_all_reduce(ring)
     return {"rank": r, "world_size": n, "shown": shown, "numel": numel, "full_bytes": numel * 4,
             "sent": sent, "wire": None if unavailable else on_wire, "wire_unavailable": unavailable,
             "seconds": seconds, "ring_max_abs_diff": (ring - expected).abs().max().item()}
@@ -221,7 +224,7 @@ def unit_timeline(engine):
     """Inside the block: a list of (time, "gather" | "prefetch" | "free", unit index) for each of a
     stage-3 engine's units, from the event stream ("unit gather" and "unit freed", events.py)."""
     timeline: list[tuple[float, str, int]] = []
-    with events.recorded("unit gather", "unit freed") as log:
+    with recorded("unit gather", "unit freed") as log:
         yield timeline
     timeline.extend(
         (

@@ -24,7 +24,9 @@ from dataclasses import replace
 
 import torch
 
-from minizero import comm, events
+
+from minizero import comm
+from minizero.lab.record import recorded
 from minizero.beyond import desync
 from minizero.lab.train import TrainConfig, train_worker
 
@@ -57,7 +59,7 @@ def cost_worker(cfgs: list[TrainConfig], repeats: int) -> dict:
     for cfg in cfgs:        # a step's: two steps' less one's (set-up broadcasts every parameter)
         counts = []
         for steps in (1, 2):
-            with events.recorded("collective") as log:
+            with recorded("collective") as log:
                 train_worker(replace(cfg, steps=steps))
             counts.append(len(log))
         out["collectives"][cfg.stage] = counts[1] - counts[0]

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minizero import comm, events
-from minizero.beyond import tensor_parallel
+from minizero.beyond import mesh, tensor_parallel
 from minizero.lab import source
 from minizero.lab.model import make_model
 from minizero.lab.reference import max_abs_diff, reference_train, tolerance
@@ -92,7 +92,7 @@ def column_then_row_worker(hidden: int, rows: int) -> dict:
     """This rank's half of Y = GELU(X A) B (A column-parallel, B row-parallel) next to the whole
     pair on this process: the output, the input's gradient and each weight's gradient (this rank's
     slice of the whole one), as max |difference|; and the collectives it took."""
-    group, device = comm.row_group(comm.world_size()), comm.device()
+    group, device = mesh.row_group(comm.world_size()), comm.device()
     first, second = (layer.to(device) for layer in _mlp_pair(hidden, seed=0))   # the same weights
     column = tensor_parallel.ColumnParallelLinear(copy.deepcopy(first), group)
     row = tensor_parallel.RowParallelLinear(copy.deepcopy(second), group)

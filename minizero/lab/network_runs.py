@@ -24,11 +24,13 @@ import time
 
 import torch
 
-from minizero import comm, events
+from minizero import comm
+from minizero.lab.record import recorded
 from minizero.lab.model import make_model
 from minizero.lab.train import TrainConfig, forward_backward, model_num_params
 from minizero.launcher import launch
-from minizero.beyond.network import Network
+from minizero.beyond.network import Network, set_network
+from minizero.beyond.network import tally as network_tally
 from minizero.wrap import wrap
 
 # Several gradient buckets (stage 0) and four blocks as units (stage 3): something to overlap.
@@ -58,10 +60,10 @@ def _instrument(blocks, events: list, sleep: float) -> None:
 
 def _train(cfg: TrainConfig, block_sleep: float = 0.0) -> dict:
     """cfg.steps steps, each timed and recorded: its blocks' forward and backward events
-    (_instrument) and the transfers on this rank's modelled link (the "collective" events' `modeled`
-    times). The step time reported is the fastest after the first (a warm-up), with its timeline:
-    other work on a shared CPU slows steps down at random and never speeds one up, so the minimum of
-    a few steps is the steadiest statistic (timeit's)."""
+    (_instrument) and the transfers on this rank's modelled link (beyond/network.py's "collective
+    modeled" events). The step time reported is the fastest after the first (a warm-up), with its
+    timeline: other work on a shared CPU slows steps down at random and never speeds one up, so the
+    minimum of a few steps is the steadiest statistic (timeit's)."""
     model = make_model(cfg.model_config(), seed=cfg.seed)
     engine = wrap(
         model, cfg.stage, cfg.optimizer_factory(), offload=cfg.offload, **cfg.engine_options()
@@ -78,14 +80,13 @@ def _train(cfg: TrainConfig, block_sleep: float = 0.0) -> dict:
         comm.reset_tally()
         marks.clear()
         start = time.perf_counter()
-        with events.recorded("collective") as issued:
+        with recorded("collective modeled") as issued:
             losses.append(forward_backward(cfg, step, engine, backward, engine.no_sync))
             engine.step()
         if engine.device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-        transfers = [(f["modeled"][0] - start, f["modeled"][1] - start, f["kind"])
-                     for _, _, f in issued if f["modeled"] is not None]
+        transfers = [(f["start"] - start, f["end"] - start, f["kind"]) for _, _, f in issued]
         timelines.append({"events": [(t - start, event) for t, event in marks],
                           "transfers": transfers, "end": times[-1]})
     fastest = min(range(1, cfg.steps), key=times.__getitem__)
@@ -94,7 +95,7 @@ def _train(cfg: TrainConfig, block_sleep: float = 0.0) -> dict:
         "step_time_s": times[fastest],
         "timeline": timelines[fastest],
         "losses": losses,
-        "comm": comm.tally(),
+        "comm": network_tally(),
         "num_params": model_num_params(engine),
         "world_size": cfg.world_size,
     }
@@ -118,11 +119,11 @@ def step_time_worker(base: TrainConfig, runs: list[tuple[str, dict, float | None
                 bandwidth=sent / (ratio * compute), latency=latency, ranks_per_node=ranks_per_node
             )
         )
-        comm.set_network(network)
+        set_network(network)
         try:
             result = _train(dataclasses.replace(base, **overrides), block_sleep)
         finally:
-            comm.set_network(None)
+            set_network(None)
         out["runs"].append(
             {
                 "label": label,

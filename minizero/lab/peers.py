@@ -12,10 +12,12 @@ The tests check that minizero ends where PyTorch ends, and the benchmark times b
 parameters from forward to backward, the closest PyTorch has to stage 2.) Same model, initial
 weights, data, optimizer.
 minizero.fully_shard  <->  FSDP2 fully_shard, both per block and at the root (build_front_end,
-    front_end_worker: minizero's front ends run in PyTorch's loop too)
+    front_end_worker: minizero's front ends run in PyTorch's loop too); minizero's
+    DistributedDataParallel <-> "ddp", and with its ZeroRedundancyOptimizer <-> "zero_redundancy"
 shard_group_size=S  <->  FSDP2 HSDP: fully_shard on a 2-D DeviceMesh (N/S, S) ("replicate",
                          "shard"),
-    ("fsdp2_hsdp"): shards in rows of S consecutive ranks, replicates across them, as comm.mesh(S).
+    ("fsdp2_hsdp"): shards in rows of S consecutive ranks, replicates across them, as
+    beyond/mesh.py's mesh(S).
 stage 3, tensor_parallel=M  <->  PyTorch's tensor parallelism (parallelize_module with
     ColwiseParallel / RowwiseParallel on each block's qkv, proj and MLP) and FSDP2 on the data-
     parallel dimension of a 2-D DeviceMesh (N/M, M) ("dp", "tp") ("tp_fsdp2"), as torchtitan
@@ -42,6 +44,8 @@ from minizero.beyond import tensor_parallel
 from minizero.lab.model import make_model
 from minizero.lab.train import OPTIMIZERS, TrainConfig, clock, forward_backward, timed_step
 from minizero.memory import measure
+from minizero.pytorch import DistributedDataParallel as MinizeroDDP
+from minizero.pytorch import ZeroRedundancyOptimizer as MinizeroZero
 from minizero.pytorch import fully_shard as minizero_fully_shard
 
 PEER_OF_STAGE = {0: "ddp", 1: "zero_redundancy", 2: "fsdp2_no_reshard", 3: "fsdp2"}
@@ -157,22 +161,30 @@ def peer_worker(cfg: TrainConfig, peer: str, build=build_peer) -> dict:
 
 
 # minizero's front ends that take what a PyTorch implementation takes -> that implementation's peer
-FRONT_ENDS = {"fully_shard": "fsdp2"}
+FRONT_ENDS = {"fully_shard": "fsdp2", "ddp": "ddp", "ddp+zero": "zero_redundancy"}
 
 
 def build_front_end(cfg: TrainConfig, front_end: str):
     """(module, optimizer, no_sync) for minizero's front end, built as build_peer builds its peer:
-    minizero.fully_shard per block, then at the root, as the "fsdp2" peer (the same units)."""
-    if front_end != "fully_shard":
+    minizero.fully_shard per block, then at the root, as the "fsdp2" peer (the same units); its
+    DistributedDataParallel with the same bucket size, and the user's optimizer or its
+    ZeroRedundancyOptimizer over the optimizer class, as "ddp" and "zero_redundancy"."""
+    if front_end not in FRONT_ENDS:
         raise ValueError(f"unknown front end {front_end!r}; choose from {sorted(FRONT_ENDS)}")
     if cfg.dtype != "fp32":
         raise ValueError("front ends are compared with their peers in fp32")
     model = make_model(cfg.model_config(), seed=cfg.seed).to(comm.device())
+    opt_cls, opt_kwargs = OPTIMIZERS[cfg.optimizer], {"lr": cfg.lr, **cfg.optimizer_params}
+    if front_end in ("ddp", "ddp+zero"):
+        ddp = MinizeroDDP(model, bucket_cap_mb=cfg.bucket_size / 1e6)
+        params = [p for p in ddp.parameters() if p.requires_grad]
+        optimizer = (opt_cls(params, **opt_kwargs) if front_end == "ddp" else
+                     MinizeroZero(params, opt_cls, **opt_kwargs))
+        return ddp, optimizer, ddp.no_sync
     for block in model.blocks:
         minizero_fully_shard(block)
     minizero_fully_shard(model)
-    optimizer = OPTIMIZERS[cfg.optimizer]([p for p in model.parameters() if p.requires_grad],
-                                          lr=cfg.lr, **cfg.optimizer_params)
+    optimizer = opt_cls([p for p in model.parameters() if p.requires_grad], **opt_kwargs)
     return model, optimizer, functools.partial(_without_sync, model)
 
 
@@ -204,7 +216,7 @@ def _step(optimizer, params, clip_grad_norm) -> None:
 def full_state_dict(module) -> dict[str, torch.Tensor]:
     """Plain CPU tensors with the unwrapped model's keys (DDP's 'module.' prefix dropped,
     DTensors gathered)."""
-    inner = module.module if isinstance(module, DistributedDataParallel) else module
+    inner = module.module if isinstance(module, (DistributedDataParallel, MinizeroDDP)) else module
     return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
             for k, v in inner.state_dict().items()}
 
@@ -212,8 +224,8 @@ def full_state_dict(module) -> dict[str, torch.Tensor]:
 def _memory(module, optimizer) -> dict[str, int]:
     """This rank's resident bytes, counted the way minizero counts its own (each storage once)."""
     params = list(module.parameters())
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        state = optimizer.optim.state.values()
+    if isinstance(optimizer, (ZeroRedundancyOptimizer, MinizeroZero)):
+        state = optimizer.optim.state.values()                   # this rank's optimizer's
     else:
         state = optimizer.state.values()
     return measure(

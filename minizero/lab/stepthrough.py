@@ -5,7 +5,7 @@ real engine.
     steps = stepthrough.record(stepthrough.StepConfig(stage=2, world_size=3))  # one minizero.launch
     steps["phases"][k]["label"], steps["phases"][k]["ranks"][r]["gradient shard"]
     stepthrough.check(steps)          # every phase against one process stepping the whole batch
-    ring = stepthrough.ring(3)        # minizero.comm.ring_all_reduce, exchange by exchange
+    ring = stepthrough.ring(3)        # minizero.ring.ring_all_reduce, one exchange at a time
 
 Notebooks 01-05, 07 and 08 (hierarchical sharding: StepConfig(shard_group_size=2, world_size=4))
 draw `record` (notebooks/plots.py: step_table, step_grid, step_widget), notebook 00 draws `ring`;
@@ -59,6 +59,7 @@ from torch import nn
 
 from minizero import comm, events
 from minizero.lab import source
+from minizero.ring import ring_all_reduce
 from minizero.launcher import launch
 from minizero.wrap import check as check_settings
 from minizero.wrap import wrap
@@ -186,7 +187,7 @@ class _Recorder:
                         put(full, unit.bucket.start, unit.full)
                     put(shard, self.owned(unit.bucket), unit.shard)
             out["parameters"], out["parameter shard"] = full, shard
-            if e.hpz_group is not None:               # [Note: hpZ] in zero3.py: forward to backward
+            if e.hpz_group is not None:               # [Note: hpZ] (beyond/hpz.py): fwd to bwd
                 secondary, i, r = (
                     empty(),
                     comm.group_rank(e.hpz_group),
@@ -494,9 +495,9 @@ def _close(a, b, tol: float = 1e-6) -> bool:
 def check(steps: dict) -> None:
     """Raise AssertionError naming the phase, the rank and the element where a recording is wrong.
 
-    With shard_group_size=S < N ([Note: hierarchical sharding] in minizero/engine.py): rank r owns
-    partition r % S of its row of S consecutive ranks; the reduce-scatter averages over the row, one
-    all-reduce per bucket across the rows ("all_reduce_across") then gives every owner the
+    With shard_group_size=S < N ([Note: hierarchical sharding] in beyond/hierarchical.py): rank r
+    owns partition r % S of its row of S consecutive ranks; the reduce-scatter averages over the
+    row, one all-reduce per bucket across the rows ("all_reduce_across") then gives every owner the
     whole-batch mean. The per-parameter layout: stepthrough_fully_shard.check."""
     cfg = StepConfig(**steps["config"])
     if _per_parameter(cfg):
@@ -639,11 +640,11 @@ def _bucket_at(steps: dict, j: int) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------
-# Notebook 00: minizero.comm.ring_all_reduce, exchange by exchange
+# Notebook 00: minizero.ring.ring_all_reduce, exchange by exchange
 # --------------------------------------------------------------------------------------------------
 
 def ring_worker(numel: int) -> dict:
-    """Worker: rank r sums 10 r + [1, 2, ..., numel] with comm.ring_all_reduce, while its
+    """Worker: rank r sums 10 r + [1, 2, ..., numel] with ring.py's ring_all_reduce, while its
     point-to-point exchanges are observed: before each one, the rank's padded buffer and the chunk
     it sends."""
     r = comm.rank()
@@ -658,7 +659,7 @@ def ring_worker(numel: int) -> dict:
             lines.append(source.origin(skip=("events.py",),
                                        skip_functions=("ring_all_reduce.<locals>.exchange",)))
     with events.subscribed(observed):
-        comm.ring_all_reduce(tensor)
+        ring_all_reduce(tensor)
     padding = states[-1][numel:]                               # chunk sums of zeros stay zeros
     return {"inputs": inputs, "states": states + [tensor.tolist() + padding], "sends": sends,
             "sources": lines}
@@ -667,7 +668,7 @@ def ring_worker(numel: int) -> dict:
 def ring(world_size: int, numel: int = 5, backend: str = "gloo") -> dict:
     """One launch: {"world_size", "numel", "chunk", "inputs": by rank, "states": [state before
     exchange s (the last: the result), by rank], "sends": [chunk each rank sends at exchange s,
-    by rank], "sources": [the line of comm.ring_all_reduce that ran exchange s]}."""
+    by rank], "sources": [the line of ring_all_reduce that ran exchange s]}."""
     per_rank = launch(ring_worker, world_size, numel, backend=backend)
     steps = len(per_rank[0]["sends"])
     return {"world_size": world_size, "numel": numel, "chunk": -(-numel // world_size),

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from minizero import checkpoint, comm
-from minizero.beyond import tensor_parallel
+from minizero.beyond import network, tensor_parallel
 from minizero.deepspeed import muon
 from minizero.deepspeed.config import OPTIMIZERS, build_scheduler
 from minizero.flat import DEFAULT_BUCKET_BYTES
@@ -280,7 +280,7 @@ def train_worker(cfg: TrainConfig, make_engine: Callable = wrap) -> dict:
             schedule.step()
         step_times.append(clock() - start)
         phase_times.append(phases)
-        comm_per_step.append(comm.tally())
+        comm_per_step.append(network.tally())   # by kind, and intra/inter-node
         losses.append(step_loss)
         wire_per_step.append(meter.bytes() if meter else None)
         loss_scales.append(engine.loss_scale)     # S after the step (fp16; 1.0 otherwise)

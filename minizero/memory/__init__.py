@@ -17,13 +17,13 @@ N ranks:
     stage 3  P_os+g+p  (2 + 2 + K)Ψ/N              + parameters sharded
 
 param_bytes / grad_bytes generalise the 2s: pure fp32 training has 4 + 4 and Adam's K = 8 (no master
-copy, the fp32 parameters are the master); bf16/fp16 with reduce_dtype="fp32" (engine.py) keeps its
+copy, the fp32 parameters are the master); bf16/fp16 with reduce_dtype="fp32" (flat.py) keeps its
 gradients in fp32: 2 + 4 + K (`grad_bytes`). Activations, buffers and temporary buffers are not
 model states: ZeRO-R (section 6) is about them, and `activation_bytes` estimates the activations of
 minizero's GPT.
 
 Beyond the paper, shard_group_size=S (HSDP / MiCS, [Note: hierarchical sharding] in
-minizero/engine.py): S replaces N in every sharded term (stage 3: (2 + 2 + K)Ψ/S), and a step
+beyond/hierarchical.py): S replaces N in every sharded term (stage 3: (2 + 2 + K)Ψ/S), and a step
 sends, as the ring tally counts it, a reduce-scatter (S-1)/S·Ψ in the shard group, an
 all-reduce 2(N/S-1)/(N/S)·Ψ/S of this rank's partition across the N/S groups, and the
 all-gathers (S-1)/S·Ψ each (`step_collectives`). ZeRO++'s hpZ (hpz_group_size=R, zero3.py):
@@ -42,7 +42,9 @@ from typing import Iterable
 import torch
 
 from minizero.beyond import quantize
-from minizero.comm import column_of, ranks_span_nodes, ring_bytes, row_of
+from minizero.beyond.mesh import column_of, row_of
+from minizero.beyond.network import ranks_span_nodes
+from minizero.comm import ring_bytes
 from minizero.optim import DTYPES
 from minizero.options import check_stage
 
@@ -282,7 +284,7 @@ def comm_volume_by_kind(
 
 def group_ranks(group: str, rank: int, world_size: int, shard_group_size: int | None = None,
                 hpz_group_size: int | None = None) -> list[int]:
-    """The global ranks of `rank`'s group of a step_collectives kind (comm.mesh's rows
+    """The global ranks of `rank`'s group of a step_collectives kind (beyond/mesh.py's rows
     and columns)."""
     n = world_size
     s = n if shard_group_size is None else shard_group_size

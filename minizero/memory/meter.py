@@ -1,6 +1,6 @@
 """One rank's model-state bytes as a step runs: engine.memory()'s peaks and memory_timeline().
 
-    python -m pytest tests/test_memory_timeline.py
+    python -m pytest tests/test_engine.py -k memory_timeline
 
 The engine only emits events (events.py); this meter subscribes to them. It measures every storage
 (memory.measure) at the end of each backward and step, and counts on from there in between
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 
 from minizero import events
 from minizero.memory import measure
@@ -43,15 +44,15 @@ class ModelStateMeter:
     _PEAKS = ("unit gathered", "bucket ready")
     _MEASURED = ("backward done", "step")
 
-    def __init__(self, engine, groups):
-        """groups(): {category: the tensors holding it} (engine.py's _memory_groups)."""
-        self.engine, self.groups = engine, groups
+    def __init__(self, engine, by_category):
+        """by_category(): {category: the tensors holding it} (assembled.py's)."""
+        self.engine, self.by_category = engine, by_category
         self.peaks = {"peak": 0, "peak_params": 0}
         self._now: dict[str, int] | None = None            # bytes by category, counted on
-        events.subscribe_weakly(self._on_event)
+        _subscribe_weakly(self._on_event)
 
     def now(self) -> dict[str, int]:
-        return measure(self.groups())
+        return measure(self.by_category())
 
     def measure(self) -> dict[str, int]:
         """Measure every storage and count on from there; the bytes now."""
@@ -91,3 +92,17 @@ class ModelStateMeter:
                                  {**self.now(), "activations": activations.alive}))
         with events.subscribed(record):
             yield timeline
+
+
+def _subscribe_weakly(method) -> None:
+    """Subscribe a bound method without keeping its object alive (an engine's meter): once the
+    object is garbage, the subscription removes itself."""
+    ref = weakref.WeakMethod(method)
+
+    def call(name: str, fields: dict) -> None:
+        live = ref()
+        if live is None:
+            stop()
+        else:
+            live(name, fields)
+    stop = events.subscribe(call)

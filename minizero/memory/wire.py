@@ -60,7 +60,7 @@ class WireMeter:
 
     def __init__(self, calling_thread: bool = False):
         """calling_thread: also count this thread's writes. gloo sends a point-to-point message
-        (send, recv, batch_isend_irecv: comm.ring_all_reduce) from the thread that calls it; a
+        (send, recv, batch_isend_irecv: ring.ring_all_reduce) from the thread that calls it; a
         print or a file written meanwhile would then count too."""
         self.calling_thread = threading.get_native_id() if calling_thread else None
         self.counts: Counter = Counter()    # kind (or "overlapped", "outside") -> bytes

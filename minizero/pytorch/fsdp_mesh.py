@@ -8,10 +8,11 @@ FSDP2 takes a torch DeviceMesh: 1-D, every parameter sharded over its ranks (pla
 Shard(0))), so a unit's gradients are reduce-scattered within its row of the mesh and all-reduced
 down its column, as minizero's shard_group_size does for the flat layout ([Note: hierarchical
 sharding] in engine.py). The DTensors keep the mesh; the collectives run through minizero.comm, on
-the mesh's own process groups (`MeshGroup`), so they are tallied and on the event stream like every
-other stage's. reshard_after_forward=k adds a third group: k consecutive ranks of the shard group,
-which keep 1/k of a unit between forward and backward and all-gather it among themselves in
-backward (ZeRO++'s hpZ secondary partition is the same idea: [Note: hpZ] in zero3.py).
+the mesh's own process groups (process_groups.group_of), so they are tallied and on the event
+stream like every other stage's. reshard_after_forward=k adds a third group: k consecutive ranks
+of the shard group, which keep 1/k of a unit between forward and backward and all-gather it among
+themselves in backward (ZeRO++'s hpZ secondary partition is the same idea: [Note: hpZ] in
+zero3.py).
 """
 
 from __future__ import annotations
@@ -23,15 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from minizero import comm
-
-
-class MeshGroup(comm.Group):
-    """A comm.Group over a process group the mesh already made (comm.Group makes a new one)."""
-
-    def __init__(self, process_group):          # not comm.Group's: no dist.new_group to call
-        self.ranks = tuple(dist.get_process_group_ranks(process_group))
-        self.index = self.ranks.index(comm.rank()) if comm.rank() in self.ranks else -1
-        self.process_group = process_group
+from minizero.pytorch.process_groups import group_of
 
 
 _post_forward_groups: dict[tuple, comm.Group] = {}    # (world, ranks) -> group, made once
@@ -59,8 +52,8 @@ class MeshGroups:
                              f"computes on {device!r}")
         hsdp = self.mesh.ndim == 2
         self.placements = (Replicate(), Shard(0)) if hsdp else (Shard(0),)
-        self.shard = _group(self.mesh.get_group(1 if hsdp else 0))
-        self.replicate = _group(self.mesh.get_group(0)) if hsdp else None
+        self.shard = group_of(self.mesh.get_group(1 if hsdp else 0))
+        self.replicate = group_of(self.mesh.get_group(0)) if hsdp else None
         self.after_forward = _after_forward(reshard_after_forward, comm.group_size(self.shard))
         self.post_forward = (self._post_forward_group(self.after_forward)
                              if type(self.after_forward) is int else None)
@@ -94,12 +87,6 @@ class MeshGroups:
             if comm.rank() in row:
                 mine = _post_forward_groups[key]
         return mine
-
-
-def _group(process_group) -> comm.Group | None:
-    """The comm group of a mesh dimension; None (comm's 'every rank') when it is all of them."""
-    group = MeshGroup(process_group)
-    return None if group.ranks == tuple(range(comm.world_size())) else group
 
 
 def _after_forward(value, shard_size: int):

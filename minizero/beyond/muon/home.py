@@ -8,8 +8,8 @@
 wrap (minizero/wrap.py) asks muon_settings(factory) whether the user's factory makes
 torch.optim.Muon; if so it builds the stage's engine with one cell of its row replaced (stages.py's
 table; fairscale/fsdp_engine.py does the same for FSDP): `optimizer`, the optimizer home. The home
-is optim.ShardOptimizer (offload.HostShardOptimizer with offload=True), unchanged, with two things
-handed in:
+is optim.ShardOptimizer (offload.HostShardOptimizer with offload=True), unchanged but for
+homes.py's checkpointable state (DeviceHome, HostHome), with two things handed in:
 
   * cut: its views are cut at the edges of the matrices' pieces (pieces.Layout), so that each view
     of a Muon group is one rank's piece of one matrix; AdamW's runs keep their cache-sized views;
@@ -42,8 +42,9 @@ from minizero.beyond.muon.pieces import Layout
 from minizero.beyond.muon.round_robin import RoundRobin
 from minizero.beyond.muon.straddle import GatherStraddlers
 from minizero.beyond.muon.whole import whole_matrix_buckets
-from minizero.offload import HostShardOptimizer
-from minizero.optim import Grouping, Placement, ShardOptimizer, group_runs
+from minizero.homes import DeviceHome, HostHome
+from minizero.optim import Placement, ShardOptimizer
+from minizero.param_groups import Grouping, group_runs
 
 DESIGNS = {"straddle": GatherStraddlers, "whole": GatherStraddlers, "round_robin": RoundRobin}
 DEFAULT_DESIGN = "straddle"
@@ -128,8 +129,7 @@ def muon_home(parts: list[torch.Tensor], factory, grouping: Grouping | None,
     design = design if partitioned else DEFAULT_DESIGN
     orthogonalize = (DESIGNS[design] if isinstance(design, str) else design)(layout)
     build = partial(MuonWithAdamW, muon=muon_settings(factory), adamw=ADAMW, design=orthogonalize)
-    home = (HostShardOptimizer if host else ShardOptimizer)(parts, build, grouping, placement,
-                                                            cut=layout.cut)
+    home = (HostHome if host else DeviceHome)(parts, build, grouping, placement, cut=layout.cut)
     pieces = {}                          # each Muon view is the next piece of its part, in order
     for views, groups, part_pieces in zip(home.views, home.view_groups, layout.pieces):
         muon_views = [v for v, g in zip(views, groups) if layout.muon_group(g)]

@@ -26,7 +26,8 @@ from torch import nn
 
 from minizero import comm
 from minizero.beyond.muon.update import orthogonalized
-from minizero.optim import Grouping, Placement, cache_sized
+from minizero.optim import Placement, cache_sized
+from minizero.param_groups import Grouping
 
 
 @dataclass(frozen=True)
