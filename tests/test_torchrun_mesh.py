@@ -25,7 +25,10 @@ def test_torchrun_mesh_trains_like_the_launched_one(tmp_path):
     assert main([*MESH, "--world-size", "4", "--json", str(launched)]) == 0
     got, want = json.loads(torchrun.read_text()), json.loads(launched.read_text())
     assert (got["world_size"], got["tensor_parallel"]) == (4, 2)
-    # the losses, every rank's memory and bytes sent, the theory: equal, not close
+    # the losses, every rank's memory and bytes sent (the tally's), the theory: equal, not close;
+    # bytes measured on the wire depend on how collectives overlapped: not compared
+    for r in got["ranks"] + want["ranks"]:
+        r.pop("wire_bytes_per_step", None)
     for key in sorted(want.keys() - TIMINGS):
         assert got[key] == want[key], f"--json {key}: torchrun {got[key]}, launched {want[key]}"
 
