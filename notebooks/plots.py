@@ -697,10 +697,12 @@ def step_grid(steps: dict, phase: int):
             else ""
         )
         + (f", hpZ groups of {cfg['hpz_group_size']} ranks" if cfg.get("hpz_group_size") else "")
+        + (", per-parameter shards (fully_shard)" if cfg.get("layout") == "per-parameter" else "")
     )
-    saved = ", ".join(f"{a} B" for a in ph["activations"])
-    fig.suptitle(f"{what}, N = {n}: phase {phase} of {len(phases) - 1}\n{ph['label']}\n"
-                 f"saved for backward per rank: {saved}", fontsize=10)
+    saved = ("" if ph["activations"][0] is None else     # (fully_shard's recorder: not counted)
+             "\nsaved for backward per rank: " + ", ".join(f"{a} B" for a in ph["activations"]))
+    fig.suptitle(f"{what}, N = {n}: phase {phase} of {len(phases) - 1}\n{ph['label']}{saved}",
+                 fontsize=10)
     fig.subplots_adjust(
         left=1.1 / fig.get_figwidth(),
         right=0.99,

@@ -139,6 +139,18 @@ MUTANTS = [
      r"rank 0, stage 1: your O .*: the owner's O never reached this rank"),
     ("test_ex16_muon_designs", "check_round_robin", "ex16_every_rank_writes",
      r"rank 0, stage 1: your O .*: it is 3.00 x minizero's"),
+    ("test_ex17_dim0_shards", "check_shards", "ex17_no_padding",
+     r"rank 0 of 2, a parameter of shape \[5, 4\]: your shard is \[2, 4\], expected \[3, 4\] "
+     r"\(5 // 2 rows: floor, not ceil, and no padding\?\)"),
+    ("test_ex17_dim0_shards", "check_shards", "ex17_wrong_rank_rows",
+     r"rank 0 of 2, .*: your shard holds rows \[3, 4, 5\], rank 1's; expected rows \[0, 1, 2\]"),
+    ("test_ex17_dim0_shards", "check_reduce", "ex17_sum_not_average",
+     r"rank 0, first.weight's gradient: .*they are 3 x it: exactly N = 3: a sum over the ranks"),
+    ("test_ex17_dim0_shards", "check_reduce", "ex17_all_reduce_grads",
+     r"sent 128 bytes \(all_reduce 128\), .*: an all-reduce sends twice what a reduce-scatter"),
+    ("test_ex17_dim0_shards", "check_gather", "ex17_gather_keeps_padding",
+     r"rank 0, first.weight: your all_gather_param returned \[6, 4\], expected \[5, 4\]: drop "
+     r"the padding rows"),
 ]
 # Every exercise refuses an answer borrowed from minizero (or PyTorch): one mutant each imports it.
 # The guard reads the source, so the grader's first check rejects it before launching anything.
@@ -159,7 +171,8 @@ MUTANTS += [(f"test_{name}", check, f"{name[:4]}_imports_the_answer",
                                 ("ex13_block_quantize", "check_error_bound"),
                                 ("ex14_overlap_buckets", "check_policy"),
                                 ("ex15_tensor_parallel_linear", "check_shards"),
-                                ("ex16_muon_designs", "check_straddlers")]]
+                                ("ex16_muon_designs", "check_straddlers"),
+                                ("ex17_dim0_shards", "check_shards")]]
 
 
 def load(grader: str):
@@ -181,7 +194,7 @@ def test_every_mutant_is_used_and_every_exercise_has_one():
     on_disk = {p.stem for p in (EXERCISES / "mutants").glob("ex*.py")}
     assert on_disk == {m[2] for m in MUTANTS}
     assert {m[2][:4] for m in MUTANTS} == {name[:4] for name in EXERCISE_NAMES}
-    assert [name[:4] for name in EXERCISE_NAMES] == [f"ex{i:02d}" for i in range(1, 17)]   # no gap
+    assert [name[:4] for name in EXERCISE_NAMES] == [f"ex{i:02d}" for i in range(1, 18)]   # no gap
 
 
 @pytest.mark.parametrize("name", EXERCISE_NAMES)

@@ -55,6 +55,7 @@ TINY = {
     "09_what_goes_wrong": "STEPS = 2",
     "10_tensor_parallel": "STEPS = 2",
     "11_muon": 'STEPS, COST_MODEL, COST_WORLD_SIZES = 2, "tiny", (2, 3)',
+    "12_two_layouts": 'MODEL, STEPS = "tiny", 3\nWORLD_SIZES = (2, 3)',
 }
 # what the checks read from the executed kernel: {name: expression over the notebook's variables}
 READ = {
@@ -85,6 +86,9 @@ READ = {
     "10_tensor_parallel": {"mesh_10": '{"mesh": {"pair": pair, "runs": list(runs.values()), '
                                       '"block": steps, "checkpointed": checkpointed}}'},
     "11_muon": {"muon_11": '{"muon": {"parity": parity, "costs": records}}'},
+    "12_two_layouts": {"steps_12": '{"steps": flat}',
+                       "layouts_12": '{"fully_shard_steps": per_parameter, '
+                                     '"layouts": list(reports.values()), "features": found}'},
 }
 # the collectives a stage's step-through must show, in order of first appearance
 STEP_COLLECTIVES = {0: ["all_reduce"], 1: ["reduce_scatter", "all_gather"],
@@ -266,8 +270,9 @@ def test_notebook_runs_and_its_plots_match_the_formulas(name, tmp_path):
     recorded = set()               # the minizero lines on the stacks of the events the run recorded
     recordings = []
     for export, data in json.loads(found.read_text()).items():
-        recordings += [data["steps"]] if "steps" in data else []
-        recorded |= {(r["file"], r["line"]) for r in data.get("steps", {}).get("ran", [])}
+        for key in ("steps", "fully_shard_steps"):
+            recordings += [data[key]] if key in data else []
+            recorded |= {(r["file"], r["line"]) for r in data.get(key, {}).get("ran", [])}
         recorded |= {(w["file"], w["line"]) for w in data.get("ring", {}).get("sources", [])}
         if "runs" in data:
             check_training_runs(data["runs"])
@@ -295,6 +300,10 @@ def test_notebook_runs_and_its_plots_match_the_formulas(name, tmp_path):
             check_mesh(data["mesh"])
         if "muon" in data:
             check_muon(data["muon"])
+        if "fully_shard_steps" in data:
+            check_fully_shard_steps(data["fully_shard_steps"])
+        if "layouts" in data:
+            check_layouts(data["layouts"], data["features"])
     if recorded:
         check_marked_lines_ran(nb, recorded, name, recordings)
 
@@ -303,7 +312,10 @@ def test_notebook_runs_and_its_plots_match_the_formulas(name, tmp_path):
 # line a phase of that kind names (the collective's own line)
 MUST_MARK = {"02_zero1": ["ShardOptimizer.step", ("phase", "reduce_scatter")],
              "04_zero3": ["Unit.pre_forward", "Unit._prefetch", "Unit.pre_backward",
-                          ("phase", "reduce_scatter")]}
+                          ("phase", "reduce_scatter")],
+             "12_two_layouts": ["ShardedParam.copy_shard_into", "Unit._copy_out",
+                                "ShardedParam.copy_grad_into", "Reduction.finish",
+                                ("phase", "reduce_scatter")]}
 
 
 def marked_lines(nb) -> list[tuple[str, int, str, str]]:
@@ -462,7 +474,8 @@ def check_steps(steps: dict, notebook: int) -> None:
     cfg = steps["config"]
     assert (
         cfg["stage"]
-        == {0: 0, 1: 1, 2: 2, 3: 3, 5: cfg["stage"], 7: cfg["stage"], 8: cfg["stage"]}[notebook]
+        == {0: 0, 1: 1, 2: 2, 3: 3, 5: cfg["stage"], 7: cfg["stage"], 8: cfg["stage"],
+            12: 3}[notebook]
     ), cfg
     assert 2 <= cfg["world_size"] <= 4 and len(steps["phases"][0]["ranks"]) == cfg["world_size"]
     grouped = notebook == 8
@@ -487,6 +500,109 @@ def check_steps(steps: dict, notebook: int) -> None:
         assert cfg["offload"] and any("(host)" in name for name in steps["phases"][-1]["ranks"][0])
     if notebook == 7:
         assert cfg["checkpointing"] and max(max(p["activations"]) for p in steps["phases"]) > 0
+
+
+def check_fully_shard_steps(steps: dict) -> None:
+    """Notebook 12's per-parameter step-through (lab/stepthrough_fully_shard.py):
+    stepthrough.check replays every phase against one process (each rank's rows of every
+    parameter, gradient and momentum; each all-gather whole, each free empty); at this N some
+    parameter is padded and some rank's momentum covers fewer elements than another's; every
+    collective phase names fully_shard's call of that collective; and the recorded lines include
+    the copies into and out of the collectives' buffers, which no event announces."""
+    cfg = steps["config"]
+    assert cfg["layout"] == "per-parameter" and 2 <= cfg["world_size"] <= 4, cfg
+    stepthrough.check(steps)
+    kinds = [p["kind"] for p in steps["phases"] if p["kind"] in ("all_gather", "reduce_scatter")]
+    assert list(dict.fromkeys(kinds)) == ["all_gather", "reduce_scatter"], kinds
+    assert any(b["padded"] > b["numel"] for b in steps["buckets"]), "nothing padded at this N"
+    held = [sum(v is not None for v in rank["momentum"]) for rank in steps["phases"][-1]["ranks"]]
+    assert len(set(held)) > 1, f"the momentum is even at this N: {held}"
+    calls = {"all_gather": "all_gather(", "ready": "reduce_scatter(",
+             "reduce_scatter": "reduce_scatter(", "free": "events.emit(\"unit freed\"",
+             "arrived": "events.emit(\"bucket arrived\""}
+    for k, phase in enumerate(steps["phases"]):
+        where = phase["source"]
+        if phase["kind"] not in calls:
+            continue
+        assert where["file"].startswith("minizero/pytorch/"), (k, where)
+        code = source.Code(where["file"], where["line"])
+        assert code.function == where["function"], (where, code.function)
+        line = code.lines[where["line"] - code.first]
+        assert calls[phase["kind"]] in line, f"phase {k} ({phase['kind']}): {line.strip()!r}"
+    ran = {r["function"] for r in steps["ran"]}
+    for function in ("ShardedParam.copy_shard_into", "Unit._copy_out",
+                     "ShardedParam.copy_grad_into", "ShardedParam.add_grad"):
+        assert function in ran, f"{function} not recorded as run"
+    assert all("/lab/" not in r["file"] for r in steps["ran"]), "the recorder's own lines"
+
+
+def check_layouts(reports: list[dict], features: list[dict]) -> None:
+    """Notebook 12. Per N and design, every rank's model states equal the formulas, recomputed
+    here from the model's shapes (flat: 4·Σ_u ⌈Ψ_u/N⌉ each for parameters and gradients;
+    per-parameter: 4·Σ_p ⌈d0/N⌉·row, AdamW's moments over the rank's real rows, 4 B per
+    parameter's step count); the per-parameter optimizer state differs between ranks; the
+    collectives are 2 all-gathers and 1 reduce-scatter per unit (the root kept gathered: one
+    all-gather fewer) and their ring bytes the tally's; gloo's wire carries at least the ring's
+    bytes; the per-parameter layout copies more; every design ends at the same parameters. And
+    each claim of what per-parameter sharding buys holds on every rank (layout_features.py)."""
+    from minizero.lab.model import GPTConfig, make_model
+    from minizero.units import default_units
+    for report in reports:
+        n = report["world_size"]
+        model = make_model(GPTConfig.named(report["model"]))
+        units = [list(u.parameters()) for u in default_units(model)]
+        in_units = {id(p) for u in units for p in u}
+        units.insert(0, [p for p in model.parameters() if id(p) not in in_units])
+        flat_unit = [-(-sum(p.numel() for p in u) // n) * n for u in units]        # padded
+        per_unit = [sum(-(-p.shape[0] // n) * n * p[0].numel() for p in u) for u in units]
+        designs = report["designs"]
+        for design, rec in designs.items():
+            padded = flat_unit if design == "flat" else per_unit
+            for rank, mem in enumerate(rec["memory"]):
+                where = f"N = {n}, {design}, rank {rank}"
+                assert mem["params"] == mem["grads"] == 4 * sum(padded) // n, (where, mem)
+                if design == "flat":
+                    extra = mem["optimizer"] - 8 * sum(padded) // n       # 4 B per view stepped
+                    assert extra > 0 and extra % 4 == 0, (where, mem)
+                else:
+                    rows = sum(max(0, min(-(-p.shape[0] // n), p.shape[0] - rank
+                                          * -(-p.shape[0] // n))) * p[0].numel()
+                               for p in model.parameters())
+                    count = len(list(model.parameters()))
+                    assert mem["optimizer"] == 8 * rows + 4 * count, (where, mem)
+            gathers = 2 * len(units) - (design == "per-parameter, root kept")
+            assert rec["collectives"] == {"all_gather": gathers, "reduce_scatter": len(units)}, (
+                n, design, rec["collectives"])
+            ring = (n - 1) / n * 4
+            want = ring * (2 * sum(padded) - (padded[0] if "root kept" in design else 0)
+                           + sum(padded))
+            assert rec["bytes_per_step"]["total"] == pytest.approx(want), (n, design)
+            assert all(w is None or w >= want for w in rec["wire_per_step"]), (n, design)
+        per = designs["per-parameter"]
+        assert len({m["optimizer"] for m in per["memory"]}) > 1, f"N = {n}: even optimizer"
+        assert per["copies"]["bytes"] > designs["flat"]["copies"]["bytes"], n
+        assert report["max_param_diff"] <= tolerance("fp32"), report["max_param_diff"]
+    for rank in features:
+        flat, per = rank["flat"], rank["per-parameter"]
+        assert flat["clip"]["norm"] == 0 and flat["clip"]["grads"] == 0, flat["clip"]
+        one = per["clip"]["one_process_norm"]
+        for norm in (per["clip"]["norm"], flat["clip"]["engine_clip_norm"]):
+            assert norm == pytest.approx(one, rel=1e-6), (norm, one)
+        assert per["clip"]["clipped_vs_one_process"] <= 1e-6, per["clip"]
+        assert per["clip"]["collectives"]["DTensor"] == {"all_reduce": 1}, per["clip"]
+        assert flat["mixed"]["collectives"]["minizero"]["all_gather"] > \
+            per["mixed"]["collectives"]["minizero"]["all_gather"], rank["rank"]
+        assert flat["mixed"]["moved"] == 0 and per["mixed"]["vs_one_process"] <= 1e-6, rank
+        assert per["mixed"]["moved"] > 100 * per["mixed"]["vs_one_process"], per["mixed"]
+        own = per["state dict"]["model.state_dict()"]
+        assert not own["minizero"] and not own["DTensor"] and own["wire"] in (0, None), own
+        assert not per["state dict"]["entry"]["nan"] and flat["state dict"]["entry"]["nan"]
+        assert flat["state dict"]["engine.full_state_dict()"]["minizero"]["all_gather"] >= 1
+        assert flat["optimizer"]["muon"].startswith("ValueError: Muon only supports 2D")
+        assert all(len(s) == 1 for s in flat["optimizer"]["shapes"]), flat["optimizer"]
+        assert per["optimizer"]["muon"] == "stepped" and per["optimizer"]["vs_one_process"] < 1e-2
+        assert all(len(s) == 2 for s in per["optimizer"]["shapes"]), per["optimizer"]
+        assert min(v for k, v in rank["step cost"].items() if k != "tensors") > 0
 
 
 # what the line a phase names must call, by the phase's kind (the collective's name in the stage's

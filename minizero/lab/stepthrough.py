@@ -9,7 +9,9 @@ real engine.
 
 Notebooks 01-05, 07 and 08 (hierarchical sharding: StepConfig(shard_group_size=2, world_size=4))
 draw `record` (notebooks/plots.py: step_table, step_grid, step_widget), notebook 00 draws `ring`;
-tests/test_notebooks.py runs `check` and `check_ring` on what the notebooks export.
+tests/test_notebooks.py runs `check` and `check_ring` on what the notebooks export. Notebook 12
+also records minizero.fully_shard: StepConfig(stage=3, layout="per-parameter") hands record and
+check to stepthrough_fully_shard.py (FSDP2's dim-0 shards, drawn in the same grid).
 
 The model is tiny on purpose: Linear(2, 3), tanh, Linear(3, 2), Ψ = 17, which none of N = 2, 3, 4
 divides, so every value fits on screen and padding shows. Every buffer is drawn in the coordinates
@@ -81,6 +83,9 @@ class StepConfig:
     bucket_elems: int = 8              # stages 0 and 2: two buckets (8 and 9 elements)
     rows: int = 12                     # global batch: 12 rows, 12 / N per rank
     seed: int = 0
+    # stage 3: "flat" (minizero.wrap: FairScale's, DeepSpeed's, FSDP1's layout) or "per-parameter"
+    # (minizero.fully_shard: FSDP2's dim-0 shards, recorded by stepthrough_fully_shard.py)
+    layout: str = "flat"
 
 
 def tiny_model(seed: int = 0) -> nn.Module:
@@ -384,6 +389,19 @@ def worker(cfg: StepConfig) -> dict:
             "partitioned": engine.sharded, "padded": engine.layout.padded_numel}
 
 
+def _per_parameter(cfg: StepConfig) -> bool:
+    """Whether cfg asks for fully_shard's layout; what it cannot record is refused in one line."""
+    if cfg.layout not in ("flat", "per-parameter"):
+        raise ValueError(f"layout must be 'flat' or 'per-parameter', got {cfg.layout!r}")
+    if cfg.layout == "flat":
+        return False
+    if cfg.stage != 3 or cfg.offload or cfg.checkpointing or cfg.shard_group_size \
+            or cfg.hpz_group_size:
+        raise ValueError("the per-parameter step-through records fully_shard at its defaults: "
+                         "stage 3, no offload, checkpointing, shard or hpZ groups")
+    return True
+
+
 def record(cfg: StepConfig = StepConfig(), backend: str = "gloo") -> dict:
     """One launch: {"config", "buckets", "segments", "padded", "partitioned", "phases":
     [{"label", "kind", "bucket", "source": {"file", "line", "function"} of the minizero line that
@@ -395,6 +413,9 @@ def record(cfg: StepConfig = StepConfig(), backend: str = "gloo") -> dict:
     # one line, no launch
     check_settings(cfg.stage, offload=cfg.offload, shard_group_size=cfg.shard_group_size,
                    hpz_group_size=cfg.hpz_group_size, world_size=cfg.world_size)
+    if _per_parameter(cfg):
+        from minizero.lab import stepthrough_fully_shard
+        return stepthrough_fully_shard.record(cfg, backend)
     per_rank = launch(worker, cfg.world_size, cfg, backend=backend)
     first = per_rank[0]
     phases = []
@@ -477,8 +498,11 @@ def check(steps: dict) -> None:
     With shard_group_size=S < N ([Note: hierarchical sharding] in beyond/hierarchical.py): rank r
     owns partition r % S of its row of S consecutive ranks; the reduce-scatter averages over the
     row, one all-reduce per bucket across the rows ("all_reduce_across") then gives every owner the
-    whole-batch mean."""
+    whole-batch mean. The per-parameter layout: stepthrough_fully_shard.check."""
     cfg = StepConfig(**steps["config"])
+    if _per_parameter(cfg):
+        from minizero.lab import stepthrough_fully_shard
+        return stepthrough_fully_shard.check(steps)
     ref = reference(cfg, steps["segments"], steps["padded"])
     real = [j for j, v in enumerate(ref["start"]) if v is not None]
     buckets = {b["index"]: b for b in steps["buckets"]}

@@ -12,7 +12,8 @@ the reduce-scatter is its rows of every gradient, side by side: `output` [Σ chu
 mesh (HSDP) that part is then all-reduced across the replicas. The average is the collective's
 ("avg") or a sum divided before and after (`divisors`); the result is cast to the parameters' own
 dtype, moved where the shards live (CPUOffloadPolicy: the host), and each parameter's rows are
-added to its shard's gradient (which zero_grad(set_to_none=False) left in place).
+added to its shard's gradient (which zero_grad(set_to_none=False) left in place): "bucket arrived"
+on the event stream, as reducer.py's.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class Reduction:
         for sp in self.params:
             sp.add_grad(output[offset:offset + sp.rows * sp.row].view(sp.rows, *sp.shape[1:]))
             offset += sp.chunk * sp.row
+        events.emit("bucket arrived", engine=unit.owner, bucket=unit)
 
 
 class PostBackward(torch.autograd.Function):

@@ -5,7 +5,8 @@
 One fully_shard(module) call (or fully_shard([a, b])) makes one Unit: the module's parameters that
 no unit below it holds, each a ShardedParam ([Note: dim-0 shards] in fsdp_param.py). Its life is
 zero3.Unit's, with the same states (ShardState: FREE / IN_FLIGHT / GATHERED) and the same events on
-the stream ("unit gather", "unit gathered", "unit freed", "secondary", "bucket ready", "staging"):
+the stream ("unit gather", "unit gathered", "unit freed", "secondary", "bucket ready", "staging",
+"bucket arrived"):
   * pre_forward: all-gather the unit (GATHERED: the module's parameters are whole), start the
     next unit's all-gather (prefetch);
   * post_forward: free it (reshard_after_forward=True), keep 1/k of it (=k) or all of it (False);
