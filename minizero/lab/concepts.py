@@ -138,7 +138,9 @@ CONCEPTS = [
      "minizero.pytorch.zero_redundancy.ZeroRedundancyOptimizer",
      "whole parameters per rank, broadcast from their owner; stage 1 (stages.Zero1) cuts one flat "
      "buffer evenly instead"),
-    ("PyTorch", "FSDP2 fully_shard", "minizero.stages.Zero3", "one unit per fully_shard call"),
+    ("PyTorch", "FSDP2 fully_shard", "minizero.pytorch.fully_shard.fully_shard",
+     "one unit per call; each parameter a dim-0 DTensor shard (the per-parameter layout); "
+     "stages.Zero3 is the same lifecycle over flat buffers"),
     ("PyTorch", "FSDP auto_wrap_policy / fully_shard on each block", "minizero.units.default_units",
      "default units: a transformer's blocks plus the root, else submodules of at most Ψ/8"),
     ("DeepSpeed", "deepspeed.zero.Init", "minizero.construct.sharded_init",
@@ -330,7 +332,7 @@ def walk_markdown(link_prefix: str = "../") -> str:
 
 # The three front ends to the same engine, side by side (docs/concepts.md ends with it).
 FRONT_ENDS = """
-## Three front ends, one engine: who owns the optimizer
+## The front ends: who owns the optimizer
 
 ```python
 # minizero.wrap: the engine owns the optimizer (a factory: it is built over this rank's partition)
@@ -347,13 +349,19 @@ loss = loss_fn(engine(x), y); engine.backward(loss); engine.step()      # every 
 model = minizero.FullyShardedDataParallel(model)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)              # one FlatParameter per unit
 loss = loss_fn(model(x), y); loss.backward(); optimizer.step(); optimizer.zero_grad()
+
+# PyTorch's way (minizero/pytorch/): the user owns the optimizer over the model's own parameters
+model = minizero.DistributedDataParallel(model)         # stage 0's buckets, finished in backward
+optimizer = minizero.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+# or FSDP2: minizero.fully_shard(block) for each block, then minizero.fully_shard(model)
+loss = loss_fn(model(x), y); loss.backward(); optimizer.step(); optimizer.zero_grad()
 ```
 
-All three run the same stage-3 engine and units (zero3.py). What differs is where the step happens:
-inside `engine.step()` (wrap, initialize), or in the user's optimizer, which can only step what it
-is given. So FairScale's wrapper hands out the partitions themselves as parameters, and finds the
-end of backward on its own (there is no `engine.backward` to call) to leave each shard's averaged
-gradient in its `.grad`. tests/test_fsdp.py and tests/test_initialize.py check that each ends where
+The first three run the same stage-3 engine and units (zero3.py). What differs is where the step
+happens: inside `engine.step()` (wrap, initialize), or in the user's optimizer, which can only step
+what it is given. So FairScale's wrapper hands out the partitions themselves as parameters, and
+finds the end of backward on its own (there is no `engine.backward` to call) to leave each shard's
+averaged gradient in its `.grad`. tests/test_fsdp.py and tests/test_initialize.py check that each ends where
 one process (and DeepSpeed) ends.
 
 FairScale's FSDP as its users write it: FSDP instances nested in the model (or
@@ -367,6 +375,13 @@ implemented with FairScale's meaning, accepted with one warning line where they 
 `gradient_predivide_factor`, `clear_autocast_cache`), or refused in one line where they cannot
 apply: a process group that is not every rank and `no_broadcast_optim_state` (mixture of experts:
 one engine shards over all N), `move_params_to_cpu` on a GPU (minizero.wrap's `offload` does it).
+
+PyTorch's way keeps the model's own parameters: DistributedDataParallel averages their gradients
+in place (stage 0's buckets and all-reduce, without the engine); ZeroRedundancyOptimizer gives each
+rank whole parameters to step and broadcasts them; fully_shard makes each parameter its own dim-0 shard,
+the second layout beside the flat buffers (notebooks/12_two_layouts). Each is tested against torch's
+own on torch's own test scenarios (tests/test_pytorch_ddp.py, tests/test_zero_redundancy.py,
+tests/test_fully_shard*.py).
 """
 
 
