@@ -361,8 +361,8 @@ The first three run the same stage-3 engine and units (zero3.py). What differs i
 happens: inside `engine.step()` (wrap, initialize), or in the user's optimizer, which can only step
 what it is given. So FairScale's wrapper hands out the partitions themselves as parameters, and
 finds the end of backward on its own (there is no `engine.backward` to call) to leave each shard's
-averaged gradient in its `.grad`. tests/test_fsdp.py and tests/test_initialize.py check that each ends where
-one process (and DeepSpeed) ends.
+averaged gradient in its `.grad`. tests/test_fsdp.py and tests/test_initialize.py check that each
+ends where one process (and DeepSpeed) ends.
 
 FairScale's FSDP as its users write it: FSDP instances nested in the model (or
 `minizero.fsdp_wrap`'s `enable_wrap` / `wrap` / `auto_wrap`) are the units; `no_sync()`,
@@ -378,9 +378,9 @@ one engine shards over all N), `move_params_to_cpu` on a GPU (minizero.wrap's `o
 
 PyTorch's way keeps the model's own parameters: DistributedDataParallel averages their gradients
 in place (stage 0's buckets and all-reduce, without the engine); ZeroRedundancyOptimizer gives each
-rank whole parameters to step and broadcasts them; fully_shard makes each parameter its own dim-0 shard,
-the second layout beside the flat buffers (notebooks/12_two_layouts). Each is tested against torch's
-own on torch's own test scenarios (tests/test_pytorch_ddp.py, tests/test_zero_redundancy.py,
+rank whole parameters to step and broadcasts them; fully_shard makes each parameter its own dim-0
+shard, the second layout beside the flat buffers (notebooks/12_two_layouts). Each is tested against
+torch's own on torch's own test scenarios (tests/test_pytorch_ddp.py, tests/test_zero_redundancy.py,
 tests/test_fully_shard*.py).
 """
 
