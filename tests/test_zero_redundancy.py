@@ -10,7 +10,8 @@ its owner. Checked: the partition (the same as torch's), training parity (the tw
 own averaging, several parameter groups, a group added later, step(closure), buckets as views,
 trainability changing mid-run), the state dict (torch's format, consolidated on any rank, loaded
 back, exchanged with torch's and with a plain optimizer), the scheduler, the constructor's
-refusals. One launch per world size (N = 2 and 3).
+refusals, an optimizer built again over the same parameters. One launch per world size (N = 2
+and 3).
 """
 
 from __future__ import annotations
@@ -287,7 +288,7 @@ def interface() -> dict:
         ps, torch.optim.SGD, lr=0.1)) for ps in (
         torch.nn.Linear(2, 2).parameters(), list(torch.nn.Linear(2, 2).parameters()),
         [{"params": [torch.zeros(2)]}, {"params": [torch.zeros(3)], "lr": 1.0}])]
-    model = gpt()
+    model = gpt()            # an optimizer built again to resume into (torch's test_state_dict)
     minizero.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
     out["twice"] = one_line(lambda: minizero.ZeroRedundancyOptimizer(
         model.parameters(), torch.optim.SGD, lr=0.1))
@@ -472,11 +473,10 @@ def test_the_constructor_takes_generators_lists_and_groups(runs):
         assert rank["interface"]["accepted"] == ["none"] * 3
 
 
-def test_a_second_owner_is_refused_in_one_line(runs):
+def test_a_second_owner_is_refused_in_one_line_a_second_optimizer_is_not(runs):
     for n, r, rank in each_rank(runs):
         i = rank["interface"]
-        assert i["twice"].startswith("ValueError: a parameter of shape (12, 14) is already owned "
-                                     "by minizero.ZeroRedundancyOptimizer")
+        assert i["twice"] == "none"
         assert i["over an engine's"].startswith("ValueError: a parameter of shape (12, 14) is "
                                                 "already owned by a minizero stage-0 engine")
 

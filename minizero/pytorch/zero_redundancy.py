@@ -35,7 +35,10 @@ from torch.utils._pytree import tree_map
 from minizero import comm, owners
 from minizero.pytorch.process_groups import group_of
 
-OWNER = owners.Owner("minizero.ZeroRedundancyOptimizer", ("minizero.DistributedDataParallel",))
+# It steps beside a DDP, and beside another ZeroRedundancyOptimizer: an optimizer built again over
+# the same parameters to load a checkpoint into (torch's test_state_dict) is how users resume.
+OWNER = owners.Owner("minizero.ZeroRedundancyOptimizer",
+                     ("minizero.DistributedDataParallel", "minizero.ZeroRedundancyOptimizer"))
 
 
 class ZeroRedundancyOptimizer(torch.optim.Optimizer):
