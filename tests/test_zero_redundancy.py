@@ -10,8 +10,8 @@ its owner. Checked: the partition (the same as torch's), training parity (the tw
 own averaging, several parameter groups, a group added later, step(closure), buckets as views,
 trainability changing mid-run), the state dict (torch's format, consolidated on any rank, loaded
 back, exchanged with torch's and with a plain optimizer), the scheduler, the constructor's
-refusals, an optimizer built again over the same parameters. One launch per world size (N = 2
-and 3).
+refusals, uneven inputs under torch's Join, an optimizer built again over the same parameters.
+One launch per world size (N = 2 and 3).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Join
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -299,6 +300,26 @@ def interface() -> dict:
     return out
 
 
+def uneven_inputs() -> dict:
+    """torch's test_zero_join_cpu: rank r has 2 + r batches. Under Join, a rank out of data
+    steps with the gradients it has, so that its parameters still reach the others: after torch's
+    DDP (Join's first joinable) as torch's pair does, and alone (torch's desynchronizes there)."""
+    out = {}
+    for zero_class, with_ddp in ((TorchZero, True), (minizero.ZeroRedundancyOptimizer, True),
+                                 (minizero.ZeroRedundancyOptimizer, False)):
+        model = gpt()
+        net = TorchDDP(model) if with_ddp else model
+        opt = zero_class(model.parameters(), torch.optim.SGD, lr=0.5, momentum=0.9)
+        with Join([net, opt] if with_ddp else [opt]):
+            for step in range(2 + comm.rank()):
+                x, y = gpt_batch(step, comm.rank())
+                opt.zero_grad()
+                loss_fn(net(x), y).backward()
+                opt.step()
+        out[zero_class.__module__.split(".")[0], with_ddp] = state(model)
+    return out
+
+
 def subgroup() -> dict | None:
     """torch's test_nondefault_process_group: ranks 0 and 2 of 3 train, rank 1 is not part."""
     group = dist.new_group([0, 2])
@@ -323,7 +344,7 @@ def subgroup() -> dict | None:
 
 def scenarios() -> dict:
     out = {"partitions": partitions(), "training": training(), "trainability": trainability(),
-           "state dicts": state_dicts(), "interface": interface()}
+           "state dicts": state_dicts(), "interface": interface(), "uneven": uneven_inputs()}
     if comm.world_size() == 3:
         out["subgroup"] = subgroup()
     return out
@@ -400,6 +421,14 @@ def test_a_process_group_of_some_ranks(runs):
     for rank in (0, 2):
         s = results[rank]["subgroup"]
         assert max_abs_diff(s["minizero"], s["torch"]) <= TORCH_ATOL
+
+
+def test_uneven_inputs_under_join_end_where_torchs_pair_ends(runs):
+    for n, r, rank in each_rank(runs):
+        u, first = rank["uneven"], runs[n][0]["uneven"]
+        assert max_abs_diff(u["minizero", True], u["torch", True]) <= TORCH_ATOL, (n, r)
+        for key in u:                                    # every rank holds the same parameters
+            assert max_abs_diff(u[key], first[key]) == 0, (n, r, key)
 
 
 # --- state dicts ----------------------------------------------------------------------------------

@@ -19,8 +19,9 @@ outweigh the rest), and an all-reduce plus broadcasts moves 3(N-1)/N Ψ where re
 all-gather moves 2(N-1)/N Ψ. docs/pytorch.md measures both on the default GPT.
 
 Torch's interface, its state_dict format (so a state saved by torch's ZeroRedundancyOptimizer loads
-here and back), consolidate_state_dict, add_param_group, step(closure), zero_grad and
-parameters_as_bucket_view; overlap_with_ddp is refused in one line. Every collective is comm.py's.
+here and back), consolidate_state_dict, add_param_group, step(closure), zero_grad,
+parameters_as_bucket_view and torch's Join (uneven inputs); overlap_with_ddp is refused in one line.
+Every collective is comm.py's (but Join's own all-reduces, which are torch's).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import io
 import itertools
 
 import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.utils._pytree import tree_map
 
 from minizero import comm, owners
@@ -41,11 +44,12 @@ OWNER = owners.Owner("minizero.ZeroRedundancyOptimizer",
                      ("minizero.DistributedDataParallel", "minizero.ZeroRedundancyOptimizer"))
 
 
-class ZeroRedundancyOptimizer(torch.optim.Optimizer):
+class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
     """torch 2.13's ZeroRedundancyOptimizer(params, optimizer_class, process_group=None,
     parameters_as_bucket_view=False, overlap_with_ddp=False, **defaults). `optim` is this rank's
     optimizer_class over its parameters; `param_groups` every rank's, as torch shows them.
-    Collective: every rank of the group builds it, steps it and adds the same parameter groups."""
+    Collective: every rank of the group builds it, steps it and adds the same parameter groups
+    (under torch's Join, uneven inputs: a rank out of data steps with the gradients it has)."""
 
     def __init__(self, params, optimizer_class: type[torch.optim.Optimizer], process_group=None,
                  parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False,
@@ -56,6 +60,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         params = _checked(params)
         self.initialized = False                   # add_param_group, called by torch's __init__
         super().__init__(params, defaults)
+        Joinable.__init__(self)
         self._all_params = [p for group in self.param_groups for p in group["params"]]
         kinds = {(p.dtype, p.device.type, p.layout) for p in self._all_params}
         if len(kinds) > 1 or self._all_params[0].is_sparse:
@@ -95,6 +100,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def step(self, closure=None, **kwargs):
         """This rank's optimizer steps its parameters (the settings you changed in param_groups,
         an LR scheduler's, go to it first), then every parameter is broadcast from its owner."""
+        Join.notify_join_context(self)   # under Join, if it is the first joinable: "I have data"
+        return self._step(closure, **kwargs)
+
+    def _step(self, closure=None, **kwargs):
         trainable = [p.requires_grad for p in self._all_params]
         if trainable != self._trainable:               # a frozen parameter thawed, or the reverse
             self._trainable = trainable
@@ -105,6 +114,22 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         _copy_settings(self.optim.param_groups, self.param_groups)
         self._broadcast_from_owners()
         return loss
+
+    # --- uneven inputs: torch's Join(joinables) ---------------------------------------------------
+    def join_hook(self, **kwargs) -> JoinHook:
+        """A rank whose data ran out steps (with the gradients its earlier hooks set, or its
+        last ones) for as long as another rank steps: its parameters' broadcasts must still go.
+        Join's own all-reduce stands for step's notice there (torch's hook sends the notice too:
+        first in Join, torch's optimizer desynchronizes the ranks; this one does not)."""
+        return _StepWhileOthersStep(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._all_params[0].device
+
+    @property
+    def join_process_group(self):
+        return dist.group.WORLD if self.group is None else self.group.process_group
 
     def _broadcast_from_owners(self) -> None:
         """Every rank needs every updated parameter: each owner broadcasts its own, one broadcast
@@ -232,6 +257,14 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             local_groups.append({**saved, "params": list(range(start, start + len(mine)))})
             start += len(mine)
         self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
+
+
+class _StepWhileOthersStep(JoinHook):
+    def __init__(self, optimizer: ZeroRedundancyOptimizer):
+        self.optimizer = optimizer
+
+    def main_hook(self) -> None:                  # once per step of the ranks that have data
+        self.optimizer._step()
 
 
 def whole_parameters(groups: list[list[torch.Tensor]], n: int) -> list[list[list[torch.Tensor]]]:
