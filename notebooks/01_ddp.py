@@ -138,8 +138,9 @@ for r in minizero.launch(ranks.train, N, 0, MODEL, OPTIONS, backend=BACKEND):
 # this rank put on the wire (`minizero.memory.wire`): the same, plus gloo's message headers
 # (notebook 00 measures each collective).
 # The optimizer's bytes are 2 × 4Ψ and 4 more: AdamW's step count, a one-element fp32 tensor for
-# each tensor it steps (minizero hands it one flat buffer per bucket; here one bucket). Every
-# notebook's optimizer figure carries those few bytes.
+# each tensor it steps (minizero hands it each bucket's master as views of about 1 MiB,
+# `[Note: cache-sized views]` in `minizero/optim.py`; here one bucket, one view). Every notebook's
+# optimizer figure carries those few bytes.
 #
 # ### A bucket, in this process
 #
