@@ -157,7 +157,7 @@ from torch import nn
 
 from minizero.flat import FlatLayout, split_into_buckets
 
-BUCKET_BYTES = 40                    # tiny on purpose: 10 fp32 elements per bucket
+BUCKET_BYTES = 40                    # tiny on purpose: a bucket closes at >= 10 fp32 elements
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 2))           # Ψ = 17
 params = list(model.parameters())[::-1]           # backward completes the last layer first
