@@ -27,13 +27,14 @@ Write the class Zero3(model, units, lr, max_norm):
     N partitions into its buffer) and *prefetch* the next unit (start its all-gather,
     async_op=True); after it ran, free it. On the unit's output, register a tensor hook: its
     backward starts there.
-  * backward(loss): loss.backward(), during which, unit by unit in reverse order (the root first:
-    the head's gradient comes first), materialize the unit again before its backward (and prefetch
-    the next one), and, once its gradients are complete (every parameter of the unit got one),
-    reduce-scatter them (op "avg", async) and free the unit and its full gradients. Units left
-    unfinished when loss.backward() returns (a parameter never used) are finished then. Wait for
-    every reduce-scatter and add your partition into the gradient shard: backward is called once per
-    micro-batch, and the gradient shards accumulate until the step.
+  * backward(loss): loss.backward(), during which, unit by unit in the reverse of the order their
+    forwards *ended* (the root first: its forward ends last, and the head's gradient comes first),
+    materialize the unit again before its backward (and prefetch the next one), and, once its
+    gradients are complete (every parameter of the unit got one), reduce-scatter them (op "avg",
+    async) and free the unit and its full gradients. Units left unfinished when loss.backward()
+    returns (a parameter never used) are finished then. Wait for every reduce-scatter and add your
+    partition into the gradient shard: backward is called once per micro-batch, and the gradient
+    shards accumulate until the step.
   * step() -> float: clip by the *global* norm (exercise 5: the norm over every rank's gradient
     shards, scale min(1, max_norm / (norm + 1e-6))), then SGD on your partitions, shard -= lr *
     grad_shard, and zero the gradient shards. Return the norm.

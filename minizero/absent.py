@@ -21,7 +21,7 @@ from minizero.flat import partition
 # [Note: absent parameters] Outside its unit's forward and backward, a stage-3 parameter's values
 # are not on any one rank (each holds 1/N of them). Left a view of the freed `full`, it would point
 # at 0 bytes, and reading it (print(model.lm_head.weight)) would read freed memory: a crash. So the
-# unit points it at a NaN tensor of its shape instead (absent_like, below): shape, dtype and numel()
+# unit points it at a NaN tensor of its shape instead (one element, expanded): shape, dtype, numel()
 # stay true (a learner's count of parameters still works), what it reads is NaN (no value here), and
 # a write to it raises ParameterWriteError (`refuse_writes`: torch alone would refuse some writes
 # with a message about memory locations and let fill_ and zero_ through, into the one shared value).
@@ -31,8 +31,8 @@ from minizero.flat import partition
 
 def absent_like(p: torch.Tensor, dtype: torch.dtype | None = None,
                 device: torch.device | None = None) -> torch.Tensor:
-    """What a parameter built by sharded_init is until stage 3 gathers it (construct.py), as a free
-    unit's parameter is (zero3.Unit): its shape, NaN everywhere, 2-4 bytes shared by all of them."""
+    """What a parameter built by sharded_init is until stage 3 gathers it (construct.py): its shape,
+    NaN everywhere, 2-4 bytes shared by all of them (a free unit's own: zero3.Unit's `absent`)."""
     return _one_absent_value(dtype or p.dtype, device or p.device).expand(p.shape)
 
 

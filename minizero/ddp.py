@@ -80,7 +80,7 @@ class AllReducedGradients:
 
     def __init__(self, engine, layout: FlatLayout, options=None):
         self.engine, self.layout = engine, layout
-        # [Ψ] in reduce_dtype; p.grad are views of it (flat.point_grads_into)
+        # [Ψ] in reduce_dtype; p.grad are views of it (FlatLayout.point_grads_into)
         self.flat = torch.zeros(layout.padded_numel, dtype=engine.grad_dtype, device=engine.device)
         layout.point_grads_into(self.flat)
 

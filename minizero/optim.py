@@ -14,7 +14,7 @@ offload.HostShardOptimizer is the same with the master and the state in host mem
 elements (1 MiB of fp32), nn.Parameters sharing its storage. Adam is elementwise, so only speed
 changes: torch's CPU AdamW makes ~6 passes over a parameter, which stay in cache for 1 MiB but
 stream from DRAM for a flat partition (2-3x slower: docs/performance.md). Outside, master.grad is
-what is stepped (a step pre-hook hands each view its part) and state_dict() speaks in buckets.
+what is stepped (a step pre-hook hands each view its part); homes.py's state_dict() is by bucket.
 
 [Note: parameter groups] torch's param_groups give parameters settings of their own, but a bucket
 mixes groups (a block's weights and its LayerNorm), so each master is cut into *runs* where the

@@ -8,7 +8,7 @@ states (P_os), the gradients (P_g), the parameters (P_p). Each is a family of sm
 picks one of each (the table below), engine.py builds the engine from its row. Read a row, then
 the one class it adds, in its stage's file:
 
-  parameters (P_p)   ddp.ReplicatedParameters: whole on every rank, all-gathered after the step
+  parameters (P_p)   ddp.ReplicatedParameters: whole on each rank, all-gathered after a step (1-2)
                      zero3.ShardedUnits: partitioned, gathered one unit at a time (Unit)
   gradients  (P_g)   ddp.AllReducedGradients: averaged everywhere, bucket by bucket in backward
                      zero1.GradientsReducedAtStep: accumulated whole, reduce-scattered at the step

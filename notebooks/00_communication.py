@@ -88,7 +88,7 @@ stepthrough.check_ring(ring)                   # each exchange adds (or copies) 
 print(plots.ring_table(ring))
 
 # %% [markdown]
-# Here is the function, read from `minizero/comm.py` now. Marked: the lines that ran the exchanges
+# Here is the function, read from `minizero/ring.py` now. Marked: the lines that ran the exchanges
 # above, recorded from the call stack of each one (phase 1's loop, then phase 2's); the line after
 # each adds the received chunk (phase 1) or copies it (phase 2).
 

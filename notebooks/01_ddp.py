@@ -138,8 +138,9 @@ for r in minizero.launch(ranks.train, N, 0, MODEL, OPTIONS, backend=BACKEND):
 # this rank put on the wire (`minizero.memory.wire`): the same, plus gloo's message headers
 # (notebook 00 measures each collective).
 # The optimizer's bytes are 2 × 4Ψ and 4 more: AdamW's step count, a one-element fp32 tensor for
-# each tensor it steps (minizero hands it one flat buffer per bucket; here one bucket). Every
-# notebook's optimizer figure carries those few bytes.
+# each tensor it steps (minizero hands it each bucket's master as views of about 1 MiB,
+# `[Note: cache-sized views]` in `minizero/optim.py`; here one bucket, one view). Every notebook's
+# optimizer figure carries those few bytes.
 #
 # ### A bucket, in this process
 #
@@ -156,7 +157,7 @@ from torch import nn
 
 from minizero.flat import FlatLayout, split_into_buckets
 
-BUCKET_BYTES = 40                    # tiny on purpose: 10 fp32 elements per bucket
+BUCKET_BYTES = 40                    # tiny on purpose: a bucket closes at >= 10 fp32 elements
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 2))           # Ψ = 17
 params = list(model.parameters())[::-1]           # backward completes the last layer first

@@ -189,7 +189,7 @@ plots.memory_by_category(runs, "stage 2");
 # ## What to try
 #
 # In the step-through, switch between stage 1 and stage 2 at the same N and compare the gradient
-# rows at the end of backward: a full buffer per rank against a shard. Try N = 4: each bucket is
-# padded to a multiple of 4 on its own, so padding appears in both buckets. Above, the gradient bar
-# is 1/N of the DDP one (b_gΨ/N against b_gΨ). Then do exercise 6: reduce-scatter a bucket into
-# the shard from the backward hook.
+# rows at the end of backward: a full buffer per rank against a shard. Try N = 3, then 4: each
+# bucket is padded to a multiple of N on its own, so the padding moves from bucket 0 (8 elements ->
+# 9 at N = 3) to bucket 1 (9 -> 12 at N = 4). Above, the gradient bar is 1/N of the DDP one (b_gΨ/N
+# against b_gΨ). Then do exercise 6: reduce-scatter a bucket into the shard from the backward hook.

@@ -179,9 +179,10 @@ for when, nbytes in seen:
 # %% [markdown]
 # 32 bytes while the unit runs: the weight is a view of the unit's whole gathered buffer, the
 # weight's 2 × 3 (out × in, `nn.Linear(3, 2)`) and the bias's 2 fp32 elements. 4 bytes otherwise,
-# not 0: a released parameter points at one NaN element shared by every absent parameter of that
-# dtype (`absent_like` in `minizero/absent.py`), so that reading it gives NaN instead of freed
-# memory (notebook 09, section 2). Its shape stays ((2, 3) here) and so does `numel()`.
+# not 0: a released parameter points at one NaN element of its own, expanded to its shape
+# (`Unit.__init__`'s `absent` in `minizero/zero3.py`; why: `[Note: absent parameters]` in
+# `minizero/absent.py`), so that reading it gives NaN instead of freed memory (notebook 09,
+# section 2). Its shape stays ((2, 3) here) and so does `numel()`.
 
 # %% [markdown]
 # ## Run it

@@ -148,7 +148,7 @@ interact(reproduce, mode=["raise", "kill", "skip-block", "extra-micro-batch"], s
 # unit's buffer was released after use, which is the whole saving of stage 3. DeepSpeed makes this
 # visible by replacing each parameter's data with an empty tensor, so `p.shape` prints
 # `torch.Size([0])`; minizero keeps the shape (so `p.numel()` still counts Ψ) and points the
-# parameter at a placeholder that reads as NaN and refuses writes (`absent_like` in
+# parameter at a placeholder that reads as NaN and refuses writes (`[Note: absent parameters]` in
 # minizero/absent.py). Either way **the values are not there**. To look at, print, compare or edit
 # parameters between steps, gather them first:
 

@@ -39,7 +39,7 @@ def train(stage: int, model: str = "default", options: dict | None = None, steps
         x, y = local_batch(x, y, comm.rank(), comm.world_size())     # ... this rank's rows of it
         loss = loss_fn(engine(x.to(engine.device)), y.to(engine.device))   # stage 3: gathers
         engine.backward(loss)     # stages 0, 2, 3: each bucket / unit reduced as backward ends it
-        engine.step()             # stages 1-3: the step on my partition, then the all-gather
+        engine.step()             # stages 1-3: the step on my partition (1-2: then all-gather)
         losses.append(loss.item())
     return {"rank": comm.rank(), "losses": losses, "memory": engine.memory(),
             "sent": comm.tally()["total"], "on_wire": meter.bytes()["total"] if meter else None}

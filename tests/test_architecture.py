@@ -2,9 +2,9 @@
 
     python -m pytest tests/test_architecture.py
 
-1. A unit's lifecycle states (zero3.py: ShardState, TrainingState, held_for_user) change only in
-   the methods of zero3.Unit and of the classes that derive from it (units.py's ModelUnit,
-   beyond/hpz.py's mixin; fully_shard's Unit, minizero/pytorch/fsdp_unit.py, the same
+1. A unit's lifecycle states (zero3.py's ShardState, TrainingState; units.py's held_for_user)
+   change only in the methods of zero3.Unit and of the classes that derive from it (units.py's
+   ModelUnit, beyond/hpz.py's mixin; fully_shard's Unit, minizero/pytorch/fsdp_unit.py, the same
    lifecycle for per-parameter shards), and only on the unit itself (`self.state = ...`).
    Everything else asks a unit to do something (gather, free, hold_for_user) and reads its state;
    so the states a unit can be in, and how it moves between them, are the unit's business, as in

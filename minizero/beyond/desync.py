@@ -130,7 +130,7 @@ def _digest() -> "hashlib.blake2b":
 
 
 def describe(fp: dict) -> str:
-    """'all_gather of 8,256 float32 elements for unit 3 (blocks.3)'."""
+    """'all_gather of 8,256 float32 elements for unit 4 (blocks.3)'."""
     text = f"{fp['kind']} of {fp['numel']:,} {fp['dtype']} elements"
     if fp["tag"]:
         text += f" for {fp['tag']}"

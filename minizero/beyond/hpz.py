@@ -3,12 +3,12 @@
     engine = minizero.wrap(model, 3, optimizer, hpz_group_size=R)     # R ranks per node
     python -m pytest tests/test_hsdp.py -k hpz
 
-Stage 3 all-gathers every unit twice a step, in forward and in backward, over all N ranks: across
-nodes both times. hpZ keeps, after the forward all-gather, each rank's 1/R of the full unit (the
-*secondary* partition [Ψ_u / R], its slice within its node's group of R ranks: beyond/mesh.py's
-row_group), so that backward's all-gather runs inside the node from those. Bytes across nodes per
-step: 3Ψ -> 2Ψ; the price, Ψ/R more parameter memory between a unit's forward and its backward
-(memory.secondary_partition_bytes). DeepSpeed's zero_hpz_partition_size.
+[Note: hpZ] Stage 3 all-gathers every unit twice a step, in forward and in backward, over all N
+ranks: across nodes both times. hpZ keeps, after the forward all-gather, each rank's 1/R of the
+full unit (the *secondary* partition [Ψ_u / R], its slice within its node's group of R ranks:
+beyond/mesh.py's row_group), so that backward's all-gather runs inside the node from those. Bytes
+across nodes per step: 3Ψ -> 2Ψ; the price, Ψ/R more parameter memory between a unit's forward
+and its backward (memory.secondary_partition_bytes). DeepSpeed's zero_hpz_partition_size.
 
 It plugs into zero3.Unit as a mixin (HpzUnit, composed into units.ModelUnit): the forward gather
 keeps the secondary, `route_for` sends backward's gather from it, post-backward drops it.

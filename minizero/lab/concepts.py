@@ -291,7 +291,8 @@ WALK = [
      "its forward is done; a hook on its output waits for backward"),
     ("forward", "minizero.zero3.Unit.post_forward", "IDLE; free it: p absent again"),
     ("backward", "minizero.engine.Engine.backward",
-     "every unit PRE_BACKWARD (a forward now is a recompute), loss.backward()"),
+     "params.before_backward (units.py: every unit PRE_BACKWARD, a forward now is a "
+     "recompute), loss.backward()"),
     ("backward", "minizero.zero3.Unit.pre_backward", "its output's gradient arrived: gather again"),
     ("backward", "minizero.reducer.GradBuckets._on_grad_ready",
      "p's gradient is complete: staged into its bucket's buffer, p.grad freed "

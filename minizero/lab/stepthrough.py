@@ -218,7 +218,7 @@ class _Recorder:
             out["gradients (host)"] = empty()          # offload: what the host steps on
         out["momentum" + where] = empty()
         # the state as the optimizer home hands it to a checkpoint: one entry per bucket's part
-        # (optim.ShardOptimizer.state_dict; torch's own state is keyed by the cache-sized views)
+        # (homes.BucketState.state_dict; torch's own state is keyed by the cache-sized views)
         state = opt.state_dict()["state"]
         for i, (b, master) in enumerate(zip(layout.buckets, opt.masters)):
             if "master weights" + where in out:
@@ -347,7 +347,7 @@ def worker(cfg: StepConfig) -> dict:
     x, y = (t[r * cfg.rows // n: (r + 1) * cfg.rows // n] for t in global_batch(cfg))
     rec, kind = _Recorder(engine), type(engine)
     built = type(engine.params).__init__                      # where the parameters were laid out
-    # torch's own hook on the optimizer the home steps (optim.SteppedHome.optimizer): the stack of
+    # torch's own hook on the optimizer the home steps (homes.SteppedHome.optimizer): the stack of
     # the partitioned step, ShardOptimizer.step's call of it
     hook = engine.optimizer.optimizer.register_step_post_hook(rec.optimizer_stepped)
     with rec.watching():

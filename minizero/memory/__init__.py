@@ -178,9 +178,9 @@ def estimate(
 def secondary_partition_bytes(num_params: int, hpz_group_size: int, *, param_bytes: int = 2,
                               frozen: int = 0) -> float:
     """hpZ's price per rank: the secondary partition, param_bytes·(Ψ + Ψ_f)/R ([Note: hpZ] in
-    zero3.py). Not a model state between steps (estimate): it lives from each unit's forward to its
-    backward, so it raises the parameter peak at the start of backward (memory()["peak_params"]) by
-    this much."""
+    beyond/hpz.py). Not a model state between steps (estimate): it lives from each unit's forward
+    to its backward, so it raises the parameter peak at the start of backward
+    (memory()["peak_params"]) by this much."""
     return param_bytes * (num_params + frozen) / hpz_group_size
 
 

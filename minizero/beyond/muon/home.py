@@ -119,7 +119,7 @@ def engine_class(base: type, design, offload, muon_ids: set[int], n: int) -> typ
 
 def muon_home(parts: list[torch.Tensor], factory, grouping: Grouping | None,
               placement: Placement, *, design, host: bool) -> ShardOptimizer:
-    """The optimizer home of a Muon engine (optim.OptimizerHome): ShardOptimizer's (host memory's
+    """The optimizer home of a Muon engine (homes.OptimizerHome): ShardOptimizer's (host memory's
     with host) over this rank's parts, its views cut at the matrices' pieces, stepping them with
     MuonWithAdamW and `design`."""
     sizes = [p.numel() for p in parts]
