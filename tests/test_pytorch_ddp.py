@@ -15,6 +15,8 @@ outputs that get no backward, state dicts, a process group of some ranks. One la
 
 from __future__ import annotations
 
+import io
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -306,6 +308,15 @@ def state_dicts() -> dict:
     fresh = minizero.DistributedDataParallel(make_model(GPTConfig.named("tiny"), seed=7))
     fresh.load_state_dict(saved)
     out["round trip"] = max_abs_diff(state(fresh), state(mine))
+    # torch.save(model) of the whole wrapper, as torch's DDP tests do: loaded, it still averages
+    for kind, model in (("minizero", mine), ("torch", theirs)):
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        x, y = gpt_batch(0, comm.rank())
+        loss_fn(loaded(x), y).backward()
+        out["pickled", kind] = {n: g for n, g in grads(loaded).items() if g is not None}
     return out
 
 
@@ -564,6 +575,12 @@ def test_state_dict_keys_are_torchs_and_load_back(runs):
         mine, theirs = rank["state dicts"]["keys"]
         assert mine == theirs and all(k.startswith("module.") for k in mine)
         assert rank["state dicts"]["round trip"] == 0.0
+
+
+def test_the_whole_module_pickles_and_averages_after_loading(runs):
+    for n, r, rank in each_rank(runs):
+        loaded = rank["state dicts"]
+        assert max_abs_diff(loaded["pickled", "minizero"], loaded["pickled", "torch"]) <= TORCH_ATOL
 
 
 def test_a_process_group_of_some_ranks(runs):
