@@ -34,10 +34,11 @@ twice a backward, every backward all-reduces after its end (torch overlaps from 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from minizero import comm, events, owners
 from minizero.ddp import AllReducedGradients
@@ -157,7 +158,7 @@ class DistributedDataParallel(nn.Module):
         grad = torch.is_grad_enabled()
         self._sync = self.require_forward_param_sync = grad and self.require_backward_grad_sync
         if grad:
-            outputs = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
+            outputs = [t for t in _tensors_in(output) if t.requires_grad]
             if self._sync and self._learned is not None:                     # static_graph
                 self._unused = dict.fromkeys(self._learned[0])
             elif self._sync and self.find_unused_parameters and not self.static_graph:
@@ -272,6 +273,20 @@ class DistributedDataParallel(nn.Module):
         if both[:2].tolist() != sizes or (-both[2:]).tolist() != sizes:
             raise ValueError(f"DistributedDataParallel: the model differs across ranks (rank "
                              f"{comm.rank()}: {sizes[0]} parameters, {sizes[1]:,} elements)")
+
+
+def _tensors_in(output) -> list[torch.Tensor]:
+    """The tensors of a forward's output, where torch's DDP looks for them: in tensors, lists,
+    tuples (named too), dicts (a Hugging Face ModelOutput) and dataclasses, nested."""
+    if torch.is_tensor(output):
+        return [output]
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):
+        output = [getattr(output, field.name) for field in dataclasses.fields(output)]
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _tensors_in(item)]
+    return []
 
 
 def _parameters_reached(outputs: list[torch.Tensor]) -> set:
