@@ -15,6 +15,9 @@ outputs that get no backward, state dicts, a process group of some ranks. One la
 
 from __future__ import annotations
 
+import dataclasses
+import io
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -148,6 +151,24 @@ class IgnoredHead(nn.Module):
 
     def forward(self, x):
         return F.softmax(self.fc2(F.relu(self.fc1(x))), dim=1)
+
+
+@dataclasses.dataclass
+class Heads:
+    first: torch.Tensor | None
+    rest: dict
+
+
+class DataclassOutput(nn.Module):
+    """Returns a dataclass: one field None (its layer unused), tensors in a dict (torch's
+    test_dataclass_output_unused_param)."""
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(4)
+        self.unused, self.used = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return Heads(first=None, rest={"b": self.used(x)})
 
 
 def one_line(call) -> str:
@@ -306,6 +327,15 @@ def state_dicts() -> dict:
     fresh = minizero.DistributedDataParallel(make_model(GPTConfig.named("tiny"), seed=7))
     fresh.load_state_dict(saved)
     out["round trip"] = max_abs_diff(state(fresh), state(mine))
+    # torch.save(model) of the whole wrapper, as torch's DDP tests do: loaded, it still averages
+    for kind, model in (("minizero", mine), ("torch", theirs)):
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        x, y = gpt_batch(0, comm.rank())
+        loss_fn(loaded(x), y).backward()
+        out["pickled", kind] = {n: g for n, g in grads(loaded).items() if g is not None}
     return out
 
 
@@ -352,6 +382,17 @@ def through_the_module() -> dict:
     return {"direct": direct, "through forward": grads(model)}
 
 
+def dataclass_output() -> dict:
+    """The output's tensors found inside a dataclass, with find_unused_parameters, both DDPs."""
+    out = {}
+    for kind in ("minizero", "torch"):
+        model = WRAPPERS[kind](DataclassOutput(), find_unused_parameters=True)
+        x = torch.full((2, 4), float(comm.rank() + 1))
+        model(x).rest["b"].pow(2).sum().backward()
+        out[kind] = grads(model)
+    return out
+
+
 def buckets_in_backward() -> dict:
     model = minizero.DistributedDataParallel(gpt(), bucket_cap_mb=0.002)
     x, y = gpt_batch(0, comm.rank())
@@ -376,8 +417,8 @@ def refusals() -> dict:
         gpt(), process_group=dist.group.WORLD, device_mesh=object()))
     frozen = gpt().requires_grad_(False)
     out["nothing to train"] = one_line(lambda: minizero.DistributedDataParallel(frozen))
-    out["sparse"] = one_line(lambda: minizero.DistributedDataParallel(nn.Embedding(4, 2,
-                                                                                  sparse=True)))
+    bag = nn.Sequential(nn.Linear(2, 2), nn.EmbeddingBag(4, 2, sparse=True))
+    out["sparse"] = one_line(lambda: minizero.DistributedDataParallel(bag))
     model = gpt()
     minizero.DistributedDataParallel(model)
     out["twice"] = one_line(lambda: minizero.DistributedDataParallel(model))
@@ -413,7 +454,8 @@ def scenarios() -> dict:
     out = {"parity": parity(), "accumulation": accumulation(), "unused": unused(),
            "buffers": buffers(), "checkpointing": checkpointing(), "state dicts": state_dicts(),
            "buckets": buckets_in_backward(), "refusals": refusals(),
-           "through the module": through_the_module(), "awkward and real": awkward_and_real()}
+           "through the module": through_the_module(), "awkward and real": awkward_and_real(),
+           "dataclass output": dataclass_output()}
     if comm.world_size() == 3:
         out["subgroup"] = subgroup()
     return out
@@ -480,6 +522,14 @@ def test_a_backward_through_the_module_itself_is_reduced_too(runs):
     for n, r, rank in each_rank(runs):
         t = rank["through the module"]
         assert max_abs_diff(t["direct"], t["through forward"]) <= TORCH_ATOL
+
+
+def test_an_output_in_a_dataclass_with_an_unused_field(runs):
+    for n, r, rank in each_rank(runs):
+        mine, theirs = rank["dataclass output"]["minizero"], rank["dataclass output"]["torch"]
+        assert mine.pop("unused.weight") is None and theirs.pop("unused.weight") is None
+        assert mine.pop("unused.bias") is None and theirs.pop("unused.bias") is None
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=TORCH_ATOL)   # grads ~20: N = 3
 
 
 def test_buckets_are_all_reduced_during_backward(runs):
@@ -566,6 +616,12 @@ def test_state_dict_keys_are_torchs_and_load_back(runs):
         assert rank["state dicts"]["round trip"] == 0.0
 
 
+def test_the_whole_module_pickles_and_averages_after_loading(runs):
+    for n, r, rank in each_rank(runs):
+        loaded = rank["state dicts"]
+        assert max_abs_diff(loaded["pickled", "minizero"], loaded["pickled", "torch"]) <= TORCH_ATOL
+
+
 def test_a_process_group_of_some_ranks(runs):
     results = runs[3]
     assert results[1]["subgroup"] is None
@@ -593,7 +649,8 @@ REFUSALS = {
                                      "or device_mesh, not both",
     "nothing to train": "RuntimeError: DistributedDataParallel: no parameter of the module "
                         "requires a gradient",
-    "sparse": "ValueError: DistributedDataParallel: sparse gradients",
+    "sparse": "ValueError: DistributedDataParallel: sparse gradients (1: "
+              "nn.EmbeddingBag(sparse=True)) are not supported",
     "twice": "ValueError: tok_emb.weight is already owned by minizero.DistributedDataParallel; "
              "minizero.DistributedDataParallel cannot take it too",
     "then wrap": "ValueError: tok_emb.weight is already owned by "

@@ -34,10 +34,11 @@ twice a backward, every backward all-reduces after its end (torch overlaps from 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from minizero import comm, events, owners
 from minizero.ddp import AllReducedGradients
@@ -89,17 +90,19 @@ class DistributedDataParallel(nn.Module):
         self.device = ddp_options.check_module(module, self.trainable)
         self.device_ids, self.output_device = ddp_options.check_devices(self.device, device_ids,
                                                                         output_device)
-        owners.claim(self.trainable, OWNER, {id(p): n for p, n in self.names.items()})
         if init_sync:                             # every replica starts from the first rank's
             self._check_same_model()
             _broadcast([p for _, p in named] + (self._buffers_synced() if init_sync_buffers
                                                  else []), self.src, self.group, "initial values")
-
-        # stage 0's gradient family (ddp.py): one flat buffer in buckets, each all-reduced as soon
-        # as its gradients are complete. Its engine attributes are this module's: grad_dtype,
-        # device, sync (below) and group, the ranks it averages over.
         self.grad_dtype = self.trainable[0].dtype
         self.bucket_bytes_cap = ddp_options.bucket_caps(bucket_cap_mb, bucket_cap_mb_list)
+        self._build_reducer()
+
+    def _build_reducer(self) -> None:
+        """Stage 0's gradient family (ddp.py): one flat buffer in buckets, each all-reduced as soon
+        as its gradients are complete. Its engine attributes are this module's: grad_dtype,
+        device, sync (below) and group, the ranks it averages over."""
+        owners.claim(self.trainable, OWNER, {id(p): n for p, n in self.names.items()})
         buckets = ddp_options.buckets(self.trainable[::-1], self.bucket_bytes_cap)   # reversed
         self.layout = FlatLayout.build(buckets, comm.group_size(self.group),
                                        comm.group_rank(self.group), pad=False)
@@ -111,7 +114,7 @@ class DistributedDataParallel(nn.Module):
         # more than once per parameter (reentrant checkpointing); _learn decides about the rest
         self.reducer = GradBuckets(self.layout.buckets, launch=self._launch, on_grad=self._arrived,
                                    max_in_flight=len(self.layout.buckets),
-                                   overlap=not static_graph, owner=self)
+                                   overlap=not self.static_graph, owner=self)
         self.require_backward_grad_sync = True        # False inside no_sync()
         self.require_forward_param_sync = True        # the last forward synced: buffers are due
         self._sync = True                             # what the last forward decided
@@ -120,6 +123,20 @@ class DistributedDataParallel(nn.Module):
         self._fired: dict = {}               # parameters whose gradient arrived: how many times
         self._was_none: set = set()          # parameters whose grad was None before the reduce
         self._learned = None                 # static_graph, after its first backward: _learn
+
+    # --- torch.save(model) / torch.load: the module and its settings, as torch's DDP -------------
+    def __getstate__(self) -> dict:
+        """The hooks, buckets and process group stay behind (torch's DDP drops its reducer and
+        process group too); the gradients are not saved, as for any module."""
+        runtime = {"layout", "grads", "reducer", "group", "process_group"}
+        return {k: v for k, v in self.__dict__.items() if k not in runtime}
+
+    def __setstate__(self, state: dict) -> None:
+        """Loaded: on the default process group (as torch's DDP), with new buckets and hooks."""
+        super().__setstate__(state)
+        self.process_group = self.group = None
+        self.src = 0
+        self._build_reducer()
 
     @property
     def sync(self) -> bool:
@@ -141,7 +158,7 @@ class DistributedDataParallel(nn.Module):
         grad = torch.is_grad_enabled()
         self._sync = self.require_forward_param_sync = grad and self.require_backward_grad_sync
         if grad:
-            outputs = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
+            outputs = [t for t in _tensors_in(output) if t.requires_grad]
             if self._sync and self._learned is not None:                     # static_graph
                 self._unused = dict.fromkeys(self._learned[0])
             elif self._sync and self.find_unused_parameters and not self.static_graph:
@@ -256,6 +273,20 @@ class DistributedDataParallel(nn.Module):
         if both[:2].tolist() != sizes or (-both[2:]).tolist() != sizes:
             raise ValueError(f"DistributedDataParallel: the model differs across ranks (rank "
                              f"{comm.rank()}: {sizes[0]} parameters, {sizes[1]:,} elements)")
+
+
+def _tensors_in(output) -> list[torch.Tensor]:
+    """The tensors of a forward's output, where torch's DDP looks for them: in tensors, lists,
+    tuples (named too), dicts (a Hugging Face ModelOutput) and dataclasses, nested."""
+    if torch.is_tensor(output):
+        return [output]
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):
+        output = [getattr(output, field.name) for field in dataclasses.fields(output)]
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _tensors_in(item)]
+    return []
 
 
 def _parameters_reached(outputs: list[torch.Tensor]) -> set:

@@ -50,11 +50,12 @@ def check_module(module: nn.Module, trainable: list) -> torch.device:
     if not trainable:
         raise RuntimeError("DistributedDataParallel: no parameter of the module requires a "
                            "gradient, so there is nothing to average")
-    sparse = [n or "the module" for n, m in module.named_modules()
+    sparse = [f"{n or 'the module'}: nn.{type(m).__name__}(sparse=True)"
+              for n, m in module.named_modules()
               if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
     if sparse:
-        raise ValueError(f"DistributedDataParallel: sparse gradients ({sparse[0]}: "
-                         "nn.Embedding(sparse=True)) are not supported by minizero")
+        raise ValueError(f"DistributedDataParallel: sparse gradients ({sparse[0]}) are not "
+                         "supported by minizero")
     dtypes = sorted({str(p.dtype) for p in trainable})
     if len(dtypes) > 1:
         raise ValueError(f"DistributedDataParallel: trainable parameters of several dtypes "
