@@ -66,6 +66,7 @@ class Unit:
         self.divide_factor: float | None = None             # set_gradient_divide_factor
         self.forward_prefetch = self.backward_prefetch = None   # explicit lists of units
         self.root, self.index = None, -1
+        self.tied_apart: list[str] = []      # fully_shard.py: refused at the first forward
         self.name = ", ".join(type(m).__name__ for m in self.modules)
         self._to_run: set[int] = set()       # its modules not run yet in this forward (ids)
         self.post_forward_indices: list[int] = []  # where it ran in root.post_forward_order
