@@ -117,8 +117,9 @@ class Unit:
                     row.copy_(secondary[i])
                 sp.allocate(compute, self.device, self.groups.shard_size)
             # <- the essential line: every rank's shards -> every parameter whole
-            handle = comm.all_gather(buffer.view(-1), buffer[mine], async_op=True, group=group,
-                                     tag=self.tag)
+            with comm.backend_collectives():           # [Note: the collectives users count]
+                handle = comm.all_gather(buffer.view(-1), buffer[mine], async_op=True,
+                                         group=group, tag=self.tag)
             self._in_flight = (handle, buffer, sizes)
             self.state = ShardState.IN_FLIGHT
             events.emit("unit gather", engine=self.owner, unit=self, prefetch=prefetch,
