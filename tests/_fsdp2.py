@@ -5,7 +5,6 @@ results. Importable by the launched ranks (pytest puts tests/ on sys.path)."""
 from __future__ import annotations
 
 import contextlib
-import types
 from collections import Counter
 
 import torch
@@ -155,14 +154,10 @@ class TorchCollectives(TorchDispatchMode):
 
 @contextlib.contextmanager
 def counting(impl: str):
-    """Counts `impl`'s collectives by kind: minizero's on its event stream, torch's by dispatch."""
-    if impl == "torch":
-        with TorchCollectives() as mode:
-            yield mode
-        return
-    mode = types.SimpleNamespace(counts=Counter())
-    with events.subscribed(lambda name, f: mode.counts.update([f["kind"]])
-                           if name == "collective" else None):
+    """Counts `impl`'s collectives by kind as a user counting them sees them (CommDebugMode, the
+    profiler): the c10d operations dispatched, minizero's and torch's alike. (minizero's event
+    stream books the collective the algorithm asks for; on gloo, comm.py may run another.)"""
+    with TorchCollectives() as mode:
         yield mode
 
 

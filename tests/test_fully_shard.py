@@ -152,9 +152,12 @@ def _group_as_root():
 
 
 def _tied_apart():
+    """Accepted by both calls (FSDP2's too), refused at the first forward, where FSDP2 finds it
+    (its message: "already managed by another" unit)."""
     model = H.gpt()
     fully_shard(model.head)
     fully_shard(model)
+    model(H.batch(0)[0])
 
 
 def _scalar():
@@ -315,8 +318,8 @@ REFUSED = {   # case -> (exception, the start of its message)
     "reshard_after_forward int": ("ValueError", "fully_shard: reshard_after_forward=4 must"),
     "reshard_after_forward type": ("TypeError", "fully_shard: reshard_after_forward must be"),
     "twice": ("ValueError", "fully_shard: this FSDPGPT is sharded already"),
-    "tied apart": ("ValueError", "fully_shard: tok_emb.weight is tied to a parameter that "
-                   "fully_shard(Linear) already shards"),
+    "tied apart": ("ValueError", "fully_shard: tok_emb.weight is tied to a parameter already "
+                   "managed by another unit, fully_shard(Linear)"),
     "scalar": ("ValueError", "fully_shard: temperature (of shape ()) cannot be sharded"),
     "deepcopy": ("TypeError", "fully_shard: a sharded module cannot be deep-copied"),
     "second owner": ("ValueError", "tok_emb.weight is already owned by minizero.fully_shard"),

@@ -44,8 +44,9 @@ class Reduction:
             self.staging.div_(pre)
         self.output = self.staging.new_empty(self.staging.shape[1])    # [Σ chunk·row]
         # <- the essential line of the backward: each rank's rows of every gradient, averaged
-        self.handle = comm.reduce_scatter(self.output, self.staging.view(-1), op=self.op,
-                                          async_op=True, group=groups.shard, tag=unit.tag)
+        with comm.backend_collectives():           # [Note: the collectives users count]
+            self.handle = comm.reduce_scatter(self.output, self.staging.view(-1), op=self.op,
+                                              async_op=True, group=groups.shard, tag=unit.tag)
 
     def finish(self) -> None:
         """Wait for the reduce-scatter; all-reduce across replicas (HSDP); add each parameter's
@@ -66,6 +67,14 @@ class Reduction:
             sp.add_grad(output[offset:offset + sp.rows * sp.row].view(sp.rows, *sp.shape[1:]))
             offset += sp.chunk * sp.row
         events.emit("bucket arrived", engine=unit.owner, bucket=unit)
+
+
+# [Note: the collectives users count] On gloo, minizero.comm runs a reduce-scatter as an all-reduce
+# and an all-gather as N broadcasts ([Note: collectives on gloo] in comm.py). fully_shard does not:
+# its users count its collectives by kind, as PyTorch's own FSDP2 tests do with CommDebugMode (one
+# all-gather and one reduce-scatter per unit, no all-reduce on a 1-D mesh), and torch's fully_shard
+# calls the backend's all_gather_into_tensor and reduce_scatter_tensor on every backend. So its
+# collectives are the backend's own, as comm.backend_collectives() gives them.
 
 
 class PostBackward(torch.autograd.Function):

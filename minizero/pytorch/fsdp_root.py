@@ -52,6 +52,9 @@ class Root:
                 if id(unit) not in names:
                     units.append(unit)
                 names.setdefault(id(unit), []).append(name)
+        for unit in units:
+            if unit.tied_apart:
+                raise ValueError(unit.tied_apart[0])
         for unit in units[1:]:
             if unit.root.started:
                 raise RuntimeError(f"fully_shard: {names[id(unit)][0]} ran forward before its "

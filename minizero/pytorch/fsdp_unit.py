@@ -66,6 +66,7 @@ class Unit:
         self.divide_factor: float | None = None             # set_gradient_divide_factor
         self.forward_prefetch = self.backward_prefetch = None   # explicit lists of units
         self.root, self.index = None, -1
+        self.tied_apart: list[str] = []      # fully_shard.py: refused at the first forward
         self.name = ", ".join(type(m).__name__ for m in self.modules)
         self._to_run: set[int] = set()       # its modules not run yet in this forward (ids)
         self.post_forward_indices: list[int] = []  # where it ran in root.post_forward_order
@@ -116,8 +117,9 @@ class Unit:
                     row.copy_(secondary[i])
                 sp.allocate(compute, self.device, self.groups.shard_size)
             # <- the essential line: every rank's shards -> every parameter whole
-            handle = comm.all_gather(buffer.view(-1), buffer[mine], async_op=True, group=group,
-                                     tag=self.tag)
+            with comm.backend_collectives():           # [Note: the collectives users count]
+                handle = comm.all_gather(buffer.view(-1), buffer[mine], async_op=True,
+                                         group=group, tag=self.tag)
             self._in_flight = (handle, buffer, sizes)
             self.state = ShardState.IN_FLIGHT
             events.emit("unit gather", engine=self.owner, unit=self, prefetch=prefetch,

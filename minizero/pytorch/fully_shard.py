@@ -76,7 +76,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
     offload = resolve(OffloadPolicy() if offload_policy is None else offload_policy,
                       OffloadPolicy, "offload_policy")
     groups = MeshGroups(mesh, reshard_after_forward)
-    found = _parameters(modules, _ignored(ignored_params))
+    found, tied = _parameters(modules, _ignored(ignored_params))
     host = isinstance(offload, CPUOffloadPolicy)
     home = torch.device("cpu") if host else comm.device()      # where the shards live
     pin = host and offload.pinned()
@@ -85,6 +85,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
     params = [ShardedParam(p, places, groups.mesh, groups.placements, groups.shard_rank,
                            groups.shard_size, home, pin) for p, places, _ in found]
     unit = Unit(modules, params, groups, mp, home)
+    unit.tied_apart = tied              # refused at the first forward, as FSDP2's lazy init does
     for (original, _, _), sp in zip(found, params):
         original._minizero_sharded_in = unit.name          # a tied copy elsewhere is refused
         sp.register(gathered=False)
@@ -103,10 +104,13 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh=None,
     return module
 
 
-def _parameters(modules: list[nn.Module], ignored: set[int]) -> list[tuple]:
+def _parameters(modules: list[nn.Module], ignored: set[int]) -> tuple[list[tuple], list[str]]:
     """(parameter, its places [(module, name)], its name) for each parameter this call shards:
-    in parameters() order, without those a unit below holds and the ignored ones."""
+    in parameters() order, without those a unit below holds and the ignored ones; and a line for
+    each parameter another unit shards already (tied to it: left as it is here, and refused at
+    the first forward, where FSDP2 finds it too)."""
     found: dict[int, tuple] = {}
+    tied: list[str] = []
     named = [(f"[{i}]" + (prefix and f".{prefix}") if len(modules) > 1 else prefix, sub)
              for i, module in enumerate(modules)
              for prefix, sub in module.named_modules(remove_duplicate=False)]
@@ -116,10 +120,11 @@ def _parameters(modules: list[nn.Module], ignored: set[int]) -> list[tuple]:
                 continue
             qualified = f"{prefix}.{name}" if prefix else name
             if hasattr(p, "_minizero_sharded_in"):
-                raise ValueError(
-                    f"fully_shard: {qualified} is tied to a parameter that fully_shard("
-                    f"{p._minizero_sharded_in}) already shards: modules that share a parameter "
-                    "must be in one unit (fully_shard([a, b]), or their common parent)")
+                tied.append(f"fully_shard: {qualified} is tied to a parameter already managed by "
+                            f"another unit, fully_shard({p._minizero_sharded_in}): modules that "
+                            "share a parameter must be in one unit (fully_shard([a, b]), or "
+                            "their common parent)")
+                continue
             if isinstance(p, DTensor):
                 raise ValueError(f"fully_shard: {qualified} is a DTensor already (tensor "
                                  "parallelism): minizero's fully_shard shards plain parameters")
@@ -134,7 +139,7 @@ def _parameters(modules: list[nn.Module], ignored: set[int]) -> list[tuple]:
     if len(dtypes) > 1:
         raise ValueError(f"fully_shard: the parameters of one unit must share a dtype, found "
                          f"{sorted(map(str, dtypes))}: shard the modules apart")
-    return params
+    return params, tied
 
 
 def _move_buffers(module: nn.Module, device) -> None:
