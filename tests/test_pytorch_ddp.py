@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -407,12 +408,19 @@ def refusals() -> dict:
     out = {}
     refused = {"delay_all_reduce_named_params": [("w", None)], "param_to_hook_all_reduce": "x",
                "mixed_precision": object(), "skip_all_reduce_unused_params": True,
-               "device_ids": [0], "output_device": 0}
+               "device_ids": [0], "output_device": 1}
     for name, value in refused.items():
         kw = {name: value}
         if name == "delay_all_reduce_named_params":
             kw["param_to_hook_all_reduce"] = nn.Parameter(torch.ones(1))
         out[name] = one_line(lambda: minizero.DistributedDataParallel(gpt(), **kw))
+    for kind in ("minizero", "torch"):      # torch lets a falsy output_device through on a CPU
+        out["output_device=0", kind] = one_line(lambda: WRAPPERS[kind](gpt(), output_device=0))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            WRAPPERS[kind](BatchNormNet(), broadcast_buffers=True)
+        out["broadcast_buffers warns", kind] = [w.category for w in caught
+                                                if "broadcast_buffers" in str(w.message)]
     out["process_group and device_mesh"] = one_line(lambda: minizero.DistributedDataParallel(
         gpt(), process_group=dist.group.WORLD, device_mesh=object()))
     frozen = gpt().requires_grad_(False)
@@ -667,6 +675,15 @@ def test_what_minizero_does_not_do_is_refused_in_one_line(runs, case):
         message = rank["refusals"][case]
         assert message.startswith(REFUSALS[case]), message
         assert "\n" not in message
+
+
+def test_what_torch_accepts_on_a_cpu_module_and_its_deprecation_warning(runs):
+    for n, r, rank in each_rank(runs):
+        refusals = rank["refusals"]
+        assert refusals["output_device=0", "minizero"] == refusals["output_device=0", "torch"]
+        assert refusals["output_device=0", "minizero"] == "none"
+        assert refusals["broadcast_buffers warns", "minizero"] == [FutureWarning]
+        assert refusals["broadcast_buffers warns", "torch"] == [FutureWarning]
 
 
 # --- the benchmark's pairs ------------------------------------------------------------------------

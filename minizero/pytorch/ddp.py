@@ -71,11 +71,8 @@ class DistributedDataParallel(nn.Module):
         self.module = module
         self.dim, self.gradient_as_bucket_view = dim, gradient_as_bucket_view
         self.find_unused_parameters, self.static_graph = find_unused_parameters, static_graph
-        # torch 2.13: broadcast_buffers=False also skips the buffers at construction;
-        # forward_sync_buffers (its new name) never does
-        self.forward_sync_buffers = (forward_sync_buffers if forward_sync_buffers is not None
-                                     else broadcast_buffers is not False)
-        init_sync_buffers = forward_sync_buffers is not None or broadcast_buffers is not False
+        self.forward_sync_buffers, init_sync_buffers = ddp_options.buffer_sync(
+            broadcast_buffers, forward_sync_buffers)
         self.process_group = process_group if device_mesh is None else device_mesh
         self.group = group_of(self.process_group)           # None: every rank
         if self.group is not None and self.group.index < 0:

@@ -70,7 +70,7 @@ def check_module(module: nn.Module, trainable: list) -> torch.device:
 def check_devices(device: torch.device, device_ids, output_device):
     """torch's rule: device_ids and output_device only for a module on one GPU."""
     if device.type == "cpu" or not device_ids:
-        if device_ids or output_device is not None:
+        if device_ids or output_device:           # torch's test: output_device=0 passes
             raise ValueError(f"DistributedDataParallel: device_ids and output_device are for a "
                              f"module on one GPU; this one is on {device} (device_ids="
                              f"{device_ids}, output_device={output_device})")
@@ -81,6 +81,19 @@ def check_devices(device: torch.device, device_ids, output_device):
         raise ValueError(f"DistributedDataParallel: device_ids must be [the module's device] "
                          f"({device}), got {device_ids}")
     return [device.index], device.index if output_device is None else output_device
+
+
+def buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bool | None):
+    """(sync buffers before each forward, sync them at construction), by torch 2.13's rule:
+    broadcast_buffers is deprecated (torch's FutureWarning, given here too); False also skips the
+    buffers at construction, which its new name forward_sync_buffers never does."""
+    if broadcast_buffers is not None:
+        wins = ", which wins here" if forward_sync_buffers is not None else ""
+        warnings.warn(f"DistributedDataParallel: `broadcast_buffers` is deprecated (torch 2.13); "
+                      f"use `forward_sync_buffers`{wins}", FutureWarning, stacklevel=3)
+    if forward_sync_buffers is not None:
+        return forward_sync_buffers, True
+    return broadcast_buffers is not False, broadcast_buffers is not False
 
 
 def bucket_caps(bucket_cap_mb: float | None, bucket_cap_mb_list) -> list[int]:

@@ -7,12 +7,12 @@ FSDP2 takes a torch DeviceMesh: 1-D, every parameter sharded over its ranks (pla
 (Shard(0),)); 2-D, HSDP: sharded over the ranks of dim 1 and replicated over dim 0's ((Replicate(),
 Shard(0))), so a unit's gradients are reduce-scattered within its row of the mesh and all-reduced
 down its column, as minizero's shard_group_size does for the flat layout ([Note: hierarchical
-sharding] in engine.py). The DTensors keep the mesh; the collectives run through minizero.comm, on
-the mesh's own process groups (process_groups.group_of), so they are tallied and on the event
-stream like every other stage's. reshard_after_forward=k adds a third group: k consecutive ranks
-of the shard group, which keep 1/k of a unit between forward and backward and all-gather it among
-themselves in backward (ZeRO++'s hpZ secondary partition is the same idea: [Note: hpZ] in
-zero3.py).
+sharding] in beyond/hierarchical.py). The DTensors keep the mesh; the collectives run through
+minizero.comm, on the mesh's own process groups (process_groups.group_of), so they are tallied and
+on the event stream like every other stage's. reshard_after_forward=k adds a third group: k
+consecutive ranks of the shard group, which keep 1/k of a unit between forward and backward and
+all-gather it among themselves in backward (ZeRO++'s hpZ secondary partition is the same idea:
+[Note: hpZ] in beyond/hpz.py).
 """
 
 from __future__ import annotations
