@@ -67,9 +67,10 @@ def test_the_profile_splits_every_step_into_its_phases(report):
                 p["variant"],
                 side,
             )
-            # each phase's slowest rank may differ from the step's: the sum is near the step,
-            # not equal
-            assert 0.5 < sum(phases.values()) / p["step_time_s"][side] < 1.5, (
+            # each phase's slowest rank may differ from the step's, so the sum of the phases'
+            # maxima is not the step: at most the sum over the N ranks of their steps, N times the
+            # slowest (1.54 was measured at N = 2 on a loaded machine, over the 1.5 once here)
+            assert 0.5 < sum(phases.values()) / p["step_time_s"][side] < p["world_size"], (
                 p["variant"],
                 p["peer"],
                 side,
