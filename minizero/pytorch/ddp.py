@@ -23,6 +23,8 @@ that `minizero.wrap(model, 0, ...)` runs. What torch's DDP adds is in this file:
     broadcast from the group's first rank before each forward, init_sync, and the `module.` prefix
     of state_dict keys (this is an nn.Module holding `module`). Every other keyword of torch 2.13's
     constructor is implemented or refused in one line (ddp_options.py).
+  * uneven inputs: `with model.join():` or Join([model, optimizer]), torch's Join; a rank out of
+    data shadows the others' collectives (ddp_join.py).
 
 Where it differs from torch's (docs/pytorch.md): p.grad is always a view of its bucket, the memory
 of gradient_as_bucket_view=True (torch's default, False, copies each gradient into its bucket and
@@ -38,19 +40,20 @@ import dataclasses
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable
 from torch.utils._pytree import tree_map
 
 from minizero import comm, events, owners
 from minizero.ddp import AllReducedGradients
 from minizero.flat import FlatLayout
-from minizero.pytorch import ddp_options
+from minizero.pytorch import ddp_join, ddp_options
 from minizero.pytorch.process_groups import group_of
 from minizero.reducer import GradBuckets
 
 OWNER = owners.Owner("minizero.DistributedDataParallel", ("minizero.ZeroRedundancyOptimizer",))
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """torch 2.13's DistributedDataParallel(module, device_ids=None, ...), its keywords in its
     order. Collective: every rank of the process group builds it."""
 
@@ -65,6 +68,7 @@ class DistributedDataParallel(nn.Module):
                  bucket_cap_mb_list: list[float] | None = None, batched_grad_copy: bool = False,
                  forward_sync_buffers: bool | None = None):
         super().__init__()
+        Joinable.__init__(self)                   # torch's Join: not inside one (join() below)
         ddp_options.check_keywords(delay_all_reduce_named_params, param_to_hook_all_reduce,
                                    mixed_precision, skip_all_reduce_unused_params,
                                    check_reduction, batched_grad_copy, process_group, device_mesh)
@@ -120,6 +124,9 @@ class DistributedDataParallel(nn.Module):
         self._fired: dict = {}               # parameters whose gradient arrived: how many times
         self._was_none: set = set()          # parameters whose grad was None before the reduce
         self._learned = None                 # static_graph, after its first backward: _learn
+        self._divide_by_initial_world_size = True     # join(): ddp_join.py
+        self._training = None                # under Join: how many ranks all-reduce this backward
+        self._used_anywhere = None           # the last used-parameters agreement's answer
 
     # --- torch.save(model) / torch.load: the module and its settings, as torch's DDP -------------
     def __getstate__(self) -> dict:
@@ -147,13 +154,17 @@ class DistributedDataParallel(nn.Module):
 
     # --- forward ----------------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
+        Join.notify_join_context(self)          # under Join: "this rank has data" (ddp_join.py)
+        joining = self._join_config.enable
         if self.require_forward_param_sync and self.forward_sync_buffers:
-            _broadcast(self._buffers_synced(), self.src, self.group, "buffers", wait_later=True)
+            self._sync_buffers(ddp_join.common_rank(self, True) if joining else self.src)
+        grad = torch.is_grad_enabled()
+        self._sync = self.require_forward_param_sync = grad and self.require_backward_grad_sync
+        if joining:                             # what the joined ranks shadow (ddp_join.py)
+            self._training = ddp_join.vote(self, grad, self._sync)[1]
         if self.device_ids:
             inputs, kwargs = tree_map(self._to_device, (inputs, kwargs))
         output = self.module(*inputs, **kwargs)
-        grad = torch.is_grad_enabled()
-        self._sync = self.require_forward_param_sync = grad and self.require_backward_grad_sync
         if grad:
             outputs = [t for t in _tensors_in(output) if t.requires_grad]
             if self._sync and self._learned is not None:                     # static_graph
@@ -197,6 +208,8 @@ class DistributedDataParallel(nn.Module):
         """The reducer, inside backward: bucket's gradients are complete; start its all-reduce."""
         if self._sync and (self.find_unused_parameters or self.static_graph):
             self._was_none.update(p for p in bucket.params if p.grad is None)
+        if self._join_config.enable and not self._divide_by_initial_world_size:
+            return ddp_join.reduce_over_training(self, bucket, self._training)
         return self.grads.reduce(bucket)        # ddp.py: the essential line of DDP
 
     def _backward_ends(self) -> None:
@@ -223,6 +236,7 @@ class DistributedDataParallel(nn.Module):
                                 device=self.device)
             comm.all_reduce(used, op="max", async_op=True, group=self.group,
                             tag="used parameters").wait()           # async: [Note: every forward]
+            self._used_anywhere = used          # a joined rank's answer (ddp_join.py, as torch)
             nobody = {p for p, anywhere in zip(self.trainable, used.tolist()) if not anywhere}
             if self.static_graph:
                 self._learn(nobody)
@@ -247,10 +261,34 @@ class DistributedDataParallel(nn.Module):
         finally:
             self.require_backward_grad_sync = previous
 
+    # --- uneven inputs: torch's Join (ddp_join.py) ----------------------------------------------
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """torch's context manager for ranks with different numbers of batches: a rank out of data
+        shadows the others' collectives; at the end every rank holds the last one's model. With
+        throw_on_early_termination, every rank raises once one runs out."""
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs) -> ddp_join.ShadowIteration:
+        return ddp_join.ShadowIteration(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self):
+        return ddp_join.process_group(self)
+
+    def _sync_buffers(self, src: int) -> None:
+        _broadcast(self._buffers_synced(), src, self.group, "buffers", wait_later=True)
+
+    def _sync_final_model(self, src: int) -> None:
+        _broadcast(list(self.names) + (self._buffers_synced() if self.forward_sync_buffers
+                                       else []), src, self.group, "final model")
+
     # --- what torch's DDP also has, not here ------------------------------------------------------
-    def join(self, *args, **kwargs):
-        raise NotImplementedError("DistributedDataParallel.join() (uneven inputs) is not "
-                                  "supported: give every rank the same number of batches")
 
     def register_comm_hook(self, state, hook):
         raise NotImplementedError("DistributedDataParallel.register_comm_hook is not supported: "
