@@ -509,12 +509,27 @@ def subgroup() -> dict | None:
     return out
 
 
+def ignored() -> dict:
+    """A parameter named through DDP's static _set_params_and_buffers_to_ignore_for_model keeps each
+    rank's own gradient (torch's test_ddp_ignore_params_arg)."""
+    out = {}
+    for kind in ("minizero", "torch"):
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        WRAPPERS[kind]._set_params_and_buffers_to_ignore_for_model(module, ["0.weight"])
+        model = WRAPPERS[kind](module)
+        torch.manual_seed(comm.rank())                           # each rank its own rows
+        model(torch.randn(8, 4)).square().mean().backward()
+        out[kind] = grads(model)
+    return out
+
+
 def scenarios() -> dict:
     out = {"parity": parity(), "accumulation": accumulation(), "unused": unused(),
            "buffers": buffers(), "checkpointing": checkpointing(), "state dicts": state_dicts(),
            "buckets": buckets_in_backward(), "refusals": refusals(),
            "through the module": through_the_module(), "awkward and real": awkward_and_real(),
-           "dataclass output": dataclass_output(), "uneven": uneven()}
+           "dataclass output": dataclass_output(), "uneven": uneven(), "ignored": ignored()}
     if comm.world_size() == 3:
         out["subgroup"] = subgroup()
     return out
@@ -655,6 +670,8 @@ def test_reentrant_checkpointing_twice_with_static_graph_and_without(runs):
         assert max_abs_diff(c["minizero"], c["torch"]) <= TORCH_ATOL
         assert c["without static_graph"].startswith("RuntimeError: DistributedDataParallel: l2.")
         assert "gradient arrived twice in one backward" in c["without static_graph"]
+        # the words PyTorch's own tests look for, and users search for
+        assert "Expected to mark a variable ready only once" in c["without static_graph"]
 
 
 def test_a_static_graph_is_learned_once_then_overlapped(runs):
@@ -750,6 +767,16 @@ def test_what_minizero_does_not_do_is_refused_in_one_line(runs, case):
         message = rank["refusals"][case]
         assert message.startswith(REFUSALS[case]), message
         assert "\n" not in message
+
+
+def test_parameters_named_to_ignore_keep_each_ranks_gradient(runs):
+    for n, r, rank in each_rank(runs):
+        mine, theirs = rank["ignored"]["minizero"], rank["ignored"]["torch"]
+        assert max_abs_diff(mine, theirs) <= TORCH_ATOL
+    first, second = runs[2][0]["ignored"]["minizero"], runs[2][1]["ignored"]["minizero"]
+    def apart(name):
+        return max_abs_diff({name: first[name]}, {name: second[name]})
+    assert apart("0.weight") > 1e-3 and apart("1.weight") == 0.0       # not averaged; averaged
 
 
 def test_what_torch_accepts_on_a_cpu_module_and_its_deprecation_warning(runs):

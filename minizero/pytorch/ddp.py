@@ -200,7 +200,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                    "use_reentrant=False")
             raise RuntimeError(
                 f"DistributedDataParallel: {self.names[p]}'s gradient arrived twice in one "
-                "backward, or after forward found it unused (a module checkpointed with "
+                "backward (torch: 'Expected to mark a variable ready only once'), or after "
+                "forward found it unused (a module checkpointed with "
                 f"use_reentrant=True?): {why}")
         self._fired[p] = self._fired.get(p, 0) + 1
 
@@ -287,6 +288,12 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _sync_final_model(self, src: int) -> None:
         _broadcast(list(self.names) + (self._buffers_synced() if self.forward_sync_buffers
                                        else []), src, self.group, "final model")
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, names) -> None:
+        """torch's way (libraries call it) to name what DDP neither reduces nor broadcasts: the
+        attribute __init__ reads."""
+        module._ddp_params_and_buffers_to_ignore = list(names)
 
     # --- what torch's DDP also has, not here ------------------------------------------------------
 
