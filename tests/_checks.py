@@ -80,6 +80,21 @@ def launch_all(stage: int, world_sizes=WORLD_SIZES, **stage_options) -> dict:
 _reference_cache: dict = {}
 
 
+def launch_per_world_size(scenarios, world_sizes) -> dict:
+    """A PyTorch front end's scenarios, one launch per N: {N: each rank's results}. Their N = 3 runs
+    train on a group of ranks 0 and 2 while rank 1 waits, where the desync watch, which compares
+    every rank's collectives (minizero/beyond/desync.py), must not agree (check_every=0)."""
+    return {n: minizero.launch(scenarios, n, backend="gloo", check_every=0 if n == 3 else 1)
+            for n in world_sizes}
+
+
+def each_rank(runs: dict):
+    """(N, rank, that rank's results) over launch_per_world_size's runs."""
+    for n, results in runs.items():
+        for r, rank in enumerate(results):
+            yield n, r, rank
+
+
 def reference(cfg: TrainConfig) -> dict:
     key = repr(dataclasses.replace(cfg, world_size=1, backend=None))
     if key not in _reference_cache:

@@ -26,6 +26,7 @@ from torch.distributed.algorithms.join import Join
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from _checks import each_rank, launch_per_world_size
 import minizero
 from minizero import comm
 from minizero.lab.reference import max_abs_diff
@@ -352,16 +353,7 @@ def scenarios() -> dict:
 
 @pytest.fixture(scope="module")
 def runs() -> dict:
-    # N = 3 trains on a group of ranks 0 and 2 while rank 1 waits: the desync watch compares every
-    # rank's collectives, so it must not agree there (check_every=0; test_pytorch_ddp.py)
-    return {n: minizero.launch(scenarios, n, backend="gloo", check_every=0 if n == 3 else 1)
-            for n in WORLD_SIZES}
-
-
-def each_rank(runs):
-    for n in WORLD_SIZES:
-        for r, rank in enumerate(runs[n]):
-            yield n, r, rank
+    return launch_per_world_size(scenarios, WORLD_SIZES)      # N = 3: on a group (_checks.py)
 
 
 # --- the partition --------------------------------------------------------------------------------
